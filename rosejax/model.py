@@ -1,0 +1,133 @@
+"""GPT-2 in Flax, as a pure function of a params pytree and a paged KV cache.
+
+Linen rather than NNX: a Linen module's `apply(params, ...)` already *is* the pure function the
+engine jits, with the params as a plain nested dict that the checkpoint loader builds directly;
+NNX would need a `split`/`merge` round trip to get the same thing.
+
+One forward serves prefill (T tokens per row, padded) and decode (T = 1): each layer writes the new
+K/V into the cache through `pallas_kernels.kv_append`, then attends over the pages (see
+`rosejax.attention`). Exactly GPT-2: learned positions, pre-LN, tanh GELU, 1/sqrt(head_dim), tied
+LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import kv_append
+from rosejax.attention import decode_attention, paged_attention_reference
+from rosejax.config import GPT2Config
+from rosejax.kv_cache import KVCache
+
+
+@flax.struct.dataclass
+class ForwardMetadata:
+    """Where each token sits. Token (b, t) is real iff positions[b, t] < seq_lens[b]; padding
+    tokens and padded rows (seq_lens 0) write their K/V to the scratch block 0."""
+
+    positions: jax.Array  # [B, T] int32, absolute position of each token
+    seq_lens: jax.Array  # [B] int32, the row's context length once this forward's tokens are in
+    block_tables: jax.Array  # [B, MB] int32, physical block of each logical block of the row
+
+
+class CausalSelfAttention(nn.Module):
+    config: GPT2Config
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, k_cache, v_cache, meta: ForwardMetadata, write_block, write_offset):
+        b, t, e = x.shape
+        h, d = self.config.n_head, self.config.head_dim
+        qkv = nn.Dense(3 * e, dtype=self.dtype, name="c_attn")(x)  # [B, T, 3E]
+        q, k, v = (a.reshape(b, t, h, d) for a in jnp.split(qkv, 3, axis=-1))
+        k_cache, v_cache = kv_append(
+            k_cache, v_cache, k.reshape(b * t, h, d), v.reshape(b * t, h, d),
+            write_block.reshape(-1), write_offset.reshape(-1),
+        )  # fmt: skip
+        if t == 1:
+            out = decode_attention(q[:, 0], k_cache, v_cache, meta.block_tables, meta.seq_lens)
+            out = out[:, None]
+        else:
+            out = paged_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.positions)
+        y = nn.Dense(e, dtype=self.dtype, name="c_proj")(out.reshape(b, t, e))
+        return y, k_cache, v_cache
+
+
+class MLP(nn.Module):
+    config: GPT2Config
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(self.config.mlp_dim, dtype=self.dtype, name="c_fc")(x)
+        x = jax.nn.gelu(x, approximate=True)  # gelu_new
+        return nn.Dense(self.config.n_embd, dtype=self.dtype, name="c_proj")(x)
+
+
+class Block(nn.Module):
+    config: GPT2Config
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, k_cache, v_cache, meta, write_block, write_offset):
+        eps = self.config.layer_norm_epsilon
+        y = nn.LayerNorm(epsilon=eps, dtype=self.dtype, name="ln_1")(x)
+        y, k_cache, v_cache = CausalSelfAttention(self.config, self.dtype, name="attn")(
+            y, k_cache, v_cache, meta, write_block, write_offset
+        )
+        x = x + y
+        y = nn.LayerNorm(epsilon=eps, dtype=self.dtype, name="ln_2")(x)
+        return x + MLP(self.config, self.dtype, name="mlp")(y), k_cache, v_cache
+
+
+class GPT2(nn.Module):
+    config: GPT2Config
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, tokens, cache: KVCache, meta: ForwardMetadata, logit_indices=None):
+        cfg = self.config
+        wte = nn.Embed(cfg.vocab_size, cfg.n_embd, dtype=self.dtype, name="wte")
+        wpe = nn.Embed(cfg.n_positions, cfg.n_embd, dtype=self.dtype, name="wpe")
+        positions = jnp.clip(meta.positions, 0, cfg.n_positions - 1)  # padding may overrun
+        x = wte(tokens) + wpe(positions)  # [B, T, E]
+
+        # The cache slot each token writes, computed once for every layer.
+        block_size = cache.k[0].shape[2]
+        real = meta.positions < meta.seq_lens[:, None]  # [B, T]
+        logical = jnp.clip(meta.positions // block_size, 0, meta.block_tables.shape[1] - 1)
+        physical = jnp.take_along_axis(meta.block_tables, logical, axis=1)  # [B, T]
+        write_block = jnp.where(real, physical, 0).astype(jnp.int32)
+        write_offset = jnp.where(real, meta.positions % block_size, 0).astype(jnp.int32)
+
+        ks, vs = [], []
+        for i in range(cfg.n_layer):  # unrolled: each layer's cache stays its own donated buffer
+            x, k, v = Block(cfg, self.dtype, name=f"h_{i}")(
+                x, cache.k[i], cache.v[i], meta, write_block, write_offset
+            )
+            ks.append(k)
+            vs.append(v)
+        if logit_indices is not None:  # only the rows' last real tokens need logits
+            x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)[:, 0]  # [B, E]
+        x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=self.dtype, name="ln_f")(x)
+        logits = wte.attend(x).astype(jnp.float32)  # [B, (T,) V]
+        return logits, cache.replace(k=ks, v=vs)
+
+
+def forward(
+    params: dict,
+    config: GPT2Config,
+    tokens: jax.Array,  # [B, T] int32
+    cache: KVCache,
+    meta: ForwardMetadata,
+    logit_indices: jax.Array | None = None,  # [B] int32: return logits of these tokens only
+) -> tuple[jax.Array, KVCache]:
+    """Run GPT-2 over `tokens`, writing their K/V into `cache`. Returns (logits, cache): logits are
+    [B, T, V] float32, or [B, V] when `logit_indices` is given."""
+    dtype = params["wte"]["embedding"].dtype
+    return GPT2(config, dtype).apply({"params": params}, tokens, cache, meta, logit_indices)

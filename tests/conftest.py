@@ -1,0 +1,39 @@
+"""Shared fixtures: random-weight GPT-2 checkpoints written by transformers' `save_pretrained`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Shapes the parity tests run: head dim 16 (not 64), a context filled to n_positions, an odd vocab.
+HF_SHAPES = {
+    "hd16": dict(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4),
+    "hd64-short-ctx": dict(vocab_size=512, n_positions=48, n_embd=128, n_layer=2, n_head=2),
+    "odd-vocab": dict(vocab_size=997, n_positions=96, n_embd=96, n_layer=3, n_head=3),
+}
+# A wide initializer makes greedy outputs vary; a model that repeats one token proves little.
+INIT_RANGE = 0.3
+
+
+def make_hf_checkpoint(path, seed: int = 0, **config_kwargs):
+    """Write a random GPT-2 with `save_pretrained` into `path`; return the torch model (fp32)."""
+    import torch
+    from transformers import GPT2Config as HFConfig
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = HFConfig(initializer_range=INIT_RANGE, **config_kwargs)
+    model = GPT2LMHeadModel(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session", params=list(HF_SHAPES))
+def hf_checkpoint(request, tmp_path_factory):
+    """(checkpoint dir, HF torch model) for each parity shape."""
+    path = tmp_path_factory.mktemp(request.param)
+    model = make_hf_checkpoint(path, seed=len(request.param), **HF_SHAPES[request.param])
+    return str(path), model

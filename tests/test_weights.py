@@ -1,0 +1,135 @@
+"""Checkpoint loading: both HF namings, errors that name the tensor or field, random init."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from rosejax.config import PRESETS, GPT2Config
+from rosejax.weights import load_checkpoint, load_model, param_shapes, random_params
+from tests.conftest import make_hf_checkpoint
+
+SHAPE = dict(vocab_size=301, n_positions=32, n_embd=48, n_layer=2, n_head=3)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    make_hf_checkpoint(tmp_path / "saved", seed=int(np.random.default_rng().integers(1 << 16)), **SHAPE)
+    return tmp_path / "saved"
+
+
+def rewrite(src, dst, edit):
+    """Copy a checkpoint dir, passing its tensors through `edit(dict) -> dict`."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file(edit(tensors), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def to_hub_naming(tensors):
+    """What hub GPT-2 files look like: no `transformer.` prefix, causal-mask buffers, no lm_head."""
+    out = {k.removeprefix("transformer."): v for k, v in tensors.items() if k != "lm_head.weight"}
+    p = SHAPE["n_positions"]
+    for i in range(SHAPE["n_layer"]):
+        out[f"h.{i}.attn.bias"] = np.tril(np.ones((p, p), np.uint8))[None, None]
+        out[f"h.{i}.attn.masked_bias"] = np.array(-1e4, np.float32)
+    return out
+
+
+def test_saved_names_have_prefix(saved):
+    names = load_file(str(saved / "model.safetensors"))
+    assert any(n.startswith("transformer.h.0.") for n in names)
+
+
+def test_hub_naming_loads_identical_params(saved, tmp_path):
+    hub = rewrite(saved, tmp_path / "hub", to_hub_naming)
+    _, a = load_checkpoint(str(saved))
+    _, b = load_checkpoint(str(hub))
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Conv1D weights are [in, out]: they go in untransposed.
+    raw = load_file(str(saved / "model.safetensors"))
+    np.testing.assert_array_equal(
+        np.asarray(a["h_1"]["attn"]["c_attn"]["kernel"]), raw["transformer.h.1.attn.c_attn.weight"]
+    )
+
+
+def test_missing_tensor_is_named(saved, tmp_path):
+    bad = rewrite(saved, tmp_path / "bad", lambda t: {k: v for k, v in t.items() if "h.1.ln_2.bias" not in k})
+    with pytest.raises(ValueError, match=r"missing tensor 'h\.1\.ln_2\.bias'"):
+        load_checkpoint(str(bad))
+
+
+def test_wrong_shape_is_named(saved, tmp_path):
+    def shrink(t):
+        t["transformer.h.0.mlp.c_fc.weight"] = t["transformer.h.0.mlp.c_fc.weight"][:, :-1]
+        return t
+
+    bad = rewrite(saved, tmp_path / "bad", shrink)
+    with pytest.raises(ValueError, match=r"'h\.0\.mlp\.c_fc\.weight' has shape"):
+        load_checkpoint(str(bad))
+
+
+def test_bad_config_names_the_field(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["n_head"] = 5  # 48 % 5 != 0
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="n_embd .* divisible by n_head"):
+        load_checkpoint(str(saved))
+
+
+@pytest.mark.parametrize(
+    "field,value,pattern",
+    [
+        ("n_layer", 0, "n_layer must be a positive"),
+        ("vocab_size", -3, "vocab_size must be a positive"),
+        ("activation_function", "relu", "activation_function"),
+        ("layer_norm_epsilon", 0.0, "layer_norm_epsilon"),
+    ],
+)
+def test_config_invariants(field, value, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        GPT2Config(**{field: value})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_dtypes(saved, dtype):
+    _, params = load_checkpoint(str(saved), dtype)
+    assert {leaf.dtype.name for leaf in jax.tree.leaves(params)} == {dtype}
+
+
+def test_unknown_paths_and_dtypes(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(str(tmp_path))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_model("random:tiny", dtype="int8")
+    with pytest.raises(ValueError, match="unknown GPT-2 preset"):
+        load_model("random:gpt3")
+
+
+def test_presets_match_hub_shapes():
+    assert PRESETS["gpt2"].num_params() == 124_439_808
+    assert PRESETS["gpt2-medium"].num_params() == 354_823_168
+    assert PRESETS["gpt2-xl"].head_dim == 64 and PRESETS["gpt2-xl"].n_head == 25
+
+
+def test_random_params_cover_every_tensor():
+    config = PRESETS["tiny"]
+    params = random_params(config, seed=1)
+    assert sum(x.size for x in jax.tree.leaves(params)) == config.num_params()
+    assert len(jax.tree.leaves(params)) == len(param_shapes(config))
+
+
+def test_local_dir_from_hf_config(saved):
+    config, _ = load_model(str(saved))
+    assert config.n_embd == SHAPE["n_embd"] and config.vocab_size == SHAPE["vocab_size"]
+    assert os.path.exists(saved / "config.json")
