@@ -1,0 +1,486 @@
+"""Paged KV-cache append: write each decode token's K/V into its cache slot.
+
+Per layer the cache is k_cache, v_cache: [H, num_blocks, block_size, D] (the layout of
+jax's `pallas.ops.gpu.paged_attention`). For every row i of the batch:
+
+    k_cache[:, block_idx[i], pos_i, :] = k_new[src_i, :, :]      (same for v)
+
+with src_i = batch_idx[i] (generic) or i (identity-pos, full-batch), and pos_i = pos[i]
+(generic, identity-pos) or one scalar pos shared by every row (full-batch). Targets are
+duplicate-free except in the reserved scratch block 0, whose contents nobody reads.
+
+Three Pallas kernels (Triton on GPU, `interpret=True` on CPU) update the caches in place
+through `input_output_aliases`; the caller donates the caches (a jitted step with
+`donate_argnums`), so no call copies them. `kv_append` is the one dispatch function: it picks a
+kernel, or the XLA scatter (`kv_append_reference`) when the kernels are switched off
+(`ROSEJAX_PALLAS_KV_APPEND=0`), the batch is small (`ROSEJAX_PALLAS_KV_APPEND_MIN_BATCH`), or
+the head dim is not a power of two, which the Triton lowering cannot tile.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton pallas_call is
+# *lowered*: that is when the jit around a whole decode step compiles, after our Python call
+# has returned, so a filter scoped to the call site cannot catch it. The filter is installed
+# once, the first time a compiled (non-interpret) kernel is built, and matches only this
+# message and category. pyproject's pytest filter covers the test runs the same way.
+TRITON_DEPRECATION = (
+    r"The Pallas Triton backend is deprecated and will be removed in a future JAX version"
+)
+
+ENV_SWITCH = "ROSEJAX_PALLAS_KV_APPEND"
+ENV_MIN_BATCH = "ROSEJAX_PALLAS_KV_APPEND_MIN_BATCH"
+# Below this many appended rows the dispatcher uses the XLA scatter. 1 = never: on an H200
+# (bench/RESULTS.md, "KV append microbench", 2026-11-26) every kernel beat the XLA scatter at
+# every batch size measured, B=1 included (1.3-1.8 us against 3.8-4.1 us per layer-append;
+# one launch writes both K and V), so there is no crossover to gate. Re-measure on other cards.
+DEFAULT_MIN_BATCH = 1
+
+# Rows per program and warps: from the H200 sweep in bench/RESULTS.md (fp16, H=12, D=64, with
+# block_h=4). 8 rows x 4 heads x 64 = 2048 elements a tile, 16 per thread at 4 warps, was at or
+# near the best at B=256 and B=2048; 16 rows x 16 heads at 1 warp spills and runs 6x slower.
+DEFAULT_BLOCK_B = 8
+DEFAULT_NUM_WARPS = 4
+
+VARIANTS = ("generic", "identity_pos", "full_batch")
+
+
+@functools.cache
+def _filter_triton_deprecation() -> None:
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+def _is_power_of_2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def default_block_h(num_heads: int) -> int:
+    """Heads per program: a power of two (Triton needs power-of-two tiles).
+
+    A power-of-two divisor of H of at least 4 tiles H with no waste (12 -> 4, 20 -> 4,
+    16 -> 16); otherwise one tile of next_power_of_2(H) covers all heads, the extra lanes
+    clamped onto the last head (25 -> 32).
+    """
+    low_bit = num_heads & -num_heads  # largest power-of-two divisor
+    if low_bit >= 4:
+        return min(low_bit, 16)
+    return _next_power_of_2(num_heads)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels. Grid: (row tiles of block_b rows, head tiles of block_h heads). Every program moves a
+# [block_b, block_h, D] tile of K and one of V. Rows past the batch and heads past H are
+# *clamped* onto the last row / head instead of masked: they write the same value to the same
+# slot again, which is harmless, needs no predicate, and stays deterministic in interpret mode
+# (where a masked store of an out-of-range index would scatter stale data over a real slot).
+# ----------------------------------------------------------------------------------------------
+
+
+def _tile_indices(num_rows: int, num_heads: int, block_b: int, block_h: int):
+    rows = pl.program_id(0) * block_b + jnp.arange(block_b, dtype=jnp.int32)
+    rows = jnp.minimum(rows, num_rows - 1)  # [block_b]
+    heads = pl.program_id(1) * block_h + jnp.arange(block_h, dtype=jnp.int32)
+    heads = jnp.minimum(heads, num_heads - 1)  # [block_h]
+    return rows, heads
+
+
+def _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, src, heads, blocks, positions):
+    """Load [block_b, block_h, D] of K and V from rows src, store them at (blocks, positions)."""
+    src = src[:, None]  # [block_b, 1]
+    heads = heads[None, :]  # [1, block_h]
+    blocks = blocks[:, None]  # [block_b, 1]
+    positions = positions[:, None]  # [block_b, 1]
+    # Both loads before both stores: all the bytes of the tile are in flight at once.
+    k = k_new_ref[src, heads, :]  # [block_b, block_h, D]
+    v = v_new_ref[src, heads, :]  # [block_b, block_h, D]
+    k_cache_ref[heads, blocks, positions, :] = k
+    v_cache_ref[heads, blocks, positions, :] = v
+
+
+def kv_append_generic_kernel(
+    k_new_ref,  # [B, H, D]
+    v_new_ref,  # [B, H, D]
+    batch_idx_ref,  # [B']
+    block_idx_ref,  # [B']
+    pos_ref,  # [B']
+    k_cache_in_ref,  # [H, NB, BS, D], aliased to k_cache_ref: never read
+    v_cache_in_ref,  # [H, NB, BS, D], aliased to v_cache_ref: never read
+    k_cache_ref,  # [H, NB, BS, D]
+    v_cache_ref,  # [H, NB, BS, D]
+    *,
+    block_b: int,
+    block_h: int,
+):
+    del k_cache_in_ref, v_cache_in_ref
+    num_heads = k_cache_ref.shape[0]
+    rows, heads = _tile_indices(block_idx_ref.shape[0], num_heads, block_b, block_h)
+    src = batch_idx_ref[rows]  # [block_b]
+    blocks = block_idx_ref[rows]  # [block_b]
+    positions = pos_ref[rows]  # [block_b]
+    _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, src, heads, blocks, positions)
+
+
+def kv_append_identity_pos_kernel(
+    k_new_ref,  # [B, H, D]
+    v_new_ref,  # [B, H, D]
+    block_idx_ref,  # [B]
+    pos_ref,  # [B]
+    k_cache_in_ref,  # [H, NB, BS, D], aliased to k_cache_ref: never read
+    v_cache_in_ref,  # [H, NB, BS, D], aliased to v_cache_ref: never read
+    k_cache_ref,  # [H, NB, BS, D]
+    v_cache_ref,  # [H, NB, BS, D]
+    *,
+    block_b: int,
+    block_h: int,
+):
+    del k_cache_in_ref, v_cache_in_ref
+    num_heads = k_cache_ref.shape[0]
+    rows, heads = _tile_indices(block_idx_ref.shape[0], num_heads, block_b, block_h)
+    blocks = block_idx_ref[rows]  # [block_b]
+    positions = pos_ref[rows]  # [block_b]
+    _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, rows, heads, blocks, positions)
+
+
+def kv_append_full_batch_kernel(
+    k_new_ref,  # [B, H, D]
+    v_new_ref,  # [B, H, D]
+    block_idx_ref,  # [B]
+    pos_ref,  # [1]: the one position shared by every row
+    k_cache_in_ref,  # [H, NB, BS, D], aliased to k_cache_ref: never read
+    v_cache_in_ref,  # [H, NB, BS, D], aliased to v_cache_ref: never read
+    k_cache_ref,  # [H, NB, BS, D]
+    v_cache_ref,  # [H, NB, BS, D]
+    *,
+    block_b: int,
+    block_h: int,
+):
+    del k_cache_in_ref, v_cache_in_ref
+    num_heads = k_cache_ref.shape[0]
+    rows, heads = _tile_indices(block_idx_ref.shape[0], num_heads, block_b, block_h)
+    blocks = block_idx_ref[rows]  # [block_b]
+    positions = jnp.broadcast_to(pos_ref[0], (block_b,))  # [block_b]
+    _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, rows, heads, blocks, positions)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks (static: shapes and dtypes are known at trace time).
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_int32_vector(name: str, x: Any, length: int | None) -> int:
+    if x.dtype != jnp.int32:
+        raise ValueError(f"{name} must be int32, got {x.dtype}")
+    if x.ndim != 1:
+        raise ValueError(f"{name} must be 1-D [B'], got shape {x.shape}")
+    if length is not None and x.shape[0] != length:
+        raise ValueError(f"{name} must have length {length}, got shape {x.shape}")
+    return x.shape[0]
+
+
+def _check_caches(k_cache, v_cache, k_new, v_new) -> None:
+    if k_cache.ndim != 4:
+        raise ValueError(f"k_cache must be [H, num_blocks, block_size, D], got {k_cache.shape}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {v_cache.shape} != k_cache shape {k_cache.shape}")
+    if k_new.ndim != 3:
+        raise ValueError(f"k_new must be [B, H, D], got {k_new.shape}")
+    if v_new.shape != k_new.shape:
+        raise ValueError(f"v_new shape {v_new.shape} != k_new shape {k_new.shape}")
+    num_heads, _, _, head_dim = k_cache.shape
+    if k_new.shape[1:] != (num_heads, head_dim):
+        raise ValueError(
+            f"k_new [B, H, D] = {k_new.shape} does not match the cache's H={num_heads}, "
+            f"D={head_dim}"
+        )
+    for name, x in (("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
+        if x.dtype != k_cache.dtype:
+            raise ValueError(f"{name} dtype {x.dtype} != k_cache dtype {k_cache.dtype}")
+
+
+def _check_kernel_params(head_dim: int, block_b: int, block_h: int) -> None:
+    # Triton lowers only power-of-two tiles; the tile is [block_b, block_h, D].
+    if not _is_power_of_2(head_dim):
+        raise ValueError(
+            f"the Pallas kv_append kernels need a power-of-two head dim, got D={head_dim}; "
+            "kv_append() routes such caches to the XLA path"
+        )
+    if not _is_power_of_2(block_b):
+        raise ValueError(f"block_b must be a power of two, got {block_b}")
+    if not _is_power_of_2(block_h):
+        raise ValueError(f"block_h must be a power of two, got {block_h}")
+
+
+def _check_scalar_pos(pos: Any) -> None:
+    if pos.dtype != jnp.int32:
+        raise ValueError(f"pos must be int32, got {pos.dtype}")
+    if pos.shape != ():
+        raise ValueError(f"full-batch pos must be an int32 scalar (shape ()), got {pos.shape}")
+
+
+# ----------------------------------------------------------------------------------------------
+# pallas_call wrapper shared by the three ops.
+# ----------------------------------------------------------------------------------------------
+
+
+def _launch(
+    kernel,
+    name: str,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    index_arrays: tuple[jax.Array, ...],
+    num_rows: int,
+    *,
+    block_b: int | None,
+    block_h: int | None,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array]:
+    num_heads, _, _, head_dim = k_cache.shape
+    if num_rows == 0:
+        return k_cache, v_cache
+    if block_h is None:
+        block_h = default_block_h(num_heads)
+    if block_b is None:
+        block_b = DEFAULT_BLOCK_B
+    # A tile larger than the batch only duplicates clamped rows.
+    block_b = min(block_b, _next_power_of_2(num_rows))
+    block_h = min(block_h, _next_power_of_2(num_heads))
+    _check_kernel_params(head_dim, block_b, block_h)
+    if not interpret:
+        _filter_triton_deprecation()
+    grid = (pl.cdiv(num_rows, block_b), pl.cdiv(num_heads, block_h))
+    cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
+    num_inputs = 2 + len(index_arrays)
+    return pl.pallas_call(
+        functools.partial(kernel, block_b=block_b, block_h=block_h),
+        grid=grid,
+        out_shape=(cache_shape, cache_shape),
+        # The caches are inputs num_inputs, num_inputs + 1: written in place.
+        input_output_aliases={num_inputs: 0, num_inputs + 1: 1},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"{name}_bb{block_b}_bh{block_h}_w{num_warps}",
+    )(k_new, v_new, *index_arrays, k_cache, v_cache)
+
+
+_STATIC = ["block_b", "block_h", "num_warps", "num_stages", "interpret"]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(0, 1))
+def kv_append_generic(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    batch_idx: jax.Array,
+    block_idx: jax.Array,
+    pos: jax.Array,
+    *,
+    block_b: int | None = None,
+    block_h: int | None = None,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    num_stages: int = 1,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Row batch_idx[i] of k_new/v_new goes to slot (block_idx[i], pos[i]) of every head.
+
+    Args:
+      k_cache, v_cache: [H, num_blocks, block_size, D], donated and updated in place.
+      k_new, v_new: [B, H, D], same dtype as the caches.
+      batch_idx, block_idx, pos: int32 [B'] (B' may differ from B).
+      block_b: rows per program (power of two); block_h: heads per program (power of two,
+        default from H); num_warps, num_stages: Triton launch parameters.
+    Returns:
+      (k_cache, v_cache), the same buffers.
+    """
+    _check_caches(k_cache, v_cache, k_new, v_new)
+    n = _check_int32_vector("block_idx", block_idx, None)
+    _check_int32_vector("batch_idx", batch_idx, n)
+    _check_int32_vector("pos", pos, n)
+    return _launch(
+        kv_append_generic_kernel, "kv_append_generic", k_cache, v_cache, k_new, v_new,
+        (batch_idx, block_idx, pos), n, block_b=block_b, block_h=block_h,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(0, 1))
+def kv_append_identity_pos(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    block_idx: jax.Array,
+    pos: jax.Array,
+    *,
+    block_b: int | None = None,
+    block_h: int | None = None,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    num_stages: int = 1,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Row i of k_new/v_new goes to slot (block_idx[i], pos[i]); block_idx, pos: int32 [B]."""
+    _check_caches(k_cache, v_cache, k_new, v_new)
+    n = _check_int32_vector("block_idx", block_idx, k_new.shape[0])
+    _check_int32_vector("pos", pos, n)
+    return _launch(
+        kv_append_identity_pos_kernel, "kv_append_identity_pos", k_cache, v_cache, k_new,
+        v_new, (block_idx, pos), n, block_b=block_b, block_h=block_h,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(0, 1))
+def kv_append_full_batch(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    block_idx: jax.Array,
+    pos: jax.Array,
+    *,
+    block_b: int | None = None,
+    block_h: int | None = None,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    num_stages: int = 1,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Row i of k_new/v_new goes to slot (block_idx[i], pos); block_idx int32 [B], pos int32
+    scalar shared by every row (a decode step where all requests are at the same length)."""
+    _check_caches(k_cache, v_cache, k_new, v_new)
+    n = _check_int32_vector("block_idx", block_idx, k_new.shape[0])
+    _check_scalar_pos(pos)
+    return _launch(
+        kv_append_full_batch_kernel, "kv_append_full_batch", k_cache, v_cache, k_new, v_new,
+        (block_idx, pos.reshape(1)), n, block_b=block_b, block_h=block_h,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def kv_append_reference(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    block_idx: jax.Array,
+    pos: jax.Array,
+    batch_idx: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """XLA scatter version of all three forms; the dispatcher's XLA path.
+
+    Fast forms: no gather of k_new when batch_idx is None (the batch is whole and in order),
+    and a scalar pos is broadcast inside the scatter's index computation.
+    """
+    _check_caches(k_cache, v_cache, k_new, v_new)
+    if batch_idx is None:
+        n = _check_int32_vector("block_idx", block_idx, k_new.shape[0])
+    else:
+        n = _check_int32_vector("block_idx", block_idx, None)
+        _check_int32_vector("batch_idx", batch_idx, n)
+        k_new = k_new[batch_idx]  # [B', H, D]
+        v_new = v_new[batch_idx]  # [B', H, D]
+    if pos.ndim == 0:
+        _check_scalar_pos(pos)
+    else:
+        _check_int32_vector("pos", pos, n)
+    # k_cache[:, block_idx, pos] is [H, B', D].
+    k_cache = k_cache.at[:, block_idx, pos].set(jnp.swapaxes(k_new, 0, 1))
+    v_cache = v_cache.at[:, block_idx, pos].set(jnp.swapaxes(v_new, 0, 1))
+    return k_cache, v_cache
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch.
+# ----------------------------------------------------------------------------------------------
+
+
+def _min_batch() -> int:
+    raw = os.environ.get(ENV_MIN_BATCH)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_MIN_BATCH
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_MIN_BATCH} must be an integer, got {raw!r}") from None
+
+
+def pallas_enabled() -> bool:
+    """The on/off switch: ROSEJAX_PALLAS_KV_APPEND=0 (or false/off/no) selects the XLA path."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def select_kv_append_variant(
+    num_rows: int, head_dim: int, *, has_batch_idx: bool, scalar_pos: bool
+) -> str:
+    """Which implementation kv_append runs: 'xla', 'full_batch', 'identity_pos' or 'generic'.
+
+    Host-side, from static facts only; reads the environment on every call so a change takes
+    effect at the next trace.
+    """
+    if scalar_pos and has_batch_idx:
+        raise ValueError("a scalar pos needs batch_idx=None (full-batch form)")
+    if not pallas_enabled() or num_rows < _min_batch() or not _is_power_of_2(head_dim):
+        return "xla"
+    if not has_batch_idx:
+        return "full_batch" if scalar_pos else "identity_pos"
+    return "generic"
+
+
+def kv_append(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    block_idx: jax.Array,
+    pos: jax.Array | int,
+    batch_idx: jax.Array | None = None,
+    *,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Append one token's K/V per row into a paged cache layer; see the module docstring.
+
+    k_cache, v_cache: [H, NB, BS, D] (donate them in the calling jit); k_new, v_new: [B, H, D];
+    block_idx: int32 [B']; pos: int32 [B'] or int32 scalar (full-batch, needs batch_idx=None);
+    batch_idx: None (row i is source i, B' = B) or int32 [B'].
+    interpret=None interprets the kernels on a CPU backend and compiles them elsewhere.
+    """
+    pos = jnp.asarray(pos, dtype=jnp.int32) if isinstance(pos, int) else pos
+    variant = select_kv_append_variant(
+        block_idx.shape[0],
+        k_cache.shape[-1],
+        has_batch_idx=batch_idx is not None,
+        scalar_pos=pos.ndim == 0,
+    )
+    if variant == "xla":
+        return kv_append_reference(k_cache, v_cache, k_new, v_new, block_idx, pos, batch_idx)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if variant == "full_batch":
+        return kv_append_full_batch(
+            k_cache, v_cache, k_new, v_new, block_idx, pos, interpret=interpret
+        )
+    if variant == "identity_pos":
+        return kv_append_identity_pos(
+            k_cache, v_cache, k_new, v_new, block_idx, pos, interpret=interpret
+        )
+    return kv_append_generic(
+        k_cache, v_cache, k_new, v_new, batch_idx, block_idx, pos, interpret=interpret
+    )
