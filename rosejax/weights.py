@@ -91,7 +91,9 @@ def params_from_tensors(
         raise ValueError(f"checkpoint is missing tensor {missing[0]!r} ({len(missing)} missing)")
     unexpected = [n for n in named if n not in expected]
     if unexpected:
-        raise ValueError(f"checkpoint has unexpected tensor {unexpected[0]!r} for this GPT-2 config")
+        raise ValueError(
+            f"checkpoint has unexpected tensor {unexpected[0]!r} for this GPT-2 config"
+        )
     params: dict = {}
     for name, shape in expected.items():
         value = named[name]
@@ -175,7 +177,9 @@ def random_params(config: GPT2Config, seed: int = 0, dtype: str | jnp.dtype = "f
     return params_from_tensors(config, tensors, dtype)
 
 
-def load_model(model: str, dtype: str | jnp.dtype = "float32", seed: int = 0) -> tuple[GPT2Config, dict]:
+def load_model(
+    model: str, dtype: str | jnp.dtype = "float32", seed: int = 0
+) -> tuple[GPT2Config, dict]:
     """`random:<preset>` (random weights of a preset shape), a local directory, or a hub id."""
     if model.startswith("random:"):
         config = preset(model.removeprefix("random:"))

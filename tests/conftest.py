@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -37,3 +38,6 @@ def hf_checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = make_hf_checkpoint(path, seed=len(request.param), **HF_SHAPES[request.param])
     return str(path), model
+
+# Parity with the fp32 reference needs true fp32 matmuls; GPUs default to TF32 for them.
+jax.config.update("jax_default_matmul_precision", "highest")

@@ -76,7 +76,9 @@ def greedy_generate(params, config, prompts: list[list[int]], new_tokens: int) -
         for i in range(b):
             out[i].append(int(nxt[i]))
         meta = ForwardMetadata(
-            positions=jnp.asarray(lens[:, None]), seq_lens=jnp.asarray(lens + 1), block_tables=tables
+            positions=jnp.asarray(lens[:, None]),
+            seq_lens=jnp.asarray(lens + 1),
+            block_tables=tables,
         )
         logits, cache = forward(params, config, jnp.asarray(nxt[:, None]), cache, meta)
         logits = logits[:, 0]
@@ -118,8 +120,12 @@ def test_half_precision_forward_tracks_fp32(hf_checkpoint, dtype):
         seq_lens=jnp.full((2,), t, jnp.int32),
         block_tables=tables,
     )
-    ref, _ = forward(p32, config, tokens, init_kv_cache(config, num_blocks, BLOCK_SIZE, jnp.float32), meta)
-    low, _ = forward(plow, config, tokens, init_kv_cache(config, num_blocks, BLOCK_SIZE, dtype), meta)
+    ref, _ = forward(
+        p32, config, tokens, init_kv_cache(config, num_blocks, BLOCK_SIZE, jnp.float32), meta
+    )
+    low, _ = forward(
+        plow, config, tokens, init_kv_cache(config, num_blocks, BLOCK_SIZE, dtype), meta
+    )
     assert low.dtype == jnp.float32
     bound = {"bfloat16": 5e-2, "float16": 1e-2}[dtype]
     assert rel_err(low, np.asarray(ref)) <= bound

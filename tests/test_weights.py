@@ -20,7 +20,9 @@ SHAPE = dict(vocab_size=301, n_positions=32, n_embd=48, n_layer=2, n_head=3)
 
 @pytest.fixture
 def saved(tmp_path):
-    make_hf_checkpoint(tmp_path / "saved", seed=int(np.random.default_rng().integers(1 << 16)), **SHAPE)
+    make_hf_checkpoint(
+        tmp_path / "saved", seed=int(np.random.default_rng().integers(1 << 16)), **SHAPE
+    )
     return tmp_path / "saved"
 
 
@@ -62,7 +64,9 @@ def test_hub_naming_loads_identical_params(saved, tmp_path):
 
 
 def test_missing_tensor_is_named(saved, tmp_path):
-    bad = rewrite(saved, tmp_path / "bad", lambda t: {k: v for k, v in t.items() if "h.1.ln_2.bias" not in k})
+    bad = rewrite(
+        saved, tmp_path / "bad", lambda t: {k: v for k, v in t.items() if "h.1.ln_2.bias" not in k}
+    )
     with pytest.raises(ValueError, match=r"missing tensor 'h\.1\.ln_2\.bias'"):
         load_checkpoint(str(bad))
 

@@ -1,0 +1,115 @@
+"""Where a decode step's time goes: rosejax's engine against its own parts, at one batch size.
+
+Times (1) the whole engine loop (scheduler + device + host bookkeeping) for B requests of P-token
+prompts and N new tokens, (2) the compiled decode program alone, called back to back with no host
+work, for each `decode_steps` value given, and (3) a jax.profiler trace when --trace-dir is set.
+Prints ms per decode step, tokens/s, and the step's bytes against the card's copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import numpy as np
+
+from rosejax import LLMEngine, SamplingParams
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy of 1 GiB: bytes read + written per second."""
+    x = jax.numpy.ones((256 * 1024 * 1024,), jax.numpy.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    f(x).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(10):
+        y = f(x)
+    y.block_until_ready()
+    return 2 * x.nbytes * 10 / (time.perf_counter() - t) / 1e9
+
+
+def step_bytes(engine: LLMEngine, batch: int, context: int) -> float:
+    cfg = engine.config
+    weights = sum(x.nbytes for x in jax.tree.leaves(engine.params))
+    kv = 2 * cfg.n_layer * batch * context * cfg.n_embd * engine.dtype.itemsize
+    return weights + kv
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="random:gpt2", help="model to load (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=256, help="concurrent requests")
+    p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
+    p.add_argument("--decode-steps", default="1,8,32", help="comma list of steps per device call")
+    p.add_argument("--block-size", type=int, default=64, help="KV block size")
+    p.add_argument("--trace-dir", default=None, help="write a jax.profiler trace here")
+    p.add_argument("--json", default=None, help="write results here")
+    args = p.parse_args()
+    bw = copy_bandwidth_gbs()
+    rows = []
+    rng = np.random.default_rng(0)
+    for k in [int(s) for s in args.decode_steps.split(",")]:
+        engine = LLMEngine(
+            args.model, dtype="float16", max_batch_size=args.batch, block_size=args.block_size,
+            kv_cache_tokens=args.batch * (args.prompt_len + args.new_tokens + 2 * args.block_size),
+            decode_steps=k, warmup=False,
+        )  # fmt: skip
+        params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+        for run in range(2):  # the first run compiles what it meets
+            for i in range(args.batch):
+                prompt = rng.integers(0, engine.config.vocab_size, args.prompt_len).tolist()
+                engine.add_request(f"{run}-{i}", prompt, params)
+            t0 = time.perf_counter()
+            decode_t = None
+            tokens = 0
+            if run == 1 and args.trace_dir:
+                jax.profiler.start_trace(args.trace_dir)
+            while engine.has_unfinished_requests():
+                outs = engine.step()
+                if (
+                    decode_t is None
+                    and all(len(o.token_ids) >= 1 for o in outs)
+                    and len(outs) == args.batch
+                ):
+                    decode_t = time.perf_counter()
+                tokens += sum(len(o.new_token_ids) for o in outs)
+            t1 = time.perf_counter()
+            if run == 1 and args.trace_dir:
+                jax.profiler.stop_trace()
+        decode_s = t1 - (decode_t or t0)
+        steps = args.new_tokens - 1
+        ms = decode_s / steps * 1e3
+        ctx = args.prompt_len + args.new_tokens // 2
+        gbs = step_bytes(engine, args.batch, ctx) / (ms / 1e3) / 1e9
+        row = dict(
+            decode_steps=k,
+            batch=args.batch,
+            e2e_s=t1 - t0,
+            e2e_tok_s=tokens / (t1 - t0),
+            decode_ms_per_step=ms,
+            decode_tok_s=args.batch * steps / decode_s,
+            gbs=gbs,
+            pct_copy_bw=100 * gbs / bw,
+            compiles=engine.num_compiles,
+        )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(
+        f"\ncard: {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth {bw:.0f} GB/s"
+    )
+    print(f"{'K':>4} {'ms/step':>9} {'decode tok/s':>13} {'e2e tok/s':>10} {'GB/s':>7} {'%bw':>5}")
+    for r in rows:
+        print(
+            f"{r['decode_steps']:>4} {r['decode_ms_per_step']:>9.3f} {r['decode_tok_s']:>13.0f} "
+            f"{r['e2e_tok_s']:>10.0f} {r['gbs']:>7.0f} {r['pct_copy_bw']:>5.1f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows, copy_gbs=bw, device=jax.devices()[0].device_kind), f)
+
+
+if __name__ == "__main__":
+    main()

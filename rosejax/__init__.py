@@ -1,0 +1,8 @@
+"""rosejax: a GPT-2 inference engine in JAX, Flax and Pallas."""
+
+from rosejax.engine import LLM, LLMEngine
+from rosejax.request import RequestOutput
+from rosejax.sampling import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"

@@ -1,0 +1,357 @@
+"""Paged KV cache: the device pages (a pytree) and the host BlockAllocator that hands them out.
+
+Layout per layer: k, v [H, num_blocks, block_size, D], the layout jax's Pallas GPU
+`paged_attention` reads. Block 0 is scratch: padded rows write there, so it is never handed out.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rosejax.config import GPT2Config
+
+SCRATCH_BLOCK = 0
+_ROOT = -1  # parent hash of a sequence's first block
+_NO_HASH = -1  # _block_hash entry of a block that is not in the prefix cache
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------- device side
+
+
+@flax.struct.dataclass
+class KVCache:
+    k: list[jax.Array]  # n_layer x [H, num_blocks, block_size, D]
+    v: list[jax.Array]  # n_layer x [H, num_blocks, block_size, D]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[2]
+
+
+def init_kv_cache(config: GPT2Config, num_blocks: int, block_size: int, dtype) -> KVCache:
+    """Zero-filled pages for every layer; `num_blocks` counts the scratch block."""
+    if num_blocks < 2 or block_size < 1:
+        raise ValueError(f"need num_blocks >= 2 (scratch + 1) and block_size >= 1, "
+                         f"got {num_blocks}, {block_size}")
+    shape = (config.n_head, num_blocks, block_size, config.head_dim)
+    k = [jnp.zeros(shape, dtype) for _ in range(config.n_layer)]
+    v = [jnp.zeros(shape, dtype) for _ in range(config.n_layer)]
+    return KVCache(k=k, v=v)
+
+
+def kv_cache_bytes_per_block(config: GPT2Config, block_size: int, dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    itemsize = np.dtype(dtype).itemsize
+    return 2 * config.n_layer * config.n_head * block_size * config.head_dim * itemsize
+
+
+def _device_free_bytes() -> int | None:
+    """Free bytes in the first local device's allocator pool; None where there are no stats."""
+    stats = jax.local_devices()[0].memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+
+
+def num_blocks_for(config: GPT2Config, block_size: int, dtype, *,
+                   kv_cache_tokens: int | None = None, memory_fraction: float | None = None,
+                   max_num_seqs: int = 1) -> int:
+    """Total blocks (scratch included) from a token budget or a fraction of free device memory.
+
+    A token budget is guaranteed to fit however it is split over `max_num_seqs` sequences: each
+    sequence may leave its last block partly empty, so that costs up to max_num_seqs - 1 blocks
+    more than ceil(tokens / block_size). A memory budget gives whatever fits, scratch included, and
+    must leave at least one block per sequence.
+    """
+    if block_size < 1 or max_num_seqs < 1:
+        raise ValueError(f"block_size and max_num_seqs must be >= 1, got {block_size}, "
+                         f"{max_num_seqs}")
+    if (kv_cache_tokens is None) == (memory_fraction is None):
+        raise ValueError("give exactly one of kv_cache_tokens or memory_fraction")
+    if kv_cache_tokens is not None:
+        if kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be >= 1, got {kv_cache_tokens}")
+        return _cdiv(kv_cache_tokens, block_size) + (max_num_seqs - 1) + 1  # + scratch
+    if not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    free = _device_free_bytes()
+    if free is None:
+        raise ValueError(f"{jax.local_devices()[0]} reports no memory stats (CPU?): size the KV "
+                         "cache with kv_cache_tokens instead of memory_fraction")
+    per_block = kv_cache_bytes_per_block(config, block_size, dtype)
+    num_blocks = int(free * memory_fraction) // per_block
+    if num_blocks - 1 < max_num_seqs:
+        raise ValueError(f"{memory_fraction} of {free} free bytes holds {num_blocks} blocks of "
+                         f"{per_block} bytes: not enough for scratch + {max_num_seqs} sequences")
+    return num_blocks
+
+
+def copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """cache[:, dst[i]] = cache[:, src[i]] in every layer (copy-on-write); reads see the old cache.
+
+    src, dst: int32 [N], dst without duplicates. Jit it with donate_argnums=0 to copy in place.
+    """
+    k = [c.at[:, dst].set(c[:, src]) for c in cache.k]
+    v = [c.at[:, dst].set(c[:, src]) for c in cache.v]
+    return KVCache(k=k, v=v)
+
+
+# ------------------------------------------------------------------------------------- host side
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Not enough free blocks; the allocator's state is unchanged."""
+
+
+class BlockTable:
+    """One sequence's blocks. `num_tokens` counts tokens recorded; blocks may hold reserved room."""
+
+    __slots__ = ("blocks", "num_tokens", "last_hash", "partial")
+
+    def __init__(self, blocks: list[int], num_tokens: int, last_hash: int, partial: list[int]):
+        self.blocks = blocks
+        self.num_tokens = num_tokens  # -1 once freed
+        self.last_hash = last_hash  # chained hash of the last full block (_ROOT if none)
+        self.partial = partial  # token ids of the partial block (prefix caching only)
+
+    def __repr__(self) -> str:
+        return f"BlockTable(blocks={self.blocks}, num_tokens={self.num_tokens})"
+
+
+def _chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    # Python's hash is fast and deterministic for ints, but not collision-resistant: swap in
+    # hashlib here before sharing a cache between mutually untrusted users.
+    return hash((parent, tokens))
+
+
+class BlockAllocator:
+    """Free list, reference counts and prefix cache over blocks 1..num_blocks-1. Host only.
+
+    Freed blocks that carry a prefix hash stay findable until reused (least recently freed first;
+    blocks without a hash are reused before any hashed one). Prompt blocks are registered at
+    `allocate`, before their KV is written: a step must write all its rows' KV before any row's
+    attention reads the cache, as writing then attending per layer does.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 2 and block_size >= 1, got {num_blocks}, "
+                             f"{block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref = [0] * num_blocks
+        self._block_hash = [_NO_HASH] * num_blocks
+        self._cached: dict[int, int] = {}  # chained hash -> block
+        # Insertion-ordered free set: O(1) pop from the front, removal of a revived cached block.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.prefix_hits = 0  # blocks served from the prefix cache
+        self.prefix_hit_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.prompt_tokens = 0  # prompt tokens allocated, for the hit rate
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - 1 - len(self._free)
+
+    # -- allocation ------------------------------------------------------------------------------
+
+    def _hashes(self, tokens: list[int]) -> list[int]:
+        """Chained hashes of the full blocks of `tokens`."""
+        bs, h, out = self.block_size, _ROOT, []
+        for i in range(len(tokens) // bs):
+            h = _chain_hash(h, tuple(tokens[i * bs:(i + 1) * bs]))
+            out.append(h)
+        return out
+
+    def _match(self, tokens: list[int], hashes: list[int]) -> list[int]:
+        """Cached blocks for the leading full blocks, leaving the last token to compute."""
+        hits = []
+        for h in hashes[:(len(tokens) - 1) // self.block_size]:
+            b = self._cached.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def _prepare(self, token_ids: Sequence[int]) -> tuple[list[int], list[int], list[int], int]:
+        tokens = [int(t) for t in token_ids]
+        if not tokens:
+            raise ValueError("cannot allocate an empty prompt")
+        hashes = self._hashes(tokens) if self.enable_prefix_caching else []
+        hits = self._match(tokens, hashes)
+        # Revived hits (refcount 0) come out of the free list as well as fresh blocks.
+        need = _cdiv(len(tokens), self.block_size) - sum(self._ref[b] > 0 for b in hits)
+        return tokens, hashes, hits, need
+
+    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+        return self._prepare(token_ids)[3] <= len(self._free)
+
+    def allocate(self, token_ids: Sequence[int]) -> tuple[BlockTable, int]:
+        """Blocks for a prompt -> (table, number of leading tokens whose KV is already cached)."""
+        tokens, hashes, hits, need = self._prepare(token_ids)
+        if need > len(self._free):
+            raise NoFreeBlocksError(f"prompt of {len(tokens)} tokens needs {need} free blocks, "
+                                    f"{len(self._free)} left")
+        for b in hits:
+            if self._ref[b] == 0:
+                del self._free[b]
+            self._ref[b] += 1
+        num_new = _cdiv(len(tokens), self.block_size) - len(hits)
+        blocks = hits + [self._take() for _ in range(num_new)]
+        for i in range(len(hits), len(hashes)):
+            self._register(blocks[i], hashes[i])
+        bs, num_full = self.block_size, len(tokens) // self.block_size
+        partial = tokens[num_full * bs:] if self.enable_prefix_caching else []
+        table = BlockTable(blocks, len(tokens), hashes[-1] if hashes else _ROOT, partial)
+        self.prefix_hits += len(hits)
+        self.prefix_hit_tokens += len(hits) * bs
+        self.prompt_tokens += len(tokens)
+        return table, len(hits) * bs
+
+    def _take(self) -> int:
+        """A free block, its old prefix hash dropped (the block is about to be overwritten)."""
+        b, _ = self._free.popitem(last=False)
+        h = self._block_hash[b]
+        if h != _NO_HASH:
+            del self._cached[h]
+            self._block_hash[b] = _NO_HASH
+        self._ref[b] = 1
+        return b
+
+    def _register(self, block: int, h: int) -> None:
+        # A block whose content is already cached elsewhere stays unhashed (reused first).
+        if h not in self._cached:
+            self._cached[h] = block
+            self._block_hash[block] = h
+
+    # -- growth ----------------------------------------------------------------------------------
+
+    def _blocks_needed(self, table: BlockTable, n: int) -> tuple[int, bool]:
+        """(free blocks needed for n more tokens, whether the next slot's block needs a COW)."""
+        if table.num_tokens < 0:
+            raise ValueError("table was freed")
+        idx = table.num_tokens // self.block_size
+        cow = n > 0 and idx < len(table.blocks) and self._ref[table.blocks[idx]] > 1
+        grow = max(0, _cdiv(table.num_tokens + n, self.block_size) - len(table.blocks))
+        return grow + cow, cow
+
+    def can_append(self, table: BlockTable, n: int = 1) -> bool:
+        """Whether room for n more tokens (append n times, or reserve(table, n)) fits now."""
+        return self._blocks_needed(table, n)[0] <= len(self._free)
+
+    def reserve(self, table: BlockTable, n: int) -> tuple[int, int]:
+        """Ensure room for n more tokens, so the next n `append`s never allocate or copy.
+
+        Returns (cow_src, cow_dst): the caller must copy block cow_src into cow_dst before
+        writing, or (-1, -1) when no copy-on-write happened. A later `fork` undoes the guarantee.
+        """
+        need, cow = self._blocks_needed(table, n)
+        if need > len(self._free):
+            raise NoFreeBlocksError(f"{n} more tokens need {need} free blocks, "
+                                    f"{len(self._free)} left")
+        src = dst = -1
+        if cow:
+            idx = table.num_tokens // self.block_size
+            src, dst = table.blocks[idx], self._take()
+            self._ref[src] -= 1
+            table.blocks[idx] = dst
+        for _ in range(need - cow):
+            table.blocks.append(self._take())
+        return src, dst
+
+    def append(self, table: BlockTable, token_id: int) -> tuple[int, int, int]:
+        """Record one more token -> (block, offset, cow_src) of its slot.
+
+        cow_src is -1, or the shared partial block the slot's new private block must first be
+        copied from. Allocates only on rollover or copy-on-write (never after `reserve`).
+        """
+        n = table.num_tokens
+        if n < 0:
+            raise ValueError("table was freed")
+        idx, off = divmod(n, self.block_size)
+        cow_src = -1
+        if idx == len(table.blocks):  # rollover: the last block is full
+            if not self._free:
+                raise NoFreeBlocksError("no free block for rollover")
+            table.blocks.append(self._take())
+        elif self._ref[table.blocks[idx]] > 1:  # shared partial block: copy on write
+            if not self._free:
+                raise NoFreeBlocksError("no free block for copy-on-write")
+            cow_src = table.blocks[idx]
+            self._ref[cow_src] -= 1
+            table.blocks[idx] = self._take()
+        block = table.blocks[idx]
+        table.num_tokens = n + 1
+        if self.enable_prefix_caching:
+            table.partial.append(token_id)
+            if off == self.block_size - 1:  # the block just filled: make it findable
+                table.last_hash = _chain_hash(table.last_hash, tuple(table.partial))
+                table.partial.clear()
+                self._register(block, table.last_hash)
+        return block, off, cow_src
+
+    # -- sharing and release ---------------------------------------------------------------------
+
+    def fork(self, table: BlockTable) -> BlockTable:
+        """A child sharing every block that holds tokens (not blocks merely reserved)."""
+        if table.num_tokens < 0:
+            raise ValueError("table was freed")
+        blocks = table.blocks[:_cdiv(table.num_tokens, self.block_size)]
+        for b in blocks:
+            self._ref[b] += 1
+        return BlockTable(blocks, table.num_tokens, table.last_hash, list(table.partial))
+
+    def free(self, table: BlockTable) -> None:
+        """Drop the table's references; a block at refcount 0 returns to the free list."""
+        if table.num_tokens < 0:
+            raise ValueError("table was already freed")
+        # Tail blocks first, so they are evicted before the prefixes others are likelier to share.
+        for b in reversed(table.blocks):
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free[b] = None
+                if self._block_hash[b] == _NO_HASH:
+                    self._free.move_to_end(b, last=False)
+        table.blocks = []
+        table.num_tokens = -1
+        table.partial.clear()
+
+    def check_invariants(self, tables: Iterable[BlockTable] | None = None) -> None:
+        """Assert the bookkeeping is consistent, and matches `tables` (all live ones) if given."""
+        assert self._ref[SCRATCH_BLOCK] == 0 and SCRATCH_BLOCK not in self._free
+        assert self._block_hash[SCRATCH_BLOCK] == _NO_HASH
+        assert len(set(self._free)) == len(self._free)
+        for b in range(1, self.num_blocks):
+            assert self._ref[b] >= 0, (b, self._ref[b])
+            assert (self._ref[b] == 0) == (b in self._free), (b, self._ref[b])
+        for h, b in self._cached.items():
+            assert self._block_hash[b] == h, (h, b)
+        assert sum(h != _NO_HASH for h in self._block_hash) == len(self._cached)
+        if tables is None:
+            return
+        counts = [0] * self.num_blocks
+        for t in tables:
+            assert t.num_tokens >= 0 and len(t.blocks) * self.block_size >= t.num_tokens, t
+            if self.enable_prefix_caching:
+                assert len(t.partial) == t.num_tokens % self.block_size, t
+            for b in t.blocks:
+                counts[b] += 1
+        assert counts == self._ref, (counts, self._ref)

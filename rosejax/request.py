@@ -1,0 +1,132 @@
+"""A request's host state while it is served, and the output records the engine hands back."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from rosejax.kv_cache import BlockTable
+from rosejax.sampling import SamplingParams
+from rosejax.tokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What a client sees after a step: the whole output so far, and what this step added."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" or "length" once finished
+
+
+class Request:
+    __slots__ = (
+        "request_id", "prompt_token_ids", "output_token_ids", "params", "seed", "status",
+        "table", "detokenizer", "text", "emitted", "finish_reason", "arrival",
+        "_stop_ids", "_new_from",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        detokenizer: IncrementalDetokenizer,
+        eos_token_id: int,
+        arrival: int,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.seed = seed
+        self.status = RequestStatus.WAITING
+        self.table: BlockTable | None = None
+        self.detokenizer = detokenizer
+        self.text = ""  # generated text, stop string excluded
+        self.emitted = 0  # characters of `text` already handed out
+        self.finish_reason: str | None = None
+        self.arrival = arrival
+        stop_ids = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids.add(eos_token_id)
+        self._stop_ids = frozenset(stop_ids)
+        self._new_from = 0  # first output token not yet reported
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def add_token(self, token: int, max_context: int) -> None:
+        """Record a sampled token; decide whether the request is finished and why."""
+        self.output_token_ids.append(token)
+        piece = self.detokenizer.add(token)
+        if token in self._stop_ids:
+            self.finish_reason = "stop"
+            piece += self.detokenizer.flush()
+        elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_context:
+            self.finish_reason = "length"
+            piece += self.detokenizer.flush()
+        self.text += piece
+        if self.params.stop:
+            self._apply_stop_strings(len(piece))
+
+    def _apply_stop_strings(self, piece_len: int) -> None:
+        # Only the new piece (and the longest stop string before it) can hold a new match.
+        start = max(0, len(self.text) - piece_len - max(len(s) for s in self.params.stop) + 1)
+        hits = [i for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.finish_reason = "stop"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _emittable(self) -> int:
+        """Characters of `text` safe to show: while running, hold back a tail that could still
+        grow into a stop string, so no text past a stop string is ever returned."""
+        if self.finished or not self.params.stop:
+            return len(self.text)
+        hold = 0
+        for s in self.params.stop:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return len(self.text) - hold
+
+    def take_output(self) -> RequestOutput:
+        end = max(self.emitted, self._emittable())
+        new_text, self.emitted = self.text[self.emitted : end], end
+        new_ids = self.output_token_ids[self._new_from :]
+        self._new_from = len(self.output_token_ids)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.output_token_ids),
+            text=self.text[: self.emitted] if not self.finished else self.text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+        )

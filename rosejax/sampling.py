@@ -1,0 +1,218 @@
+"""Sampling inside the jitted decode step, and the host-side SamplingParams users pass in.
+
+Every per-request value (temperature, top_k, top_p, seed, step) is a [B] array, so a new value
+never recompiles; the only static knob is `max_top_k`, the candidate count of the cheap path.
+
+Semantics (HF's warpers, in HF's order): temperature == 0 is greedy (argmax, ties to the lowest
+id); otherwise logits / temperature, then top-k (keep tokens >= the k-th largest; 0 = off), then
+top-p over the renormalised top-k set (keep the smallest prefix of the sorted tokens whose mass
+reaches top_p, the top token always; 1.0 = off), then a categorical draw. Both filters keep
+tokens tied with the last kept one, so the kept set never depends on sort order.
+
+Cost, per step: greedy-only batches are one argmax. Sampling rows draw B x V Gumbel noise
+(threefry). Filtering rows add a full-vocab logsumexp and `lax.top_k(max_top_k)`; only when
+some row needs more than `max_top_k` candidates (top_k > max_top_k, or a nucleus wider than
+them) does the step sort the full vocab (`lax.cond`, so other steps don't pay). Both paths cut at
+the same logit value and draw over the full vocab with the same key, so a row's token does not
+depend on which path its batch took (barring float rounding exactly at a top-p boundary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import secrets
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+@flax.struct.dataclass
+class SamplingState:
+    """Per-row sampling values for one decode bucket; nothing static, so nothing recompiles."""
+
+    temperature: jax.Array  # f32[B], 0 = greedy
+    top_k: jax.Array  # i32[B], 0 = off
+    top_p: jax.Array  # f32[B], 1.0 = off
+    seed: jax.Array  # u32[B]
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int] | None = None,
+        batch_size: int | None = None,
+    ) -> SamplingState:
+        """Rows from `params`, padded to `batch_size` with greedy rows.
+
+        `seeds` overrides the params' seeds; pass the ones the engine resolved (resolve_seed)
+        once per request, or a request with seed=None gets a fresh seed on every call.
+        """
+        n = len(params)
+        batch_size = n if batch_size is None else batch_size
+        if batch_size < n:
+            raise ValueError(f"batch_size {batch_size} < {n} requests")
+        seeds = [resolve_seed(p.seed) for p in params] if seeds is None else list(seeds)
+        pad = batch_size - n
+        return cls(
+            temperature=jnp.asarray([p.temperature for p in params] + [0.0] * pad, jnp.float32),
+            top_k=jnp.asarray([p.top_k for p in params] + [0] * pad, jnp.int32),
+            top_p=jnp.asarray([p.top_p for p in params] + [1.0] * pad, jnp.float32),
+            seed=jnp.asarray(np.asarray(seeds + [0] * pad, np.int64) % 2**32, jnp.uint32),
+        )
+
+    def sample(self, logits: jax.Array, step: jax.Array) -> jax.Array:
+        """i32[B] next tokens for logits [B, V]; `step` i32[B] counts each row's output tokens."""
+        return sample(logits, self.temperature, self.top_k, self.top_p, self.seed, step)
+
+
+def resolve_seed(seed: int | None) -> int:
+    """A request's seed as uint32 (ints are taken mod 2**32); None draws a fresh random one."""
+    return secrets.randbits(32) if seed is None else seed % 2**32
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """f32 -> u32 with the same order (IEEE bits, negatives flipped), so selection is exact."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _select(key: jax.Array, weight: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, the largest T with sum(weight[key >= T]) >= target: u32[B] (0 if none).
+
+    A radix select: 8 passes over key [B, V] fix 4 bits of T each, trying 16 thresholds at once
+    (one fused [B, V] -> [B, 16] reduction), so no sort and no data-dependent shapes.
+    """
+    digit = jnp.arange(16, dtype=jnp.uint32)  # [16]
+    t = jnp.zeros(key.shape[:1], jnp.uint32)  # [B]
+    for shift in range(28, -1, -4):
+        cand = t[:, None] | (digit[None, :] << shift)  # [B, 16], increasing
+        hit = key[:, :, None] >= cand[:, None, :]  # [B, V, 16], fused into the sum
+        mass = jnp.sum(jnp.where(hit, weight[:, :, None], 0.0), axis=1)  # [B, 16], decreasing
+        # Digit 0 keeps the invariant mass(t) >= target, so it is the floor.
+        best = jnp.maximum(jnp.sum(mass >= target[:, None], axis=1) - 1, 0)
+        t = t | (best.astype(jnp.uint32) << shift)
+    return t
+
+
+def _filter_key(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """u32[B] cutoff on _order_key(scaled) [B, V]: keep tokens whose key >= it (0 keeps all)."""
+    key = _order_key(scaled)  # [B, V]
+    zero = jnp.zeros(key.shape[:1], jnp.uint32)
+    cut_k = lax.cond(  # the k-th largest value: the largest T with count(key >= T) >= k
+        jnp.any(top_k > 0),
+        lambda: jnp.where(
+            top_k > 0, _select(key, jnp.ones_like(scaled), top_k.astype(jnp.float32)), zero
+        ),
+        lambda: zero,
+    )
+
+    def nucleus():  # the largest T whose kept mass, renormalised over the top-k set, is >= p
+        kept = jnp.where(key >= cut_k[:, None], scaled, -jnp.inf)  # [B, V]
+        probs = jnp.exp(kept - jax.nn.logsumexp(kept, axis=1, keepdims=True))  # [B, V]
+        return jnp.where(top_p < 1.0, _select(key, probs, top_p), zero)
+
+    cut_p = lax.cond(jnp.any(top_p < 1.0), nucleus, lambda: zero)
+    return jnp.maximum(cut_k, cut_p)
+
+
+@jax.jit
+def sample(
+    logits: jax.Array,  # [B, V]
+    temperature: jax.Array,  # f32[B]
+    top_k: jax.Array,  # i32[B]
+    top_p: jax.Array,  # f32[B]
+    seed: jax.Array,  # u32[B]
+    step: jax.Array,  # i32[B]: index of the token being generated for this request
+) -> jax.Array:  # i32[B]
+    """Next token per row. Row b's randomness depends only on (seed[b], step[b])."""
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[1]
+    greedy = jnp.argmax(logits, axis=1).astype(jnp.int32)  # first max: HF/torch tie-breaking
+    do_sample = temperature > 0
+
+    def sampled():
+        scaled = logits / jnp.where(do_sample, temperature, 1.0)[:, None]  # [B, V]
+        # Greedy rows and top_k >= V never filter, so they never make a batch pay for it.
+        k = jnp.where(do_sample & (top_k < vocab), top_k, 0)
+        p = jnp.where(do_sample, top_p, 1.0)
+        cut = lax.cond(
+            jnp.any((k > 0) | (p < 1.0)),
+            lambda: _filter_key(scaled, k, p),
+            lambda: jnp.zeros(k.shape, jnp.uint32),
+        )
+        masked = jnp.where(_order_key(scaled) >= cut[:, None], scaled, -jnp.inf)  # [B, V]
+        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed, step)
+        drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+        return jnp.where(do_sample, drawn, greedy)
+
+    return lax.cond(jnp.any(do_sample), sampled, lambda: greedy)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """What a user asks of one request (vLLM-style). Validated on construction.
+
+    top_k: 0 keeps every token (vLLM's -1 is rejected: use 0). top_p: in (0, 1], 1.0 = off.
+    temperature: 0 = greedy. seed: any int (used mod 2**32); None = a random seed per request.
+    stop: strings that end the output (not included in it). stop_token_ids: extra stop ids.
+    ignore_eos: keep generating past EOS (for benchmarks).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {self.top_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and (
+            not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop)
+        ):
+            raise ValueError(f"stop must be a non-empty str or a list of them, got {self.stop!r}")
+        ids = self.stop_token_ids
+        if ids is not None and (
+            not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids)
+        ):
+            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        # Normalise so the engine sees one form: floats, lists, plain ints.
+        set_ = functools.partial(object.__setattr__, self)
+        set_("max_tokens", int(self.max_tokens))
+        set_("temperature", float(self.temperature))
+        set_("top_k", int(self.top_k))
+        set_("top_p", float(self.top_p))
+        set_("seed", None if self.seed is None else int(self.seed))
+        set_("stop", None if stop is None else list(stop))
+        set_("stop_token_ids", None if ids is None else [int(i) for i in ids])
+        set_("ignore_eos", bool(self.ignore_eos))

@@ -1,0 +1,122 @@
+"""Host-only scheduling: who is prefilled, who decodes, who waits, who is preempted.
+
+FIFO admission under the max batch size, a prefill token budget and the free KV blocks; requests
+join and leave between steps. When a running request cannot get a slot for its next token, the
+newest running request is preempted: its blocks are freed and it goes back to the head of the
+queue, to be recomputed (prompt + what it generated so far) when there is room again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from rosejax.kv_cache import BlockAllocator
+from rosejax.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class PrefillPlan:
+    requests: list[Request]
+    num_cached: list[int]  # leading tokens of each request whose KV the prefix cache holds
+
+
+@dataclasses.dataclass
+class DecodePlan:
+    requests: list[Request]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        max_batch_size: int,
+        max_prefill_tokens: int,
+        max_prefill_batch: int,
+        max_context: int,
+    ):
+        self.allocator = allocator
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_batch = max_prefill_batch
+        self.max_context = max_context
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, decode_steps: int = 1) -> PrefillPlan | DecodePlan | None:
+        """The next step: a prefill of newly admitted requests if any fit, else a decode of every
+        running request with room for `decode_steps` more tokens reserved."""
+        plan = self._admit()
+        if plan is not None:
+            return plan
+        if not self.running:
+            return None
+        self._reserve(decode_steps)
+        return DecodePlan(list(self.running))
+
+    def _admit(self) -> PrefillPlan | None:
+        admitted: list[Request] = []
+        cached: list[int] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and len(admitted) < self.max_prefill_batch:
+            if len(self.running) + len(admitted) >= self.max_batch_size:
+                break
+            request = self.waiting[0]
+            tokens = request.all_token_ids()
+            if len(tokens) > budget and admitted:
+                break
+            if not self.allocator.can_allocate(tokens):
+                break
+            request.table, num_cached = self.allocator.allocate(tokens)
+            budget -= len(tokens) - num_cached
+            request.status = RequestStatus.RUNNING
+            admitted.append(self.waiting.popleft())
+            cached.append(num_cached)
+        if not admitted:
+            return None
+        self.running.extend(admitted)
+        return PrefillPlan(admitted, cached)
+
+    def _reserve(self, steps: int) -> None:
+        """Room for `steps` more tokens for every running request, preempting the newest ones
+        until everyone left fits."""
+        i = 0
+        while i < len(self.running):
+            request = self.running[i]
+            # Never beyond what the request may still generate, nor past the context.
+            room = max(1, min(
+                steps,
+                request.params.max_tokens - len(request.output_token_ids),
+                self.max_context - request.table.num_tokens,
+            ))  # fmt: skip
+            if self.allocator.can_append(request.table, room):
+                self.allocator.reserve(request.table, room)
+                i += 1
+            else:
+                self._preempt(self.running[-1])
+        # A request that just lost its blocks is first in line for the next admission.
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.allocator.free(request.table)
+        request.table = None
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def finish(self, request: Request) -> None:
+        """Release a finished or aborted request's blocks at once."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.allocator.free(request.table)
+            request.table = None
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED

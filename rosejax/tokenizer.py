@@ -1,0 +1,160 @@
+"""Tokenizer loading (offline for local paths and `random:` models) and streaming detokenization."""
+
+from __future__ import annotations
+
+import codecs
+import importlib.resources
+import os
+import weakref
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+# Files that make a directory loadable by AutoTokenizer (any one of them is enough).
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+def packaged_gpt2_tokenizer_path() -> str:
+    """Directory of the GPT-2 tokenizer files shipped inside the package (MIT, see its LICENSE)."""
+    # A plain directory on disk for every normal (non-zip) install, which is what setuptools makes.
+    return str(importlib.resources.files("rosejax") / "tokenizer_data")
+
+
+def load_tokenizer(model: str, tokenizer: str | None = None) -> PreTrainedTokenizerFast:
+    """The tokenizer for `model`: `tokenizer` (path or hub id) if given, else the model's own.
+
+    `random:*` models have no files of their own and use the packaged GPT-2 tokenizer. Local
+    directories load with `local_files_only=True`, so they never touch the network.
+    """
+    if tokenizer is not None:
+        source = tokenizer
+    elif model.startswith("random:"):
+        source = packaged_gpt2_tokenizer_path()
+    else:
+        source = model
+    expanded = os.path.expanduser(source)
+    local = os.path.isdir(expanded)
+    if local and not any(os.path.isfile(os.path.join(expanded, f)) for f in _TOKENIZER_FILES):
+        raise ValueError(
+            f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {source!r}; pass tokenizer= "
+            f"(--tokenizer) with a tokenizer directory or hub id, e.g. the packaged GPT-2 one "
+            f"({packaged_gpt2_tokenizer_path()}) or ../shared/gpt2-tokenizer"
+        )
+    if not local and (os.path.exists(expanded) or source.startswith((".", "/", "~"))):
+        raise ValueError(f"tokenizer path {source!r} is not a directory")
+    # Cleanup strips spaces before punctuation (transformers 4.x may default it on for GPT-2),
+    # which would make decode() disagree with the byte stream the detokenizer streams.
+    return AutoTokenizer.from_pretrained(
+        expanded if local else source, local_files_only=local, clean_up_tokenization_spaces=False
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (the byte-level BPE alphabet)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    bs += range(ord("®"), ord("ÿ") + 1)
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+# tokenizer -> (len(tokenizer), skip_special_tokens, table); rebuilt when tokens are added.
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _is_byte_level(tokenizer: PreTrainedTokenizerFast) -> bool:
+    import tokenizers.decoders
+
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return isinstance(decoder, tokenizers.decoders.ByteLevel)
+
+
+def _byte_table(tokenizer: PreTrainedTokenizerFast, skip_special: bool) -> list[bytes]:
+    """id -> the bytes that the ByteLevel decoder turns that token into."""
+    cached = _TABLES.get(tokenizer)
+    if cached is not None and cached[:2] == (len(tokenizer), skip_special):
+        return cached[2]
+    vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)  # token -> id
+    table = [b""] * (max(vocab.values()) + 1)
+    skip = set(tokenizer.all_special_ids) if skip_special else set()
+    for token, i in vocab.items():
+        if i in skip:
+            continue
+        # The same rule as tokenizers' ByteLevel decoder (added tokens included): map every char
+        # back to its byte, or, if any char is outside the alphabet, use the token's UTF-8.
+        try:
+            table[i] = bytes(_BYTE_DECODER[c] for c in token)
+        except KeyError:
+            table[i] = token.encode("utf-8")
+    _TABLES[tokenizer] = (len(tokenizer), skip_special, table)
+    return table
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces whose concatenation is `tokenizer.decode(ids)`.
+
+    Byte-level BPE tokenizers (GPT-2's) take the exact O(1)-per-token path: each id maps to its
+    bytes and an incremental UTF-8 decoder holds back an incomplete character until its last
+    byte arrives; bytes that can never complete become U+FFFD just as in `decode`. Any other
+    tokenizer uses vLLM's prefix/read offset window: decode only the tokens since the last emitted
+    piece and hold text that ends in U+FFFD (best effort: exact for common tokenizers).
+    """
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerFast, skip_special_tokens: bool = False
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._pieces: list[str] = []
+        self._table: list[bytes] | None = None
+        if _is_byte_level(tokenizer):
+            self._table = _byte_table(tokenizer, skip_special_tokens)
+            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        else:
+            self._ids: list[int] = []
+            self._prefix = self._read = 0  # ids[prefix:read] were decoded into emitted text
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (flush() included once called)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def _emit(self, piece: str) -> str:
+        if piece:
+            self._pieces.append(piece)
+        return piece
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Feed one token id; returns the newly completed text (possibly '')."""
+        token_id = int(token_id)
+        if self._table is not None:
+            if not 0 <= token_id < len(self._table):
+                n = len(self._table)
+                raise ValueError(f"token id {token_id} outside the vocabulary [0, {n})")
+            return self._emit(self._utf8.decode(self._table[token_id]))
+        self._ids.append(token_id)
+        return self._emit(self._window(final=False))
+
+    def _window(self, final: bool) -> str:
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd")):
+            return ""  # an incomplete character (or nothing new yet): wait for more tokens
+        self._prefix, self._read = self._read, len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """At end of stream: whatever is held back (undecodable bytes become U+FFFD)."""
+        if self._table is not None:
+            return self._emit(self._utf8.decode(b"", final=True))
+        return self._emit(self._window(final=True))

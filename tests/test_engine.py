@@ -1,0 +1,276 @@
+"""The engine end to end on CPU: greedy parity with HF generate under every scheduling situation,
+sampling, stops, bad input, aborts, and the allocator left clean."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from rosejax import LLM, LLMEngine, SamplingParams
+from rosejax.tokenizer import packaged_gpt2_tokenizer_path
+from tests.conftest import make_hf_checkpoint
+
+SHAPE = dict(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4)
+TOK = packaged_gpt2_tokenizer_path()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine-ckpt")
+    model = make_hf_checkpoint(path, seed=7, **SHAPE)
+    return str(path), model
+
+
+@functools.cache
+def _hf_greedy(model, prompt: tuple[int, ...], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def make_llm(checkpoint, **kw) -> LLM:
+    kw = {"tokenizer": TOK, "block_size": 8, "max_batch_size": 4, "warmup": False} | kw
+    return LLM(checkpoint[0], **kw)
+
+
+def assert_clean(engine: LLMEngine) -> None:
+    """Every block back on the free list, nothing queued."""
+    assert not engine.has_unfinished_requests()
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks - 1
+    engine.allocator.check_invariants()
+
+
+def random_prompts(n: int, lo: int = 1, hi: int = 40, seed=None) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, SHAPE["vocab_size"], rng.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+def check_greedy(checkpoint, outputs, prompts, n=24):
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.token_ids == _hf_greedy(checkpoint[1], tuple(prompt), n)
+        assert out.finish_reason == "length"
+
+
+def test_batch_of_different_lengths_matches_hf(checkpoint):
+    llm = make_llm(checkpoint)
+    prompts = random_prompts(4)
+    check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+    assert_clean(llm.engine)
+
+
+def test_more_requests_than_batch_and_multi_step_decode(checkpoint):
+    llm = make_llm(checkpoint, max_batch_size=3, decode_steps=4)
+    prompts = random_prompts(7)
+    check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+    assert_clean(llm.engine)
+
+
+def test_small_cache_forces_waiting_and_preemption(checkpoint):
+    # 12 usable blocks of 8 tokens; each request grows to ~40-60 tokens (5-8 blocks).
+    llm = make_llm(checkpoint, kv_cache_tokens=13 * 8, max_batch_size=4)
+    prompts = random_prompts(5, lo=16, hi=36)
+    check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_clean(llm.engine)
+
+
+def test_requests_added_mid_decode(checkpoint):
+    engine = make_llm(checkpoint).engine
+    prompts = random_prompts(4)
+    done = {}
+    engine.add_request("r0", prompts[0], GREEDY)
+    engine.add_request("r1", prompts[1], GREEDY)
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        if steps == 3:
+            engine.add_request("r2", prompts[2], GREEDY)
+        if steps == 9:
+            engine.add_request("r3", prompts[3], GREEDY)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    check_greedy(checkpoint, [done[f"r{i}"] for i in range(4)], prompts)
+    assert_clean(engine)
+
+
+def test_prefix_caching_same_outputs_fewer_prefill_tokens(checkpoint):
+    rng = np.random.default_rng()
+    shared = rng.integers(0, SHAPE["vocab_size"], 33).tolist()  # 4 full blocks of 8 + 1
+    prompts = [shared + rng.integers(0, SHAPE["vocab_size"], int(n)).tolist() for n in (3, 9, 1)]
+    results = {}
+    for on in (True, False):
+        llm = make_llm(checkpoint, enable_prefix_caching=on, max_batch_size=1)
+        results[on] = (
+            llm.generate(prompts, GREEDY, use_tqdm=False),
+            llm.engine.prefill_tokens_computed,
+        )
+        assert_clean(llm.engine)
+    check_greedy(checkpoint, results[True][0], prompts)
+    assert [o.token_ids for o in results[True][0]] == [o.token_ids for o in results[False][0]]
+    assert results[False][1] == sum(len(p) for p in prompts)
+    assert results[True][1] <= results[False][1] - 2 * 32
+
+
+def test_output_independent_of_batch(checkpoint):
+    prompt = random_prompts(1)[0]
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234)
+    alone = make_llm(checkpoint).generate([prompt], sampled, use_tqdm=False)[0]
+    crowd = make_llm(checkpoint).generate(
+        random_prompts(2) + [prompt] + random_prompts(3),
+        [SamplingParams(max_tokens=20, temperature=1.0)] * 2
+        + [sampled]
+        + [SamplingParams(max_tokens=12, temperature=0.0)] * 3,
+        use_tqdm=False,
+    )[2]
+    assert alone.token_ids == crowd.token_ids
+
+
+def test_seed_reproduces_and_temperature_zero_is_greedy(checkpoint):
+    llm = make_llm(checkpoint)
+    prompt = random_prompts(1)[0]
+    p = SamplingParams(max_tokens=16, temperature=1.2, seed=99)
+    a, b = llm.generate([prompt, prompt], p, use_tqdm=False)
+    c = llm.generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=1.2, seed=100), use_tqdm=False
+    )[0]
+    assert a.token_ids == b.token_ids != c.token_ids
+    g = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0]
+    assert g.token_ids == _hf_greedy(checkpoint[1], tuple(prompt), 16)
+    assert_clean(llm.engine)
+
+
+def test_stop_token_ids_stop_strings_and_context_limit(checkpoint):
+    llm = make_llm(checkpoint)
+    prompt = random_prompts(1, 5, 6)[0]
+    full = _hf_greedy(checkpoint[1], tuple(prompt), 24)
+    stop_id = full[10]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0]
+    assert out.token_ids == full[: full.index(stop_id) + 1] and out.finish_reason == "stop"
+    # A stop string: the text of a few middle tokens; nothing from it onwards is returned.
+    text = llm.engine.tokenizer.decode(full)
+    stop = llm.engine.tokenizer.decode(full[12:14])
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0, stop=[stop]), use_tqdm=False
+    )[0]
+    assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
+    # The context ends generation with "length".
+    long_prompt = random_prompts(1, 120, 121)[0]
+    out = llm.generate([long_prompt], SamplingParams(max_tokens=50, temperature=0), use_tqdm=False)[
+        0
+    ]
+    assert len(out.token_ids) == SHAPE["n_positions"] - 120 and out.finish_reason == "length"
+    assert out.token_ids == _hf_greedy(checkpoint[1], tuple(long_prompt), 8)
+    assert_clean(llm.engine)
+
+
+def test_streaming_pieces_add_up(checkpoint):
+    llm = make_llm(checkpoint)
+    prompts = random_prompts(3)
+    pieces: dict[str, list] = {}
+    finals = {}
+    for out in llm.generate_stream(prompts, GREEDY):
+        pieces.setdefault(out.request_id, []).append(out)
+        if out.finished:
+            finals[out.request_id] = out
+    assert len(finals) == 3
+    for rid, outs in pieces.items():
+        assert sum((o.new_token_ids for o in outs), []) == finals[rid].token_ids
+        assert "".join(o.new_text for o in outs) == finals[rid].text
+        assert len(outs) > 1
+    assert_clean(llm.engine)
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ([], GREEDY, "empty"),
+        ("", GREEDY, "empty"),
+        (list(range(SHAPE["n_positions"] + 1)), GREEDY, "more than the context"),
+        ([1, 2, 3], {"max_tokens": 0}, "max_tokens"),
+        ([1, 2, 3], {"temperature": -0.5}, "temperature"),
+        ([1, 2, 3], {"top_p": 0.0}, "top_p"),
+        ([1, 2, 3], {"top_p": 1.5}, "top_p"),
+        ([1, 2, 3], {"top_k": -1}, "top_k"),
+        ([5000], GREEDY, "token ids must be in"),
+    ],
+)
+def test_bad_input_is_rejected_and_engine_keeps_serving(checkpoint, prompt, params, match):
+    llm = make_llm(checkpoint)
+    good = random_prompts(2)
+    with pytest.raises(ValueError, match=match):
+        if isinstance(params, dict):
+            params = SamplingParams(**params)
+        llm.generate(good + [prompt], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # all or nothing
+    check_greedy(checkpoint, llm.generate(good, GREEDY, use_tqdm=False), good)
+    assert_clean(llm.engine)
+
+
+def test_unknown_model_path(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "missing"), warmup=False)
+
+
+def test_abort_mid_decode_frees_blocks(checkpoint):
+    engine = make_llm(checkpoint).engine
+    prompts = random_prompts(3, 10, 30)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=40, temperature=0))
+    for _ in range(4):
+        engine.step()
+    used = engine.allocator.num_used_blocks
+    engine.abort_request("r1")
+    assert engine.allocator.num_used_blocks < used
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != "r1"
+    assert_clean(engine)
+
+
+def test_nothing_recompiles_after_warmup(checkpoint):
+    llm = make_llm(checkpoint, max_batch_size=2, warmup=True, decode_steps=2)
+    compiles = llm.engine.num_compiles
+    assert compiles > 0 and llm.engine.compile_seconds > 0
+    llm.generate(
+        random_prompts(3),
+        [
+            GREEDY,
+            SamplingParams(max_tokens=9, top_k=5, seed=3),
+            SamplingParams(max_tokens=5, top_p=0.5),
+        ],
+        use_tqdm=False,
+    )
+    llm.generate(random_prompts(2), SamplingParams(max_tokens=7, temperature=0.3), use_tqdm=False)
+    assert llm.engine.num_compiles == compiles
+    assert_clean(llm.engine)
+
+
+def test_text_prompts_round_trip(tmp_path):
+    """A model whose vocab covers the real tokenizer: text in, text out, tokenizer files found."""
+    import shutil
+
+    make_hf_checkpoint(
+        tmp_path, seed=3, vocab_size=50257, n_positions=64, n_embd=32, n_layer=1, n_head=2
+    )
+    for f in ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{TOK}/{f}", tmp_path / f)
+    llm = LLM(str(tmp_path), block_size=16, max_batch_size=2, warmup=False)
+    out = llm.generate(
+        "Hello, my name is", SamplingParams(max_tokens=8, temperature=0), use_tqdm=False
+    )[0]
+    assert out.prompt_token_ids == [15496, 11, 616, 1438, 318]
+    assert out.text == llm.engine.tokenizer.decode(out.token_ids)

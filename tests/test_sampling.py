@@ -1,0 +1,211 @@
+"""Sampling: greedy, filters against a numpy reference, per-request determinism, frequencies."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rosejax.sampling import SamplingParams, SamplingState, resolve_seed, sample
+
+# One shape for (almost) every call: each new shape costs a ~2 s compile on CPU. A small cap
+# (max_top_k) sends some batches down the capped path and others down the full sort.
+B, V, CAP = 256, 64, 8
+seeds_st = st.integers(0, 2**32 - 1)
+few = settings(max_examples=6, deadline=None)
+
+
+def run(logits, temperature, top_k, top_p, seed, step) -> np.ndarray:
+    n = len(logits)
+    arrs = (
+        jnp.asarray(logits, jnp.float32),
+        jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (n,)),
+        jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (n,)),
+        jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (n,)),
+        jnp.broadcast_to(jnp.asarray(np.asarray(seed, np.int64) % 2**32, jnp.uint32), (n,)),
+        jnp.broadcast_to(jnp.asarray(step, jnp.int32), (n,)),
+    )
+    return np.asarray(sample(*arrs))
+
+
+def allowed_reference(logits: np.ndarray, t: float, k: int, p: float, tol=1e-4) -> np.ndarray:
+    """HF-style top-k then top-p in float64, a hair loose (tol) so f32 rounding can't fail it."""
+    s = logits.astype(np.float32).astype(np.float64) / np.float64(np.float32(t))
+    vals = np.sort(s)[::-1]
+    cut = vals[k - 1] if 0 < k < len(s) else -np.inf
+    if p >= 1 and cut == -np.inf:
+        return np.ones(len(s), bool)
+    if p < 1:
+        kept = vals[vals >= cut]
+        probs = np.exp(kept - kept.max())
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs
+        n_keep = max(int(np.sum(before < p + tol)), 1)
+        cut = max(cut, kept[n_keep - 1])
+    return s >= cut - tol * max(1.0, abs(cut))
+
+
+def random_params(rng, n):
+    t = rng.uniform(0.3, 2.0, n)
+    k = rng.choice([0, 1, 2, 5, CAP, CAP + 3, 50, V, V + 10], n)
+    p = np.where(rng.random(n) < 0.4, 1.0, rng.uniform(0.05, 1.0, n))
+    return t, k, p
+
+
+@few
+@given(seed=seeds_st)
+def test_greedy_is_first_argmax(seed):
+    rng = np.random.default_rng(seed)
+    logits = rng.integers(-3, 3, (B, V)).astype(np.float32)  # many ties
+    t, k, p = random_params(rng, B)
+    greedy = rng.random(B) < 0.5
+    t[greedy] = 0.0
+    out = run(logits, t, k, p, rng.integers(0, 2**32, B), rng.integers(0, 1000, B))
+    np.testing.assert_array_equal(out[greedy], np.argmax(logits, axis=1)[greedy])
+    all_greedy = run(logits, 0.0, k, p, 0, 0)
+    np.testing.assert_array_equal(all_greedy, np.argmax(logits, axis=1))
+
+
+# "mixed" batches almost always need the full sort; the "capped_*" ones never do.
+@pytest.mark.parametrize("mode", ["mixed", "capped_k", "capped_p"])
+@few
+@given(seed=seeds_st)
+def test_filters_stay_in_allowed_set(mode, seed):
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((B, V)) * rng.uniform(0.5, 4.0, (B, 1))).astype(np.float32)
+    t, k, p = random_params(rng, B)
+    if mode == "capped_k":  # top-k within the cap (top-p inside it)
+        k = rng.integers(1, CAP + 1, B)
+    elif mode == "capped_p":  # top-p alone, with a nucleus inside the top CAP tokens
+        s = logits / t[:, None]
+        probs = np.exp(s - s.max(1, keepdims=True))
+        top_mass = np.sort(probs / probs.sum(1, keepdims=True), axis=1)[:, ::-1][:, :CAP].sum(1)
+        k, p = np.zeros(B, int), rng.uniform(0.05, 0.95, B) * top_mass
+    allowed = np.stack([allowed_reference(logits[b], t[b], k[b], p[b]) for b in range(B)])
+    seeds = rng.integers(0, 2**32, B)
+    for step in range(10):
+        out = run(logits, t, k, p, seeds, step)
+        assert allowed[np.arange(B), out].all(), np.nonzero(~allowed[np.arange(B), out])
+
+
+@few
+@given(seed=seeds_st)
+def test_row_independent_of_batch(seed):
+    """A row's token depends on its logits, params, seed and step only, not on its neighbours,
+    its position, the batch size, or whether a neighbour forced the full-sort path."""
+    rng = np.random.default_rng(seed)
+    n = 16
+    logits = rng.standard_normal((n, V)).astype(np.float32) * 2
+    t, k, p = random_params(rng, n)
+    k = np.minimum(k, CAP)  # alone, these rows take the top-k (capped) path where they filter
+    p = np.where(k > 0, p, 1.0)
+    seeds, steps = rng.integers(0, 2**32, n), rng.integers(0, 10**6, n)
+    zeros = np.zeros(B - n)
+    alone = run(
+        np.concatenate([logits, np.zeros((B - n, V))]), np.concatenate([t, zeros]),
+        np.concatenate([k, zeros]), np.concatenate([p, zeros + 1]),
+        np.concatenate([seeds, zeros]), np.concatenate([steps, zeros]),
+    )[:n]  # fmt: skip
+    for size, force_full in ((B, True), (B, False), (64, True)):
+        others = size - n
+        ol = rng.standard_normal((others, V)).astype(np.float32)
+        ot, ok, op = random_params(rng, others)
+        if force_full:
+            ok[0], op[0], ot[0] = 0, 0.999, 5.0  # a wide nucleus: more than CAP candidates
+        else:
+            ok, op = np.minimum(ok, CAP), np.where(ok > 0, op, 1.0)
+        perm = rng.permutation(size)  # probe i sits at row perm[i]
+        inv = np.argsort(perm)
+        out = run(
+            np.concatenate([logits, ol])[inv], np.concatenate([t, ot])[inv],
+            np.concatenate([k, ok])[inv], np.concatenate([p, op])[inv],
+            np.concatenate([seeds, rng.integers(0, 2**32, others)])[inv],
+            np.concatenate([steps, rng.integers(0, 99, others)])[inv],
+        )  # fmt: skip
+        np.testing.assert_array_equal(out[perm[:n]], alone)
+
+
+def test_seeds_and_steps_vary_draws():
+    logits = np.zeros((B, V), np.float32)  # uniform: every token equally likely
+    by_seed = run(logits, 1.0, 0, 1.0, np.arange(B), 7)
+    by_step = run(logits, 1.0, 0, 1.0, 7, np.arange(B))
+    assert len(set(by_seed)) > V // 2 and len(set(by_step)) > V // 2
+    np.testing.assert_array_equal(run(logits, 1.0, 0, 1.0, np.arange(B), 7), by_seed)
+    # Rows 0-127: seed 1 at steps 0..127; rows 128-255: seed 2 at the same steps.
+    two = run(logits, 1.0, 0, 1.0, np.repeat([1, 2], B // 2), np.tile(np.arange(B // 2), 2))
+    assert np.mean(two[: B // 2] == two[B // 2 :]) < 0.2
+
+
+@pytest.mark.parametrize(
+    "t, k, p, v",
+    [
+        (1.0, 0, 1.0, 8), (0.7, 0, 1.0, 8), (1.0, 3, 1.0, 8), (1.3, 0, 0.6, 8), (1.0, 4, 0.8, 8),
+        # More than CAP tokens kept: the full-sort path must not truncate to the candidates.
+        (1.0, 12, 1.0, 16), (2.0, 0, 0.95, 16), (1.0, 14, 0.97, 16),
+    ],
+)  # fmt: skip
+def test_frequencies_match_softmax(t, k, p, v):
+    steps = 16  # B * steps = 4096 draws over the first v tokens; the rest are -inf
+    rng = np.random.default_rng()
+    logits = rng.standard_normal(v).astype(np.float32) * (0.5 if v > CAP else 1.0)
+    keep = allowed_reference(logits, t, k, p, tol=0.0)
+    probs = np.where(keep, np.exp(logits / t - (logits / t).max()), 0.0)
+    probs /= probs.sum()
+    padded = np.tile(np.concatenate([logits, np.full(V - v, -np.inf, np.float32)]), (B, 1))
+    seeds = rng.integers(0, 2**32, B)
+    out = np.concatenate([run(padded, t, k, p, seeds, s) for s in range(steps)])
+    counts = np.bincount(out, minlength=V)
+    assert counts[v:].sum() == 0 and counts[:v][~keep].sum() == 0
+    expected = len(out) * probs[keep]
+    chi2 = float(np.sum((counts[:v][keep] - expected) ** 2 / expected))
+    df = int(keep.sum()) - 1
+    assert chi2 < df + 10 * np.sqrt(2 * df) + 10, (chi2, counts, expected)  # p-value < 1e-6
+
+
+def test_state_from_params_and_no_recompile():
+    params = [SamplingParams(temperature=0.5, top_k=3, seed=2**32 + 5), SamplingParams(seed=-1)]
+    state = SamplingState.from_params(params, batch_size=B)
+    np.testing.assert_array_equal(state.seed[:3], [5, 2**32 - 1, 0])
+    np.testing.assert_array_equal(state.temperature[:3], [0.5, 1.0, 0.0])  # padding is greedy
+    assert state.top_k.dtype == jnp.int32 and state.seed.dtype == jnp.uint32
+    assert state.temperature.shape == (B,)
+    logits = jnp.asarray(np.random.default_rng().standard_normal((B, V)), jnp.float32)
+    state.sample(
+        logits,
+        jnp.zeros(B, jnp.int32),
+    )
+    compiled = sample._cache_size()
+    for ps in ([SamplingParams(temperature=0.0)], [SamplingParams(top_p=0.3, seed=9)] * 3):
+        out = SamplingState.from_params(ps, batch_size=B).sample(
+            logits,
+            jnp.ones(B, jnp.int32),
+        )
+        assert out.shape == (B,) and out.dtype == jnp.int32
+    assert sample._cache_size() == compiled  # new values, same shapes: no new compile
+    assert 0 <= resolve_seed(None) < 2**32 and resolve_seed(-1) == 2**32 - 1
+    with pytest.raises(ValueError, match="batch_size"):
+        SamplingState.from_params(params, batch_size=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 0}, {"max_tokens": -3}, {"max_tokens": 2.0}, {"max_tokens": True},
+        {"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": "1"},
+        {"top_k": -1}, {"top_k": 2.5}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": None},
+        {"seed": 1.5}, {"stop": 3}, {"stop": [""]}, {"stop": ["a", 1]},
+        {"stop_token_ids": [-1]}, {"stop_token_ids": 5}, {"ignore_eos": "yes"},
+    ],
+)  # fmt: skip
+def test_params_validation(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+
+
+def test_params_normalised():
+    sp = SamplingParams(max_tokens=np.int64(5), temperature=0, top_k=0, top_p=1, stop="\n")
+    assert sp.stop == ["\n"] and isinstance(sp.temperature, float) and type(sp.max_tokens) is int
+    sp = SamplingParams(stop=("a", "b"), stop_token_ids=(1, np.int32(2)), seed=0)
+    assert sp.stop == ["a", "b"] and sp.stop_token_ids == [1, 2] and sp.seed == 0

@@ -1,0 +1,160 @@
+"""Tokenizer loading and streaming detokenization against tokenizer.decode."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rosejax.tokenizer import (
+    IncrementalDetokenizer,
+    _byte_table,
+    load_tokenizer,
+    packaged_gpt2_tokenizer_path,
+)
+
+TEXTS = [
+    "Hello world",
+    "Crème brûlée, naïve café, São Paulo, Zürich, Ærøskøbing",
+    "e\u0301 combining acute, n\u0303",
+    "你好，世界。日本語のテキスト。한국어 문장.",
+    "emoji 😀🎉👍🏽 and more 🤖",
+    "family 👨‍👩‍👧‍👦 rainbow flag 🏳️‍🌈 flags 🇯🇵🇫🇷🇺🇸 keycap 1️⃣",
+    "mixed: ASCII, Ελληνικά, русский, עברית, العربية, हिन्दी, ไทย 🧑🏿‍🚀 ∮ E⋅da = Q",
+    "<|endoftext|>special in the middle<|endoftext|> 😀<|endoftext|>",
+    "   leading spaces\n\nnewlines\ttabs  ",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("random:gpt2")
+
+
+def stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    pieces = [detok.add(i) for i in ids]
+    pieces.append(detok.flush())
+    return pieces
+
+
+def check_stream(tok, ids: list[int], **kwargs) -> None:
+    expected = tok.decode(ids, **kwargs)
+    for generic in (False, True):
+        detok = IncrementalDetokenizer(tok, **kwargs)
+        if generic:  # force the window path that non-byte-level tokenizers take
+            detok._table, detok._ids, detok._prefix, detok._read = None, [], 0, 0
+        pieces = stream(detok, ids)
+        assert "".join(pieces) == expected, (generic, ids)
+        assert detok.text == expected
+        if "\ufffd" not in expected:
+            assert not any("\ufffd" in p for p in pieces), (generic, ids, pieces)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_matches_decode(tok, text):
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text  # GPT-2's byte-level BPE is lossless
+    check_stream(tok, ids)
+    check_stream(tok, ids, skip_special_tokens=True)
+
+
+def test_multibyte_chars_are_held_back_whole(tok):
+    ids = tok.encode("👨‍👩‍👧 你好")
+    detok = IncrementalDetokenizer(tok)
+    pieces = stream(detok, ids)
+    assert len(ids) > len([p for p in pieces if p])  # some tokens only carried partial bytes
+    for p in pieces:
+        assert p.encode("utf-8").decode("utf-8") == p and "\ufffd" not in p
+
+
+def test_invalid_bytes_flush_like_decode(tok):
+    # 447 is a lone lead byte (the start of a 3-byte character): decode gives U+FFFD for it.
+    ids = [447, 15496, 447]
+    assert "\ufffd" in tok.decode(ids)
+    check_stream(tok, ids)
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add(447) == ""  # held back: it might still complete
+    assert detok.add(246) == "\u2018"  # ... and here it does
+
+
+def test_byte_level_path_never_decodes(tok, monkeypatch):
+    detok = IncrementalDetokenizer(tok)
+    monkeypatch.setattr(tok, "decode", lambda *a, **k: pytest.fail("decode called"))
+    for i in range(0, 50000, 997):
+        detok.add(i)
+    detok.flush()
+
+
+def test_out_of_vocab_id(tok):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        IncrementalDetokenizer(tok).add(len(tok) + 5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_random_ids_match_decode(tok, fragments, data):
+    # Half the draws favour tokens that are fragments of a UTF-8 character (a few hundred of the
+    # vocab), so incomplete, completed and never-completed characters all come up often.
+    any_id = st.integers(0, len(tok) - 1)
+    ids_from = data.draw(st.sampled_from([any_id, st.one_of(st.sampled_from(fragments), any_id)]))
+    ids = data.draw(st.lists(ids_from, max_size=40))
+    check_stream(tok, ids)
+
+
+@pytest.fixture(scope="module")
+def fragments(tok) -> list[int]:
+    def is_fragment(b: bytes) -> bool:
+        try:
+            b.decode("utf-8")
+            return False
+        except UnicodeDecodeError:
+            return True
+
+    return [i for i, b in enumerate(_byte_table(tok, False)) if is_fragment(b)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=30))
+def test_random_text_matches_decode(tok, text):
+    check_stream(tok, tok.encode(text))
+
+
+def test_packaged_path():
+    path = packaged_gpt2_tokenizer_path()
+    assert os.path.isfile(os.path.join(path, "tokenizer.json"))
+    assert os.path.isfile(os.path.join(path, "LICENSE"))
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("network access attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_load_random_model(tok, no_network):
+    assert load_tokenizer("random:gpt2").encode("Hello world") == [15496, 995]
+    assert tok.eos_token_id == 50256 and len(tok) == 50257
+
+
+def test_load_local_dir(tmp_path, no_network):
+    shutil.copytree(packaged_gpt2_tokenizer_path(), tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "gpt2"}')
+    assert load_tokenizer(str(tmp_path / "m")).encode("Hello world") == [15496, 995]
+
+
+def test_missing_tokenizer_files(tmp_path, no_network):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="--tokenizer"):
+        load_tokenizer(str(tmp_path))
+    # An explicit tokenizer wins over the model directory.
+    t = load_tokenizer(str(tmp_path), tokenizer=packaged_gpt2_tokenizer_path())
+    assert t.encode("Hello world") == [15496, 995]
+    with pytest.raises(ValueError, match="not a directory"):
+        load_tokenizer("./no/such/model")
