@@ -28,7 +28,10 @@ def checkpoint(tmp_path_factory):
 def _hf_greedy(model, prompt: tuple[int, ...], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            torch.tensor([prompt]),
+            # Without an explicit mask, HF treats every pad id (here 0) in the prompt as padding.
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n, min_new_tokens=n, do_sample=False,
             pad_token_id=0,
         )  # fmt: skip
     return out[0, len(prompt) :].tolist()

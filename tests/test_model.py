@@ -96,7 +96,9 @@ def test_greedy_generation_matches_hf(hf_checkpoint):
     for prompt, got in zip(prompts, ours, strict=True):
         with torch.no_grad():
             ids = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=new, min_new_tokens=new, do_sample=False,
                 pad_token_id=config.eos_token_id,
             )  # fmt: skip
         assert got == ids[0, len(prompt) :].tolist()
