@@ -66,7 +66,7 @@ def main() -> None:
             decode_t = None
             tokens = 0
             if run == 1 and args.trace_dir:
-                jax.profiler.start_trace(args.trace_dir)
+                jax.profiler.start_trace(args.trace_dir, create_perfetto_trace=True)
             while engine.has_unfinished_requests():
                 outs = engine.step()
                 if (

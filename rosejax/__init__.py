@@ -1,6 +1,7 @@
 """rosejax: a GPT-2 inference engine in JAX, Flax and Pallas."""
 
-from rosejax.engine import LLM, LLMEngine
+from rosejax.engine import LLMEngine
+from rosejax.llm import LLM
 from rosejax.request import RequestOutput
 from rosejax.sampling import SamplingParams
 

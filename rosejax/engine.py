@@ -1,28 +1,28 @@
-"""LLMEngine: jitted prefill and decode over the paged KV cache, continuous batching.
+"""LLMEngine: continuous batching over the paged KV cache, with the host one window ahead.
 
-The verbs are JetStream's and vLLM's: `add_request`, `step`, `abort_request`. Every device call is
-one compiled program per static shape (batch bucket, length bucket): prefill runs the forward over
-padded prompts and samples their first token; decode runs `decode_steps` forward+sample steps in a
-`lax.fori_loop`, feeding each step's tokens back on the device. The KV cache is donated to both, so
-no step copies it. The host only decides who runs next (`rosejax.scheduler`).
+The verbs are JetStream's and vLLM's: `add_request`, `step`, `abort_request`. A `step` admits
+waiting requests (one prefill program), reserves KV blocks for the next decode window and
+dispatches it, and only then reads back the *previous* window's tokens: the device never waits for
+the host's bookkeeping. The device stops rows itself (EOS, stop ids, token budget); the host
+stops them for what only it can see (stop strings) and tells the device at the next window.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rosejax.config import GPT2Config
 from rosejax.kv_cache import BlockAllocator, init_kv_cache, num_blocks_for
-from rosejax.model import ForwardMetadata, forward
-from rosejax.request import Request, RequestOutput
-from rosejax.sampling import SamplingParams, sample
-from rosejax.scheduler import DecodePlan, PrefillPlan, Scheduler
+from rosejax.request import Request, RequestOutput, RequestStatus
+from rosejax.runner import NUM_STOP_IDS, ModelRunner
+from rosejax.sampling import SamplingParams
+from rosejax.scheduler import Scheduler
 from rosejax.tokenizer import IncrementalDetokenizer, load_tokenizer
 from rosejax.weights import load_model, resolve_dtype
 
@@ -63,179 +63,84 @@ class LLMEngine:
         seed: int = 0,
         max_prefill_tokens: int = 4096,
         prefill_max_batch_size: int | None = None,
-        decode_steps: int = 1,
+        decode_steps: int | str = "auto",
         compilation_cache_dir: str | None = None,
         warmup: bool = True,
     ):
-        if max_batch_size < 1 or block_size < 1 or decode_steps < 1:
-            raise ValueError("max_batch_size, block_size and decode_steps must be >= 1")
+        if max_batch_size < 1 or block_size < 1:
+            raise ValueError("max_batch_size and block_size must be >= 1")
+        if decode_steps != "auto" and (not isinstance(decode_steps, int) or decode_steps < 1):
+            raise ValueError(f"decode_steps must be 'auto' or an int >= 1, got {decode_steps!r}")
         if dtype == "auto":
             dtype = "float32" if jax.default_backend() == "cpu" else "float16"
         self.dtype = resolve_dtype(dtype)
-        self.config, self.params = load_model(model, self.dtype, seed)
+        config, params = load_model(model, self.dtype, seed)
+        self.config: GPT2Config = config
         self.tokenizer = load_tokenizer(model, tokenizer)
-        cfg: GPT2Config = self.config
         self.block_size = block_size
         self.max_batch_size = max_batch_size
-        self.decode_steps = decode_steps
-        self.max_blocks_per_seq = -(-cfg.n_positions // block_size)
+        # "auto": long windows for throughput, cut short when a waiting request could be admitted.
+        self.auto_steps = decode_steps == "auto"
+        self.decode_steps = 32 if self.auto_steps else decode_steps
         if kv_cache_tokens is None and kv_cache_memory_fraction is None:
             if jax.default_backend() == "cpu":
-                kv_cache_tokens = max_batch_size * cfg.n_positions
+                kv_cache_tokens = max_batch_size * config.n_positions
             else:
                 kv_cache_memory_fraction = 0.5
         num_blocks = num_blocks_for(
-            cfg, block_size, self.dtype, kv_cache_tokens=kv_cache_tokens,
+            config, block_size, self.dtype, kv_cache_tokens=kv_cache_tokens,
             memory_fraction=kv_cache_memory_fraction, max_num_seqs=max_batch_size,
         )  # fmt: skip
-        self.cache = init_kv_cache(cfg, num_blocks, block_size, self.dtype)
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         prefill_batch = min(prefill_max_batch_size or max_batch_size, max_batch_size)
         self.scheduler = Scheduler(
-            self.allocator, max_batch_size, max(max_prefill_tokens, cfg.n_positions),
-            prefill_batch, cfg.n_positions,
+            self.allocator, max_batch_size, max(max_prefill_tokens, config.n_positions),
+            prefill_batch, config.n_positions,
+        )  # fmt: skip
+        # A window may add ceil(2K / block_size) + 1 blocks per row: K in flight, K reserved.
+        per_row = -(-2 * self.decode_steps // block_size) + 1
+        self.runner = ModelRunner(
+            config, params, init_kv_cache(config, num_blocks, block_size, self.dtype),
+            max_batch_size, self.decode_steps, max_batch_size * per_row,
         )  # fmt: skip
         self.decode_buckets = _buckets(max_batch_size)
         self.prefill_batch_buckets = _buckets(prefill_batch)
-        self.prefill_len_buckets = _buckets(cfg.n_positions, start=min(16, cfg.n_positions))
+        self.prefill_len_buckets = _buckets(config.n_positions, start=min(16, config.n_positions))
         self.seed = seed
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
-        self.num_compiles = 0  # traces of the step functions; flat after warm-up
+        self._free_slots = list(range(max_batch_size - 1, -1, -1))  # pop() gives the lowest
+        self._kill = np.zeros(max_batch_size, bool)  # slots the device must stop
+        # Dispatched, not yet read back: (kind, tokens, [(request, epoch, column)], window steps).
+        self._pending: deque = deque()
         self.compile_seconds = 0.0
         self.prefill_tokens_computed = 0
         enable_compilation_cache(compilation_cache_dir)
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
-        self._sample_first = jax.jit(self._sample, static_argnames="greedy")
-        self._decode = jax.jit(
-            self._decode_fn, donate_argnums=(1,), static_argnames=("greedy", "num_steps")
-        )
         if warmup:
             self.warmup()
 
-    # ------------------------------------------------------------------ compiled device programs
+    @property
+    def num_compiles(self) -> int:
+        return self.runner.num_compiles
 
-    def _prefill_fn(self, params, cache, tokens, positions, seq_lens, tables, last):
-        """The forward over padded prompts -> logits of each row's last token [B, V], cache.
-        Sampling is a separate small program, so prefill buckets compile once, not per variant."""
-        self.num_compiles += 1  # runs only while tracing
-        meta = ForwardMetadata(positions=positions, seq_lens=seq_lens, block_tables=tables)
-        return forward(params, self.config, tokens, cache, meta, last)
-
-    def _decode_fn(
-        self,
-        params,
-        cache,
-        tokens,
-        positions,
-        seq_lens,
-        tables,
-        sampling,
-        *,
-        greedy: bool,
-        num_steps: int,
-    ):
-        """`num_steps` decode steps; returns the sampled tokens [num_steps, B] and the cache."""
-        self.num_compiles += 1
-        temperature, top_k, top_p, seeds, steps, limit = sampling
-
-        def body(k, carry):
-            cache, tok, out = carry
-            live = (seq_lens > 0) & (steps + k < limit)  # rows out of budget write to scratch
-            pos = positions + k
-            meta = ForwardMetadata(pos[:, None], jnp.where(live, pos + 1, 0), tables)
-            logits, cache = forward(params, self.config, tok[:, None], cache, meta)
-            nxt = self._sample(logits[:, 0], (temperature, top_k, top_p, seeds, steps + k), greedy)
-            return cache, nxt, out.at[k].set(nxt)
-
-        out = jnp.zeros((num_steps, tokens.shape[0]), jnp.int32)
-        cache, _, out = jax.lax.fori_loop(0, num_steps, body, (cache, tokens, out))
-        return out, cache
-
-    def _sample(self, logits, sampling, greedy: bool):
-        self.num_compiles += 1
-        if greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        temperature, top_k, top_p, seeds, steps = sampling[:5]
-        return sample(logits, temperature, top_k, top_p, seeds, steps)
+    # ------------------------------------------------------------------------------ warm-up
 
     def warmup(self) -> float:
-        """Compile every bucket once (padded rows only write the scratch block); seconds taken."""
+        """Compile every bucket once (padded rows only touch the scratch block); seconds taken."""
         start = time.perf_counter()
         for b in self.prefill_batch_buckets:
             for t in self.prefill_len_buckets:
                 if b * t <= self.scheduler.max_prefill_tokens or b == 1:
-                    self._run_prefill([], [], b, t)
-            self._sample_first(
-                jnp.zeros((b, self.config.vocab_size)), self._sampling_arrays([], b, False)[0],
-                greedy=False,
-            )  # fmt: skip
+                    self.runner.prefill(self._prefill_batch([], [], [], b, t))
         for b in self.decode_buckets:
             for greedy in (True, False):
-                self._run_decode([], b, greedy)
-        self.compile_seconds += time.perf_counter() - start
-        return time.perf_counter() - start
+                self.runner.decode(b, 0, greedy, self._kill, [])
+        jax.block_until_ready(self.runner.state)
+        took = time.perf_counter() - start
+        self.compile_seconds += took
+        return took
 
-    # ------------------------------------------------------------------------- host <-> device
-
-    def _sampling_arrays(self, requests: Sequence[Request], b: int, extra: bool):
-        n = len(requests)
-        temperature = np.zeros(b, np.float32)
-        top_k = np.zeros(b, np.int32)
-        top_p = np.ones(b, np.float32)
-        seeds = np.zeros(b, np.uint32)
-        steps = np.zeros(b, np.int32)
-        limit = np.zeros(b, np.int32)
-        for i, r in enumerate(requests):
-            p = r.params
-            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
-            seeds[i], steps[i] = r.seed, len(r.output_token_ids)
-            limit[i] = min(p.max_tokens, self.config.n_positions - r.num_tokens + steps[i])
-        greedy = n == 0 or not temperature[:n].any()
-        arrays = (temperature, top_k, top_p, seeds, steps) + ((limit,) if extra else ())
-        return tuple(jnp.asarray(a) for a in arrays), greedy
-
-    def _tables(self, requests: Sequence[Request], b: int) -> np.ndarray:
-        tables = np.zeros((b, self.max_blocks_per_seq), np.int32)
-        for i, r in enumerate(requests):
-            blocks = r.table.blocks
-            tables[i, : len(blocks)] = blocks
-        return tables
-
-    def _run_prefill(self, requests: Sequence[Request], cached: Sequence[int], b: int, t: int):
-        tokens = np.zeros((b, t), np.int32)
-        positions = np.tile(np.arange(t, dtype=np.int32), (b, 1))
-        seq_lens = np.zeros(b, np.int32)
-        last = np.zeros(b, np.int32)
-        for i, (r, c) in enumerate(zip(requests, cached, strict=True)):
-            ids = r.all_token_ids()[c:]
-            tokens[i, : len(ids)] = ids
-            positions[i] += c
-            seq_lens[i] = c + len(ids)
-            last[i] = len(ids) - 1
-        sampling, greedy = self._sampling_arrays(requests, b, extra=False)
-        logits, self.cache = self._prefill(
-            self.params, self.cache, tokens, positions, seq_lens, self._tables(requests, b), last
-        )
-        return self._sample_first(logits, sampling, greedy=greedy)
-
-    def _run_decode(self, requests: Sequence[Request], b: int, greedy: bool | None = None):
-        tokens = np.zeros(b, np.int32)
-        positions = np.zeros(b, np.int32)
-        seq_lens = np.zeros(b, np.int32)
-        for i, r in enumerate(requests):
-            tokens[i] = r.last_token
-            positions[i] = r.num_tokens - 1
-            seq_lens[i] = r.num_tokens
-        sampling, all_greedy = self._sampling_arrays(requests, b, extra=True)
-        greedy = all_greedy if greedy is None else greedy
-        out, self.cache = self._decode(
-            self.params, self.cache, tokens, positions, seq_lens, self._tables(requests, b),
-            sampling, greedy=greedy, num_steps=self.decode_steps,
-        )  # fmt: skip
-        return out
-
-    # ------------------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------------------ requests
 
     def add_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
@@ -271,118 +176,129 @@ class LLMEngine:
         """Stop a request now and free its KV blocks; unknown ids are ignored."""
         request = self._requests.pop(request_id, None)
         if request is not None:
-            self.scheduler.finish(request)
+            self._release(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
-        """Run one prefill or one decode window; return an output for every request it advanced."""
-        plan = self.scheduler.schedule(self.decode_steps)
-        if plan is None:
-            return []
-        b = len(plan.requests)
-        if isinstance(plan, PrefillPlan):
-            t = max(r.num_tokens - c for r, c in zip(plan.requests, plan.num_cached, strict=True))
-            self.prefill_tokens_computed += sum(
-                r.num_tokens - c for r, c in zip(plan.requests, plan.num_cached, strict=True)
-            )
-            out = self._run_prefill(
-                plan.requests, plan.num_cached, _bucket(b, self.prefill_batch_buckets),
-                _bucket(t, self.prefill_len_buckets),
-            )[None]  # fmt: skip
-        else:
-            out = self._run_decode(plan.requests, _bucket(b, self.decode_buckets))
-        return self._record(plan, np.asarray(out))
+    def _release(self, request: Request) -> None:
+        if request.slot >= 0:
+            self._kill[request.slot] = True
+            self._free_slots.append(request.slot)
+            request.slot = -1
+        self.scheduler.finish(request)
 
-    def _record(self, plan: PrefillPlan | DecodePlan, out: np.ndarray) -> list[RequestOutput]:
-        """Feed the sampled tokens [K, B] to their requests, in order, until each finishes."""
+    # ---------------------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Admit and prefill, dispatch the next decode window, then return the outputs of the
+        oldest work still in flight (the device runs ahead while the host reads them)."""
+        dispatched = self._admit()
+        running = [r for r in self.scheduler.running if r.slot >= 0]
+        if running and not dispatched:
+            dispatched = self._dispatch_decode(running)
+        if self._pending and (len(self._pending) > 1 or not dispatched):
+            return self._harvest(*self._pending.popleft())
+        return []
+
+    def _admit(self) -> bool:
+        plan = self.scheduler.admit()
+        if plan is None:
+            return False
+        requests = plan.requests
+        for r in requests:
+            r.slot = self._free_slots.pop()
+            r.epoch += 1
+            r.blocks_on_device = len(r.table.blocks)
+            r.inflight = 0
+            self._kill[r.slot] = False
+        suffix = [r.num_tokens - c for r, c in zip(requests, plan.num_cached, strict=True)]
+        self.prefill_tokens_computed += sum(suffix)
+        b = _bucket(len(requests), self.prefill_batch_buckets)
+        t = _bucket(max(suffix), self.prefill_len_buckets)
+        first = self.runner.prefill(self._prefill_batch(requests, plan.num_cached, suffix, b, t))
+        self._pending.append(("prefill", first, [(r, r.epoch, i) for i, r in enumerate(requests)], 0))
+        return True
+
+    def _prefill_batch(self, requests, cached, suffix, b: int, t: int) -> dict[str, np.ndarray]:
+        n_pos = self.config.n_positions
+        batch = dict(
+            tokens=np.zeros((b, t), np.int32),
+            positions=np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+            seq_lens=np.zeros(b, np.int32), last=np.zeros(b, np.int32),
+            tables=np.zeros((b, self.runner.max_blocks), np.int32),
+            slots=np.full(b, self.max_batch_size, np.int32),
+            temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
+            top_p=np.ones(b, np.float32), seed=np.zeros(b, np.uint32),
+            steps=np.zeros(b, np.int32), limit=np.zeros(b, np.int32),
+            stop_ids=np.full((b, NUM_STOP_IDS), -1, np.int32),
+        )  # fmt: skip
+        for i, (r, c, n) in enumerate(zip(requests, cached, suffix, strict=True)):
+            p = r.params
+            batch["tokens"][i, :n] = r.all_token_ids()[c:]
+            batch["positions"][i] += c
+            batch["seq_lens"][i], batch["last"][i], batch["slots"][i] = c + n, n - 1, r.slot
+            batch["tables"][i, : len(r.table.blocks)] = r.table.blocks
+            batch["temperature"][i], batch["top_k"][i], batch["top_p"][i] = (
+                p.temperature, p.top_k, p.top_p)  # fmt: skip
+            batch["seed"][i], batch["steps"][i] = r.seed, len(r.output_token_ids)
+            batch["limit"][i] = min(p.max_tokens, n_pos - len(r.prompt_token_ids))
+            stop = r.device_stop_ids[:NUM_STOP_IDS]
+            batch["stop_ids"][i, : len(stop)] = stop
+        return batch
+
+    def _window(self, running: list[Request]) -> int:
+        """Steps for the next window: the full length, or, when requests wait for a slot, just
+        until the first running request may finish (its slot can then be refilled at once)."""
+        if not self.auto_steps or not self.scheduler.waiting:
+            return self.decode_steps
+        left = min(r.params.max_tokens - len(r.output_token_ids) - r.inflight for r in running)
+        return int(min(self.decode_steps, max(left, 1)))
+
+    def _dispatch_decode(self, running: list[Request]) -> bool:
+        k = self._window(running)
+        self.scheduler.reserve(running, k, extra=lambda r: r.inflight)
+        for r in self.scheduler.preempted:  # lost their blocks: the device must stop them
+            self._kill[r.slot] = True
+            self._free_slots.append(r.slot)
+            r.slot = -1
+        self.scheduler.preempted.clear()
+        running = [r for r in self.scheduler.running if r.slot >= 0]
+        if not running:
+            return False
+        updates = []
+        for r in running:
+            blocks = r.table.blocks
+            updates += [(r.slot, i, blocks[i]) for i in range(r.blocks_on_device, len(blocks))]
+            r.blocks_on_device = len(blocks)
+            r.inflight += k
+        b = _bucket(max(r.slot for r in running) + 1, self.decode_buckets)
+        greedy = all(r.params.temperature == 0 for r in running)
+        out = self.runner.decode(b, k, greedy, self._kill, updates)
+        self._kill[:] = False
+        self._pending.append(("decode", out, [(r, r.epoch, r.slot) for r in running], k))
+        return True
+
+    def _harvest(self, kind: str, tokens: jax.Array, roster, k: int) -> list[RequestOutput]:
+        """Read back a dispatched program's tokens and feed them to their requests."""
+        tokens = np.asarray(tokens)  # waits for that program only
+        tokens = tokens[None] if kind == "prefill" else tokens  # [K, B]
         outputs = []
-        max_context = self.config.n_positions
-        is_decode = isinstance(plan, DecodePlan)
-        for i, request in enumerate(plan.requests):
-            for k in range(out.shape[0]):
-                if is_decode:  # the token fed at step k now has its KV in the cache
+        n_pos = self.config.n_positions
+        for request, epoch, column in roster:
+            if request.epoch != epoch or request.status != RequestStatus.RUNNING:
+                continue  # preempted or aborted since: its tokens here are void
+            request.inflight -= k
+            for tok in tokens[:, column]:
+                if tok < 0:
+                    break
+                if kind == "decode":  # the token fed at this step now has its KV in the cache
                     self.allocator.append(request.table, request.last_token)
-                request.add_token(int(out[k, i]), max_context)
+                request.add_token(int(tok), n_pos)
                 if request.finished:
                     break
             outputs.append(request.take_output())
             if request.finished:
-                self.scheduler.finish(request)
                 del self._requests[request.request_id]
+                self._release(request)
         return outputs
-
-
-class LLM:
-    """The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
-
-    def __init__(self, model: str, **engine_args):
-        self.engine = LLMEngine(model, **engine_args)
-
-    def _submit(self, prompts, sampling_params) -> list[str]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError("give one SamplingParams, or one per prompt")
-        base = self.engine._arrivals
-        ids = [f"gen-{base + i}" for i in range(len(prompts))]
-        added = []
-        try:
-            for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True):
-                self.engine.add_request(rid, prompt, params)
-                added.append(rid)
-        except ValueError:
-            for rid in added:  # all or nothing: a bad prompt leaves nothing queued
-                self.engine.abort_request(rid)
-            raise
-        return ids
-
-    def generate(
-        self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt; one finished output per prompt, in order."""
-        ids = self._submit(prompts, sampling_params)
-        final: dict[str, RequestOutput] = {}
-        progress = None
-        if use_tqdm and len(ids) > 1:
-            from tqdm.auto import tqdm
-
-            progress = tqdm(total=len(ids), desc="requests", unit="req")
-        for output in self._run(ids):
-            if output.finished:
-                final[output.request_id] = output
-                if progress is not None:
-                    progress.update(1)
-        if progress is not None:
-            progress.close()
-        return [final[i] for i in ids]
-
-    def generate_stream(
-        self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ):
-        """Yield each request's new text and token ids as they are produced."""
-        yield from self._run(self._submit(prompts, sampling_params))
-
-    def _run(self, ids: list[str]):
-        pending = set(ids)
-        try:
-            while pending:
-                for output in self.engine.step():
-                    if output.request_id in pending:
-                        if output.finished:
-                            pending.discard(output.request_id)
-                        yield output
-        finally:  # a consumer that stops early must not leave requests holding blocks
-            for rid in pending:
-                self.engine.abort_request(rid)
-
-
-__all__ = ["LLM", "LLMEngine", "SamplingParams"]

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
         )  # fmt: skip
-        from rosejax.engine import LLM
+        from rosejax.llm import LLM
 
         llm = LLM(
             args.model, tokenizer=args.tokenizer, dtype=args.dtype,

@@ -34,7 +34,8 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "params", "seed", "status",
         "table", "detokenizer", "text", "emitted", "finish_reason", "arrival",
-        "_stop_ids", "_new_from",
+        "_stop_ids", "_new_from", "device_stop_ids", "slot", "epoch", "blocks_on_device",
+        "inflight",
     )  # fmt: skip
 
     def __init__(
@@ -63,6 +64,11 @@ class Request:
         if not params.ignore_eos:
             stop_ids.add(eos_token_id)
         self._stop_ids = frozenset(stop_ids)
+        self.device_stop_ids = sorted(stop_ids)  # the engine's device checks the first few
+        self.slot = -1  # the row of the device's slot state this request owns while running
+        self.epoch = 0  # bumped at each admission, so results of a pre-preemption run are void
+        self.blocks_on_device = 0  # entries of its block table the device already has
+        self.inflight = 0  # KV slots that dispatched, unread decode windows may write
         self._new_from = 0  # first output token not yet reported
 
     @property

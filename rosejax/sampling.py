@@ -1,20 +1,25 @@
 """Sampling inside the jitted decode step, and the host-side SamplingParams users pass in.
 
-Every per-request value (temperature, top_k, top_p, seed, step) is a [B] array, so a new value
-never recompiles; the only static knob is `max_top_k`, the candidate count of the cheap path.
+Every per-request value (temperature, top_k, top_p, seed, step) is a [B] array and nothing is
+static but the shapes, so new values never recompile.
 
 Semantics (HF's warpers, in HF's order): temperature == 0 is greedy (argmax, ties to the lowest
 id); otherwise logits / temperature, then top-k (keep tokens >= the k-th largest; 0 = off), then
 top-p over the renormalised top-k set (keep the smallest prefix of the sorted tokens whose mass
-reaches top_p, the top token always; 1.0 = off), then a categorical draw. Both filters keep
-tokens tied with the last kept one, so the kept set never depends on sort order.
+reaches top_p, the top token always; 1.0 = off), then a Gumbel-max categorical draw over the
+full vocab with key fold_in(key(seed), step). Both filters keep tokens tied with the last kept
+one, so the kept set never depends on sort order.
 
-Cost, per step: greedy-only batches are one argmax. Sampling rows draw B x V Gumbel noise
-(threefry). Filtering rows add a full-vocab logsumexp and `lax.top_k(max_top_k)`; only when
-some row needs more than `max_top_k` candidates (top_k > max_top_k, or a nucleus wider than
-them) does the step sort the full vocab (`lax.cond`, so other steps don't pay). Both paths cut at
-the same logit value and draw over the full vocab with the same key, so a row's token does not
-depend on which path its batch took (barring float rounding exactly at a top-p boundary).
+No sort: each filter finds its cutoff with an exact radix select (`_select`, 8 fused passes over
+[B, V]), behind a `lax.cond` so batches that don't use a filter don't pay for it. Measured on an
+H200 (jax 0.11.2, V=50257, per step inside a fori_loop; an argmax alone is ~20 us):
+
+| B   | greedy | temperature | top_k=50 | top_p=0.9 | both   | (full sort + lax.top_k(64): top_k=50 / top_p) |
+| 16  | 25 us  | 17 us       | 68 us    | 93 us     | 146 us | 229 / 506 us                                  |
+| 256 | 22 us  | 93 us       | 469 us   | 845 us    | 1.17 ms| 581 / 1733 us                                 |
+
+XLA's fused [B, V, 16] reduction is compute-bound (~45 us a pass at B=256, ~4x the bytes'
+time): a Pallas select kernel is the next step if sampled batches matter.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 
 from rosejax.kv_cache import BlockAllocator
 from rosejax.request import Request, RequestStatus
@@ -19,11 +20,6 @@ from rosejax.request import Request, RequestStatus
 class PrefillPlan:
     requests: list[Request]
     num_cached: list[int]  # leading tokens of each request whose KV the prefix cache holds
-
-
-@dataclasses.dataclass
-class DecodePlan:
-    requests: list[Request]
 
 
 class Scheduler:
@@ -43,6 +39,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.preempted: list[Request] = []
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -50,18 +47,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, decode_steps: int = 1) -> PrefillPlan | DecodePlan | None:
-        """The next step: a prefill of newly admitted requests if any fit, else a decode of every
-        running request with room for `decode_steps` more tokens reserved."""
-        plan = self._admit()
-        if plan is not None:
-            return plan
-        if not self.running:
-            return None
-        self._reserve(decode_steps)
-        return DecodePlan(list(self.running))
-
-    def _admit(self) -> PrefillPlan | None:
+    def admit(self) -> PrefillPlan | None:
+        """Newly admitted requests (FIFO) to prefill, or None if none fits now."""
         admitted: list[Request] = []
         cached: list[int] = []
         budget = self.max_prefill_tokens
@@ -84,31 +71,30 @@ class Scheduler:
         self.running.extend(admitted)
         return PrefillPlan(admitted, cached)
 
-    def _reserve(self, steps: int) -> None:
-        """Room for `steps` more tokens for every running request, preempting the newest ones
-        until everyone left fits."""
-        i = 0
-        while i < len(self.running):
-            request = self.running[i]
-            # Never beyond what the request may still generate, nor past the context.
-            room = max(1, min(
-                steps,
-                request.params.max_tokens - len(request.output_token_ids),
-                self.max_context - request.table.num_tokens,
-            ))  # fmt: skip
-            if self.allocator.can_append(request.table, room):
-                self.allocator.reserve(request.table, room)
-                i += 1
-            else:
+    def reserve(self, requests: list[Request], steps: int, extra: Callable[[Request], int]) -> None:
+        """Room for `extra(r) + steps` more tokens (what is in flight plus the next window) for
+        each of `requests`, preempting the newest running requests until everyone left fits.
+        The preempted land in `self.preempted` for the engine to release their slots."""
+        for request in requests:
+            while request.status == RequestStatus.RUNNING:
+                # Never beyond what the request may still generate, nor past the context.
+                room = max(1, min(
+                    extra(request) + steps,
+                    request.params.max_tokens - len(request.output_token_ids),
+                    self.max_context - request.table.num_tokens,
+                ))  # fmt: skip
+                if self.allocator.can_append(request.table, room):
+                    self.allocator.reserve(request.table, room)
+                    break
                 self._preempt(self.running[-1])
-        # A request that just lost its blocks is first in line for the next admission.
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.allocator.free(request.table)
         request.table = None
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.waiting.appendleft(request)  # first in line for the next admission
+        self.preempted.append(request)
         self.num_preemptions += 1
 
     def finish(self, request: Request) -> None:

@@ -87,7 +87,7 @@ def test_small_cache_forces_waiting_and_preemption(checkpoint):
 
 
 def test_requests_added_mid_decode(checkpoint):
-    engine = make_llm(checkpoint).engine
+    engine = make_llm(checkpoint, decode_steps=2).engine  # short windows: 12 per request
     prompts = random_prompts(4)
     done = {}
     engine.add_request("r0", prompts[0], GREEDY)
@@ -229,13 +229,14 @@ def test_unknown_model_path(tmp_path):
 
 
 def test_abort_mid_decode_frees_blocks(checkpoint):
-    engine = make_llm(checkpoint).engine
+    engine = make_llm(checkpoint, decode_steps=2).engine
     prompts = random_prompts(3, 10, 30)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=40, temperature=0))
     for _ in range(4):
         engine.step()
     used = engine.allocator.num_used_blocks
+    assert "r1" in [r.request_id for r in engine.scheduler.running]
     engine.abort_request("r1")
     assert engine.allocator.num_used_blocks < used
     while engine.has_unfinished_requests():

@@ -1,0 +1,82 @@
+"""The offline API people know from vLLM: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from rosejax.engine import LLMEngine
+from rosejax.request import RequestOutput
+from rosejax.sampling import SamplingParams
+
+Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]
+
+
+class LLM:
+    """The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str, **engine_args):
+        self.engine = LLMEngine(model, **engine_args)
+
+    def _submit(self, prompts: Prompts, sampling_params) -> list[str]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        base = self.engine._arrivals
+        ids = [f"gen-{base + i}" for i in range(len(prompts))]
+        added = []
+        try:
+            for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True):
+                self.engine.add_request(rid, prompt, params)
+                added.append(rid)
+        except ValueError:
+            for rid in added:  # all or nothing: a bad prompt leaves nothing queued
+                self.engine.abort_request(rid)
+            raise
+        return ids
+
+    def generate(
+        self,
+        prompts: Prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; one finished output per prompt, in order."""
+        ids = self._submit(prompts, sampling_params)
+        final: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(ids), desc="requests", unit="req")
+        for output in self._run(ids):
+            if output.finished:
+                final[output.request_id] = output
+                if progress is not None:
+                    progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [final[i] for i in ids]
+
+    def generate_stream(
+        self,
+        prompts: Prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield each request's new text and token ids as they are produced."""
+        yield from self._run(self._submit(prompts, sampling_params))
+
+    def _run(self, ids: list[str]) -> Iterator[RequestOutput]:
+        pending = set(ids)
+        try:
+            while pending:
+                for output in self.engine.step():
+                    if output.request_id in pending:
+                        if output.finished:
+                            pending.discard(output.request_id)
+                        yield output
+        finally:  # a consumer that stops early must not leave requests holding blocks
+            for rid in pending:
+                self.engine.abort_request(rid)

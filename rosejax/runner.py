@@ -1,0 +1,156 @@
+"""The device side of the engine: the compiled prefill and decode programs and the state they carry.
+
+Each running request owns a *slot*: one row of `SlotState`, which lives on the device. A prefill
+writes its rows' KV, samples their first token and fills their slots; a decode window runs up to
+`max_decode_steps` forward+sample steps in a `lax.while_loop`, feeding each step's tokens back and
+advancing positions on the device, and stops rows on EOS, stop ids or their token budget there.
+The host sends only changes: new block-table entries and the slots it wants stopped. KV cache and
+slot state are donated to every program, so nothing is copied between steps.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rosejax.config import GPT2Config
+from rosejax.kv_cache import KVCache
+from rosejax.model import ForwardMetadata, forward
+from rosejax.sampling import sample
+
+NUM_STOP_IDS = 4  # stop ids checked on the device per row; the host checks any beyond these
+
+
+@flax.struct.dataclass
+class SlotState:
+    tokens: jax.Array  # i32[S], the token to feed next
+    positions: jax.Array  # i32[S], its position
+    alive: jax.Array  # bool[S]
+    steps: jax.Array  # i32[S], tokens generated so far
+    limit: jax.Array  # i32[S], tokens the row may generate in all
+    temperature: jax.Array  # f32[S]
+    top_k: jax.Array  # i32[S]
+    top_p: jax.Array  # f32[S]
+    seed: jax.Array  # u32[S]
+    stop_ids: jax.Array  # i32[S, NUM_STOP_IDS], -1 = none
+    block_tables: jax.Array  # i32[S, MB]
+
+
+def empty_slot_state(num_slots: int, max_blocks: int) -> SlotState:
+    # Every field its own buffer: the state is donated, and a buffer may be donated only once.
+    def z():
+        return jnp.zeros((num_slots,), jnp.int32)
+
+    return SlotState(
+        tokens=z(), positions=z(), alive=jnp.zeros((num_slots,), bool), steps=z(), limit=z(),
+        temperature=jnp.zeros((num_slots,), jnp.float32), top_k=z(),
+        top_p=jnp.ones((num_slots,), jnp.float32), seed=jnp.zeros((num_slots,), jnp.uint32),
+        stop_ids=jnp.full((num_slots, NUM_STOP_IDS), -1, jnp.int32),
+        block_tables=jnp.zeros((num_slots, max_blocks), jnp.int32),
+    )  # fmt: skip
+
+
+def _stopped(tokens, stop_ids, steps, limit):
+    return jnp.any(tokens[:, None] == stop_ids, axis=1) | (steps >= limit)
+
+
+class ModelRunner:
+    """Owns params, KV cache and slot state on the device, and the programs that advance them."""
+
+    def __init__(self, config: GPT2Config, params: dict, cache: KVCache, num_slots: int,
+                 max_decode_steps: int, max_table_updates: int):
+        self.config = config
+        self.params = params
+        self.cache = cache
+        self.num_slots = num_slots
+        self.max_decode_steps = max_decode_steps
+        self.max_table_updates = max_table_updates
+        self.max_blocks = -(-config.n_positions // cache.block_size)
+        self.state = empty_slot_state(num_slots, self.max_blocks)
+        self.num_compiles = 0  # traces of the programs below; flat after warm-up
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2))
+        self._decode = jax.jit(
+            self._decode_fn, donate_argnums=(1, 2), static_argnames=("batch", "greedy")
+        )
+
+    # ------------------------------------------------------------------------------ programs
+
+    def _prefill_fn(self, params, cache, state, batch):
+        """Forward over padded prompts, first token of each row, and the rows' slots filled in.
+        Padded rows have slot index S, which the scatters drop."""
+        self.num_compiles += 1  # runs only while tracing
+        meta = ForwardMetadata(batch["positions"], batch["seq_lens"], batch["tables"])
+        logits, cache = forward(params, self.config, batch["tokens"], cache, meta, batch["last"])
+        first = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
+                       batch["seed"], batch["steps"])  # [Bp]
+        steps = batch["steps"] + 1
+        alive = ~_stopped(first, batch["stop_ids"], steps, batch["limit"])
+        rows = dict(
+            tokens=first, positions=batch["seq_lens"], alive=alive, steps=steps,
+            limit=batch["limit"], temperature=batch["temperature"], top_k=batch["top_k"],
+            top_p=batch["top_p"], seed=batch["seed"], stop_ids=batch["stop_ids"],
+            block_tables=batch["tables"],
+        )  # fmt: skip
+        slots = batch["slots"]
+        state = state.replace(
+            **{k: getattr(state, k).at[slots].set(v, mode="drop") for k, v in rows.items()}
+        )
+        return first, cache, state
+
+    def _decode_fn(self, params, cache, state, kill, upd_slot, upd_index, upd_block, n_steps, *,
+                   batch: int, greedy: bool):
+        """Up to `n_steps` decode steps over slots [0, batch). Returns tokens [K, batch] (-1 where a
+        row produced nothing), the cache and the state."""
+        self.num_compiles += 1
+        tables = state.block_tables.at[upd_slot, upd_index].set(upd_block, mode="drop")
+        alive = state.alive & ~kill
+        state = state.replace(block_tables=tables, alive=alive)
+        rows = jax.tree.map(lambda a: a[:batch], state)
+        out = jnp.full((self.max_decode_steps, batch), -1, jnp.int32)
+
+        def cond(carry):
+            k, _, r, _ = carry
+            return (k < n_steps) & jnp.any(r.alive)
+
+        def body(carry):
+            k, cache, r, out = carry
+            seq_lens = jnp.where(r.alive, r.positions + 1, 0)  # dead rows write to scratch
+            meta = ForwardMetadata(r.positions[:, None], seq_lens, r.block_tables)
+            logits, cache = forward(params, self.config, r.tokens[:, None], cache, meta)
+            logits = logits[:, 0]  # [B, V]
+            if greedy:
+                nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            else:
+                nxt = sample(logits, r.temperature, r.top_k, r.top_p, r.seed, r.steps)
+            live = r.alive
+            steps = r.steps + live
+            r = r.replace(
+                tokens=jnp.where(live, nxt, r.tokens), positions=r.positions + live, steps=steps,
+                alive=live & ~_stopped(nxt, r.stop_ids, steps, r.limit),
+            )  # fmt: skip
+            return k + 1, cache, r, out.at[k].set(jnp.where(live, nxt, -1))
+
+        _, cache, rows, out = jax.lax.while_loop(cond, body, (0, cache, rows, out))
+        state = jax.tree.map(lambda a, r: a.at[:batch].set(r), state, rows)
+        return out, cache, state
+
+    # ------------------------------------------------------------------------- host calls
+
+    def prefill(self, batch: dict[str, np.ndarray]) -> jax.Array:
+        first, self.cache, self.state = self._prefill(self.params, self.cache, self.state, batch)
+        return first
+
+    def decode(self, batch: int, n_steps: int, greedy: bool, kill: np.ndarray,
+               updates: list[tuple[int, int, int]]) -> jax.Array:
+        """Dispatch a decode window (asynchronously); `updates` are (slot, index, block) entries
+        of the block tables that changed since the last window."""
+        u = np.full((3, self.max_table_updates), self.num_slots, np.int32)
+        if updates:
+            u[:, : len(updates)] = np.asarray(updates, np.int32).T
+        out, self.cache, self.state = self._decode(
+            self.params, self.cache, self.state, kill, u[0], u[1], u[2], np.int32(n_steps),
+            batch=batch, greedy=greedy,
+        )  # fmt: skip
+        return out
