@@ -32,7 +32,7 @@ def copy_bandwidth_gbs() -> float:
 
 def step_bytes(engine: LLMEngine, batch: int, context: int) -> float:
     cfg = engine.config
-    weights = sum(x.nbytes for x in jax.tree.leaves(engine.params))
+    weights = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params))
     kv = 2 * cfg.n_layer * batch * context * cfg.n_embd * engine.dtype.itemsize
     return weights + kv
 

@@ -6,18 +6,22 @@ prefix-cached prefill (the cached blocks are already there) and decode share one
 
 - `paged_attention_reference`: plain XLA (gather the row's pages, masked softmax). Used on CPU, for
   prefill, and as the test oracle.
-- `decode_attention`: one query per row. On the GPU, jax's Pallas `paged_attention` kernel (it reads
-  the `[H, num_blocks, block_size, D]` layout this cache uses); elsewhere, the reference.
+- `decode_attention`: one query per row. On the GPU, rosejax's Pallas kernel
+  (`pallas_kernels/paged_attention.py`, ROSEJAX_PALLAS_ATTENTION=0 turns it off); elsewhere XLA.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import warnings
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
 
 _MASK_VALUE = -1e30
 
@@ -53,19 +57,6 @@ def decode_attention(
     block_tables: jax.Array,  # [B, MB] int32
     seq_lens: jax.Array,  # [B] int32, tokens in the cache for each row, this step's included
 ) -> jax.Array:  # [B, H, D]
-    if not pallas_attention_enabled():
-        out = paged_attention_reference(
-            q[:, None], k_cache, v_cache, block_tables, (seq_lens - 1)[:, None]
-        )
-        return out[:, 0]
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-
-    pages = block_tables.shape[1]
-    # The kernel applies no 1/sqrt(D) scaling of its own; padded rows (length 0) would divide by 0.
-    q = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Triton.*", category=DeprecationWarning)
-        return paged_attention(
-            q, k_cache, v_cache, block_tables, jnp.maximum(seq_lens, 1),
-            pages_per_compute_block=math.gcd(pages, 4), k_splits=1,
-        )  # fmt: skip
+    if pallas_attention_enabled():
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
+    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens)

@@ -99,18 +99,23 @@ class LLMEngine:
         )  # fmt: skip
         # A window may add ceil(2K / block_size) + 1 blocks per row: K in flight, K reserved.
         per_row = -(-2 * self.decode_steps // block_size) + 1
+        # On a GPU, a decode batch under 16 rows turns every matmul into a slow XLA GEMV: padding
+        # to 16 rows costs no extra weight traffic and gets GEMM kernels.
+        min_batch = int(os.environ.get(
+            "ROSEJAX_MIN_DECODE_BATCH", "1" if jax.default_backend() == "cpu" else "16"))
+        num_slots = max(max_batch_size, min_batch)
         self.runner = ModelRunner(
             config, params, init_kv_cache(config, num_blocks, block_size, self.dtype),
-            max_batch_size, self.decode_steps, max_batch_size * per_row,
+            num_slots, self.decode_steps, num_slots * per_row,
         )  # fmt: skip
-        self.decode_buckets = _buckets(max_batch_size)
+        self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
         self.prefill_batch_buckets = _buckets(prefill_batch)
         self.prefill_len_buckets = _buckets(config.n_positions, start=min(16, config.n_positions))
         self.seed = seed
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
         self._free_slots = list(range(max_batch_size - 1, -1, -1))  # pop() gives the lowest
-        self._kill = np.zeros(max_batch_size, bool)  # slots the device must stop
+        self._kill = np.zeros(num_slots, bool)  # slots the device must stop
         # Dispatched, not yet read back: (kind, tokens, [(request, epoch, column)], window steps).
         self._pending: deque = deque()
         self.compile_seconds = 0.0
@@ -227,7 +232,7 @@ class LLMEngine:
             positions=np.tile(np.arange(t, dtype=np.int32), (b, 1)),
             seq_lens=np.zeros(b, np.int32), last=np.zeros(b, np.int32),
             tables=np.zeros((b, self.runner.max_blocks), np.int32),
-            slots=np.full(b, self.max_batch_size, np.int32),
+            slots=np.full(b, self.runner.num_slots, np.int32),  # padded rows: dropped
             temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
             top_p=np.ones(b, np.float32), seed=np.zeros(b, np.uint32),
             steps=np.zeros(b, np.int32), limit=np.zeros(b, np.int32),

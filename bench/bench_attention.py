@@ -1,0 +1,100 @@
+"""Paged decode attention microbench: rosejax's Pallas kernel, jax's Pallas GPU paged_attention op,
+and the XLA gather reference, at GPT-2 dims (H=12, D=64), fp16.
+
+Each implementation runs `--iters` times inside one jitted fori_loop (each output feeds the next
+query), so Python dispatch stays out; median over `--repeats` calls. GB/s counts the K and V bytes
+the rows attend (B x context x H x D x 2 x 2 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
+
+
+def jax_op(q, k, v, tables, lengths, *, pages_per_compute_block, k_splits):
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    q = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)  # the op does not scale
+    return paged_attention(q, k, v, tables, jnp.maximum(lengths, 1),
+                           pages_per_compute_block=pages_per_compute_block, k_splits=k_splits)
+
+
+def impls(interpret: bool) -> dict:
+    out = {"xla": paged_decode_attention_reference}
+    for w in (1, 2, 4, 8):
+        out[f"rosejax_w{w}"] = functools.partial(paged_decode_attention, num_warps=w,
+                                                 interpret=interpret)
+    if not interpret:
+        out["jax_op_ppcb4"] = functools.partial(jax_op, pages_per_compute_block=4, k_splits=1)
+        out["jax_op_ppcb8_ks4"] = functools.partial(jax_op, pages_per_compute_block=8, k_splits=4)
+    return out
+
+
+def time_impl(fn, q, k, v, tables, lengths, iters: int, repeats: int) -> float:
+    @jax.jit
+    def loop(q):
+        return jax.lax.fori_loop(0, iters, lambda _, x: fn(x, k, v, tables, lengths), q)
+
+    loop(q).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        loop(q).block_until_ready()
+        times.append((time.perf_counter() - t) / iters)
+    return float(np.median(times)) * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch-sizes", default="1,16,64,256", help="comma list of B")
+    p.add_argument("--contexts", default="136,512", help="comma list of tokens per row")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    p.add_argument("--iters", type=int, default=200, help="calls per timed loop")
+    p.add_argument("--repeats", type=int, default=5, help="timed loops; the median is kept")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, interpret mode (CPU smoke)")
+    p.add_argument("--json", default=None, help="write results here")
+    args = p.parse_args()
+    interpret = args.quick or jax.default_backend() == "cpu"
+    h, d, bs = 12, 64, args.block_size
+    sizes = [(b, c) for b in map(int, args.batch_sizes.split(",")) for c in map(int, args.contexts.split(","))]
+    if args.quick:
+        sizes, args.iters, args.repeats = [(2, 20)], 2, 1
+    rng = np.random.default_rng(0)
+    rows = []
+    for b, ctx in sizes:
+        mb = -(-ctx // bs)
+        nb = 1 + b * mb
+        k = jnp.asarray(rng.normal(size=(h, nb, bs, d)), jnp.float16)
+        v = jnp.asarray(rng.normal(size=(h, nb, bs, d)), jnp.float16)
+        tables = jnp.asarray(1 + rng.permutation(nb - 1).reshape(b, mb), jnp.int32)
+        lengths = jnp.full((b,), ctx, jnp.int32)
+        q = jnp.asarray(rng.normal(size=(b, h, d)), jnp.float16)
+        ref = np.asarray(paged_decode_attention_reference(q, k, v, tables, lengths), np.float32)
+        bytes_ = b * ctx * h * d * 2 * 2
+        for name, fn in impls(interpret).items():
+            err = float(np.abs(np.asarray(fn(q, k, v, tables, lengths), np.float32) - ref).max())
+            us = time_impl(fn, q, k, v, tables, lengths, args.iters, args.repeats)
+            rows.append(dict(B=b, context=ctx, impl=name, us=us, gbs=bytes_ / us / 1e3, max_err=err))
+            print(f"B={b:4d} ctx={ctx:4d} {name:18s} {us:9.2f} us {bytes_ / us / 1e3:8.1f} GB/s  err {err:.1e}",
+                  flush=True)
+    print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Paged decode attention for multi-head attention with one query per row (GPT-2's decode step).
+
+jax's `pallas.ops.gpu.paged_attention` is built for grouped queries: it pads each KV head's queries
+to a block of 16 rows for the matrix units, so with GPT-2's one query per KV head 15/16 of its work
+and a padding copy of q are waste. Here every program owns one (row, head) pair and streams that
+head's pages through an online softmax with vector arithmetic: [block_size, D] tiles, no padding.
+
+Layout: k_cache, v_cache [H, num_blocks, block_size, D] (rosejax's KV cache); block_tables
+[B, MB] int32; lengths [B] int32 (tokens in the cache for the row, 0 for a padded row).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.kv_append import _filter_triton_deprecation
+
+_NEG_INF = -1e30
+
+
+def paged_decode_attention_kernel(
+    q_ref,  # [B, H, D]
+    k_cache_ref,  # [H, NB, BS, D]
+    v_cache_ref,  # [H, NB, BS, D]
+    block_tables_ref,  # [B, MB]
+    lengths_ref,  # [B]
+    o_ref,  # [B, H, D]
+    *,
+    sm_scale: float,
+):
+    b, h = pl.program_id(0), pl.program_id(1)
+    block_size, head_dim = k_cache_ref.shape[2], k_cache_ref.shape[3]
+    q = q_ref[b, h, :].astype(jnp.float32) * sm_scale  # [D]
+    length = lengths_ref[b]
+
+    def body(i, carry):
+        m, denom, acc = carry  # [], [], [D]: running max, softmax denominator, numerator
+        page = block_tables_ref[b, i]
+        k = k_cache_ref[h, page, :, :].astype(jnp.float32)  # [BS, D]
+        v = v_cache_ref[h, page, :, :].astype(jnp.float32)  # [BS, D]
+        s = jnp.sum(q[None, :] * k, axis=1)  # [BS]
+        pos = i * block_size + jnp.arange(block_size, dtype=jnp.int32)
+        s = jnp.where(pos < length, s, _NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s))
+        p = jnp.exp(s - m_new)  # [BS]
+        alpha = jnp.exp(m - m_new)
+        acc = acc * alpha + jnp.sum(p[:, None] * v, axis=0)
+        return m_new, denom * alpha + jnp.sum(p), acc
+
+    num_pages = (length + block_size - 1) // block_size
+    init = (jnp.float32(_NEG_INF), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32))
+    _, denom, acc = jax.lax.fori_loop(0, num_pages, body, init)
+    # A padded row (length 0) has denom = 0: write zeros, not NaN.
+    o_ref[b, h, :] = (acc / jnp.maximum(denom, 1e-30)).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=["num_warps", "num_stages", "interpret"])
+def paged_decode_attention(
+    q: jax.Array,  # [B, H, D]
+    k_cache: jax.Array,  # [H, NB, BS, D]
+    v_cache: jax.Array,  # [H, NB, BS, D]
+    block_tables: jax.Array,  # [B, MB] int32
+    lengths: jax.Array,  # [B] int32
+    *,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:  # [B, H, D]
+    """softmax(q k^T / sqrt(D)) v over each row's first `lengths[b]` cached tokens."""
+    if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"need q [B, H, D] and caches [H, NB, BS, D], got {q.shape}, "
+                         f"{k_cache.shape}, {v_cache.shape}")
+    b, h, d = q.shape
+    if (k_cache.shape[0], k_cache.shape[3]) != (h, d):
+        raise ValueError(f"q heads/dim {(h, d)} do not match the cache's "
+                         f"{(k_cache.shape[0], k_cache.shape[3])}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.dtype != jnp.int32:
+        raise ValueError(f"block_tables must be int32 [{b}, MB], got {block_tables.dtype} "
+                         f"{block_tables.shape}")
+    if lengths.shape != (b,) or lengths.dtype != jnp.int32:
+        raise ValueError(f"lengths must be int32 [{b}], got {lengths.dtype} {lengths.shape}")
+    bs = k_cache.shape[2]
+    if bs & (bs - 1) or d & (d - 1):
+        raise ValueError(f"block size and head dim must be powers of two, got {bs}, {d}")
+    if not interpret:
+        _filter_triton_deprecation()
+    return pl.pallas_call(
+        functools.partial(paged_decode_attention_kernel, sm_scale=1.0 / math.sqrt(d)),
+        grid=(b, h),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"paged_decode_attention_bs{bs}_w{num_warps}",
+    )(q, k_cache, v_cache, block_tables, lengths)
+
+
+def paged_decode_attention_reference(
+    q: jax.Array,  # [B, H, D]
+    k_cache: jax.Array,  # [H, NB, BS, D]
+    v_cache: jax.Array,  # [H, NB, BS, D]
+    block_tables: jax.Array,  # [B, MB] int32
+    lengths: jax.Array,  # [B] int32
+) -> jax.Array:  # [B, H, D]
+    """Plain XLA: gather each row's pages, masked softmax in float32."""
+    b, h, d = q.shape
+    bs = k_cache.shape[2]
+    context = block_tables.shape[1] * bs
+    k = k_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
+    v = v_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
+    s = jnp.einsum("bhd,hbld->bhl", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    s = jnp.where(jnp.arange(context)[None, None, :] < lengths[:, None, None], s, _NEG_INF)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(lengths[:, None, None] > 0, p, 0.0)  # a padded row attends to nothing
+    out = jnp.einsum("bhl,hbld->bhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
