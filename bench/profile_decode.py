@@ -62,6 +62,7 @@ def main() -> None:
             for i in range(args.batch):
                 prompt = rng.integers(0, engine.config.vocab_size, args.prompt_len).tolist()
                 engine.add_request(f"{run}-{i}", prompt, params)
+            engine.host_seconds = dict.fromkeys(engine.host_seconds, 0.0)
             t0 = time.perf_counter()
             decode_t = None
             tokens = 0
@@ -86,6 +87,7 @@ def main() -> None:
         gbs = step_bytes(engine, args.batch, ctx) / (ms / 1e3) / 1e9
         row = dict(
             decode_steps=k,
+            host_seconds={name: round(v, 3) for name, v in engine.host_seconds.items()},
             batch=args.batch,
             e2e_s=t1 - t0,
             e2e_tok_s=tokens / (t1 - t0),

@@ -119,6 +119,9 @@ class LLMEngine:
         # Dispatched, not yet read back: (kind, tokens, [(request, epoch, column)], window steps).
         self._pending: deque = deque()
         self.compile_seconds = 0.0
+        # Where the host's time goes: scheduling and dispatch, waiting for the device, reading
+        # results back into requests (bench/profile_decode.py prints it).
+        self.host_seconds = {"dispatch": 0.0, "wait": 0.0, "harvest": 0.0}
         self.prefill_tokens_computed = 0
         enable_compilation_cache(compilation_cache_dir)
         if warmup:
@@ -198,10 +201,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Admit and prefill, dispatch the next decode window, then return the outputs of the
         oldest work still in flight (the device runs ahead while the host reads them)."""
+        t0 = time.perf_counter()
         dispatched = self._admit()
         running = [r for r in self.scheduler.running if r.slot >= 0]
         if running and not dispatched:
             dispatched = self._dispatch_decode(running)
+        self.host_seconds["dispatch"] += time.perf_counter() - t0
         if self._pending and (len(self._pending) > 1 or not dispatched):
             return self._harvest(*self._pending.popleft())
         return []
@@ -286,7 +291,10 @@ class LLMEngine:
 
     def _harvest(self, kind: str, tokens: jax.Array, roster, k: int) -> list[RequestOutput]:
         """Read back a dispatched program's tokens and feed them to their requests."""
+        t0 = time.perf_counter()
         tokens = np.asarray(tokens)  # waits for that program only
+        t1 = time.perf_counter()
+        self.host_seconds["wait"] += t1 - t0
         tokens = tokens[None] if kind == "prefill" else tokens  # [K, B]
         outputs = []
         n_pos = self.config.n_positions
@@ -306,4 +314,5 @@ class LLMEngine:
             if request.finished:
                 del self._requests[request.request_id]
                 self._release(request)
+        self.host_seconds["harvest"] += time.perf_counter() - t1
         return outputs

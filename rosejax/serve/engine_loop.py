@@ -1,0 +1,250 @@
+"""AsyncEngine: one background thread owns the (not thread-safe) LLMEngine and runs its loop.
+
+asyncio handlers hand it commands through a thread-safe queue; it answers each submission on a
+future and streams every RequestOutput into that submission's asyncio.Queue via
+`loop.call_soon_threadsafe`. So all HTTP connections share one continuous batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rosejax.request import RequestOutput
+from rosejax.sampling import SamplingParams
+from rosejax.serve.metrics import ServerMetrics
+
+log = logging.getLogger("rosejax.serve")
+
+
+class Overloaded(Exception):
+    """Too many requests wait already; the caller answers 429."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed (or stopped) while serving a request; the caller answers 500."""
+
+
+class _Sink:
+    """Where one submission's outputs go: an asyncio.Queue living on the submitter's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, rids: Sequence[str]):
+        self.loop, self.queue, self.rids = loop, asyncio.Queue(), list(rids)
+        self.arrival = time.perf_counter()
+        self.last: dict[str, float] = {}  # request id -> time of its latest token
+
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            return True
+        except RuntimeError:  # the event loop is closed: nobody will read this
+            return False
+
+
+def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
+    if future.done():  # cancelled: the client already left
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+
+
+class RequestStream:
+    """Outputs of one submission (one engine request per prompt), in order per request."""
+
+    def __init__(self, engine: AsyncEngine, sink: _Sink):
+        self._engine, self._sink = engine, sink
+        self.request_ids = sink.rids
+        self._pending = set(sink.rids)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._pending:
+            raise StopAsyncIteration
+        item = await self._sink.queue.get()
+        if isinstance(item, BaseException):
+            self._pending.clear()  # the engine has dropped them already
+            raise item
+        if item.finished:
+            self._pending.discard(item.request_id)
+        return item
+
+    def abort(self) -> None:
+        """Stop whatever is still running (a client went away); idempotent."""
+        if self._pending:
+            self._engine.abort(sorted(self._pending))
+            self._pending.clear()
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, max_waiting: int | None = None,
+                 metrics: ServerMetrics | None = None, poll_s: float = 0.05):  # fmt: skip
+        self.engine = engine
+        # In flight past a full batch counts as waiting; more than max_waiting of those -> 429.
+        self.max_waiting = max_waiting
+        self.max_in_flight = None if max_waiting is None else engine.max_batch_size + max_waiting
+        self.metrics = metrics or ServerMetrics()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}
+        self._stop = threading.Event()
+        self._poll_s = poll_s
+        self._thread = threading.Thread(target=self._run, name="rosejax-engine", daemon=True)
+        self.snapshot: dict[str, Any] = {}
+        self._publish()
+        self.metrics.watch(lambda: self.snapshot)
+
+    # ----------------------------------------------------------------- called from other threads
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    async def submit(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams,
+                     request_id: str) -> RequestStream:  # fmt: skip
+        """Queue one request per prompt (all or none). ValueError: bad input; Overloaded."""
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        rids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        sink, accepted = _Sink(loop, rids), loop.create_future()
+        self._commands.put(("add", sink, list(prompts), params, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:  # the client left before the engine answered
+            self.abort(rids)
+            raise
+        return RequestStream(self, sink)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._commands.put(("abort", list(request_ids)))
+
+    # ------------------------------------------------------------------- the engine thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished_requests())
+                if self._stop.is_set():
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish()
+        finally:
+            self._fail_all(EngineError("the server is shutting down"))
+            self._publish()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=self._poll_s) if block else self._commands.get_nowait()
+            while True:
+                self._handle(cmd)
+                cmd = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            self._add(*cmd[1:])
+        elif cmd[0] == "abort":
+            for rid in cmd[1]:
+                if self._sinks.pop(rid, None) is not None:
+                    self.engine.abort_request(rid)
+                    self.metrics.finished.labels("abort").inc()
+
+    def _add(self, sink: _Sink, prompts: list, params: SamplingParams, accepted) -> None:
+        def answer(exc: BaseException | None) -> None:
+            try:
+                sink.loop.call_soon_threadsafe(_settle, accepted, exc)
+            except RuntimeError:  # the event loop is closed: nobody waits for these
+                for rid in sink.rids:
+                    if self._sinks.pop(rid, None) is not None:
+                        self.engine.abort_request(rid)
+
+        scheduler = self.engine.scheduler
+        in_flight = len(scheduler.running) + len(scheduler.waiting)
+        if self.max_in_flight is not None and in_flight + len(prompts) > self.max_in_flight:
+            return answer(Overloaded(
+                f"the server is overloaded: {in_flight} requests in flight, at most "
+                f"{self.max_in_flight} (batch {self.engine.max_batch_size} + max waiting "
+                f"{self.max_waiting}); retry later"))  # fmt: skip
+        added: list[str] = []
+        try:
+            for rid, prompt in zip(sink.rids, prompts, strict=True):
+                self.engine.add_request(rid, prompt, params)
+                added.append(rid)
+        except Exception as e:  # ValueError: bad input; anything else must not kill the loop
+            for rid in added:
+                self.engine.abort_request(rid)
+            return answer(e)
+        for rid in added:
+            self._sinks[rid] = sink
+        answer(None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            log.exception("engine step failed; failing the requests in flight")
+            self._fail_all(EngineError("the engine failed while generating; see the server log"))
+            return
+        now = time.perf_counter()
+        m = self.metrics
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            n = len(out.new_token_ids)
+            if n:
+                m.generation_tokens.inc(n)
+                last = sink.last.get(out.request_id)
+                if last is None:
+                    m.ttft.observe(now - sink.arrival)
+                    m.prompt_tokens.inc(len(out.prompt_token_ids))
+                else:
+                    for _ in range(n):  # a multi-step window hands over n tokens at once
+                        m.itl.observe((now - last) / n)
+                sink.last[out.request_id] = now
+            if out.finished:
+                del self._sinks[out.request_id]
+                m.finished.labels(out.finish_reason or "stop").inc()
+                m.e2e.observe(now - sink.arrival)
+            if not sink.put(out) and not out.finished:
+                self._sinks.pop(out.request_id, None)
+                self.engine.abort_request(out.request_id)
+
+    def _fail_all(self, exc: EngineError) -> None:
+        sinks, self._sinks = self._sinks, {}
+        for rid in sinks:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                log.exception("abort of %s failed", rid)
+            self.metrics.finished.labels("error").inc()
+        for sink in {id(s): s for s in sinks.values()}.values():
+            sink.put(exc)
+
+    def _publish(self) -> None:
+        """A fresh dict each time, so a scrape from another thread reads one consistent view."""
+        alloc, sched = self.engine.allocator, self.engine.scheduler
+        self.snapshot = {
+            "running": len(sched.running), "waiting": len(sched.waiting),
+            "kv_blocks_used": alloc.num_used_blocks, "kv_blocks_total": alloc.num_blocks - 1,
+            "prefix_hits": alloc.prefix_hits, "prefix_hit_tokens": alloc.prefix_hit_tokens,
+        }  # fmt: skip

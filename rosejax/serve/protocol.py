@@ -1,0 +1,196 @@
+"""OpenAI request bodies: pydantic models that forbid unknown fields, and explicit refusals.
+
+A field rosejax cannot honour (logprobs, n > 1, penalties, ...) is a 400 that names it: a client
+that asked for it must not get an answer computed without it. Sending such a field with its
+neutral value (n=1, logprobs=null, a 0 penalty) is accepted, as the official clients may do so.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rosejax.sampling import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):  # noqa: A002
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = (
+            message, status, param, type, code)  # fmt: skip
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}  # fmt: skip
+
+
+# field -> (neutral values that are accepted, why it is refused otherwise)
+_COMMON_UNSUPPORTED = {
+    "n": ((1,), "only n=1 (one choice per prompt) is supported"),
+    "presence_penalty": ((0, 0.0), "penalties are not implemented"),
+    "frequency_penalty": ((0, 0.0), "penalties are not implemented"),
+    "logit_bias": (({},), "logit_bias is not implemented"),
+}
+COMPLETION_UNSUPPORTED = {
+    **_COMMON_UNSUPPORTED,
+    "logprobs": ((), "logprobs are not implemented"),
+    "best_of": ((1,), "best_of is not implemented"),
+    "suffix": (("",), "suffix (insertion) is not implemented"),
+    "echo": ((False,), "echo is not implemented"),
+}
+CHAT_UNSUPPORTED = {
+    **_COMMON_UNSUPPORTED,
+    "logprobs": ((False,), "logprobs are not implemented"),
+    "top_logprobs": ((0,), "logprobs are not implemented"),
+    "tools": (([],), "tool calling is not implemented"),
+    "tool_choice": (("none",), "tool calling is not implemented"),
+    "functions": (([],), "function calling is not implemented"),
+    "function_call": (("none",), "function calling is not implemented"),
+    "parallel_tool_calls": ((), "tool calling is not implemented"),
+    "response_format": (({"type": "text"},), "structured output is not implemented"),
+}
+
+
+def _neutral(value: Any, neutral: tuple) -> bool:
+    # Compare types too: True == 1 in Python, but n=true is not n=1.
+    return value is None or any(type(value) is type(v) and value == v for v in neutral)
+
+
+class _Body(BaseModel):
+    # strict: no "5" -> 5 or true -> 1 coercion; a wrong type is a 400, not a guess.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extra, as in vLLM
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extra, as in vLLM
+    ignore_eos: bool | None = None  # extra, as in vLLM
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an opaque end-user id; nothing depends on it
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = self._max_tokens()
+        try:
+            return SamplingParams(
+                max_tokens=16 if max_tokens is None else max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                # Any top_k >= vocab keeps every token; clamp so it fits the engine's int32.
+                top_k=min(self.top_k or 0, 2**31 - 1), top_p=1.0 if self.top_p is None else self.top_p,
+                seed=self.seed, stop=self.stop or None, stop_token_ids=self.stop_token_ids,
+                ignore_eos=bool(self.ignore_eos),
+            )  # fmt: skip
+        except ValueError as e:
+            first = str(e).split(" ", 1)[0]
+            raise APIError(str(e), param=first if first in type(self).model_fields else None) from e
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
+
+
+class CompletionRequest(_Sampling):
+    # Checked by prompts(): a pydantic union would answer with one error per union member.
+    prompt: Any
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per choice: a string or a token id list."""
+        p = self.prompt
+        if isinstance(p, str) or _is_ids(p):
+            return [p]
+        if isinstance(p, list) and p and all(isinstance(x, str) or _is_ids(x) for x in p):
+            return list(p)
+        if p == [] or (isinstance(p, list) and [] in p):
+            raise APIError("prompt is empty", param="prompt")
+        raise APIError("prompt must be a string, a list of token ids (ints), or a list of "
+                       "strings or token id lists (one choice each)", param="prompt")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        c = self.content
+        text = "".join(p.text for p in c) if isinstance(c, list) else (c or "")
+        return {"role": self.role, "content": text}
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    def _max_tokens(self) -> int | None:
+        # max_completion_tokens is the newer name; it wins when both are given, as in OpenAI.
+        limit = self.max_completion_tokens
+        return self.max_tokens if limit is None else limit
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
+
+
+def parse(body: dict[str, Any], model: type[_Sampling], unsupported: dict) -> _Sampling:
+    """Validate a decoded body; every problem is an APIError(400) naming the field."""
+    for name, (neutral, why) in unsupported.items():
+        if name in body:
+            value = body.pop(name)
+            if not _neutral(value, neutral):
+                raise APIError(f"'{name}' is not supported by rosejax: {why}", param=name,
+                               code="unsupported_parameter")  # fmt: skip
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        # Drop union-member tags ("str", "list[str]", "TextPart") from the location.
+        loc = [x for x in err["loc"] if isinstance(x, int) or (x.islower() and "[" not in x
+                                                                and x not in _TYPE_TAGS)]
+        param = ".".join(str(x) for x in loc) or None
+        if err["type"] == "extra_forbidden":
+            raise APIError(f"unknown field '{param}': rosejax does not support it", param=param,
+                           code="unsupported_parameter") from None  # fmt: skip
+        raise APIError(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(req, name, None)
+        if value is not None and value <= 0:
+            raise APIError(f"{name} must be > 0, got {value}", param=name)
+    return req
