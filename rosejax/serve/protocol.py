@@ -19,7 +19,7 @@ class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):  # noqa: A002
+                 type: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.type, self.code = (
             message, status, param, type, code)  # fmt: skip

@@ -1,0 +1,329 @@
+"""What the benchmark scripts share: engine flags, the timed request loop, environment, JSON, plots.
+
+The loop drives `LLMEngine` through its public API only (add_request / step /
+has_unfinished_requests). The engine is single-threaded, so the "submitter" is the loop itself:
+before each `step()` it adds every request whose submit time has passed. A request's submit time
+is when it was due (start + its offset), so time spent adding earlier requests or waiting for the
+engine's current step counts toward its TTFT, as it would for a client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bench.metrics import RequestTrace, StepRecord, step_kind
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------------------------ flags
+
+
+def ints(text: str) -> list[int]:
+    """'1,4' -> [1, 4]."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not out or any(x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return out
+
+
+def decode_steps_arg(text: str) -> int | str:
+    """An int, or a word the engine understands (e.g. 'auto'), passed through as is."""
+    return int(text) if text.strip().isdigit() else text
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "--hf-model-id", dest="model", default="random:gpt2",
+                   help="hub id, local save_pretrained directory, or random:<preset> (random "
+                        "weights of a GPT-2 shape: random:gpt2 is the 124M shape, random:tiny a "
+                        "2-layer one for CPU tests); --hf-model-id is an alias")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory or hub id, for a checkpoint without tokenizer files "
+                        "(random:* models use the packaged GPT-2 tokenizer)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+                   help="weights and KV cache dtype; auto = float16 on GPU, float32 on CPU")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights and of the sampling seeds")
+
+
+def add_engine_args(p: argparse.ArgumentParser, max_batch_size: int = 64) -> None:
+    add_model_args(p)
+    p.add_argument("--max-batch-size", type=int, default=max_batch_size,
+                   help="most requests the engine decodes together (its largest decode bucket)"
+                        + ("; 0 = the largest --batch-sizes" if max_batch_size == 0 else ""))
+    p.add_argument("--prefill-max-batch-size", type=int, default=None,
+                   help="most requests prefilled together; default: --max-batch-size")
+    p.add_argument("--max-prefill-tokens", type=int, default=4096,
+                   help="prompt tokens per prefill step at most")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per KV cache block")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV cache size in tokens; default: the engine's (half the free GPU "
+                        "memory; on CPU max batch x context)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="turn off prefix caching (sharing KV blocks of equal prompt prefixes)")
+    p.add_argument("--decode-steps", type=decode_steps_arg, default=None,
+                   help="decode steps per device call, passed to the engine as is (an int, or "
+                        "e.g. 'auto' where the engine takes it); default: the engine's")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="don't compile every bucket at engine start (LLMEngine(warmup=False)); "
+                        "the --warmup-runs then compile what the workload uses")
+    p.add_argument("--compilation-cache-dir", default=None,
+                   help="jax persistent compilation cache; default: the engine's")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (the default, as HF generate's)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k filter, 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1], 1 = off")
+    p.add_argument("--no-stop-on-eos", action="store_true",
+                   help="keep generating past EOS (SamplingParams(ignore_eos=True)), so every "
+                        "request makes exactly --max-new-tokens tokens")
+
+
+def add_run_args(p: argparse.ArgumentParser, warmup_runs: int = 1, repeat_runs: int = 3) -> None:
+    p.add_argument("--warmup-runs", type=int, default=warmup_runs,
+                   help="untimed runs of the whole workload first (they compile what it uses)")
+    p.add_argument("--repeat-runs", type=int, default=repeat_runs,
+                   help="timed runs; each is reported, then a summary over them")
+    p.add_argument("--json", default=None, metavar="PATH", help="write every figure here")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="write a PNG here (needs matplotlib: pip install -e '.[bench]')")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--bandwidth-gbs", type=float, default=None,
+                   help="the card's memory bandwidth in GB/s, for the roofline's %% column "
+                        "(e.g. a measured copy bandwidth)")
+
+
+def engine_kwargs(args: argparse.Namespace, max_batch_size: int | None = None) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        tokenizer=args.tokenizer, dtype=args.dtype,
+        max_batch_size=max_batch_size or args.max_batch_size, block_size=args.block_size,
+        kv_cache_tokens=args.kv_cache_tokens, enable_prefix_caching=not args.no_prefix_cache,
+        seed=args.seed, max_prefill_tokens=args.max_prefill_tokens,
+        prefill_max_batch_size=args.prefill_max_batch_size, warmup=not args.no_warmup,
+        compilation_cache_dir=args.compilation_cache_dir,
+    )  # fmt: skip
+    if args.decode_steps is not None:  # else the engine's default (it may become "auto")
+        kw["decode_steps"] = args.decode_steps
+    return kw
+
+
+def make_engine(args: argparse.Namespace, max_batch_size: int | None = None):
+    """Build the engine; returns (engine, seconds to build it: load, cache, warm-up compile)."""
+    from rosejax.engine import LLMEngine
+
+    start = time.perf_counter()
+    engine = LLMEngine(args.model, **engine_kwargs(args, max_batch_size))
+    return engine, time.perf_counter() - start
+
+
+def sampling_params(args: argparse.Namespace, max_tokens: int):
+    from rosejax.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        ignore_eos=args.no_stop_on_eos,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- the loop
+
+
+def run_workload(
+    engine,
+    prompts: Sequence[str | Sequence[int]],
+    params,
+    offsets: Sequence[float] | None = None,
+    tag: str = "run",
+    progress: bool = True,
+    on_output: Callable | None = None,
+) -> tuple[list[RequestTrace], list[StepRecord]]:
+    """Submit prompts[i] at start + offsets[i] seconds (None: all at once), step the engine until
+    every request finished; return one trace per request (in prompt order) and one record per
+    step. Token times are taken right after `step()` returns."""
+    n = len(prompts)
+    offsets = [0.0] * n if offsets is None else list(offsets)
+    if len(offsets) != n:
+        raise ValueError("one offset per prompt")
+    order = sorted(range(n), key=lambda i: offsets[i])
+    params_list = params if isinstance(params, (list, tuple)) else [params] * n
+    traces = [RequestTrace(f"{tag}-{i}", 0.0) for i in range(n)]
+    by_id = {t.request_id: t for t in traces}
+    steps: list[StepRecord] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n, desc=tag, unit="req", leave=False, mininterval=0.5)
+    nxt = 0
+    start = time.perf_counter()
+    while nxt < n or engine.has_unfinished_requests():
+        now = time.perf_counter()
+        while nxt < n and offsets[order[nxt]] <= now - start:
+            i = order[nxt]
+            traces[i].submit_time = start + offsets[i]
+            engine.add_request(traces[i].request_id, prompts[i], params_list[i])
+            nxt += 1
+        if not engine.has_unfinished_requests():  # idle until the next arrival
+            time.sleep(max(0.0, start + offsets[order[nxt]] - time.perf_counter()))
+            continue
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        t1 = time.perf_counter()
+        tokens = first = 0
+        for out in outputs:
+            trace = by_id[out.request_id]
+            k = len(out.new_token_ids)
+            if k and not trace.token_times:
+                first += 1
+                trace.prompt_tokens = len(out.prompt_token_ids)
+            trace.add_tokens(k, t1)
+            tokens += k
+            if out.finished:
+                trace.finish_reason = out.finish_reason
+                if bar is not None:
+                    bar.update(1)
+            if on_output is not None:
+                on_output(out, t1)
+        steps.append(StepRecord(t0, t1, tokens, step_kind(len(outputs), first)))
+    if bar is not None:
+        bar.close()
+    return traces, steps
+
+
+def trace_lists(traces: Sequence[RequestTrace]) -> dict[str, list]:
+    """Per-request raw figures (for the JSON and plots): ms, in request order."""
+    from bench import metrics as m
+
+    def ms(v):
+        return None if v is None else v * 1e3
+
+    return {
+        "prompt_tokens": [t.prompt_tokens for t in traces],
+        "completion_tokens": [t.num_tokens for t in traces],
+        "ttft_ms": [ms(m.ttft(t)) for t in traces],
+        "tpot_ms": [ms(m.tpot(t)) for t in traces],
+        "e2e_ms": [ms(m.e2e(t)) for t in traces],
+    }
+
+
+# ------------------------------------------------------------------------- environment, IO
+
+
+def _git(*cmd: str) -> str | None:
+    try:
+        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    except Exception:
+        return None
+
+
+def environment(engine=None) -> dict[str, Any]:
+    """Where and when this ran: versions, device, git commit (and whether the tree was dirty)."""
+    env: dict[str, Any] = {
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "argv": sys.argv,
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+    }
+    # A copy of the tree without its history (as on the lent GPU machines) has no commit: then
+    # "dirty" means nothing, so it is left None.
+    env["git_dirty"] = bool(_git("status", "--porcelain")) if env["git_commit"] else None
+    if "jax" in sys.modules:
+        import jax
+
+        dev = jax.devices()[0]
+        env.update(jax=jax.__version__, backend=jax.default_backend(),
+                   device=getattr(dev, "device_kind", str(dev)))
+    if engine is not None:
+        import dataclasses
+
+        import numpy as np
+
+        env.update(dtype=np.dtype(engine.dtype).name,
+                   config=dataclasses.asdict(engine.config),
+                   max_batch_size=getattr(engine, "max_batch_size", None),
+                   block_size=getattr(engine, "block_size", None),
+                   decode_steps=getattr(engine, "decode_steps", None))
+    return env
+
+
+def write_json(path: str | None, data: dict) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def load_pyplot():
+    """matplotlib's pyplot on the Agg backend, imported only when a plot is asked for."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise SystemExit(f"--plot needs matplotlib ({e}); pip install -e '.[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_distributions(path: str, series: dict[str, dict[str, list]], title: str) -> None:
+    """TTFT and ITL: a histogram and a CDF each. `series`: label -> {'ttft_ms': [...],
+    'itl_ms': [...]} (one label per run or per engine)."""
+    import numpy as np
+
+    plt = load_pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for row, key in enumerate(("ttft_ms", "itl_ms")):
+        for label, data in series.items():
+            vals = np.asarray([v for v in data.get(key, []) if v is not None], float)
+            if vals.size == 0:
+                continue
+            axes[row, 0].hist(vals, bins=50, alpha=0.6, label=label)
+            xs = np.sort(vals)
+            axes[row, 1].plot(xs, np.arange(1, xs.size + 1) / xs.size, label=label)
+        name = key[:-3].upper()
+        axes[row, 0].set(xlabel=f"{name} (ms)", ylabel="count", title=f"{name} histogram")
+        axes[row, 1].set(xlabel=f"{name} (ms)", ylabel="fraction <= x", title=f"{name} CDF")
+        for ax in axes[row]:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def plot_throughput(path: str, batch_sizes: Sequence[int], curves: dict[str, list], title: str,
+                    ylabel: str = "tokens / s") -> None:
+    """Throughput vs batch size, one line per engine (None values skipped), log-log."""
+    plt = load_pyplot()
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for label, ys in curves.items():
+        pts = [(b, y) for b, y in zip(batch_sizes, ys, strict=True) if y]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel=ylabel, title=title)
+    ax.set_xticks(list(batch_sizes), [str(b) for b in batch_sizes])
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)

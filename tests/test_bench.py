@@ -1,0 +1,310 @@
+"""bench/: metric arithmetic against hand-computed values, and each script end to end on CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from bench import metrics as m
+from rosejax.config import PRESETS
+
+# ------------------------------------------------------------------------------ arithmetic
+
+
+def test_percentiles_linear():
+    p = m.percentiles([4.0, 1.0, 3.0, 2.0])
+    # numpy 'linear': rank q/100 * (n-1) between the sorted values 1, 2, 3, 4
+    assert p["p50"] == pytest.approx(2.5)
+    assert p["p95"] == pytest.approx(3.85)
+    assert p["p99"] == pytest.approx(3.97)
+    assert p["mean"] == pytest.approx(2.5) and p["max"] == 4.0 and p["n"] == 4
+
+
+def test_percentiles_skip_missing_and_empty():
+    assert m.percentiles([None, float("nan"), 7.0])["p99"] == 7.0
+    empty = m.percentiles([])
+    assert empty["n"] == 0 and empty["p50"] is None and empty["mean"] is None
+    assert m.scaled({"p50": 0.25, "n": 3}, 1e3) == {"p50": 250.0, "n": 3}
+
+
+def _trace(submit, times, prompt=3):
+    t = m.RequestTrace("r", submit, prompt_tokens=prompt)
+    for x in times:
+        t.add_tokens(1, x)
+    return t
+
+
+def test_per_request_metrics():
+    # first token from prefill at 0.5, then a 3-token window at 0.6, then one at 0.9
+    t = m.RequestTrace("a", submit_time=0.0)
+    t.add_tokens(1, 0.5)
+    t.add_tokens(3, 0.6)
+    t.add_tokens(1, 0.9)
+    assert t.num_tokens == 5 and t.finish_time == 0.9
+    assert m.ttft(t) == pytest.approx(0.5)
+    assert m.tpot(t) == pytest.approx((0.9 - 0.5) / 4)
+    assert m.itl(t) == pytest.approx([0.1, 0.0, 0.0, 0.3])
+    assert m.delivery_gaps(t) == pytest.approx([0.1, 0.3])
+    assert m.e2e(t) == pytest.approx(0.9)
+
+
+def test_single_token_and_empty_requests():
+    one = _trace(1.0, [1.25])
+    assert m.ttft(one) == pytest.approx(0.25) and m.tpot(one) is None and m.itl(one) == []
+    none = m.RequestTrace("x", 0.0)
+    assert m.ttft(none) is None and m.e2e(none) is None and m.throughput([none]) is None
+
+
+def test_throughput_and_decode_throughput():
+    a = _trace(0.0, [1.0, 2.0])
+    b = _trace(0.5, [1.5, 2.5, 3.0])
+    assert m.throughput([a, b]) == pytest.approx(5 / 3.0)  # 5 tokens, first submit 0, last 3.0
+    steps = [
+        m.StepRecord(0.0, 1.0, 2, "prefill"),
+        m.StepRecord(1.0, 1.5, 2, "decode"),
+        m.StepRecord(2.0, 2.5, 1, "decode"),
+        m.StepRecord(2.5, 2.75, 3, "mixed"),
+    ]
+    assert m.decode_throughput(steps) == pytest.approx(3 / 1.0)
+    assert m.decode_throughput(steps[:1]) is None
+
+
+def test_step_kind():
+    assert m.step_kind(0, 0) == "empty"
+    assert m.step_kind(3, 3) == "prefill"
+    assert m.step_kind(3, 0) == "decode"
+    assert m.step_kind(3, 1) == "mixed"
+
+
+def test_summarize_hand_values():
+    a = m.RequestTrace("a", 0.0, prompt_tokens=2)
+    a.add_tokens(1, 0.1)
+    a.add_tokens(2, 0.3)  # two tokens in one delivery: one zero gap
+    a.finish_reason = "length"
+    b = _trace(0.0, [0.2, 0.4], prompt=5)
+    b.finish_reason = "length"
+    steps = [m.StepRecord(0.0, 0.1, 1, "prefill"), m.StepRecord(0.1, 0.2, 1, "prefill"),
+             m.StepRecord(0.2, 0.3, 2, "decode"), m.StepRecord(0.3, 0.4, 1, "decode")]
+    s = m.summarize([a, b], steps)
+    assert s["num_requests"] == 2 and s["num_finished"] == 2
+    assert s["prompt_tokens"] == 7 and s["completion_tokens"] == 5
+    assert s["duration_s"] == pytest.approx(0.4)
+    assert s["throughput_tok_s"] == pytest.approx(5 / 0.4)
+    assert s["decode_throughput_tok_s"] == pytest.approx(3 / 0.2)
+    assert s["steps"] == {"prefill": 2, "decode": 2}
+    assert s["ttft_ms"]["p50"] == pytest.approx(150.0)  # ttfts 100 and 200 ms
+    assert s["tpot_ms"]["mean"] == pytest.approx((100.0 + 200.0) / 2)  # (0.3-0.1)/2, 0.2/1
+    assert sorted(s["itl_ms"].values())  # present
+    assert s["itl_ms"]["n"] == 3 and s["itl_zero_fraction"] == pytest.approx(1 / 3)
+    assert s["delivery_gap_ms"]["n"] == 2
+    assert s["e2e_ms"]["max"] == pytest.approx(400.0)
+    json.dumps(s)  # JSON-ready
+    over = m.summarize_runs([s, dict(s, throughput_tok_s=s["throughput_tok_s"] * 3)])
+    assert over["throughput_tok_s"]["mean"] == pytest.approx(2 * 5 / 0.4)
+    assert over["ttft_ms.p50"]["n"] == 2
+    assert "run" in m.format_summary(s, "run")
+
+
+def test_roofline_gpt2_124m():
+    cfg = PRESETS["gpt2"]
+    assert cfg.num_params() == 124_439_808
+    assert m.weight_bytes(cfg) == (124_439_808 - 1024 * 768) * 2
+    assert m.kv_bytes_per_token(cfg) == 2 * 12 * 768 * 2 == 36_864
+    # 256 rows at the mean context of 8-token prompts with 256 new tokens: 8 + 128 = 136
+    ctx = m.mean_decode_context(8, 256)
+    assert ctx == 136
+    b = m.decode_step_bytes(cfg, 256, ctx)
+    assert b["weights"] == 247_306_752
+    assert b["kv_read"] == 256 * 136 * 36_864 == 1_283_457_024
+    assert b["kv_write"] == 256 * 36_864
+    assert b["embedding_rows"] == 2 * 256 * 768 * 2
+    assert b["total"] == 1_540_987_392  # DESIGN: "about 1.5 GB ... per step"
+    assert m.decode_step_bytes(cfg, 2, [10, 30])["kv_read"] == 40 * 36_864
+    with pytest.raises(ValueError):
+        m.decode_step_bytes(cfg, 2, [10])
+
+
+def test_flops_and_roofline_ratios():
+    cfg = PRESETS["gpt2"]
+    per_row = 12 * (4 * 768**2 + 2 * 768 * 3072) + 50257 * 768
+    assert per_row == 123_532_032
+    assert m.decode_step_flops(cfg, 1, 100) == 2 * per_row + 4 * 12 * 768 * 100
+    r = m.roofline(cfg, 256, 136, step_seconds=1e-3, bandwidth_gbs=4000.0)
+    assert r["achieved_gbs"] == pytest.approx(1_540_987_392 / 1e-3 / 1e9)
+    assert r["pct_of_bandwidth"] == pytest.approx(100 * r["achieved_gbs"] / 4000)
+    assert r["floor_seconds"] == pytest.approx(1_540_987_392 / 4e12)
+    assert r["tokens_per_s"] == pytest.approx(256_000)
+    assert r["tokens_per_s_ceiling"] == pytest.approx(256 / r["floor_seconds"])
+    assert m.roofline(cfg, 1, 10, 1e-3)["pct_of_bandwidth"] is None
+    run = m.decode_run_roofline(cfg, 256, 8, 256, decode_seconds=0.255, bandwidth_gbs=4000.0)
+    assert run["decode_steps"] == 255 and run["step_seconds"] == pytest.approx(1e-3)
+    assert run["bytes"] == 1_540_987_392
+
+
+def test_roofline_tiny_by_hand():
+    cfg = PRESETS["tiny"]  # vocab 50257, 128 positions, E 64, 2 layers, fp32 here
+    e, f, v = 64, 256, 50257
+    params = v * e + 128 * e + 2 * (4 * e + 3 * e * e + 3 * e + e * e + e + e * f + f + f * e + e)
+    params += 2 * e
+    assert cfg.num_params() == params
+    b = m.decode_step_bytes(cfg, 3, 20, dtype_bytes=4)
+    assert b["weights"] == (params - 128 * e) * 4
+    assert b["kv_read"] == 3 * 20 * 2 * 2 * e * 4
+    assert b["kv_write"] == 3 * 2 * 2 * e * 4
+    assert b["embedding_rows"] == 3 * 2 * e * 4
+
+
+# ---------------------------------------------------------------------- scripts end to end
+
+TINY = ["--model", "random:tiny", "--no-warmup", "--no-progress", "--block-size", "16"]
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _positive(x):
+    return x is not None and math.isfinite(x) and x > 0
+
+
+def test_streaming_end_to_end(tmp_path):
+    from bench import benchmark_streaming
+
+    path = tmp_path / "s.json"
+    assert benchmark_streaming.main([
+        *TINY, "--num-requests", "4", "--max-new-tokens", "6", "--max-batch-size", "4",
+        "--prompt-repeats", "1,3", "--no-stop-on-eos", "--warmup-runs", "1",
+        "--repeat-runs", "2", "--json", str(path),
+    ]) == 0  # fmt: skip
+    data = _load(path)
+    assert data["benchmark"] == "streaming" and len(data["runs"]) == 2
+    assert len(data["warmup_runs"]) == 1
+    for run in data["runs"]:
+        s = run["summary"]
+        assert s["num_requests"] == 4 and s["num_finished"] == 4
+        assert s["completion_tokens"] == 24  # EOS off: exactly 6 each
+        assert s["prompt_tokens"] == 1 + 3 + 1 + 3  # "Hello" and "Hello Hello Hello"
+        assert _positive(s["throughput_tok_s"])
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert set(s[key]) >= {"p50", "p95", "p99"} and s[key]["n"] > 0
+        assert len(run["requests"]["ttft_ms"]) == 4
+        assert run["requests"]["completion_tokens"] == [6] * 4
+    assert _positive(data["summary"]["throughput_tok_s"]["mean"])
+    assert data["environment"]["backend"] == "cpu"
+
+
+def test_streaming_schedule_pretok_unique_decode_steps(tmp_path):
+    from bench import benchmark_streaming
+
+    path = tmp_path / "s.json"
+    assert benchmark_streaming.main([
+        *TINY, "--num-requests", "3", "--max-new-tokens", "5", "--submit-interval-ms", "20",
+        "--pretok", "--unique-prompts", "--decode-steps", "2", "--no-stop-on-eos",
+        "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--no-prefix-cache",
+        "--warmup-runs", "0", "--repeat-runs", "1", "--json", str(path),
+    ]) == 0  # fmt: skip
+    data = _load(path)
+    s = data["runs"][0]["summary"]
+    assert s["completion_tokens"] == 15 and s["num_finished"] == 3
+    assert data["args"]["decode_steps"] == 2 and data["args"]["pretok"]
+    # each request was due 20 ms after the one before: submit times are the schedule
+    assert s["duration_s"] > 0.04
+
+
+def test_scheduler_offline_and_online(tmp_path):
+    from bench import benchmark_scheduler
+
+    path = tmp_path / "off.json"
+    assert benchmark_scheduler.main([
+        *TINY, "--num-requests", "3", "--input-len", "5", "--max-new-tokens", "4",
+        "--max-batch-size", "4", "--no-stop-on-eos", "--warmup-runs", "1", "--repeat-runs", "1",
+        "--bandwidth-gbs", "100", "--json", str(path),
+    ]) == 0  # fmt: skip
+    data = _load(path)
+    s = data["runs"][0]["summary"]
+    assert data["mode"] == "offline"
+    assert s["prompt_tokens"] == 15 and s["completion_tokens"] == 12
+    assert _positive(s["throughput_tok_s"]) and _positive(s["decode_throughput_tok_s"])
+    roof = s["roofline"]
+    assert roof["decode_steps"] == 3 and roof["mean_context"] == 7
+    assert _positive(roof["achieved_gbs"]) and _positive(roof["pct_of_bandwidth"])
+
+    path = tmp_path / "on.json"
+    assert benchmark_scheduler.main([
+        *TINY, "--mode", "online", "--request-rate", "100", "--num-requests", "3",
+        "--max-new-tokens", "3", "--no-stop-on-eos", "--warmup-runs", "0", "--repeat-runs", "1",
+        "--prompt", "Hello there", "--json", str(path),
+    ]) == 0  # fmt: skip
+    s = _load(path)["runs"][0]["summary"]
+    assert s["completion_tokens"] == 9 and s["prompt_tokens"] == 6
+    assert "roofline" not in s
+
+
+def test_poisson_offsets():
+    from bench.benchmark_scheduler import poisson_offsets
+
+    off = poisson_offsets(50, 10.0, seed=1)
+    assert off[0] == 0 and all(b >= a for a, b in zip(off[:-1], off[1:], strict=True))
+    assert off == poisson_offsets(50, 10.0, seed=1)
+    assert poisson_offsets(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+
+
+def test_compare_hf_end_to_end(tmp_path):
+    """HF in its subprocess (dynamic cache only) beside rosejax, tiny model, on CPU."""
+    from bench import compare_hf
+
+    path = tmp_path / "c.json"
+    assert compare_hf.main([
+        *TINY, "--batch-sizes", "1,2", "--max-new-tokens", "4", "--skip-hf-static",
+        "--warmup-runs", "1", "--repeat-runs", "1", "--json", str(path),
+    ]) == 0  # fmt: skip
+    data = _load(path)
+    assert [r["batch_size"] for r in data["table"]] == [1, 2]
+    hf = data["hf"]["results"]
+    assert [(r["mode"], r["batch_size"]) for r in hf] == [("dynamic", 1), ("dynamic", 2)]
+    assert all("error" not in r and _positive(r["throughput_tok_s"]) for r in hf)
+    for row, b in zip(data["rosejax"]["results"], (1, 2), strict=True):
+        assert row["completion_tokens"] == [4 * b]
+        assert _positive(row["throughput_tok_s"])
+    for t in data["table"]:
+        assert _positive(t["ratio_vs_dynamic"]) and t["hf_static_tok_s"] is None
+
+
+def test_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench import common
+
+    common.plot_distributions(str(tmp_path / "d.png"),
+                              {"run0": {"ttft_ms": [1.0, 2.0, 5.0], "itl_ms": [0.0, 1.0]}}, "t")
+    common.plot_throughput(str(tmp_path / "t.png"), [1, 16], {"a": [10.0, 100.0], "b": [None, 5]},
+                           "t")
+    assert (tmp_path / "d.png").stat().st_size > 1000 and (tmp_path / "t.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "script,flags",
+    [
+        ("benchmark_streaming", ["--prompt-repeats", "--unique-prompts", "--pretok",
+                                 "--submit-interval-ms", "--no-stop-on-eos", "--decode-steps",
+                                 "--hf-model-id", "--warmup-runs", "--repeat-runs", "--plot"]),
+        ("benchmark_scheduler", ["--mode", "--request-rate", "--input-len", "--json"]),
+        ("compare_hf", ["--batch-sizes", "--skip-hf-static", "--hf-in-process", "--plot"]),
+    ],
+)
+def test_help_as_a_file(script, flags):
+    """`python bench/<script>.py --help` works from anywhere and names every flag."""
+    out = subprocess.run([sys.executable, f"bench/{script}.py", "--help"], capture_output=True,
+                         text=True, check=True, cwd=str(_repo()))
+    for flag in flags:
+        assert flag in out.stdout
+
+
+def _repo():
+    import pathlib
+
+    return pathlib.Path(__file__).resolve().parents[1]
