@@ -27,12 +27,12 @@ from rosejax.tokenizer import IncrementalDetokenizer, load_tokenizer
 from rosejax.weights import load_model, resolve_dtype
 
 
-def _buckets(limit: int, start: int = 1) -> list[int]:
-    """Powers of two from `start` below `limit`, then `limit` itself."""
+def _buckets(limit: int, start: int = 1, factor: int = 2) -> list[int]:
+    """start, start * factor, ... below `limit`, then `limit` itself."""
     out, b = [], start
     while b < limit:
         out.append(b)
-        b *= 2
+        b *= factor
     return out + [limit]
 
 
@@ -109,8 +109,12 @@ class LLMEngine:
             num_slots, self.decode_steps, num_slots * per_row,
         )  # fmt: skip
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
-        self.prefill_batch_buckets = _buckets(prefill_batch)
-        self.prefill_len_buckets = _buckets(config.n_positions, start=min(16, config.n_positions))
+        # Prefill buckets grow 4x: each one is a separate GPT-2 compile (seconds on a GPU), and
+        # padding a prefill costs far less than padding the decode steps that follow it.
+        self.prefill_batch_buckets = _buckets(prefill_batch, factor=4)
+        self.prefill_len_buckets = _buckets(
+            config.n_positions, start=min(16, config.n_positions), factor=4
+        )
         self.seed = seed
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
@@ -249,8 +253,9 @@ class LLMEngine:
             batch["positions"][i] += c
             batch["seq_lens"][i], batch["last"][i], batch["slots"][i] = c + n, n - 1, r.slot
             batch["tables"][i, : len(r.table.blocks)] = r.table.blocks
+            # top_k >= vocab keeps everything, like 0; clamping keeps it inside int32.
             batch["temperature"][i], batch["top_k"][i], batch["top_p"][i] = (
-                p.temperature, p.top_k, p.top_p)  # fmt: skip
+                p.temperature, min(p.top_k, self.config.vocab_size), p.top_p)  # fmt: skip
             batch["seed"][i], batch["steps"][i] = r.seed, len(r.output_token_ids)
             batch["limit"][i] = min(p.max_tokens, n_pos - len(r.prompt_token_ids))
             stop = r.device_stop_ids[:NUM_STOP_IDS]
