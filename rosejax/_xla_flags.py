@@ -3,19 +3,24 @@
 The decode window is a `lax.while_loop`. Without WHILE/CONDITIONAL in XLA's command buffers (CUDA
 graphs), the host launches every kernel of every step and reads the loop predicate back each
 iteration; with them, a window is one graph. Measured on an H200 (bench/RESULTS.md): B=256 decode
-0.98 ms/step with them, 1.09 ms without. A user's own setting of the flag wins.
+0.98 ms/step with them, 1.09 ms without. A user's own setting of either flag wins.
 """
 
 from __future__ import annotations
 
 import os
 
-_COMMAND_BUFFER = (
-    "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-)
+_DEFAULTS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+    # cuBLAS beats XLA's Triton GEMMs on the decode step's skinny matmuls (B=256: 0.90 ms/step
+    # against 0.97 on an H200, bench/RESULTS.md).
+    "xla_gpu_enable_triton_gemm": "false",
+}
 
 
 def set_default_xla_flags() -> None:
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_gpu_enable_command_buffer" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {_COMMAND_BUFFER}".strip()
+    for name, value in _DEFAULTS.items():
+        if name not in flags:
+            flags = f"{flags} --{name}={value}"
+    os.environ["XLA_FLAGS"] = flags.strip()

@@ -38,7 +38,9 @@ def _hf_greedy(model, prompt: tuple[int, ...], n: int) -> list[int]:
 
 
 def make_llm(checkpoint, **kw) -> LLM:
-    kw = {"tokenizer": TOK, "block_size": 8, "max_batch_size": 4, "warmup": False} | kw
+    # fp32 everywhere: "auto" would pick fp16 on a GPU, which HF's fp32 greedy path outdrifts.
+    kw = {"tokenizer": TOK, "block_size": 8, "max_batch_size": 4, "warmup": False,
+          "dtype": "float32"} | kw
     return LLM(checkpoint[0], **kw)
 
 
