@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 
+# XLA's own GEMM choice stays: its Triton GEMMs win at small batches (B=1: 0.435 ms/step against
+# 0.557 with --xla_gpu_enable_triton_gemm=false on an H200), cuBLAS by 5% at B=256 (1.066 against
+# 1.124 ms); latency matters more here. bench/RESULTS.md has the runs.
 _DEFAULTS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
-    # cuBLAS beats XLA's Triton GEMMs on the decode step's skinny matmuls (B=256: 0.90 ms/step
-    # against 0.97 on an H200, bench/RESULTS.md).
-    "xla_gpu_enable_triton_gemm": "false",
 }
 
 
