@@ -85,7 +85,12 @@ def main() -> None:
         ref = np.asarray(paged_decode_attention_reference(q, k, v, tables, lengths), np.float32)
         bytes_ = b * ctx * h * d * 2 * 2
         for name, fn in impls(interpret).items():
-            err = float(np.abs(np.asarray(fn(q, k, v, tables, lengths), np.float32) - ref).max())
+            try:
+                got = np.asarray(fn(q, k, v, tables, lengths), np.float32)
+            except Exception as e:  # jax's op refuses some page counts under Triton lowering
+                print(f"B={b:4d} ctx={ctx:4d} {name:18s} failed: {str(e).splitlines()[0][:100]}")
+                continue
+            err = float(np.abs(got - ref).max())
             us = time_impl(fn, q, k, v, tables, lengths, args.iters, args.repeats)
             rows.append(dict(B=b, context=ctx, impl=name, us=us, gbs=bytes_ / us / 1e3, max_err=err))
             print(f"B={b:4d} ctx={ctx:4d} {name:18s} {us:9.2f} us {bytes_ / us / 1e3:8.1f} GB/s  err {err:.1e}",

@@ -50,7 +50,7 @@ def main() -> int:
                               do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
         if out.token_ids != ref:
             bad += 1
-            first = next(i for i, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b)
+            first = next(i for i, (a, b) in enumerate(zip(out.token_ids, ref, strict=False)) if a != b)
             print(f"mismatch: prompt len {len(prompt)}, first diff at {first}")
     print(f"{bad}/{len(prompts)} requests differ from HF "
           f"(preemptions: {llm.engine.scheduler.num_preemptions})")
