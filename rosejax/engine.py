@@ -9,6 +9,7 @@ stops them for what only it can see (stop strings) and tells the device at the n
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from collections import deque
@@ -38,6 +39,21 @@ def _buckets(limit: int, start: int = 1, factor: int = 2) -> list[int]:
 
 def _bucket(n: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= n)
+
+
+def parse_decode_steps(text: str) -> int | str:
+    """argparse type of --decode-steps: 'auto' or a positive int."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an int >= 1, got {text!r}")
+    return int(text)
+
+
+DECODE_STEPS_HELP = (
+    "decode steps per device call (multi-step decode): an int, or 'auto' (32, cut short while "
+    "requests wait for a free slot); default: auto"
+)
 
 
 def enable_compilation_cache(directory: str | None) -> None:

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from rosejax.engine import DECODE_STEPS_HELP, parse_decode_steps
 from rosejax.sampling import SamplingParams
 
 
@@ -106,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--decode-steps",
-        type=int,
-        default=1,
-        help="decode steps per device call (multi-step decode); default: %(default)s",
+        type=parse_decode_steps,
+        default="auto",
+        help=DECODE_STEPS_HELP,
     )
     p.add_argument(
         "--no-prefix-cache",

@@ -79,6 +79,19 @@ def test_more_requests_than_batch_and_multi_step_decode(checkpoint):
     assert_clean(llm.engine)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_multi_step_windows_equal_single_steps(checkpoint, temperature):
+    """K decode steps per device call give exactly what one step per call gives."""
+    prompts = random_prompts(5)
+    params = SamplingParams(max_tokens=20, temperature=temperature, seed=11)
+    outs = {
+        k: [o.token_ids for o in make_llm(checkpoint, decode_steps=k, max_batch_size=3).generate(
+            prompts, params, use_tqdm=False)]
+        for k in (1, 7)
+    }  # fmt: skip
+    assert outs[1] == outs[7]
+
+
 def test_small_cache_forces_waiting_and_preemption(checkpoint):
     # 12 usable blocks of 8 tokens; each request grows to ~40-60 tokens (5-8 blocks).
     llm = make_llm(checkpoint, kv_cache_tokens=13 * 8, max_batch_size=4)

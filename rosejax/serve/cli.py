@@ -7,6 +7,8 @@ import logging
 import signal
 import sys
 
+from rosejax.engine import DECODE_STEPS_HELP, parse_decode_steps
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -41,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
                    help="KV cache size as a fraction of free accelerator memory (instead of "
                         "--kv-cache-tokens)")
-    p.add_argument("--decode-steps", type=int, default=1,
-                   help="decode steps per device call (multi-step decode); default: %(default)s")
+    p.add_argument("--decode-steps", type=parse_decode_steps, default="auto",
+                   help=DECODE_STEPS_HELP)
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn off prefix caching (sharing KV blocks of equal prompt prefixes)")
     p.add_argument("--seed", type=int, default=0,
