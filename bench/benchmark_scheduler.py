@@ -33,10 +33,7 @@ from bench import metrics as m  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = common.new_parser(__doc__)
     p.add_argument("--mode", choices=["offline", "online"], default="offline",
                    help="offline: all requests at once; online: Poisson arrivals at "
                         "--request-rate")
@@ -76,89 +73,43 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.num_requests < 1 or args.max_new_tokens < 1 or args.repeat_runs < 1:
         raise SystemExit("--num-requests, --max-new-tokens and --repeat-runs must be >= 1")
-    engine, build_s = common.make_engine(args)
-    env = common.environment(engine)
+    engine, result = common.start(args, "scheduler", mode=args.mode)
     cfg = engine.config
-    print(f"engine: {args.model} {env['dtype']} on {env.get('device')} (jax {env.get('jax')}), "
-          f"max batch {engine.max_batch_size}, decode_steps {env['decode_steps']}; built in "
-          f"{build_s:.1f} s ({engine.compile_seconds:.1f} s warm-up compile)", file=sys.stderr)
     params = common.sampling_params(args, args.max_new_tokens)
     offsets = (poisson_offsets(args.num_requests, args.request_rate, args.seed)
                if args.mode == "online" else None)
     one_wave = args.mode == "offline" and args.num_requests <= engine.max_batch_size
-    result: dict = {
-        "benchmark": "scheduler", "mode": args.mode, "args": vars(args), "environment": env,
-        "engine": {"build_seconds": build_s, "warmup_compile_seconds": engine.compile_seconds,
-                   "num_compiles_after_build": engine.num_compiles},
-        "warmup_runs": [], "runs": [],
-    }  # fmt: skip
-    series = {}
-    for run in range(args.warmup_runs + args.repeat_runs):
-        warm = run < args.warmup_runs
-        tag = f"warmup{run}" if warm else f"run{run - args.warmup_runs}"
+
+    def make_prompts(run: int) -> list:
         if args.prompt is not None:
-            prompts = [args.prompt] * args.num_requests
-        else:
-            prompts = random_prompts(args.num_requests, args.input_len, cfg.vocab_size,
-                                     seed=args.seed * 1000 + run)
-        compiles = engine.num_compiles
-        traces, steps = common.run_workload(engine, prompts, params, offsets, tag=tag,
-                                            progress=not args.no_progress)
-        summary = m.summarize(traces, steps)
-        summary["new_compiles"] = engine.num_compiles - compiles
-        full = all(t.num_tokens == args.max_new_tokens for t in traces)
+            return [args.prompt] * args.num_requests
+        return random_prompts(args.num_requests, args.input_len, cfg.vocab_size,
+                              seed=args.seed * 1000 + run)
+
+    def roofline(traces, steps, summary) -> dict | None:
         lens = {t.prompt_tokens for t in traces}
-        if one_wave and full and len(lens) == 1 and args.max_new_tokens > 1:
-            summary["roofline"] = m.decode_run_roofline(
+        if (one_wave and len(lens) == 1 and args.max_new_tokens > 1
+                and all(t.num_tokens == args.max_new_tokens for t in traces)):
+            return m.decode_run_roofline(
                 cfg, args.num_requests, lens.pop(), args.max_new_tokens,
                 summary["decode_time_s"], args.bandwidth_gbs,
                 dtype_bytes=np.dtype(engine.dtype).itemsize,
             )  # fmt: skip
-        out = sys.stderr if warm else sys.stdout
-        print(m.format_summary(summary, f"[{tag}]" + (" (warm-up, not counted)" if warm else "")),
-              file=out)
-        if "roofline" in summary:
-            print(_format_roofline(summary["roofline"]), file=out)
-        if summary["new_compiles"] and not warm:
-            print(f"  note: {summary['new_compiles']} compiles inside this timed run")
-        entry = {"tag": tag, "summary": summary}
-        if warm:
-            result["warmup_runs"].append(entry)
-            continue
-        entry["requests"] = common.trace_lists(traces)
-        result["runs"].append(entry)
-        series[tag] = {"ttft_ms": entry["requests"]["ttft_ms"],
-                       "itl_ms": [g * 1e3 for t in traces for g in m.itl(t)]}
-    result["summary"] = m.summarize_runs([r["summary"] for r in result["runs"]])
-    result["engine"]["num_compiles_at_end"] = engine.num_compiles
-    print(f"summary over {len(result['runs'])} timed run(s): mean [min, max]")
-    for key, label in [
-        ("throughput_tok_s", "end-to-end tok/s"), ("decode_throughput_tok_s", "decode-only tok/s"),
-        ("ttft_ms.p50", "TTFT p50 ms"), ("ttft_ms.p99", "TTFT p99 ms"),
-        ("tpot_ms.p50", "TPOT p50 ms"), ("tpot_ms.p99", "TPOT p99 ms"),
-        ("roofline.step_seconds", "decode step s"), ("roofline.achieved_gbs", "decode GB/s"),
-    ]:  # fmt: skip
-        s = result["summary"].get(key)
-        if s:
-            print(f"  {label:<18} {s['mean']:12,.4g}  [{s['min']:,.4g}, {s['max']:,.4g}]")
-    common.write_json(args.json, result)
-    if args.plot:
-        common.plot_distributions(
-            args.plot, series,
-            f"rosejax {args.mode}: {args.num_requests} requests, {args.max_new_tokens} new, "
-            f"max batch {args.max_batch_size}, {env.get('device')}",
-        )  # fmt: skip
-    return 0
+        return None
 
-
-def _format_roofline(r: dict) -> str:
-    line = (f"  decode roofline: {r['decode_steps']} steps of {r['step_seconds'] * 1e3:.3f} ms, "
-            f"{r['bytes'] / 1e9:.3f} GB/step at mean context {r['mean_context']:.0f} -> "
-            f"{r['achieved_gbs']:,.0f} GB/s, {r['achieved_tflops']:.2f} TFLOP/s")
-    if r.get("pct_of_bandwidth") is not None:
-        line += (f" ({r['pct_of_bandwidth']:.0f}% of {r['bandwidth_gbs']:,.0f} GB/s; floor "
-                 f"{r['floor_seconds'] * 1e3:.3f} ms/step, {r['tokens_per_s_ceiling']:,.0f} tok/s)")
-    return line
+    runs = common.run_repeated(engine, args, make_prompts, params, offsets, roofline=roofline)
+    return common.finish(
+        args, engine, result, runs, [
+            ("throughput_tok_s", "end-to-end tok/s"),
+            ("decode_throughput_tok_s", "decode-only tok/s"),
+            ("ttft_ms.p50", "TTFT p50 ms"), ("ttft_ms.p99", "TTFT p99 ms"),
+            ("tpot_ms.p50", "TPOT p50 ms"), ("tpot_ms.p99", "TPOT p99 ms"),
+            ("roofline.step_seconds", "decode step s"), ("roofline.achieved_gbs", "decode GB/s"),
+            ("roofline.pct_of_bandwidth", "% of bandwidth"),
+        ], ",.4g",
+        f"rosejax {args.mode}: {args.num_requests} requests, {args.max_new_tokens} new, "
+        f"max batch {args.max_batch_size}, {result['environment'].get('device')}",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: engine flags, the timed request loop, environment, JSON, plots.
+"""What the benchmark scripts share: engine flags, the timed request loop and its repeated runs,
+the card's copy bandwidth, environment, JSON, plots.
 
 The loop drives `LLMEngine` through its public API only (add_request / step /
 has_unfinished_requests). The engine is single-threaded, so the "submitter" is the loop itself:
@@ -20,12 +21,19 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bench import metrics as m
 from bench.metrics import RequestTrace, StepRecord, step_kind
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ------------------------------------------------------------------------------------ flags
+
+
+def new_parser(doc: str) -> argparse.ArgumentParser:
+    """A script's parser: its docstring's first paragraph as description, defaults in --help."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
 
 def ints(text: str) -> list[int]:
@@ -103,8 +111,8 @@ def add_run_args(p: argparse.ArgumentParser, warmup_runs: int = 1, repeat_runs: 
                    help="write a PNG here (needs matplotlib: pip install -e '.[bench]')")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
-                   help="the card's memory bandwidth in GB/s, for the roofline's %% column "
-                        "(e.g. a measured copy bandwidth)")
+                   help="the card's memory bandwidth in GB/s, for the roofline's %% column; "
+                        "default: its copy bandwidth measured here on a GPU (none on CPU)")
 
 
 def engine_kwargs(args: argparse.Namespace, max_batch_size: int | None = None) -> dict[str, Any]:
@@ -128,6 +136,59 @@ def make_engine(args: argparse.Namespace, max_batch_size: int | None = None):
     start = time.perf_counter()
     engine = LLMEngine(args.model, **engine_kwargs(args, max_batch_size))
     return engine, time.perf_counter() - start
+
+
+def copy_bandwidth_gbs(repeats: int = 10) -> float:
+    """Device-to-device copy of 1 GiB (fp32 scaled by a constant): bytes read + written per s."""
+    import jax
+
+    x = jax.numpy.ones((256 * 1024 * 1024,), jax.numpy.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    f(x).block_until_ready()
+    t = time.perf_counter()
+    for _ in range(repeats):
+        y = f(x)
+    y.block_until_ready()
+    return 2 * x.nbytes * repeats / (time.perf_counter() - t) / 1e9
+
+
+def resolve_bandwidth(args: argparse.Namespace) -> float | None:
+    """--bandwidth-gbs, else the copy bandwidth measured now on a GPU (before the engine takes
+    its memory), else None (CPU: no % of bandwidth). Sets args.bandwidth_gbs and
+    args.bandwidth_measured (so both land in the JSON's args)."""
+    args.bandwidth_measured = False
+    if args.bandwidth_gbs is None:
+        import jax
+
+        if jax.default_backend() == "gpu":
+            try:
+                args.bandwidth_gbs = copy_bandwidth_gbs()
+            except Exception as e:  # e.g. out of memory beside torch (--hf-in-process)
+                print(f"copy bandwidth not measured: {type(e).__name__}: {e}"[:300],
+                      file=sys.stderr)
+                return None
+            args.bandwidth_measured = True
+            print(f"copy bandwidth (measured): {args.bandwidth_gbs:,.0f} GB/s", file=sys.stderr)
+    return args.bandwidth_gbs
+
+
+def start(args: argparse.Namespace, benchmark: str, label: str = "engine",
+          max_batch_size: int | None = None, **extra) -> tuple[Any, dict]:
+    """Resolve the bandwidth, build the engine and say so on stderr; returns (engine, result):
+    the JSON's head ({'benchmark', **extra, 'args', 'environment', 'engine'})."""
+    resolve_bandwidth(args)
+    engine, build_s = make_engine(args, max_batch_size)
+    env = environment(engine)
+    print(f"{label}: {args.model} {env['dtype']} on {env.get('device')} (jax {env.get('jax')}), "
+          f"max batch {engine.max_batch_size}, decode_steps {env['decode_steps']}; built in "
+          f"{build_s:.1f} s ({engine.compile_seconds:.1f} s warm-up compile, "
+          f"{engine.num_compiles} traces)", file=sys.stderr)
+    result = {
+        "benchmark": benchmark, **extra, "args": vars(args), "environment": env,
+        "engine": {"build_seconds": build_s, "warmup_compile_seconds": engine.compile_seconds,
+                   "num_compiles_after_build": engine.num_compiles},
+    }  # fmt: skip
+    return engine, result
 
 
 def sampling_params(args: argparse.Namespace, max_tokens: int):
@@ -204,9 +265,85 @@ def run_workload(
     return traces, steps
 
 
+def run_repeated(
+    engine,
+    args: argparse.Namespace,
+    make_prompts: Callable[[int], Sequence],
+    params,
+    offsets: Sequence[float] | None = None,
+    *,
+    roofline: Callable[[list[RequestTrace], list[StepRecord], dict], dict | None] | None = None,
+    tag_prefix: str = "",
+    report: bool = True,
+) -> dict:
+    """--warmup-runs untimed runs, then --repeat-runs timed ones, of one workload.
+
+    Run r submits make_prompts(r) at `offsets`. Each run's summary (bench/metrics.summarize) gets
+    'new_compiles' (engine compiles inside the run) and, where `roofline(traces, steps, summary)`
+    returns one, 'roofline'. With `report`, each run's summary is printed (timed runs on stdout,
+    warm-up runs on stderr). Returns {'warmup_runs': [{'tag', 'summary'}], 'runs': [{'tag',
+    'summary', 'requests'}] (timed; requests: trace_lists), 'summary': summarize_runs over the
+    timed runs, 'series': tag -> {'ttft_ms', 'itl_ms'} for plot_distributions (not JSON)}."""
+    out: dict = {"warmup_runs": [], "runs": [], "summary": {}, "series": {}}
+    for run in range(args.warmup_runs + args.repeat_runs):
+        warm = run < args.warmup_runs
+        tag = tag_prefix + (f"warmup{run}" if warm else f"run{run - args.warmup_runs}")
+        compiles = engine.num_compiles
+        traces, steps = run_workload(engine, make_prompts(run), params, offsets, tag=tag,
+                                     progress=not args.no_progress)
+        summary = m.summarize(traces, steps)
+        summary["new_compiles"] = engine.num_compiles - compiles
+        roof = roofline(traces, steps, summary) if roofline is not None else None
+        if roof is not None:
+            summary["roofline"] = roof
+        if report:
+            dest = sys.stderr if warm else sys.stdout
+            print(m.format_summary(summary, f"[{tag}]" + (" (warm-up, not counted)" if warm
+                                                          else "")), file=dest)
+            if roof is not None:
+                print(m.format_roofline(roof), file=dest)
+            if summary["new_compiles"] and not warm:
+                print(f"  note: {summary['new_compiles']} compiles inside this timed run")
+        entry = {"tag": tag, "summary": summary}
+        if warm:
+            out["warmup_runs"].append(entry)
+            continue
+        entry["requests"] = trace_lists(traces)
+        out["runs"].append(entry)
+        out["series"][tag] = {"ttft_ms": entry["requests"]["ttft_ms"],
+                              "itl_ms": [g * 1e3 for t in traces for g in m.itl(t)]}
+    out["summary"] = m.summarize_runs([r["summary"] for r in out["runs"]])
+    return out
+
+
+def print_runs_summary(summary: dict, n: int, rows: Sequence[tuple], fmt: str = ",.2f") -> None:
+    """One line per row (key of summarize_runs, label[, scale]) present: mean [min, max] over
+    the runs, times scale (default 1)."""
+    print(f"summary over {n} timed run(s): mean [min, max]")
+    for key, label, *scale in rows:
+        s = summary.get(key)
+        if s:
+            k = scale[0] if scale else 1
+            print(f"  {label:<18} {s['mean'] * k:12{fmt}}  [{s['min'] * k:{fmt}}, "
+                  f"{s['max'] * k:{fmt}}]")
+
+
+def finish(args: argparse.Namespace, engine, result: dict, runs: dict,
+           rows: Sequence[tuple], fmt: str, plot_title: str) -> int:
+    """Put run_repeated's `runs` into `result`, print the summary over the timed runs, write the
+    JSON (--json) and the TTFT / ITL plot (--plot)."""
+    series = runs.pop("series")
+    result.update(runs)
+    result["engine"]["num_compiles_at_end"] = engine.num_compiles
+    print_runs_summary(result["summary"], len(result["runs"]), rows, fmt)
+    write_json(args.json, result)
+    if args.plot:
+        plot_distributions(args.plot, series, plot_title)
+    return 0
+
+
 def trace_lists(traces: Sequence[RequestTrace]) -> dict[str, list]:
     """Per-request raw figures (for the JSON and plots): ms, in request order."""
-    from bench import metrics as m
 
     def ms(v):
         return None if v is None else v * 1e3

@@ -46,16 +46,15 @@ import time
 if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
+
 from bench import common  # noqa: E402
 from bench import metrics as m  # noqa: E402
 from bench.benchmark_scheduler import random_prompts  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = common.new_parser(__doc__)
     common.add_engine_args(p, max_batch_size=0)
     p.set_defaults(no_stop_on_eos=True, temperature=0.0, top_k=0, top_p=1.0)
     p.add_argument("--batch-sizes", type=common.ints, default=[1, 16, 64, 256],
@@ -194,34 +193,26 @@ def run_rosejax(args: argparse.Namespace) -> dict:
         n_pos = (preset(args.model.removeprefix("random:")).n_positions
                  if args.model.startswith("random:") else 1024)
         args.kv_cache_tokens = max_b * min(n_pos, args.input_len + args.max_new_tokens)
-    engine, build_s = common.make_engine(args, max_batch_size=args.max_batch_size or max_b)
-    env = common.environment(engine)
-    print(f"rosejax: {args.model} {env['dtype']} on {env.get('device')} (jax {env.get('jax')}), "
-          f"max batch {engine.max_batch_size}, decode_steps {env['decode_steps']}; built in "
-          f"{build_s:.1f} s", file=sys.stderr)
+    engine, head = common.start(args, "compare_hf", label="rosejax",
+                                max_batch_size=args.max_batch_size or max_b)
     params = common.sampling_params(args, args.max_new_tokens)
     prompts = random_prompts(max_b, args.input_len, engine.config.vocab_size, args.seed)
-    out: dict = {"environment": env, "build_seconds": build_s, "results": []}
-    import numpy as np
+    out: dict = {"environment": head["environment"],
+                 "build_seconds": head["engine"]["build_seconds"], "results": []}
+    dtype_bytes = np.dtype(engine.dtype).itemsize
 
     for b in args.batch_sizes:
-        runs = []
-        compiles = engine.num_compiles
-        for i in range(args.warmup_runs + args.repeat_runs):
-            tag = f"B{b}-{'warmup' if i < args.warmup_runs else 'run'}{i}"
-            traces, steps = common.run_workload(engine, prompts[:b], params, tag=tag,
-                                                progress=not args.no_progress)
-            if i >= args.warmup_runs:
-                s = m.summarize(traces, steps)
-                if args.max_new_tokens > 1 and s["decode_time_s"] > 0:
-                    s["roofline"] = m.decode_run_roofline(
-                        engine.config, b, args.input_len, args.max_new_tokens, s["decode_time_s"],
-                        args.bandwidth_gbs, dtype_bytes=np.dtype(engine.dtype).itemsize,
-                    )  # fmt: skip
-                runs.append(s)
-                if i == args.warmup_runs:
-                    compiles = engine.num_compiles  # compiles after this are in timed runs
-        agg = m.summarize_runs(runs)
+        def roofline(traces, steps, s, b=b):
+            if args.max_new_tokens > 1 and s["decode_time_s"] > 0:
+                return m.decode_run_roofline(engine.config, b, args.input_len,
+                                             args.max_new_tokens, s["decode_time_s"],
+                                             args.bandwidth_gbs, dtype_bytes=dtype_bytes)
+            return None
+
+        rep = common.run_repeated(engine, args, lambda run, b=b: prompts[:b], params,
+                                  roofline=roofline, tag_prefix=f"B{b}-", report=False)
+        runs = [r["summary"] for r in rep["runs"]]
+        agg = rep["summary"]
         row = {
             "batch_size": b,
             "throughput_tok_s": agg["throughput_tok_s"]["median"],
@@ -231,13 +222,20 @@ def run_rosejax(args: argparse.Namespace) -> dict:
             "decode_step_ms": (agg["roofline.step_seconds"]["median"] * 1e3
                                if "roofline.step_seconds" in agg else None),
             "decode_gbs": agg.get("roofline.achieved_gbs", {}).get("median"),
+            "decode_pct_of_bandwidth": agg.get("roofline.pct_of_bandwidth", {}).get("median"),
+            "decode_gflop_per_step": (agg["roofline.flops"]["median"] / 1e9
+                                      if "roofline.flops" in agg else None),
             "completion_tokens": [r["completion_tokens"] for r in runs],
-            "compiles_in_timed_runs": engine.num_compiles - compiles,
+            "compiles_in_timed_runs": sum(r["new_compiles"] for r in runs),
             "runs": runs,
         }
+        pct = row["decode_pct_of_bandwidth"]
         print(f"rosejax B={b:<4} {row['throughput_tok_s']:12,.0f} tok/s end to end, "
               f"{row['decode_throughput_tok_s'] or 0:12,.0f} decode-only, TPOT p50 "
-              f"{row['tpot_ms_p50'] or 0:.2f} ms", file=sys.stderr, flush=True)
+              f"{row['tpot_ms_p50'] or 0:.2f} ms; decode {row['decode_gbs'] or 0:,.0f} GB/s"
+              + (f" ({pct:.0f}% of {args.bandwidth_gbs:,.0f})" if pct is not None else "")
+              + f", {row['decode_gflop_per_step'] or 0:.1f} GFLOP/step",
+              file=sys.stderr, flush=True)
         out["results"].append(row)
     return out
 

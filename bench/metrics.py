@@ -30,6 +30,7 @@ step time give the achieved GB/s, to set beside the card's copy bandwidth.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -348,3 +349,51 @@ def decode_run_roofline(config, batch: int, prompt_len: int, new_tokens: int,
     out["decode_steps"] = steps
     out["mean_context"] = ctx
     return out
+
+
+def traced_decode_roofline(config, traces: Sequence[RequestTrace], steps: Sequence[StepRecord],
+                           bandwidth_gbs: float | None = None,
+                           dtype_bytes: int = 2) -> dict[str, float | None] | None:
+    """The decode roofline of any run (several waves, arrivals over time, mixed prompt lengths),
+    from its traces: which rows each decode step advanced and at what context. None if no step
+    decoded. Adds 'decode_steps' (device iterations), 'mean_batch' and 'mean_context'."""
+    decode_ends = {s.end for s in steps if s.kind == "decode"}
+    decode_seconds = sum(s.seconds for s in steps if s.kind == "decode")
+    width: dict[float, int] = {}  # decode step (its end time) -> device iterations inside it
+    rows = 0  # row-iterations: one per decode token
+    context = 0.0  # tokens attended, summed over row-iterations
+    for t in traces:
+        n = 0  # tokens the request had before this delivery
+        for when, group in itertools.groupby(t.token_times):
+            k = len(list(group))
+            if when in decode_ends:
+                width[when] = max(width.get(when, 0), k)
+                rows += k
+                context += k * (t.prompt_tokens + n) + k * (k - 1) / 2  # tokens n+1 .. n+k
+            n += k
+    iterations = sum(width.values())
+    if not iterations or decode_seconds <= 0:
+        return None
+    # Bytes and FLOPs are summed over decode iterations (weights once per iteration + each row's
+    # KV attended), which, both being linear in rows and context, is the mean iteration (mean
+    # running batch at mean context) times the iterations. A step() delivering up to k tokens a
+    # row (multi-step decode) counts as k iterations; rows that finished inside it count only
+    # for their tokens, and padding rows of a batch bucket not at all.
+    mean_batch, mean_context = rows / iterations, context / rows
+    out = roofline(config, mean_batch, mean_context, decode_seconds / iterations, bandwidth_gbs,
+                   dtype_bytes)
+    out.update(decode_steps=iterations, mean_batch=mean_batch, mean_context=mean_context)
+    return out
+
+
+def format_roofline(r: Mapping) -> str:
+    """One line for a roofline() dict with 'decode_steps' and 'mean_context' (and 'mean_batch')."""
+    batch = f"mean batch {r['mean_batch']:.1f}, " if "mean_batch" in r else ""
+    line = (f"  decode roofline: {r['decode_steps']} steps of {r['step_seconds'] * 1e3:.3f} ms, "
+            f"{batch}{r['bytes'] / 1e9:.3f} GB and {r['flops'] / 1e9:.3g} GFLOP/step at mean "
+            f"context {r['mean_context']:.0f} -> {r['achieved_gbs']:,.0f} GB/s, "
+            f"{r['achieved_tflops']:.2f} TFLOP/s, {r['tokens_per_s']:,.0f} tok/s")
+    if r.get("pct_of_bandwidth") is not None:
+        line += (f" ({r['pct_of_bandwidth']:.0f}% of {r['bandwidth_gbs']:,.0f} GB/s; floor "
+                 f"{r['floor_seconds'] * 1e3:.3f} ms/step, {r['tokens_per_s_ceiling']:,.0f} tok/s)")
+    return line

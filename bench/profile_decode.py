@@ -10,24 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
-import jax
-import numpy as np
+if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rosejax import LLMEngine, SamplingParams
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
-
-def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy of 1 GiB: bytes read + written per second."""
-    x = jax.numpy.ones((256 * 1024 * 1024,), jax.numpy.float32)
-    f = jax.jit(lambda a: a * 1.0001)
-    f(x).block_until_ready()
-    t = time.perf_counter()
-    for _ in range(10):
-        y = f(x)
-    y.block_until_ready()
-    return 2 * x.nbytes * 10 / (time.perf_counter() - t) / 1e9
+from bench.common import copy_bandwidth_gbs  # noqa: E402
+from rosejax import LLMEngine, SamplingParams  # noqa: E402
 
 
 def step_bytes(engine: LLMEngine, batch: int, context: int) -> float:
