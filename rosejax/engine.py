@@ -305,7 +305,8 @@ class LLMEngine:
             r.inflight += k
         b = _bucket(max(r.slot for r in running) + 1, self.decode_buckets)
         greedy = all(r.params.temperature == 0 for r in running)
-        out = self.runner.decode(b, k, greedy, self._kill, updates)
+        # A copy: on the CPU jax may alias a numpy argument, and this one is reset at once.
+        out = self.runner.decode(b, k, greedy, self._kill.copy(), updates)
         self._kill[:] = False
         self._pending.append(("decode", out, [(r, r.epoch, r.slot) for r in running], k))
         return True

@@ -158,6 +158,44 @@ def test_roofline_tiny_by_hand():
     assert b["embedding_rows"] == 3 * 2 * e * 4
 
 
+def test_traced_decode_roofline_one_wave_matches_run_roofline():
+    cfg = PRESETS["gpt2"]
+    traces = [_trace(0.0, [1.0, 2.0, 3.0, 4.0], prompt=5) for _ in range(2)]
+    steps = [m.StepRecord(0.5, 1.0, 2, "prefill")] + [
+        m.StepRecord(t - 0.5, t, 2, "decode") for t in (2.0, 3.0, 4.0)
+    ]
+    r = m.traced_decode_roofline(cfg, traces, steps, bandwidth_gbs=4000.0)
+    ref = m.decode_run_roofline(cfg, 2, 5, 4, decode_seconds=1.5, bandwidth_gbs=4000.0)
+    assert r["decode_steps"] == 3 and r["mean_batch"] == 2 and r["mean_context"] == 7
+    for key in ("bytes", "flops", "step_seconds", "achieved_gbs", "pct_of_bandwidth"):
+        assert r[key] == pytest.approx(ref[key])
+    assert m.traced_decode_roofline(cfg, traces, steps[:1]) is None
+    assert "mean batch 2.0" in m.format_roofline(r) and "% of 4,000" in m.format_roofline(r)
+
+
+def test_traced_decode_roofline_waves_and_windows_by_hand():
+    cfg = PRESETS["tiny"]
+    a = _trace(0.0, [1.0, 2.0, 2.0, 2.0], prompt=4)  # a 3-token window: contexts 5, 6, 7
+    b = _trace(0.0, [1.0, 2.0], prompt=2)  # finished inside the window: context 3
+    c = _trace(2.5, [3.0, 4.0, 4.0], prompt=6)  # a later wave: contexts 7, 8
+    steps = [m.StepRecord(0.5, 1.0, 2, "prefill"), m.StepRecord(1.5, 2.0, 4, "decode"),
+             m.StepRecord(2.8, 3.0, 1, "prefill"), m.StepRecord(3.5, 4.0, 2, "decode")]
+    r = m.traced_decode_roofline(cfg, [a, b, c], steps, dtype_bytes=4)
+    iterations, rows, context = 3 + 2, 3 + 1 + 2, 18 + 3 + 15
+    assert r["decode_steps"] == iterations
+    assert r["mean_batch"] == pytest.approx(rows / iterations)
+    assert r["mean_context"] == pytest.approx(context / rows)
+    per_tok = m.kv_bytes_per_token(cfg, 4)
+    total = (iterations * m.weight_bytes(cfg, 4) + context * per_tok + rows * per_tok
+             + rows * 2 * cfg.n_embd * 4)
+    assert r["bytes"] * iterations == pytest.approx(total)
+    flops = sum(m.decode_step_flops(cfg, 1, x) for x in (5, 6, 7, 3, 7, 8))
+    assert r["flops"] * iterations == pytest.approx(flops)
+    assert r["step_seconds"] == pytest.approx(1.0 / iterations)
+    assert r["tokens_per_s"] == pytest.approx(rows / 1.0)  # = decode-only throughput
+    assert r["pct_of_bandwidth"] is None
+
+
 # ---------------------------------------------------------------------- scripts end to end
 
 TINY = ["--model", "random:tiny", "--no-warmup", "--no-progress", "--block-size", "16"]
@@ -194,7 +232,13 @@ def test_streaming_end_to_end(tmp_path):
             assert set(s[key]) >= {"p50", "p95", "p99"} and s[key]["n"] > 0
         assert len(run["requests"]["ttft_ms"]) == 4
         assert run["requests"]["completion_tokens"] == [6] * 4
+        roof = s["roofline"]  # several prompt lengths: from the traces
+        assert roof["decode_steps"] >= 5 and 0 < roof["mean_batch"] <= 4
+        assert _positive(roof["achieved_gbs"]) and _positive(roof["flops"])
+        assert roof["pct_of_bandwidth"] is None  # CPU, no --bandwidth-gbs: not measured
+        assert roof["tokens_per_s"] == pytest.approx(s["decode_throughput_tok_s"])
     assert _positive(data["summary"]["throughput_tok_s"]["mean"])
+    assert _positive(data["summary"]["roofline.achieved_gbs"]["mean"])
     assert data["environment"]["backend"] == "cpu"
 
 
