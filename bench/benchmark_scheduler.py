@@ -40,17 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-rate", type=float, default=8.0,
                    help="online mode: mean requests per second (Poisson arrivals)")
     common.add_engine_args(p, max_batch_size=256)
-    p.add_argument("--num-requests", type=int, default=256, help="requests per run")
     p.add_argument("--input-len", type=int, default=8,
                    help="prompt length in tokens: random token ids (seeded, distinct per "
                         "request and run, so the prefix cache shares nothing)")
     p.add_argument("--prompt", default=None,
                    help="use this text as every prompt instead of random ids of --input-len")
-    p.add_argument("--max-new-tokens", type=int, default=256,
-                   help="tokens to generate per request at most (exactly, with "
-                        "--no-stop-on-eos)")
-    common.add_sampling_args(p)
-    common.add_run_args(p, warmup_runs=1, repeat_runs=3)
+    common.add_workload_args(p)
     return p
 
 
@@ -98,18 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return None
 
     runs = common.run_repeated(engine, args, make_prompts, params, offsets, roofline=roofline)
-    return common.finish(
-        args, engine, result, runs, [
-            ("throughput_tok_s", "end-to-end tok/s"),
-            ("decode_throughput_tok_s", "decode-only tok/s"),
-            ("ttft_ms.p50", "TTFT p50 ms"), ("ttft_ms.p99", "TTFT p99 ms"),
-            ("tpot_ms.p50", "TPOT p50 ms"), ("tpot_ms.p99", "TPOT p99 ms"),
-            ("roofline.step_seconds", "decode step s"), ("roofline.achieved_gbs", "decode GB/s"),
-            ("roofline.pct_of_bandwidth", "% of bandwidth"),
-        ], ",.4g",
-        f"rosejax {args.mode}: {args.num_requests} requests, {args.max_new_tokens} new, "
-        f"max batch {args.max_batch_size}, {result['environment'].get('device')}",
-    )  # fmt: skip
+    return common.finish(args, engine, result, runs, args.mode)
 
 
 if __name__ == "__main__":

@@ -46,15 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pretok", action="store_true",
                    help="tokenize the prompts before the timed loop and submit token ids "
                         "(else add_request tokenizes, inside the timed loop)")
-    p.add_argument("--num-requests", type=int, default=256, help="requests per run")
-    p.add_argument("--max-new-tokens", type=int, default=256,
-                   help="tokens to generate per request at most (exactly, with "
-                        "--no-stop-on-eos)")
     p.add_argument("--submit-interval-ms", type=float, default=0.0,
                    help="request i is due at i x this many ms after the run starts; 0 = all "
                         "at once")
-    common.add_sampling_args(p)
-    common.add_run_args(p, warmup_runs=1, repeat_runs=3)
+    common.add_workload_args(p)
     return p
 
 
@@ -84,23 +79,10 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = common.run_repeated(engine, args, lambda run: make_prompts(args, run, engine.tokenizer),
                                params, offsets, roofline=roofline)
-    return common.finish(
-        args, engine, result, runs, [
-            ("throughput_tok_s", "throughput tok/s"),
-            ("decode_throughput_tok_s", "decode-only tok/s"),
-            ("ttft_ms.p50", "TTFT p50 ms"), ("ttft_ms.p99", "TTFT p99 ms"),
-            ("tpot_ms.p50", "TPOT p50 ms"), ("tpot_ms.p99", "TPOT p99 ms"),
-            ("itl_ms.p50", "ITL p50 ms"), ("itl_ms.p99", "ITL p99 ms"),
-            ("e2e_ms.p50", "e2e p50 ms"), ("e2e_ms.p99", "e2e p99 ms"),
-            ("roofline.mean_batch", "decode mean batch"),
-            ("roofline.step_seconds", "decode step ms", 1e3),
-            ("roofline.flops", "decode GFLOP/step", 1e-9),
-            ("roofline.achieved_gbs", "decode GB/s"),
-            ("roofline.pct_of_bandwidth", "% of bandwidth"),
-        ], ",.2f",
-        f"rosejax streaming: {args.num_requests} requests, {args.max_new_tokens} new, "
-        f"max batch {args.max_batch_size}, {result['environment'].get('device')}",
-    )  # fmt: skip
+    return common.finish(args, engine, result, runs, "streaming", [
+        ("itl_ms.p50", "ITL p50 ms"), ("itl_ms.p99", "ITL p99 ms"),
+        ("e2e_ms.p50", "e2e p50 ms"), ("e2e_ms.p99", "e2e p99 ms"),
+    ])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -101,6 +101,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                         "request makes exactly --max-new-tokens tokens")
 
 
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """--num-requests and --max-new-tokens, the sampling flags and the run flags."""
+    p.add_argument("--num-requests", type=int, default=256, help="requests per run")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="tokens to generate per request at most (exactly, with "
+                        "--no-stop-on-eos)")
+    add_sampling_args(p)
+    add_run_args(p, warmup_runs=1, repeat_runs=3)
+
+
 def add_run_args(p: argparse.ArgumentParser, warmup_runs: int = 1, repeat_runs: int = 3) -> None:
     p.add_argument("--warmup-runs", type=int, default=warmup_runs,
                    help="untimed runs of the whole workload first (they compile what it uses)")
@@ -328,17 +338,36 @@ def print_runs_summary(summary: dict, n: int, rows: Sequence[tuple], fmt: str = 
                   f"{s['max'] * k:{fmt}}]")
 
 
-def finish(args: argparse.Namespace, engine, result: dict, runs: dict,
-           rows: Sequence[tuple], fmt: str, plot_title: str) -> int:
-    """Put run_repeated's `runs` into `result`, print the summary over the timed runs, write the
-    JSON (--json) and the TTFT / ITL plot (--plot)."""
+# print_runs_summary rows of finish(): (summarize_runs key, label[, scale]).
+SUMMARY_ROWS = [
+    ("throughput_tok_s", "end-to-end tok/s"), ("decode_throughput_tok_s", "decode-only tok/s"),
+    ("ttft_ms.p50", "TTFT p50 ms"), ("ttft_ms.p99", "TTFT p99 ms"),
+    ("tpot_ms.p50", "TPOT p50 ms"), ("tpot_ms.p99", "TPOT p99 ms"),
+]  # fmt: skip
+ROOFLINE_ROWS = [
+    ("roofline.mean_batch", "decode mean batch"), ("roofline.step_seconds", "decode step ms", 1e3),
+    ("roofline.flops", "decode GFLOP/step", 1e-9), ("roofline.achieved_gbs", "decode GB/s"),
+    ("roofline.pct_of_bandwidth", "% of bandwidth"),
+]  # fmt: skip
+
+
+def finish(args: argparse.Namespace, engine, result: dict, runs: dict, name: str,
+           extra_rows: Sequence[tuple] = ()) -> int:
+    """Put run_repeated's `runs` into `result`, print the summary over the timed runs
+    (SUMMARY_ROWS, extra_rows, ROOFLINE_ROWS), write the JSON (--json) and the TTFT / ITL plot
+    (--plot, titled 'rosejax <name>: ...'). Returns 0 (the exit status)."""
     series = runs.pop("series")
     result.update(runs)
     result["engine"]["num_compiles_at_end"] = engine.num_compiles
-    print_runs_summary(result["summary"], len(result["runs"]), rows, fmt)
+    print_runs_summary(result["summary"], len(result["runs"]),
+                       [*SUMMARY_ROWS, *extra_rows, *ROOFLINE_ROWS])
     write_json(args.json, result)
     if args.plot:
-        plot_distributions(args.plot, series, plot_title)
+        plot_distributions(
+            args.plot, series,
+            f"rosejax {name}: {args.num_requests} requests, {args.max_new_tokens} new, "
+            f"max batch {args.max_batch_size}, {result['environment'].get('device')}",
+        )  # fmt: skip
     return 0
 
 

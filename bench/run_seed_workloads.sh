@@ -21,7 +21,7 @@ import jax, flax, torch, transformers
 print("versions: jax", jax.__version__, "flax", flax.__version__, "torch", torch.__version__,
       "transformers", transformers.__version__, "device", jax.devices()[0].device_kind)
 EOF
-# Copy bandwidth of this card (1 GiB fp32 negation, bytes read + written), for the roofline.
+# Copy bandwidth of this card (1 GiB fp32 negation, bytes read + written), for every roofline.
 BW=$("$PY" - <<'EOF'
 import time, jax, jax.numpy as jnp
 x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
@@ -35,6 +35,8 @@ print(round(2 * x.nbytes * 20 / (time.perf_counter() - t) / 1e9))
 EOF
 )
 echo "copy bandwidth: ${BW} GB/s"
+# Every script's roofline takes its % of this (else each would measure it again itself).
+if [[ $BW =~ ^[0-9]+$ ]]; then COMMON+=(--bandwidth-gbs "$BW"); fi
 
 step() {  # name, time limit (s), script and flags
     local name=$1 limit=$2
@@ -51,5 +53,5 @@ step w4 60 bench/benchmark_streaming.py "${COMMON[@]}" --num-requests 1 --max-ne
 step w1 120 bench/benchmark_streaming.py "${COMMON[@]}" --num-requests 256 --max-new-tokens 256 \
     --max-batch-size 16 --warmup-runs 1 --repeat-runs 2 --json "$OUT/w1.json" $(plot w1.png)
 step w3 $((BUDGET - SECONDS)) bench/compare_hf.py "${COMMON[@]}" --batch-sizes "$HF_BATCHES" \
-    --input-len 8 --max-new-tokens 256 --warmup-runs 1 --repeat-runs 2 --bandwidth-gbs "$BW" \
+    --input-len 8 --max-new-tokens 256 --warmup-runs 1 --repeat-runs 2 \
     --json "$OUT/w3.json" $(plot w3.png)

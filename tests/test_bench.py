@@ -315,6 +315,8 @@ def test_compare_hf_end_to_end(tmp_path):
     for row, b in zip(data["rosejax"]["results"], (1, 2), strict=True):
         assert row["completion_tokens"] == [4 * b]
         assert _positive(row["throughput_tok_s"])
+        assert _positive(row["decode_gbs"]) and _positive(row["decode_gflop_per_step"])
+        assert row["decode_pct_of_bandwidth"] is None  # CPU, no --bandwidth-gbs
     for t in data["table"]:
         assert _positive(t["ratio_vs_dynamic"]) and t["hf_static_tok_s"] is None
 
