@@ -100,6 +100,29 @@ def paged_decode_attention(
     )(q, k_cache, v_cache, block_tables, lengths)
 
 
+def paged_attention_xla(
+    q: jax.Array,  # [B, T, H, D]
+    k_cache: jax.Array,  # [H, NB, BS, D]
+    v_cache: jax.Array,  # [H, NB, BS, D]
+    block_tables: jax.Array,  # [B, MB] int32
+    positions: jax.Array,  # [B, T] int32, absolute position of each query
+) -> jax.Array:  # [B, T, H, D]
+    """Plain XLA, any number of queries per row: query (b, t) sees the row's cached keys at
+    logical positions 0..positions[b, t]. Gathers each row's pages; softmax in float32. rosejax's
+    prefill runs this; with one query it is the decode kernel's reference."""
+    b, t, h, d = q.shape
+    bs = k_cache.shape[2]
+    context = block_tables.shape[1] * bs
+    k = k_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
+    v = v_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
+    s = jnp.einsum("bthd,hbld->bhtl", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    visible = jnp.arange(context)[None, None, :] <= positions[:, :, None]  # [B, T, L]
+    s = jnp.where(visible[:, None], s, _NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)  # [B, H, T, L]
+    out = jnp.einsum("bhtl,hbld->bthd", p, v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
+
+
 def paged_decode_attention_reference(
     q: jax.Array,  # [B, H, D]
     k_cache: jax.Array,  # [H, NB, BS, D]
@@ -107,15 +130,6 @@ def paged_decode_attention_reference(
     block_tables: jax.Array,  # [B, MB] int32
     lengths: jax.Array,  # [B] int32
 ) -> jax.Array:  # [B, H, D]
-    """Plain XLA: gather each row's pages, masked softmax in float32."""
-    b, h, d = q.shape
-    bs = k_cache.shape[2]
-    context = block_tables.shape[1] * bs
-    k = k_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
-    v = v_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
-    s = jnp.einsum("bhd,hbld->bhl", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
-    s = jnp.where(jnp.arange(context)[None, None, :] < lengths[:, None, None], s, _NEG_INF)
-    p = jax.nn.softmax(s, axis=-1)
-    p = jnp.where(lengths[:, None, None] > 0, p, 0.0)  # a padded row attends to nothing
-    out = jnp.einsum("bhl,hbld->bhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.astype(q.dtype)
+    """The XLA reference of `paged_decode_attention`: a padded row (length 0) gives zeros."""
+    out = paged_attention_xla(q[:, None], k_cache, v_cache, block_tables, (lengths - 1)[:, None])
+    return jnp.where(lengths[:, None, None] > 0, out[:, 0], 0).astype(q.dtype)
