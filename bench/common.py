@@ -131,7 +131,7 @@ def engine_kwargs(args: argparse.Namespace, max_batch_size: int | None = None) -
         max_batch_size=max_batch_size or args.max_batch_size, block_size=args.block_size,
         kv_cache_tokens=args.kv_cache_tokens, enable_prefix_caching=not args.no_prefix_cache,
         seed=args.seed, max_prefill_tokens=args.max_prefill_tokens,
-        prefill_max_batch_size=args.prefill_max_batch_size, warmup=not args.no_warmup,
+        prefill_max_batch_size=args.prefill_max_batch_size, warmup=False if args.no_warmup else None,
         compilation_cache_dir=args.compilation_cache_dir,
     )  # fmt: skip
     if args.decode_steps is not None:  # else the engine's default (it may become "auto")

@@ -81,7 +81,7 @@ class LLMEngine:
         prefill_max_batch_size: int | None = None,
         decode_steps: int | str = "auto",
         compilation_cache_dir: str | None = None,
-        warmup: bool = True,
+        warmup: bool | None = None,
     ):
         if max_batch_size < 1 or block_size < 1:
             raise ValueError("max_batch_size and block_size must be >= 1")
@@ -144,7 +144,9 @@ class LLMEngine:
         self.host_seconds = {"dispatch": 0.0, "wait": 0.0, "harvest": 0.0}
         self.prefill_tokens_computed = 0
         enable_compilation_cache(compilation_cache_dir)
-        if warmup:
+        # Compiling every bucket up front pays on a GPU (seconds per program, persistent cache);
+        # on a CPU it takes minutes for GPT-2, so there buckets compile on first use by default.
+        if warmup or (warmup is None and jax.default_backend() != "cpu"):
             self.warmup()
 
     @property

@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-warmup",
         action="store_true",
-        help="compile buckets on first use instead of all at start",
+        help="compile buckets on first use instead of all at start (always so on a CPU)",
     )
     return p
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model, tokenizer=args.tokenizer, dtype=args.dtype,
             max_batch_size=args.max_batch_size, block_size=args.block_size,
             kv_cache_tokens=args.kv_cache_tokens, decode_steps=args.decode_steps,
-            enable_prefix_caching=not args.no_prefix_cache, warmup=not args.no_warmup,
+            enable_prefix_caching=not args.no_prefix_cache, warmup=False if args.no_warmup else None,
         )  # fmt: skip
         start = time.perf_counter()
         first_token_at = None

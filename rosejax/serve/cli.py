@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine seed: random:* weights, and sampling of requests without a seed; "
                         "default: %(default)s")
     p.add_argument("--no-warmup", action="store_true",
-                   help="compile buckets on first use instead of all before serving")
+                   help="compile buckets on first use instead of all before serving (always so "
+                        "on a CPU)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file, enabling /v1/chat/completions for a tokenizer "
                         "without one (GPT-2 has none)")
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_tokens=args.kv_cache_tokens,
             kv_cache_memory_fraction=args.kv_cache_memory_fraction,
             enable_prefix_caching=not args.no_prefix_cache, seed=args.seed,
-            decode_steps=args.decode_steps, warmup=not args.no_warmup,
+            decode_steps=args.decode_steps, warmup=False if args.no_warmup else None,
         )  # fmt: skip
         if args.chat_template:
             with open(args.chat_template) as f:
