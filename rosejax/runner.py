@@ -10,6 +10,8 @@ slot state are donated to every program, so nothing is copied between steps.
 
 from __future__ import annotations
 
+import time
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -70,6 +72,7 @@ class ModelRunner:
         self.max_blocks = -(-config.n_positions // cache.block_size)
         self.state = empty_slot_state(num_slots, self.max_blocks)
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
+        self.compile_seconds = 0.0
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2))
         self._decode = jax.jit(
             self._decode_fn, donate_argnums=(1, 2), static_argnames=("batch", "greedy")
@@ -138,8 +141,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------- host calls
 
+    def _call(self, program, *args, **kwargs):
+        """Run a program; a call that compiled waits for its result, so `compile_seconds`
+        holds compile time (plus that one run) whether it happened at warm-up or lazily."""
+        before, start = self.num_compiles, time.perf_counter()
+        out = program(*args, **kwargs)
+        if self.num_compiles != before:
+            jax.block_until_ready(out)
+            self.compile_seconds += time.perf_counter() - start
+        return out
+
     def prefill(self, batch: dict[str, np.ndarray]) -> jax.Array:
-        first, self.cache, self.state = self._prefill(self.params, self.cache, self.state, batch)
+        first, self.cache, self.state = self._call(
+            self._prefill, self.params, self.cache, self.state, batch
+        )
         return first
 
     def decode(self, batch: int, n_steps: int, greedy: bool, kill: np.ndarray,
@@ -149,8 +164,8 @@ class ModelRunner:
         u = np.full((3, self.max_table_updates), self.num_slots, np.int32)
         if updates:
             u[:, : len(updates)] = np.asarray(updates, np.int32).T
-        out, self.cache, self.state = self._decode(
-            self.params, self.cache, self.state, kill, u[0], u[1], u[2], np.int32(n_steps),
-            batch=batch, greedy=greedy,
+        out, self.cache, self.state = self._call(
+            self._decode, self.params, self.cache, self.state, kill, u[0], u[1], u[2],
+            np.int32(n_steps), batch=batch, greedy=greedy,
         )  # fmt: skip
         return out
