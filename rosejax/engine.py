@@ -27,6 +27,8 @@ from rosejax.scheduler import Scheduler
 from rosejax.tokenizer import IncrementalDetokenizer, load_tokenizer
 from rosejax.weights import load_model, resolve_dtype
 
+AUTO_OPEN_STEPS = 8  # "auto" decode window while the batch has free slots
+
 
 def _buckets(limit: int, start: int = 1, factor: int = 2) -> list[int]:
     """start, start * factor, ... below `limit`, then `limit` itself."""
@@ -51,8 +53,8 @@ def parse_decode_steps(text: str) -> int | str:
 
 
 DECODE_STEPS_HELP = (
-    "decode steps per device call (multi-step decode): an int, or 'auto' (32, cut short while "
-    "requests wait for a free slot); default: auto"
+    "decode steps per device call (multi-step decode): an int, or 'auto' (32 while the batch is "
+    "full, 8 while it has free slots, cut short while requests wait for a slot); default: auto"
 )
 
 
@@ -282,12 +284,18 @@ class LLMEngine:
         return batch
 
     def _window(self, running: list[Request]) -> int:
-        """Steps for the next window: the full length, or, when requests wait for a slot, just
-        until the first running request may finish (its slot can then be refilled at once)."""
-        if not self.auto_steps or not self.scheduler.waiting:
+        """Steps for the next decode window. Fixed when the user chose them; under "auto", the
+        full 32 while the batch is full and nobody waits (throughput), until the first running
+        request may finish while requests wait for a slot (its slot is refilled at once), and
+        AUTO_OPEN_STEPS while slots are free (a request arriving now starts within that many)."""
+        if not self.auto_steps:
             return self.decode_steps
-        left = min(r.params.max_tokens - len(r.output_token_ids) - r.inflight for r in running)
-        return int(min(self.decode_steps, max(left, 1)))
+        if self.scheduler.waiting and len(running) >= self.max_batch_size:
+            left = min(r.params.max_tokens - len(r.output_token_ids) - r.inflight for r in running)
+            return int(min(self.decode_steps, max(left, 1)))
+        if len(running) < self.max_batch_size:
+            return min(self.decode_steps, AUTO_OPEN_STEPS)
+        return self.decode_steps
 
     def _dispatch_decode(self, running: list[Request]) -> bool:
         k = self._window(running)

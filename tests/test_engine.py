@@ -92,6 +92,26 @@ def test_multi_step_windows_equal_single_steps(checkpoint, temperature):
     assert outs[1] == outs[7]
 
 
+def test_auto_window_length(checkpoint):
+    """'auto': short windows while slots are free, long ones when full, cut to the first finish
+    while requests wait for a slot."""
+    from rosejax.engine import AUTO_OPEN_STEPS
+
+    engine = make_llm(checkpoint, max_batch_size=2).engine
+    for i, n in enumerate((20, 9, 30)):
+        engine.add_request(f"r{i}", random_prompts(1)[0], SamplingParams(max_tokens=n, temperature=0))
+    running = engine.scheduler.running
+    assert engine._window(running) == AUTO_OPEN_STEPS  # nothing admitted yet: slots free
+    engine.step()  # admits r0 and r1; r2 waits for a slot
+    assert len(running) == 2 and engine.scheduler.waiting
+    assert engine._window(running) == 9  # r1 may finish after 9 tokens: refill its slot then
+    engine.abort_request("r2")
+    assert engine._window(running) == engine.decode_steps == 32  # full, nobody waiting
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_clean(engine)
+
+
 def test_small_cache_forces_waiting_and_preemption(checkpoint):
     # 12 usable blocks of 8 tokens; each request grows to ~40-60 tokens (5-8 blocks).
     llm = make_llm(checkpoint, kv_cache_tokens=13 * 8, max_batch_size=4)
