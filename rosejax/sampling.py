@@ -27,58 +27,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import secrets
-from collections.abc import Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-
-
-@flax.struct.dataclass
-class SamplingState:
-    """Per-row sampling values for one decode bucket; nothing static, so nothing recompiles."""
-
-    temperature: jax.Array  # f32[B], 0 = greedy
-    top_k: jax.Array  # i32[B], 0 = off
-    top_p: jax.Array  # f32[B], 1.0 = off
-    seed: jax.Array  # u32[B]
-
-    @classmethod
-    def from_params(
-        cls,
-        params: Sequence[SamplingParams],
-        seeds: Sequence[int] | None = None,
-        batch_size: int | None = None,
-    ) -> SamplingState:
-        """Rows from `params`, padded to `batch_size` with greedy rows.
-
-        `seeds` overrides the params' seeds; pass the ones the engine resolved (resolve_seed)
-        once per request, or a request with seed=None gets a fresh seed on every call.
-        """
-        n = len(params)
-        batch_size = n if batch_size is None else batch_size
-        if batch_size < n:
-            raise ValueError(f"batch_size {batch_size} < {n} requests")
-        seeds = [resolve_seed(p.seed) for p in params] if seeds is None else list(seeds)
-        pad = batch_size - n
-        return cls(
-            temperature=jnp.asarray([p.temperature for p in params] + [0.0] * pad, jnp.float32),
-            top_k=jnp.asarray([p.top_k for p in params] + [0] * pad, jnp.int32),
-            top_p=jnp.asarray([p.top_p for p in params] + [1.0] * pad, jnp.float32),
-            seed=jnp.asarray(np.asarray(seeds + [0] * pad, np.int64) % 2**32, jnp.uint32),
-        )
-
-    def sample(self, logits: jax.Array, step: jax.Array) -> jax.Array:
-        """i32[B] next tokens for logits [B, V]; `step` i32[B] counts each row's output tokens."""
-        return sample(logits, self.temperature, self.top_k, self.top_p, self.seed, step)
-
-
-def resolve_seed(seed: int | None) -> int:
-    """A request's seed as uint32 (ints are taken mod 2**32); None draws a fresh random one."""
-    return secrets.randbits(32) if seed is None else seed % 2**32
 
 
 def _order_key(x: jax.Array) -> jax.Array:
