@@ -214,11 +214,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _release(self, request: Request) -> None:
+    def _free_slot(self, request: Request) -> None:
+        """Give the request's device row back; the device stops it at the next window."""
         if request.slot >= 0:
             self._kill[request.slot] = True
             self._free_slots.append(request.slot)
             request.slot = -1
+
+    def _release(self, request: Request) -> None:
+        self._free_slot(request)
         self.scheduler.finish(request)
 
     # ---------------------------------------------------------------------------------- step
@@ -301,9 +305,7 @@ class LLMEngine:
         k = self._window(running)
         self.scheduler.reserve(running, k, extra=lambda r: r.inflight)
         for r in self.scheduler.preempted:  # lost their blocks: the device must stop them
-            self._kill[r.slot] = True
-            self._free_slots.append(r.slot)
-            r.slot = -1
+            self._free_slot(r)
         self.scheduler.preempted.clear()
         running = [r for r in self.scheduler.running if r.slot >= 0]
         if not running:

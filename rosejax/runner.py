@@ -136,7 +136,11 @@ class ModelRunner:
             return k + 1, cache, r, out.at[k].set(jnp.where(live, nxt, -1))
 
         _, cache, rows, out = jax.lax.while_loop(cond, body, (0, cache, rows, out))
-        state = jax.tree.map(lambda a, r: a.at[:batch].set(r), state, rows)
+        # Only these fields change inside the loop; the rest of the state is as it came in.
+        changed = ("tokens", "positions", "alive", "steps")
+        state = state.replace(
+            **{f: getattr(state, f).at[:batch].set(getattr(rows, f)) for f in changed}
+        )
         return out, cache, state
 
     # ------------------------------------------------------------------------- host calls

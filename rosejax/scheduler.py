@@ -84,7 +84,11 @@ class Scheduler:
                     self.max_context - request.table.num_tokens,
                 ))  # fmt: skip
                 if self.allocator.can_append(request.table, room):
-                    self.allocator.reserve(request.table, room)
+                    cow_src, _ = self.allocator.reserve(request.table, room)
+                    # Copy-on-write needs a block shared by two live tables, i.e. a `fork`,
+                    # which the engine never does; forking would need kv_cache.copy_blocks here.
+                    if cow_src >= 0:
+                        raise RuntimeError("copy-on-write during decode: the engine does not fork")
                     break
                 self._preempt(self.running[-1])
 
