@@ -23,6 +23,8 @@ from typing import Any
 
 from bench import metrics as m
 from bench.metrics import RequestTrace, StepRecord, step_kind
+from rosejax.engine_args import add_engine_args as add_engine_args_
+from rosejax.engine_args import engine_kwargs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,48 +49,12 @@ def ints(text: str) -> list[int]:
     return out
 
 
-def decode_steps_arg(text: str) -> int | str:
-    """An int, or a word the engine understands (e.g. 'auto'), passed through as is."""
-    return int(text) if text.strip().isdigit() else text
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "--hf-model-id", dest="model", default="random:gpt2",
-                   help="hub id, local save_pretrained directory, or random:<preset> (random "
-                        "weights of a GPT-2 shape: random:gpt2 is the 124M shape, random:tiny a "
-                        "2-layer one for CPU tests); --hf-model-id is an alias")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory or hub id, for a checkpoint without tokenizer files "
-                        "(random:* models use the packaged GPT-2 tokenizer)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
-                   help="weights and KV cache dtype; auto = float16 on GPU, float32 on CPU")
+def add_engine_args(p: argparse.ArgumentParser, max_batch_size: int = 64) -> None:
+    """The engine's flags (rosejax.engine_args) with the benchmarks' defaults, and --seed."""
+    add_engine_args_(p, model_default="random:gpt2", model_aliases=("--hf-model-id",),
+                     max_batch_size=max_batch_size)
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random weights and of the sampling seeds")
-
-
-def add_engine_args(p: argparse.ArgumentParser, max_batch_size: int = 64) -> None:
-    add_model_args(p)
-    p.add_argument("--max-batch-size", type=int, default=max_batch_size,
-                   help="most requests the engine decodes together (its largest decode bucket)"
-                        + ("; 0 = the largest --batch-sizes" if max_batch_size == 0 else ""))
-    p.add_argument("--prefill-max-batch-size", type=int, default=None,
-                   help="most requests prefilled together; default: --max-batch-size")
-    p.add_argument("--max-prefill-tokens", type=int, default=4096,
-                   help="prompt tokens per prefill step at most")
-    p.add_argument("--block-size", type=int, default=64, help="tokens per KV cache block")
-    p.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="KV cache size in tokens; default: the engine's (half the free GPU "
-                        "memory; on CPU max batch x context)")
-    p.add_argument("--no-prefix-cache", action="store_true",
-                   help="turn off prefix caching (sharing KV blocks of equal prompt prefixes)")
-    p.add_argument("--decode-steps", type=decode_steps_arg, default=None,
-                   help="decode steps per device call, passed to the engine as is (an int, or "
-                        "e.g. 'auto' where the engine takes it); default: the engine's")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="don't compile every bucket at engine start (LLMEngine(warmup=False)); "
-                        "the --warmup-runs then compile what the workload uses")
-    p.add_argument("--compilation-cache-dir", default=None,
-                   help="jax persistent compilation cache; default: the engine's")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -125,26 +91,15 @@ def add_run_args(p: argparse.ArgumentParser, warmup_runs: int = 1, repeat_runs: 
                         "default: its copy bandwidth measured here on a GPU (none on CPU)")
 
 
-def engine_kwargs(args: argparse.Namespace, max_batch_size: int | None = None) -> dict[str, Any]:
-    kw: dict[str, Any] = dict(
-        tokenizer=args.tokenizer, dtype=args.dtype,
-        max_batch_size=max_batch_size or args.max_batch_size, block_size=args.block_size,
-        kv_cache_tokens=args.kv_cache_tokens, enable_prefix_caching=not args.no_prefix_cache,
-        seed=args.seed, max_prefill_tokens=args.max_prefill_tokens,
-        prefill_max_batch_size=args.prefill_max_batch_size, warmup=False if args.no_warmup else None,
-        compilation_cache_dir=args.compilation_cache_dir,
-    )  # fmt: skip
-    if args.decode_steps is not None:  # else the engine's default (it may become "auto")
-        kw["decode_steps"] = args.decode_steps
-    return kw
-
-
 def make_engine(args: argparse.Namespace, max_batch_size: int | None = None):
     """Build the engine; returns (engine, seconds to build it: load, cache, warm-up compile)."""
     from rosejax.engine import LLMEngine
 
     start = time.perf_counter()
-    engine = LLMEngine(args.model, **engine_kwargs(args, max_batch_size))
+    kwargs = engine_kwargs(args) | {"seed": args.seed}
+    if max_batch_size:  # compare_hf: one engine per batch size
+        kwargs["max_batch_size"] = max_batch_size
+    engine = LLMEngine(args.model, **kwargs)
     return engine, time.perf_counter() - start
 
 

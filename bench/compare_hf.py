@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_engine_args(p, max_batch_size=0)
     p.set_defaults(no_stop_on_eos=True, temperature=0.0, top_k=0, top_p=1.0)
     p.add_argument("--batch-sizes", type=common.ints, default=[1, 16, 64, 256],
-                   metavar="B1,B2,...", help="batch sizes (requests per workload)")
+                   metavar="B1,B2,...",
+                   help="batch sizes (requests per workload); each gets an engine of that max "
+                        "batch size unless --max-batch-size is set (its default 0 = B)")
     p.add_argument("--input-len", type=int, default=8, help="prompt tokens (random ids)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per request")
     p.add_argument("--no-stop-on-eos", action="store_true",

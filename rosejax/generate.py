@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from rosejax.engine import DECODE_STEPS_HELP, parse_decode_steps
+from rosejax.engine_args import add_engine_args, engine_kwargs
 from rosejax.sampling import SamplingParams
 
 
@@ -15,19 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m rosejax.generate",
         description="Generate text with rosejax from a Hugging Face GPT-2 checkpoint.",
     )
-    p.add_argument(
-        "--model",
-        default="gpt2",
-        help="hub id (gpt2, gpt2-medium, ...), local save_pretrained directory, or "
-        "random:<preset> for random weights of a GPT-2 shape (random:gpt2, "
-        "random:gpt2-xl, random:tiny); default: %(default)s",
-    )
-    p.add_argument(
-        "--tokenizer",
-        default=None,
-        help="tokenizer directory or hub id, for a checkpoint without tokenizer files "
-        "(random:* models use the packaged GPT-2 tokenizer)",
-    )
+    add_engine_args(p)
     p.add_argument(
         "--prompt",
         action="append",
@@ -83,44 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print text as it is generated (prompts one after another)",
     )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and KV cache dtype; auto = float16 on GPU, float32 on CPU",
-    )
-    p.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=64,
-        help="most requests decoded together; default: %(default)s",
-    )
-    p.add_argument(
-        "--block-size", type=int, default=64, help="tokens per KV cache block; default: %(default)s"
-    )
-    p.add_argument(
-        "--kv-cache-tokens",
-        type=int,
-        default=None,
-        help="KV cache size in tokens; default: half the free GPU memory "
-        "(CPU: max batch x context)",
-    )
-    p.add_argument(
-        "--decode-steps",
-        type=parse_decode_steps,
-        default="auto",
-        help=DECODE_STEPS_HELP,
-    )
-    p.add_argument(
-        "--no-prefix-cache",
-        action="store_true",
-        help="turn off prefix caching (sharing KV blocks of equal prompt prefixes)",
-    )
-    p.add_argument(
-        "--no-warmup",
-        action="store_true",
-        help="compile buckets on first use instead of all at start (always so on a CPU)",
-    )
     return p
 
 
@@ -140,12 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         from rosejax.llm import LLM
 
-        llm = LLM(
-            args.model, tokenizer=args.tokenizer, dtype=args.dtype,
-            max_batch_size=args.max_batch_size, block_size=args.block_size,
-            kv_cache_tokens=args.kv_cache_tokens, decode_steps=args.decode_steps,
-            enable_prefix_caching=not args.no_prefix_cache, warmup=False if args.no_warmup else None,
-        )  # fmt: skip
+        llm = LLM(args.model, **engine_kwargs(args))
         start = time.perf_counter()
         first_token_at = None
         tokens = 0

@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 
-from rosejax.engine import DECODE_STEPS_HELP, parse_decode_steps
+from rosejax.engine_args import add_engine_args, engine_kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,43 +16,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a GPT-2 checkpoint over an OpenAI-compatible HTTP API "
                     "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).",
     )  # fmt: skip
-    p.add_argument("--model", default="gpt2",
-                   help="hub id (gpt2, gpt2-medium, ...), local save_pretrained directory, or "
-                        "random:<preset> for random weights (random:gpt2, random:tiny); "
-                        "default: %(default)s")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory or hub id, for a checkpoint without tokenizer files "
-                        "(random:* models use the packaged GPT-2 tokenizer)")
+    add_engine_args(p)
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and /v1/models lists; default: --model")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0 for every interface); default: %(default)s")
     p.add_argument("--port", type=int, default=8000, help="TCP port; default: %(default)s")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV cache dtype; auto = float16 on GPU, float32 on CPU")
-    p.add_argument("--max-batch-size", type=int, default=64,
-                   help="most requests decoded together; default: %(default)s")
     p.add_argument("--max-waiting", type=int, default=512,
                    help="most requests allowed to wait beyond a full batch (in flight > "
                         "max-batch-size + this -> HTTP 429); -1 = no bound; default: %(default)s")
-    p.add_argument("--block-size", type=int, default=64,
-                   help="tokens per KV cache block; default: %(default)s")
-    p.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="KV cache size in tokens; default: half the free GPU memory "
-                        "(CPU: max batch x context)")
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
-                   help="KV cache size as a fraction of free accelerator memory (instead of "
-                        "--kv-cache-tokens)")
-    p.add_argument("--decode-steps", type=parse_decode_steps, default="auto",
-                   help=DECODE_STEPS_HELP)
-    p.add_argument("--no-prefix-cache", action="store_true",
-                   help="turn off prefix caching (sharing KV blocks of equal prompt prefixes)")
     p.add_argument("--seed", type=int, default=0,
                    help="engine seed: random:* weights, and sampling of requests without a seed; "
                         "default: %(default)s")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="compile buckets on first use instead of all before serving (always so "
-                        "on a CPU)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file, enabling /v1/chat/completions for a tokenizer "
                         "without one (GPT-2 has none)")
@@ -75,14 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from rosejax.serve.app import create_app
 
     try:
-        engine = LLMEngine(
-            args.model, tokenizer=args.tokenizer, dtype=args.dtype,
-            max_batch_size=args.max_batch_size, block_size=args.block_size,
-            kv_cache_tokens=args.kv_cache_tokens,
-            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-            enable_prefix_caching=not args.no_prefix_cache, seed=args.seed,
-            decode_steps=args.decode_steps, warmup=False if args.no_warmup else None,
-        )  # fmt: skip
+        engine = LLMEngine(args.model, seed=args.seed, **engine_kwargs(args))
         if args.chat_template:
             with open(args.chat_template) as f:
                 engine.tokenizer.chat_template = f.read()
