@@ -32,11 +32,12 @@ def jax_op(q, k, v, tables, lengths, *, pages_per_compute_block, k_splits):
                            pages_per_compute_block=pages_per_compute_block, k_splits=k_splits)
 
 
-def impls(interpret: bool) -> dict:
+def impls(interpret: bool, warps: list[int], stages: list[int]) -> dict:
     out = {"xla": paged_decode_attention_reference}
-    for w in (1, 2, 4, 8):
-        out[f"rosejax_w{w}"] = functools.partial(paged_decode_attention, num_warps=w,
-                                                 interpret=interpret)
+    for w in warps:
+        for s in stages:
+            out[f"rosejax_w{w}_s{s}"] = functools.partial(
+                paged_decode_attention, num_warps=w, num_stages=s, interpret=interpret)
     if not interpret:
         out["jax_op_ppcb4"] = functools.partial(jax_op, pages_per_compute_block=4, k_splits=1)
         out["jax_op_ppcb8_ks4"] = functools.partial(jax_op, pages_per_compute_block=8, k_splits=4)
@@ -62,6 +63,9 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,16,64,256", help="comma list of B")
     p.add_argument("--contexts", default="136,512", help="comma list of tokens per row")
     p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    p.add_argument("--num-warps", default="1,2,4,8", help="comma list of the kernel's warps")
+    p.add_argument("--num-stages", default="2", help="comma list of the kernel's pipeline stages")
+    p.add_argument("--no-jax-op", action="store_true", help="skip jax's paged_attention op")
     p.add_argument("--iters", type=int, default=200, help="calls per timed loop")
     p.add_argument("--repeats", type=int, default=5, help="timed loops; the median is kept")
     p.add_argument("--quick", action="store_true", help="tiny sizes, interpret mode (CPU smoke)")
@@ -84,7 +88,11 @@ def main() -> None:
         q = jnp.asarray(rng.normal(size=(b, h, d)), jnp.float16)
         ref = np.asarray(paged_decode_attention_reference(q, k, v, tables, lengths), np.float32)
         bytes_ = b * ctx * h * d * 2 * 2
-        for name, fn in impls(interpret).items():
+        variants = impls(interpret, [int(w) for w in args.num_warps.split(",")],
+                         [int(s) for s in args.num_stages.split(",")])
+        if args.no_jax_op:
+            variants = {n: f for n, f in variants.items() if not n.startswith("jax_op")}
+        for name, fn in variants.items():
             try:
                 got = np.asarray(fn(q, k, v, tables, lengths), np.float32)
             except Exception as e:  # jax's op refuses some page counts under Triton lowering
@@ -92,7 +100,7 @@ def main() -> None:
                 continue
             err = float(np.abs(got - ref).max())
             us = time_impl(fn, q, k, v, tables, lengths, args.iters, args.repeats)
-            rows.append(dict(B=b, context=ctx, impl=name, us=us, gbs=bytes_ / us / 1e3, max_err=err))
+            rows.append(dict(B=b, context=ctx, block_size=bs, impl=name, us=us, gbs=bytes_ / us / 1e3, max_err=err))
             print(f"B={b:4d} ctx={ctx:4d} {name:18s} {us:9.2f} us {bytes_ / us / 1e3:8.1f} GB/s  err {err:.1e}",
                   flush=True)
     print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}")

@@ -42,15 +42,17 @@ def paged_decode_attention_kernel(
     def body(i, carry):
         m, denom, acc = carry  # [], [], [D]: running max, softmax denominator, numerator
         page = block_tables_ref[b, i]
-        k = k_cache_ref[h, page, :, :].astype(jnp.float32)  # [BS, D]
-        v = v_cache_ref[h, page, :, :].astype(jnp.float32)  # [BS, D]
-        s = jnp.sum(q[None, :] * k, axis=1)  # [BS]
-        pos = i * block_size + jnp.arange(block_size, dtype=jnp.int32)
-        s = jnp.where(pos < length, s, _NEG_INF)
+        valid = i * block_size + jnp.arange(block_size, dtype=jnp.int32) < length  # [BS]
+        # Masked loads: the last page's unused tail is never read (at block size 64 and GPT-2's
+        # decode contexts that tail is a fifth to a half of the bytes).
+        k = plgpu.load(k_cache_ref.at[h, page, :, :], mask=valid[:, None], other=0.0)
+        v = plgpu.load(v_cache_ref.at[h, page, :, :], mask=valid[:, None], other=0.0)
+        s = jnp.sum(q[None, :] * k.astype(jnp.float32), axis=1)  # [BS]
+        s = jnp.where(valid, s, _NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s))
         p = jnp.exp(s - m_new)  # [BS]
         alpha = jnp.exp(m - m_new)
-        acc = acc * alpha + jnp.sum(p[:, None] * v, axis=0)
+        acc = acc * alpha + jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
         return m_new, denom * alpha + jnp.sum(p), acc
 
     num_pages = (length + block_size - 1) // block_size
@@ -108,16 +110,37 @@ def paged_attention_xla(
     positions: jax.Array,  # [B, T] int32, absolute position of each query
 ) -> jax.Array:  # [B, T, H, D]
     """Plain XLA, any number of queries per row: query (b, t) sees the row's cached keys at
-    logical positions 0..positions[b, t]. Gathers each row's pages; softmax in float32. rosejax's
-    prefill runs this; with one query it is the decode kernel's reference."""
+    logical positions 0..positions[b, t]. Gathers each row's pages (all MB of them); softmax in
+    float32. rosejax's prefill runs this when a row continues a cached prefix; with one query it
+    is the decode kernel's reference."""
     b, t, h, d = q.shape
-    bs = k_cache.shape[2]
-    context = block_tables.shape[1] * bs
+    context = block_tables.shape[1] * k_cache.shape[2]
     k = k_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
     v = v_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
-    s = jnp.einsum("bthd,hbld->bhtl", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
     visible = jnp.arange(context)[None, None, :] <= positions[:, :, None]  # [B, T, L]
-    s = jnp.where(visible[:, None], s, _NEG_INF)
+    return _masked_attention(q, k, v, visible)
+
+
+def causal_attention_xla(
+    q: jax.Array,  # [B, T, H, D]
+    k: jax.Array,  # [B, T, H, D]
+    v: jax.Array,  # [B, T, H, D]
+    positions: jax.Array,  # [B, T] int32, increasing along T
+) -> jax.Array:  # [B, T, H, D]
+    """Causal attention among a chunk's own tokens: what `paged_attention_xla` computes when no
+    row has anything cached before its chunk, without gathering the rows' whole block tables."""
+    visible = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
+    return _masked_attention(q, k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3), visible)
+
+
+def _masked_attention(
+    q: jax.Array,  # [B, T, H, D]
+    k: jax.Array,  # [H, B, L, D]
+    v: jax.Array,  # [H, B, L, D]
+    visible: jax.Array,  # [B, T, L] bool
+) -> jax.Array:  # [B, T, H, D]
+    s = jnp.einsum("bthd,hbld->bhtl", q, k, preferred_element_type=jnp.float32)
+    s = jnp.where(visible[:, None], s / math.sqrt(q.shape[-1]), _NEG_INF)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)  # [B, H, T, L]
     out = jnp.einsum("bhtl,hbld->bthd", p, v, preferred_element_type=jnp.float32)
     return out.astype(q.dtype)

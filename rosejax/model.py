@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_append
-from rosejax.attention import decode_attention, paged_attention_xla
+from rosejax.attention import decode_attention, prefill_attention
 from rosejax.config import GPT2Config
 from rosejax.kv_cache import KVCache
 
@@ -53,7 +53,7 @@ class CausalSelfAttention(nn.Module):
             out = decode_attention(q[:, 0], k_cache, v_cache, meta.block_tables, meta.seq_lens)
             out = out[:, None]
         else:
-            out = paged_attention_xla(q, k_cache, v_cache, meta.block_tables, meta.positions)
+            out = prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.positions)
         y = nn.Dense(e, dtype=self.dtype, name="c_proj")(out.reshape(b, t, e))
         return y, k_cache, v_cache
 
