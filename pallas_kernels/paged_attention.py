@@ -70,11 +70,14 @@ def paged_decode_attention(
     block_tables: jax.Array,  # [B, MB] int32
     lengths: jax.Array,  # [B] int32
     *,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:  # [B, H, D]
-    """softmax(q k^T / sqrt(D)) v over each row's first `lengths[b]` cached tokens."""
+    """softmax(q k^T / sqrt(D)) v over each row's first `lengths[b]` cached tokens.
+
+    `num_warps` None: one warp per 1,024 elements of a [block_size, D] page, the best of 1/2/4
+    warps at each block size of an H200 sweep (B=256, context 136; bench/RESULTS.md)."""
     if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"need q [B, H, D] and caches [H, NB, BS, D], got {q.shape}, "
                          f"{k_cache.shape}, {v_cache.shape}")
@@ -90,6 +93,8 @@ def paged_decode_attention(
     bs = k_cache.shape[2]
     if bs & (bs - 1) or d & (d - 1):
         raise ValueError(f"block size and head dim must be powers of two, got {bs}, {d}")
+    if num_warps is None:
+        num_warps = max(1, min(bs * d // 1024, 8))
     if not interpret:
         _filter_triton_deprecation()
     return pl.pallas_call(

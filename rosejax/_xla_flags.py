@@ -4,15 +4,15 @@ The decode window is a `lax.while_loop`. Without WHILE/CONDITIONAL in XLA's comm
 graphs), the host launches every kernel of every step and reads the loop predicate back each
 iteration; with them, a window is one graph. Measured on an H200 (bench/RESULTS.md): B=256 decode
 0.98 ms/step with them, 1.09 ms without. A user's own setting of either flag wins.
+
+`decode_compiler_options` picks the GEMM library per decode program (options of one compile, not
+process-wide flags).
 """
 
 from __future__ import annotations
 
 import os
 
-# XLA's own GEMM choice stays: its Triton GEMMs win at small batches (B=1: 0.435 ms/step against
-# 0.557 with --xla_gpu_enable_triton_gemm=false on an H200), cuBLAS by 5% at B=256 (1.066 against
-# 1.124 ms); latency matters more here. bench/RESULTS.md has the runs.
 _DEFAULTS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
 }
@@ -24,3 +24,16 @@ def set_default_xla_flags() -> None:
         if name not in flags:
             flags = f"{flags} --{name}={value}"
     os.environ["XLA_FLAGS"] = flags.strip()
+
+
+# XLA's Triton GEMMs win at small batches (B=1: 0.435 ms/step against 0.557 with cuBLAS on an
+# H200), cuBLAS with its bias/GELU epilogues at large ones (B=256: 1.066 against 1.124 ms), so the
+# choice is made per decode program (bench/RESULTS.md has the runs).
+def decode_compiler_options(batch: int) -> dict[str, bool]:
+    """Per-program XLA options for a decode program of `batch` rows: cuBLAS GEMMs from
+    ROSEJAX_CUBLAS_MIN_BATCH rows up (default 128), unless XLA_FLAGS already decides."""
+    if "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):
+        return {}
+    if batch >= int(os.environ.get("ROSEJAX_CUBLAS_MIN_BATCH", "128")):
+        return {"xla_gpu_enable_triton_gemm": False}
+    return {}

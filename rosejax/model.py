@@ -115,7 +115,10 @@ class GPT2(nn.Module):
         if logit_indices is not None:  # only the rows' last real tokens need logits
             x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)[:, 0]  # [B, E]
         x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=self.dtype, name="ln_f")(x)
-        logits = wte.attend(x).astype(jnp.float32)  # [B, (T,) V]
+        # In the model's dtype: an fp16 step writes (and its argmax reads) half the bytes of
+        # float32 logits, 26 MB less per step at B=256; the values are the same, since the
+        # product is rounded to the model's dtype first either way. Sampling upcasts.
+        logits = wte.attend(x)  # [B, (T,) V]
         return logits, cache.replace(k=ks, v=vs)
 
 
@@ -128,6 +131,6 @@ def forward(
     logit_indices: jax.Array | None = None,  # [B] int32: return logits of these tokens only
 ) -> tuple[jax.Array, KVCache]:
     """Run GPT-2 over `tokens`, writing their K/V into `cache`. Returns (logits, cache): logits are
-    [B, T, V] float32, or [B, V] when `logit_indices` is given."""
+    [B, T, V] in the params' dtype, or [B, V] when `logit_indices` is given."""
     dtype = params["wte"]["embedding"].dtype
     return GPT2(config, dtype).apply({"params": params}, tokens, cache, meta, logit_indices)

@@ -11,12 +11,14 @@ slot state are donated to every program, so nothing is copied between steps.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rosejax._xla_flags import decode_compiler_options
 from rosejax.config import GPT2Config
 from rosejax.kv_cache import KVCache
 from rosejax.model import ForwardMetadata, forward
@@ -74,9 +76,7 @@ class ModelRunner:
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
         self.compile_seconds = 0.0
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2))
-        self._decode = jax.jit(
-            self._decode_fn, donate_argnums=(1, 2), static_argnames=("batch", "greedy")
-        )
+        self._decode_programs: dict[tuple, Callable] = {}  # compiler options -> jitted window
 
     # ------------------------------------------------------------------------------ programs
 
@@ -168,8 +168,15 @@ class ModelRunner:
         u = np.full((3, self.max_table_updates), self.num_slots, np.int32)
         if updates:
             u[:, : len(updates)] = np.asarray(updates, np.int32).T
+        options = decode_compiler_options(batch)
+        key = tuple(sorted(options.items()))
+        if key not in self._decode_programs:
+            self._decode_programs[key] = jax.jit(
+                self._decode_fn, donate_argnums=(1, 2), static_argnames=("batch", "greedy"),
+                compiler_options=options or None,
+            )  # fmt: skip
         out, self.cache, self.state = self._call(
-            self._decode, self.params, self.cache, self.state, kill, u[0], u[1], u[2],
+            self._decode_programs[key], self.params, self.cache, self.state, kill, u[0], u[1], u[2],
             np.int32(n_steps), batch=batch, greedy=greedy,
         )  # fmt: skip
         return out

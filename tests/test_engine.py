@@ -317,3 +317,26 @@ def test_text_prompts_round_trip(tmp_path):
     )[0]
     assert out.prompt_token_ids == [15496, 11, 616, 1438, 318]
     assert out.text == llm.engine.tokenizer.decode(out.token_ids)
+
+
+def test_decode_gemm_choice_per_batch(monkeypatch):
+    from rosejax._xla_flags import decode_compiler_options
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("ROSEJAX_CUBLAS_MIN_BATCH", "64")
+    assert decode_compiler_options(63) == {}
+    assert decode_compiler_options(64) == {"xla_gpu_enable_triton_gemm": False}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")  # the user's choice wins
+    assert decode_compiler_options(256) == {}
+
+
+def test_cublas_threshold_keeps_outputs(checkpoint, monkeypatch):
+    """Both kinds of decode program (with and without per-program compiler options) give the
+    same greedy tokens."""
+    outs = []
+    for threshold in ("1", "100000"):
+        monkeypatch.setenv("ROSEJAX_CUBLAS_MIN_BATCH", threshold)
+        llm = make_llm(checkpoint)
+        res = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, ignore_eos=True))
+        outs.append([r.token_ids for r in res])
+    assert outs[0] == outs[1] and all(len(t) == 6 for t in outs[0])

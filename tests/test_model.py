@@ -128,6 +128,6 @@ def test_half_precision_forward_tracks_fp32(hf_checkpoint, dtype):
     low, _ = forward(
         plow, config, tokens, init_kv_cache(config, num_blocks, BLOCK_SIZE, dtype), meta
     )
-    assert low.dtype == jnp.float32
+    assert low.dtype == jnp.dtype(dtype)
     bound = {"bfloat16": 5e-2, "float16": 1e-2}[dtype]
     assert rel_err(low, np.asarray(ref)) <= bound
