@@ -31,9 +31,9 @@ def set_default_xla_flags() -> None:
 # choice is made per decode program (bench/RESULTS.md has the runs).
 def decode_compiler_options(batch: int) -> dict[str, bool]:
     """Per-program XLA options for a decode program of `batch` rows: cuBLAS GEMMs from
-    ROSEJAX_CUBLAS_MIN_BATCH rows up (default 128), unless XLA_FLAGS already decides."""
+    ROSEJAX_CUBLAS_MIN_BATCH rows up (default 256), unless XLA_FLAGS already decides."""
     if "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):
         return {}
-    if batch >= int(os.environ.get("ROSEJAX_CUBLAS_MIN_BATCH", "128")):
+    if batch >= int(os.environ.get("ROSEJAX_CUBLAS_MIN_BATCH", "256")):
         return {"xla_gpu_enable_triton_gemm": False}
     return {}
