@@ -331,12 +331,14 @@ def test_decode_gemm_choice_per_batch(monkeypatch):
 
 
 def test_cublas_threshold_keeps_outputs(checkpoint, monkeypatch):
-    """Both kinds of decode program (with and without per-program compiler options) give the
-    same greedy tokens."""
+    """Decode programs built with and without per-program compiler options give the same greedy
+    tokens. On a CPU the option is accepted and ignored, so there this checks the plumbing (an
+    unknown option fails the compile); on a GPU it compares cuBLAS with Triton GEMMs."""
     outs = []
     for threshold in ("1", "100000"):
         monkeypatch.setenv("ROSEJAX_CUBLAS_MIN_BATCH", threshold)
         llm = make_llm(checkpoint)
-        res = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, ignore_eos=True))
+        res = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, temperature=0.0,
+                                                               ignore_eos=True))
         outs.append([r.token_ids for r in res])
     assert outs[0] == outs[1] and all(len(t) == 6 for t in outs[0])
