@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import (
     causal_attention_xla,
@@ -52,11 +51,12 @@ def prefill_attention(
     v_cache: jax.Array,  # [H, NB, BS, D]
     block_tables: jax.Array,  # [B, MB] int32
     positions: jax.Array,  # [B, T] int32
+    fresh: jax.Array,  # bool[]: no row continues a cached prefix (every chunk starts at 0)
 ) -> jax.Array:  # [B, T, H, D]
     # Gathering whole block tables reads MB * block_size keys per row (the model's full context)
     # however short the prompts: for 8-token prompts that was most of a prefill's time.
     return jax.lax.cond(
-        jnp.all(positions[:, 0] == 0),
+        fresh,
         lambda: causal_attention_xla(q, k, v, positions),
         lambda: paged_attention_xla(q, k_cache, v_cache, block_tables, positions),
     )

@@ -40,7 +40,8 @@ class CausalSelfAttention(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x, k_cache, v_cache, meta: ForwardMetadata, write_block, write_offset):
+    def __call__(self, x, k_cache, v_cache, meta: ForwardMetadata, write_block, write_offset,
+                 fresh):
         b, t, e = x.shape
         h, d = self.config.n_head, self.config.head_dim
         qkv = nn.Dense(3 * e, dtype=self.dtype, name="c_attn")(x)  # [B, T, 3E]
@@ -53,7 +54,8 @@ class CausalSelfAttention(nn.Module):
             out = decode_attention(q[:, 0], k_cache, v_cache, meta.block_tables, meta.seq_lens)
             out = out[:, None]
         else:
-            out = prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.positions)
+            out = prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.positions,
+                                    fresh)
         y = nn.Dense(e, dtype=self.dtype, name="c_proj")(out.reshape(b, t, e))
         return y, k_cache, v_cache
 
@@ -74,11 +76,11 @@ class Block(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x, k_cache, v_cache, meta, write_block, write_offset):
+    def __call__(self, x, k_cache, v_cache, meta, write_block, write_offset, fresh):
         eps = self.config.layer_norm_epsilon
         y = nn.LayerNorm(epsilon=eps, dtype=self.dtype, name="ln_1")(x)
         y, k_cache, v_cache = CausalSelfAttention(self.config, self.dtype, name="attn")(
-            y, k_cache, v_cache, meta, write_block, write_offset
+            y, k_cache, v_cache, meta, write_block, write_offset, fresh
         )
         x = x + y
         y = nn.LayerNorm(epsilon=eps, dtype=self.dtype, name="ln_2")(x)
@@ -98,17 +100,18 @@ class GPT2(nn.Module):
         x = wte(tokens) + wpe(positions)  # [B, T, E]
 
         # The cache slot each token writes, computed once for every layer.
-        block_size = cache.k[0].shape[2]
+        block_size = cache.block_size
         real = meta.positions < meta.seq_lens[:, None]  # [B, T]
         logical = jnp.clip(meta.positions // block_size, 0, meta.block_tables.shape[1] - 1)
         physical = jnp.take_along_axis(meta.block_tables, logical, axis=1)  # [B, T]
         write_block = jnp.where(real, physical, 0).astype(jnp.int32)
         write_offset = jnp.where(real, meta.positions % block_size, 0).astype(jnp.int32)
+        fresh = jnp.all(meta.positions[:, 0] == 0)  # no row continues a cached prefix
 
         ks, vs = [], []
         for i in range(cfg.n_layer):  # unrolled: each layer's cache stays its own donated buffer
             x, k, v = Block(cfg, self.dtype, name=f"h_{i}")(
-                x, cache.k[i], cache.v[i], meta, write_block, write_offset
+                x, cache.k[i], cache.v[i], meta, write_block, write_offset, fresh
             )
             ks.append(k)
             vs.append(v)

@@ -131,7 +131,9 @@ def test_prefill_attention_matches_oracle(cached):
     rng = np.random.default_rng()
     new = [int(n) for n in rng.integers(1, 12, len(cached))]
     q, k, v, k_cache, v_cache, tables, positions = make_prefill_case(rng, cached, new)
-    out = np.asarray(jax.jit(prefill_attention)(q, k, v, k_cache, v_cache, tables, positions))
+    fresh = not any(cached)
+    out = np.asarray(jax.jit(prefill_attention)(q, k, v, k_cache, v_cache, tables, positions,
+                                                fresh))
     for row, (c, n) in enumerate(zip(cached, new, strict=True)):
         for t in range(n):  # a query at position c + t sees keys 0..c + t
             got = out[row, t][None]  # [1, H, D]
