@@ -111,9 +111,15 @@ class LLMEngine:
         )  # fmt: skip
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         prefill_batch = min(prefill_max_batch_size or max_batch_size, max_batch_size)
+        # Prefill buckets grow 4x: each one is a separate GPT-2 compile (seconds on a GPU), and
+        # padding a prefill costs far less than padding the decode steps that follow it.
+        self.prefill_batch_buckets = _buckets(prefill_batch, factor=4)
+        self.prefill_len_buckets = _buckets(
+            config.n_positions, start=min(16, config.n_positions), factor=4
+        )
         self.scheduler = Scheduler(
             self.allocator, max_batch_size, max(max_prefill_tokens, config.n_positions),
-            prefill_batch, config.n_positions,
+            prefill_batch, config.n_positions, prefill_cost=self._prefill_shape_tokens,
         )  # fmt: skip
         # A window may add ceil(2K / block_size) + 1 blocks per row: K in flight, K reserved.
         per_row = -(-2 * self.decode_steps // block_size) + 1
@@ -127,12 +133,6 @@ class LLMEngine:
             num_slots, self.decode_steps, num_slots * per_row,
         )  # fmt: skip
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
-        # Prefill buckets grow 4x: each one is a separate GPT-2 compile (seconds on a GPU), and
-        # padding a prefill costs far less than padding the decode steps that follow it.
-        self.prefill_batch_buckets = _buckets(prefill_batch, factor=4)
-        self.prefill_len_buckets = _buckets(
-            config.n_positions, start=min(16, config.n_positions), factor=4
-        )
         self.seed = seed
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
@@ -160,13 +160,25 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------ warm-up
 
+    def _prefill_shape(self, rows: int, longest: int) -> tuple[int, int]:
+        """The compiled (rows, tokens) bucket a prefill of `rows` requests runs in."""
+        return _bucket(rows, self.prefill_batch_buckets), _bucket(longest, self.prefill_len_buckets)
+
+    def _prefill_shape_tokens(self, rows: int, longest: int) -> int:
+        b, t = self._prefill_shape(rows, longest)
+        return b * t
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, tokens) bucket the scheduler can admit: within the prefill budget, or
+        one request alone."""
+        return [(b, t) for b in self.prefill_batch_buckets for t in self.prefill_len_buckets
+                if b * t <= self.scheduler.max_prefill_tokens or b == 1]
+
     def warmup(self) -> float:
         """Compile every bucket once (padded rows only touch the scratch block); seconds taken."""
         start = time.perf_counter()
-        for b in self.prefill_batch_buckets:
-            for t in self.prefill_len_buckets:
-                if b * t <= self.scheduler.max_prefill_tokens or b == 1:
-                    self.runner.prefill(self._prefill_batch([], [], [], b, t))
+        for b, t in self.prefill_shapes():
+            self.runner.prefill(self._prefill_batch([], [], [], b, t))
         for b in self.decode_buckets:
             for greedy in (True, False):
                 self.runner.decode(b, 0, greedy, self._kill, [])
@@ -253,8 +265,7 @@ class LLMEngine:
             self._kill[r.slot] = False
         suffix = [r.num_tokens - c for r, c in zip(requests, plan.num_cached, strict=True)]
         self.prefill_tokens_computed += sum(suffix)
-        b = _bucket(len(requests), self.prefill_batch_buckets)
-        t = _bucket(max(suffix), self.prefill_len_buckets)
+        b, t = self._prefill_shape(len(requests), max(suffix))
         first = self.runner.prefill(self._prefill_batch(requests, plan.num_cached, suffix, b, t))
         self._pending.append(("prefill", first, [(r, r.epoch, i) for i, r in enumerate(requests)], 0))
         return True

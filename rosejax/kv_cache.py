@@ -201,8 +201,13 @@ class BlockAllocator:
         need = _cdiv(len(tokens), self.block_size) - sum(self._ref[b] > 0 for b in hits)
         return tokens, hashes, hits, need
 
+    def probe(self, token_ids: Sequence[int]) -> tuple[int, bool]:
+        """(leading tokens whose KV `allocate` would find cached, whether the prompt fits now)."""
+        _, _, hits, need = self._prepare(token_ids)
+        return len(hits) * self.block_size, need <= len(self._free)
+
     def can_allocate(self, token_ids: Sequence[int]) -> bool:
-        return self._prepare(token_ids)[3] <= len(self._free)
+        return self.probe(token_ids)[1]
 
     def allocate(self, token_ids: Sequence[int]) -> tuple[BlockTable, int]:
         """Blocks for a prompt -> (table, number of leading tokens whose KV is already cached)."""

@@ -1,7 +1,9 @@
 """Host-only scheduling: who is prefilled, who decodes, who waits, who is preempted.
 
 FIFO admission under the max batch size, a prefill token budget and the free KV blocks; requests
-join and leave between steps. When a running request cannot get a slot for its next token, the
+join and leave between steps. The budget counts the tokens the device computes: a prefill batch
+is padded to a bucket of rows and of tokens (`prefill_cost`), so admission and the programs
+compiled at warm-up agree on which batch shapes exist. When a running request cannot get a slot for its next token, the
 newest running request is preempted: its blocks are freed and it goes back to the head of the
 queue, to be recomputed (prompt + what it generated so far) when there is room again.
 """
@@ -30,8 +32,12 @@ class Scheduler:
         max_prefill_tokens: int,
         max_prefill_batch: int,
         max_context: int,
+        prefill_cost: Callable[[int, int], int] = lambda rows, longest: rows * longest,
     ):
+        """`prefill_cost(rows, longest)`: tokens the device computes for a prefill of `rows`
+        requests whose longest uncached suffix is `longest`. One request is always admissible."""
         self.allocator = allocator
+        self.prefill_cost = prefill_cost
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.max_prefill_batch = max_prefill_batch
@@ -51,18 +57,20 @@ class Scheduler:
         """Newly admitted requests (FIFO) to prefill, or None if none fits now."""
         admitted: list[Request] = []
         cached: list[int] = []
-        budget = self.max_prefill_tokens
+        longest = 0
         while self.waiting and len(admitted) < self.max_prefill_batch:
             if len(self.running) + len(admitted) >= self.max_batch_size:
                 break
             request = self.waiting[0]
             tokens = request.all_token_ids()
-            if len(tokens) > budget and admitted:
+            num_cached, fits = self.allocator.probe(tokens)
+            grown = max(longest, len(tokens) - num_cached)
+            if admitted and self.prefill_cost(len(admitted) + 1, grown) > self.max_prefill_tokens:
                 break
-            if not self.allocator.can_allocate(tokens):
+            if not fits:
                 break
             request.table, num_cached = self.allocator.allocate(tokens)
-            budget -= len(tokens) - num_cached
+            longest = grown
             request.status = RequestStatus.RUNNING
             admitted.append(self.waiting.popleft())
             cached.append(num_cached)

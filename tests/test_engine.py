@@ -342,3 +342,22 @@ def test_cublas_threshold_keeps_outputs(checkpoint, monkeypatch):
                                                                ignore_eos=True))
         outs.append([r.token_ids for r in res])
     assert outs[0] == outs[1] and all(len(t) == 6 for t in outs[0])
+
+
+def test_prefills_run_only_in_warmup_shapes(checkpoint, monkeypatch):
+    """Admission counts the padded batch a prefill runs in, so a long prompt next to many short
+    ones cannot make a (rows, tokens) bucket that warm-up does not compile: 1 x 70 tokens and
+    12 x 2 tokens under a 256-token budget would pad to 16 x 128 if admitted together."""
+    llm = make_llm(checkpoint, max_batch_size=16, max_prefill_tokens=256)
+    engine = llm.engine
+    used = []
+    prefill = engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill",
+                        lambda batch: used.append(batch["tokens"].shape) or prefill(batch))
+    rng = np.random.default_rng()
+    prompts = [rng.integers(1, 1000, 70).tolist()] + [rng.integers(1, 1000, 2).tolist()] * 12
+    outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [3] * len(prompts)
+    allowed = set(engine.prefill_shapes())
+    assert used and all(s in allowed for s in used), (used, allowed)
+    assert outs[0].token_ids == _hf_greedy(checkpoint[1], tuple(prompts[0]), 3)
