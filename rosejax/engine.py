@@ -119,7 +119,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(
             self.allocator, max_batch_size, max(max_prefill_tokens, config.n_positions),
-            prefill_batch, config.n_positions, prefill_cost=self._prefill_shape_tokens,
+            prefill_batch, prefill_cost=self._prefill_shape_tokens,
         )  # fmt: skip
         # A window may add ceil(2K / block_size) + 1 blocks per row: K in flight, K reserved.
         per_row = -(-2 * self.decode_steps // block_size) + 1
@@ -202,17 +202,17 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens, more than the context ({n_pos})")
         if any(t < 0 or t >= self.config.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
-        need = -(-min(len(ids) + params.max_tokens, n_pos) // self.block_size)
+        seed = params.seed if params.seed is not None else hash((self.seed, self._arrivals))
+        request = Request(
+            request_id, ids, params, seed & 0xFFFFFFFF, IncrementalDetokenizer(self.tokenizer),
+            self.config.eos_token_id, n_pos,
+        )  # fmt: skip
+        need = -(-(len(ids) + request.max_output) // self.block_size)
         if need > self.allocator.num_blocks - 1:
             raise ValueError(
                 f"the KV cache ({self.allocator.num_blocks - 1} blocks of {self.block_size}) "
                 f"cannot hold this request ({need} blocks); raise kv_cache_tokens"
             )
-        seed = params.seed if params.seed is not None else hash((self.seed, self._arrivals))
-        request = Request(
-            request_id, ids, params, seed & 0xFFFFFFFF, IncrementalDetokenizer(self.tokenizer),
-            self.config.eos_token_id, self._arrivals,
-        )  # fmt: skip
         self._arrivals += 1
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -271,7 +271,6 @@ class LLMEngine:
         return True
 
     def _prefill_batch(self, requests, cached, suffix, b: int, t: int) -> dict[str, np.ndarray]:
-        n_pos = self.config.n_positions
         batch = dict(
             tokens=np.zeros((b, t), np.int32),
             positions=np.tile(np.arange(t, dtype=np.int32), (b, 1)),
@@ -293,7 +292,7 @@ class LLMEngine:
             batch["temperature"][i], batch["top_k"][i], batch["top_p"][i] = (
                 p.temperature, min(p.top_k, self.config.vocab_size), p.top_p)  # fmt: skip
             batch["seed"][i], batch["steps"][i] = r.seed, len(r.output_token_ids)
-            batch["limit"][i] = min(p.max_tokens, n_pos - len(r.prompt_token_ids))
+            batch["limit"][i] = r.max_output
             stop = r.device_stop_ids[:NUM_STOP_IDS]
             batch["stop_ids"][i, : len(stop)] = stop
         return batch
@@ -306,7 +305,7 @@ class LLMEngine:
         if not self.auto_steps:
             return self.decode_steps
         if self.scheduler.waiting and len(running) >= self.max_batch_size:
-            left = min(r.params.max_tokens - len(r.output_token_ids) - r.inflight for r in running)
+            left = min(r.max_output - len(r.output_token_ids) - r.inflight for r in running)
             return int(min(self.decode_steps, max(left, 1)))
         if len(running) < self.max_batch_size:
             return min(self.decode_steps, AUTO_OPEN_STEPS)
@@ -343,7 +342,6 @@ class LLMEngine:
         self.host_seconds["wait"] += t1 - t0
         tokens = tokens[None] if kind == "prefill" else tokens  # [K, B]
         outputs = []
-        n_pos = self.config.n_positions
         for request, epoch, column in roster:
             if request.epoch != epoch or request.status != RequestStatus.RUNNING:
                 continue  # preempted or aborted since: its tokens here are void
@@ -353,7 +351,7 @@ class LLMEngine:
                     break
                 if kind == "decode":  # the token fed at this step now has its KV in the cache
                     self.allocator.append(request.table, request.last_token)
-                request.add_token(int(tok), n_pos)
+                request.add_token(int(tok))
                 if request.finished:
                     break
             outputs.append(request.take_output())

@@ -33,7 +33,7 @@ class RequestOutput:
 class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "output_token_ids", "params", "seed", "status",
-        "table", "detokenizer", "text", "emitted", "finish_reason", "arrival",
+        "table", "detokenizer", "text", "emitted", "finish_reason", "max_output",
         "_stop_ids", "_new_from", "device_stop_ids", "slot", "epoch", "blocks_on_device",
         "inflight",
     )  # fmt: skip
@@ -46,7 +46,7 @@ class Request:
         seed: int,
         detokenizer: IncrementalDetokenizer,
         eos_token_id: int,
-        arrival: int,
+        max_context: int,
     ):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -59,7 +59,8 @@ class Request:
         self.text = ""  # generated text, stop string excluded
         self.emitted = 0  # characters of `text` already handed out
         self.finish_reason: str | None = None
-        self.arrival = arrival
+        # Tokens it may generate in all: its max_tokens, or what is left of the model's context.
+        self.max_output = min(params.max_tokens, max_context - len(prompt_token_ids))
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids.add(eos_token_id)
@@ -82,14 +83,14 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def add_token(self, token: int, max_context: int) -> None:
+    def add_token(self, token: int) -> None:
         """Record a sampled token; decide whether the request is finished and why."""
         self.output_token_ids.append(token)
         piece = self.detokenizer.add(token)
         if token in self._stop_ids:
             self.finish_reason = "stop"
             piece += self.detokenizer.flush()
-        elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_context:
+        elif len(self.output_token_ids) >= self.max_output:
             self.finish_reason = "length"
             piece += self.detokenizer.flush()
         self.text += piece

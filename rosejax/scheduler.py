@@ -31,7 +31,6 @@ class Scheduler:
         max_batch_size: int,
         max_prefill_tokens: int,
         max_prefill_batch: int,
-        max_context: int,
         prefill_cost: Callable[[int, int], int] = lambda rows, longest: rows * longest,
     ):
         """`prefill_cost(rows, longest)`: tokens the device computes for a prefill of `rows`
@@ -41,7 +40,6 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.max_prefill_batch = max_prefill_batch
-        self.max_context = max_context
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -85,11 +83,9 @@ class Scheduler:
         The preempted land in `self.preempted` for the engine to release their slots."""
         for request in requests:
             while request.status == RequestStatus.RUNNING:
-                # Never beyond what the request may still generate, nor past the context.
+                # Never beyond what the request may still generate (its context included).
                 room = max(1, min(
-                    extra(request) + steps,
-                    request.params.max_tokens - len(request.output_token_ids),
-                    self.max_context - request.table.num_tokens,
+                    extra(request) + steps, request.max_output - len(request.output_token_ids)
                 ))  # fmt: skip
                 if self.allocator.can_append(request.table, room):
                     cow_src, _ = self.allocator.reserve(request.table, room)

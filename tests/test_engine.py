@@ -361,3 +361,21 @@ def test_prefills_run_only_in_warmup_shapes(checkpoint, monkeypatch):
     allowed = set(engine.prefill_shapes())
     assert used and all(s in allowed for s in used), (used, allowed)
     assert outs[0].token_ids == _hf_greedy(checkpoint[1], tuple(prompts[0]), 3)
+
+
+def test_auto_window_stops_at_the_context_limit(checkpoint, monkeypatch):
+    """With a request waiting for the only slot, the auto window ends where the running request
+    must finish: here the context (128) runs out 8 tokens in, long before its max_tokens."""
+    llm = make_llm(checkpoint, max_batch_size=1)
+    engine = llm.engine
+    windows = []
+    decode = engine.runner.decode
+    monkeypatch.setattr(engine.runner, "decode",
+                        lambda b, k, *a: windows.append(k) or decode(b, k, *a))
+    rng = np.random.default_rng()
+    prompts = [rng.integers(1, 1000, 120).tolist(), [5, 6]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    assert len(outs[0].token_ids) == 8 and outs[0].finish_reason == "length"
+    assert len(outs[1].token_ids) == 100
+    # The first window is dispatched before the prefill's token is read back: 8 steps, not 32.
+    assert windows[0] == 8
