@@ -52,9 +52,6 @@ DEFAULT_MIN_BATCH = 1
 DEFAULT_BLOCK_B = 8
 DEFAULT_NUM_WARPS = 4
 
-VARIANTS = ("generic", "identity_pos", "full_batch")
-
-
 @functools.cache
 def _filter_triton_deprecation() -> None:
     warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
@@ -462,7 +459,6 @@ def kv_append(
     batch_idx: None (row i is source i, B' = B) or int32 [B'].
     interpret=None interprets the kernels on a CPU backend and compiles them elsewhere.
     """
-    pos = jnp.asarray(pos, dtype=jnp.int32) if isinstance(pos, int) else pos
     variant = select_kv_append_variant(
         block_idx.shape[0],
         k_cache.shape[-1],

@@ -34,10 +34,6 @@ class KVCache:
     v: list[jax.Array]  # n_layer x [H, num_blocks, block_size, D]
 
     @property
-    def num_blocks(self) -> int:
-        return self.k[0].shape[1]
-
-    @property
     def block_size(self) -> int:
         return self.k[0].shape[2]
 
