@@ -29,7 +29,6 @@ if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` impor
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench import metrics as m  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     params = common.sampling_params(args, args.max_new_tokens)
     offsets = (poisson_offsets(args.num_requests, args.request_rate, args.seed)
                if args.mode == "online" else None)
-    one_wave = args.mode == "offline" and args.num_requests <= engine.max_batch_size
 
     def make_prompts(run: int) -> list:
         if args.prompt is not None:
@@ -81,18 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return random_prompts(args.num_requests, args.input_len, cfg.vocab_size,
                               seed=args.seed * 1000 + run)
 
-    def roofline(traces, steps, summary) -> dict | None:
-        lens = {t.prompt_tokens for t in traces}
-        if (one_wave and len(lens) == 1 and args.max_new_tokens > 1
-                and all(t.num_tokens == args.max_new_tokens for t in traces)):
-            return m.decode_run_roofline(
-                cfg, args.num_requests, lens.pop(), args.max_new_tokens,
-                summary["decode_time_s"], args.bandwidth_gbs,
-                dtype_bytes=np.dtype(engine.dtype).itemsize,
-            )  # fmt: skip
-        return None
-
-    runs = common.run_repeated(engine, args, make_prompts, params, offsets, roofline=roofline)
+    runs = common.run_repeated(engine, args, make_prompts, params, offsets)
     return common.finish(args, engine, result, runs, args.mode)
 
 

@@ -27,10 +27,8 @@ import sys
 if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench import metrics as m  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,14 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     engine, result = common.start(args, "streaming")
     params = common.sampling_params(args, args.max_new_tokens)
     offsets = [i * args.submit_interval_ms / 1e3 for i in range(args.num_requests)]
-    dtype_bytes = np.dtype(engine.dtype).itemsize
-
-    def roofline(traces, steps, summary) -> dict | None:
-        return m.traced_decode_roofline(engine.config, traces, steps, args.bandwidth_gbs,
-                                        dtype_bytes=dtype_bytes)
 
     runs = common.run_repeated(engine, args, lambda run: make_prompts(args, run, engine.tokenizer),
-                               params, offsets, roofline=roofline)
+                               params, offsets)
     return common.finish(args, engine, result, runs, "streaming", [
         ("itl_ms.p50", "ITL p50 ms"), ("itl_ms.p99", "ITL p99 ms"),
         ("e2e_ms.p50", "e2e p50 ms"), ("e2e_ms.p99", "e2e p99 ms"),

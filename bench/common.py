@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from bench import metrics as m
 from bench.metrics import RequestTrace, StepRecord, step_kind
 from rosejax.engine_args import add_engine_args as add_engine_args_
@@ -237,15 +239,14 @@ def run_repeated(
     params,
     offsets: Sequence[float] | None = None,
     *,
-    roofline: Callable[[list[RequestTrace], list[StepRecord], dict], dict | None] | None = None,
     tag_prefix: str = "",
     report: bool = True,
 ) -> dict:
     """--warmup-runs untimed runs, then --repeat-runs timed ones, of one workload.
 
     Run r submits make_prompts(r) at `offsets`. Each run's summary (bench/metrics.summarize) gets
-    'new_compiles' (engine compiles inside the run) and, where `roofline(traces, steps, summary)`
-    returns one, 'roofline'. With `report`, each run's summary is printed (timed runs on stdout,
+    'new_compiles' (engine compiles inside the run) and, where any step decoded, 'roofline'
+    (bench/metrics.traced_decode_roofline: any mix of waves, windows and prompt lengths). With `report`, each run's summary is printed (timed runs on stdout,
     warm-up runs on stderr). Returns {'warmup_runs': [{'tag', 'summary'}], 'runs': [{'tag',
     'summary', 'requests'}] (timed; requests: trace_lists), 'summary': summarize_runs over the
     timed runs, 'series': tag -> {'ttft_ms', 'itl_ms'} for plot_distributions (not JSON)}."""
@@ -258,7 +259,8 @@ def run_repeated(
                                      progress=not args.no_progress)
         summary = m.summarize(traces, steps)
         summary["new_compiles"] = engine.num_compiles - compiles
-        roof = roofline(traces, steps, summary) if roofline is not None else None
+        roof = m.traced_decode_roofline(engine.config, traces, steps, args.bandwidth_gbs,
+                                        dtype_bytes=np.dtype(engine.dtype).itemsize)
         if roof is not None:
             summary["roofline"] = roof
         if report:

@@ -46,10 +46,8 @@ import time
 if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from bench import metrics as m  # noqa: E402
 from bench.benchmark_scheduler import random_prompts  # noqa: E402
 
 
@@ -201,18 +199,10 @@ def run_rosejax(args: argparse.Namespace) -> dict:
     prompts = random_prompts(max_b, args.input_len, engine.config.vocab_size, args.seed)
     out: dict = {"environment": head["environment"],
                  "build_seconds": head["engine"]["build_seconds"], "results": []}
-    dtype_bytes = np.dtype(engine.dtype).itemsize
 
     for b in args.batch_sizes:
-        def roofline(traces, steps, s, b=b):
-            if args.max_new_tokens > 1 and s["decode_time_s"] > 0:
-                return m.decode_run_roofline(engine.config, b, args.input_len,
-                                             args.max_new_tokens, s["decode_time_s"],
-                                             args.bandwidth_gbs, dtype_bytes=dtype_bytes)
-            return None
-
         rep = common.run_repeated(engine, args, lambda run, b=b: prompts[:b], params,
-                                  roofline=roofline, tag_prefix=f"B{b}-", report=False)
+                                  tag_prefix=f"B{b}-", report=False)
         runs = [r["summary"] for r in rep["runs"]]
         agg = rep["summary"]
         row = {

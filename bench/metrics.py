@@ -337,20 +337,6 @@ def roofline(config, batch: int, context: float | Sequence[float], step_seconds:
     return out
 
 
-def decode_run_roofline(config, batch: int, prompt_len: int, new_tokens: int,
-                        decode_seconds: float, bandwidth_gbs: float | None = None,
-                        dtype_bytes: int = 2) -> dict[str, float | None]:
-    """A whole offline run of `batch` requests (prompt_len in, new_tokens out each): its decode
-    steps (new_tokens - 1 of them) took `decode_seconds`; bytes are linear in the context, so the
-    mean step is the step at the mean context."""
-    steps = new_tokens - 1
-    ctx = mean_decode_context(prompt_len, new_tokens)
-    out = roofline(config, batch, ctx, decode_seconds / steps, bandwidth_gbs, dtype_bytes)
-    out["decode_steps"] = steps
-    out["mean_context"] = ctx
-    return out
-
-
 def traced_decode_roofline(config, traces: Sequence[RequestTrace], steps: Sequence[StepRecord],
                            bandwidth_gbs: float | None = None,
                            dtype_bytes: int = 2) -> dict[str, float | None] | None:

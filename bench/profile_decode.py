@@ -1,9 +1,10 @@
 """Where a decode step's time goes: rosejax's engine against its own parts, at one batch size.
 
-Times (1) the whole engine loop (scheduler + device + host bookkeeping) for B requests of P-token
-prompts and N new tokens, (2) the compiled decode program alone, called back to back with no host
-work, for each `decode_steps` value given, and (3) a jax.profiler trace when --trace-dir is set.
-Prints ms per decode step, tokens/s, and the step's bytes against the card's copy bandwidth.
+Runs B requests of P-token prompts and N new tokens through the engine twice for each
+`decode_steps` value given (the first run compiles) and times the second: ms per decode step and
+tokens/s, the step's least bytes (bench/metrics.py) against the card's copy bandwidth, the host's
+dispatch/wait/harvest seconds, and a jax.profiler trace of that run when --trace-dir is set
+(a traced run is slower: read its kernel shares, not its times).
 """
 
 from __future__ import annotations
@@ -20,15 +21,9 @@ if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` impor
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import metrics as m  # noqa: E402
 from bench.common import copy_bandwidth_gbs  # noqa: E402
 from rosejax import LLMEngine, SamplingParams  # noqa: E402
-
-
-def step_bytes(engine: LLMEngine, batch: int, context: int) -> float:
-    cfg = engine.config
-    weights = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params))
-    kv = 2 * cfg.n_layer * batch * context * cfg.n_embd * engine.dtype.itemsize
-    return weights + kv
 
 
 def main() -> None:
@@ -77,8 +72,9 @@ def main() -> None:
         decode_s = t1 - (decode_t or t0)
         steps = args.new_tokens - 1
         ms = decode_s / steps * 1e3
-        ctx = args.prompt_len + args.new_tokens // 2
-        gbs = step_bytes(engine, args.batch, ctx) / (ms / 1e3) / 1e9
+        ctx = m.mean_decode_context(args.prompt_len, args.new_tokens)
+        step_bytes = m.decode_step_bytes(engine.config, args.batch, ctx, engine.dtype.itemsize)
+        gbs = step_bytes["total"] / (ms / 1e3) / 1e9
         row = dict(
             decode_steps=k,
             host_seconds={name: round(v, 3) for name, v in engine.host_seconds.items()},
