@@ -244,7 +244,7 @@ class LLMEngine:
         oldest work still in flight (the device runs ahead while the host reads them)."""
         t0 = time.perf_counter()
         dispatched = self._admit()
-        running = [r for r in self.scheduler.running if r.slot >= 0]
+        running = list(self.scheduler.running)  # every running request holds a slot
         if running and not dispatched:
             dispatched = self._dispatch_decode(running)
         self.host_seconds["dispatch"] += time.perf_counter() - t0
@@ -313,11 +313,9 @@ class LLMEngine:
 
     def _dispatch_decode(self, running: list[Request]) -> bool:
         k = self._window(running)
-        self.scheduler.reserve(running, k, extra=lambda r: r.inflight)
-        for r in self.scheduler.preempted:  # lost their blocks: the device must stop them
+        for r in self.scheduler.reserve(running, k):  # lost their blocks: the device must stop them
             self._free_slot(r)
-        self.scheduler.preempted.clear()
-        running = [r for r in self.scheduler.running if r.slot >= 0]
+        running = list(self.scheduler.running)
         if not running:
             return False
         updates = []

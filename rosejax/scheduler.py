@@ -43,7 +43,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.preempted: list[Request] = []
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -77,15 +76,16 @@ class Scheduler:
         self.running.extend(admitted)
         return PrefillPlan(admitted, cached)
 
-    def reserve(self, requests: list[Request], steps: int, extra: Callable[[Request], int]) -> None:
-        """Room for `extra(r) + steps` more tokens (what is in flight plus the next window) for
+    def reserve(self, requests: list[Request], steps: int) -> list[Request]:
+        """Room for `r.inflight + steps` more tokens (what is in flight plus the next window) for
         each of `requests`, preempting the newest running requests until everyone left fits.
-        The preempted land in `self.preempted` for the engine to release their slots."""
+        Returns the preempted, whose device slots the engine must release."""
+        preempted: list[Request] = []
         for request in requests:
             while request.status == RequestStatus.RUNNING:
                 # Never beyond what the request may still generate (its context included).
                 room = max(1, min(
-                    extra(request) + steps, request.max_output - len(request.output_token_ids)
+                    request.inflight + steps, request.max_output - len(request.output_token_ids)
                 ))  # fmt: skip
                 if self.allocator.can_append(request.table, room):
                     cow_src, _ = self.allocator.reserve(request.table, room)
@@ -94,7 +94,9 @@ class Scheduler:
                     if cow_src >= 0:
                         raise RuntimeError("copy-on-write during decode: the engine does not fork")
                     break
+                preempted.append(self.running[-1])
                 self._preempt(self.running[-1])
+        return preempted
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -102,7 +104,6 @@ class Scheduler:
         request.table = None
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)  # first in line for the next admission
-        self.preempted.append(request)
         self.num_preemptions += 1
 
     def finish(self, request: Request) -> None:
