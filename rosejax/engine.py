@@ -338,18 +338,20 @@ class LLMEngine:
         tokens = np.asarray(tokens)  # waits for that program only
         t1 = time.perf_counter()
         self.host_seconds["wait"] += t1 - t0
-        tokens = tokens[None] if kind == "prefill" else tokens  # [K, B]
+        # One conversion to Python ints per program, not one numpy scalar per token.
+        columns = (tokens[None] if kind == "prefill" else tokens).T.tolist()  # [B][K]
+        decoded = kind == "decode"
         outputs = []
         for request, epoch, column in roster:
             if request.epoch != epoch or request.status != RequestStatus.RUNNING:
                 continue  # preempted or aborted since: its tokens here are void
             request.inflight -= k
-            for tok in tokens[:, column]:
+            for tok in columns[column]:
                 if tok < 0:
                     break
-                if kind == "decode":  # the token fed at this step now has its KV in the cache
+                if decoded:  # the token fed at this step now has its KV in the cache
                     self.allocator.append(request.table, request.last_token)
-                request.add_token(int(tok))
+                request.add_token(tok)
                 if request.finished:
                     break
             outputs.append(request.take_output())
