@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` impor
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
+from rosejax.engine_args import sampling_params  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--num-requests, --max-new-tokens and --repeat-runs must be >= 1")
     engine, result = common.start(args, "scheduler", mode=args.mode)
     cfg = engine.config
-    params = common.sampling_params(args, args.max_new_tokens)
+    params = sampling_params(args)
     offsets = (poisson_offsets(args.num_requests, args.request_rate, args.seed)
                if args.mode == "online" else None)
 

@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` impor
 
 
 from bench import common  # noqa: E402
+from rosejax.engine_args import sampling_params  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_requests < 1 or args.max_new_tokens < 1 or args.repeat_runs < 1:
         raise SystemExit("--num-requests, --max-new-tokens and --repeat-runs must be >= 1")
     engine, result = common.start(args, "streaming")
-    params = common.sampling_params(args, args.max_new_tokens)
+    params = sampling_params(args)
     offsets = [i * args.submit_interval_ms / 1e3 for i in range(args.num_requests)]
 
     runs = common.run_repeated(engine, args, lambda run: make_prompts(args, run, engine.tokenizer),

@@ -26,7 +26,7 @@ import numpy as np
 from bench import metrics as m
 from bench.metrics import RequestTrace, StepRecord, step_kind
 from rosejax.engine_args import add_engine_args as add_engine_args_
-from rosejax.engine_args import engine_kwargs
+from rosejax.engine_args import add_sampling_args, engine_kwargs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,23 +59,10 @@ def add_engine_args(p: argparse.ArgumentParser, max_batch_size: int = 64) -> Non
                    help="seed of the random weights and of the sampling seeds")
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature; 0 = greedy (the default, as HF generate's)")
-    p.add_argument("--top-k", type=int, default=0, help="top-k filter, 0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1], 1 = off")
-    p.add_argument("--no-stop-on-eos", action="store_true",
-                   help="keep generating past EOS (SamplingParams(ignore_eos=True)), so every "
-                        "request makes exactly --max-new-tokens tokens")
-
-
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """--num-requests and --max-new-tokens, the sampling flags and the run flags."""
     p.add_argument("--num-requests", type=int, default=256, help="requests per run")
-    p.add_argument("--max-new-tokens", type=int, default=256,
-                   help="tokens to generate per request at most (exactly, with "
-                        "--no-stop-on-eos)")
-    add_sampling_args(p)
+    add_sampling_args(p, max_new_tokens=256)
     add_run_args(p, warmup_runs=1, repeat_runs=3)
 
 
@@ -156,15 +143,6 @@ def start(args: argparse.Namespace, benchmark: str, label: str = "engine",
                    "num_compiles_after_build": engine.num_compiles},
     }  # fmt: skip
     return engine, result
-
-
-def sampling_params(args: argparse.Namespace, max_tokens: int):
-    from rosejax.sampling import SamplingParams
-
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        ignore_eos=args.no_stop_on_eos,
-    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- the loop

@@ -49,20 +49,21 @@ if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` impor
 
 from bench import common  # noqa: E402
 from bench.benchmark_scheduler import random_prompts  # noqa: E402
+from rosejax.sampling import SamplingParams  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = common.new_parser(__doc__)
     common.add_engine_args(p, max_batch_size=0)
-    p.set_defaults(no_stop_on_eos=True, temperature=0.0, top_k=0, top_p=1.0)
     p.add_argument("--batch-sizes", type=common.ints, default=[1, 16, 64, 256],
                    metavar="B1,B2,...",
                    help="batch sizes (requests per workload); each gets an engine of that max "
                         "batch size unless --max-batch-size is set (its default 0 = B)")
     p.add_argument("--input-len", type=int, default=8, help="prompt tokens (random ids)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per request")
-    p.add_argument("--no-stop-on-eos", action="store_true",
-                   help="accepted for symmetry with the other scripts: EOS is always off here")
+    p.add_argument("--ignore-eos", "--no-stop-on-eos", action="store_true",
+                   help="accepted for symmetry with the other scripts: EOS is always off here, "
+                        "and decoding greedy, as in the HF runs")
     p.add_argument("--skip-hf", action="store_true", help="run rosejax only")
     p.add_argument("--skip-hf-static", action="store_true",
                    help="skip HF's static cache + torch.compile (slow to compile)")
@@ -195,7 +196,7 @@ def run_rosejax(args: argparse.Namespace) -> dict:
         args.kv_cache_tokens = max_b * min(n_pos, args.input_len + args.max_new_tokens)
     engine, head = common.start(args, "compare_hf", label="rosejax",
                                 max_batch_size=args.max_batch_size or max_b)
-    params = common.sampling_params(args, args.max_new_tokens)
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(max_b, args.input_len, engine.config.vocab_size, args.seed)
     out: dict = {"environment": head["environment"],
                  "build_seconds": head["engine"]["build_seconds"], "results": []}

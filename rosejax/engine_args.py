@@ -1,4 +1,5 @@
-"""The engine's command-line flags, shared by `rosejax.generate`, `rosejax.serve` and `bench/`."""
+"""The engine's and the sampling command-line flags, shared by `rosejax.generate`, `rosejax.serve`
+and `bench/`."""
 
 from __future__ import annotations
 
@@ -63,4 +64,30 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         decode_steps=args.decode_steps, enable_prefix_caching=not args.no_prefix_cache,
         warmup=False if args.no_warmup else None,
         compilation_cache_dir=args.compilation_cache_dir,
+    )  # fmt: skip
+
+
+def add_sampling_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
+    """--max-new-tokens, --temperature, --top-k, --top-p and --ignore-eos (alias
+    --no-stop-on-eos): one request's SamplingParams; see `sampling_params`."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help="tokens to generate per prompt at most (exactly, with --ignore-eos); "
+                        "default: %(default)s")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature, 0 = greedy; default: %(default)s")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="keep the k most likely tokens, 0 = off; default: %(default)s")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass in (0, 1], 1 = off; default: %(default)s")
+    p.add_argument("--ignore-eos", "--no-stop-on-eos", dest="ignore_eos", action="store_true",
+                   help="keep generating past the end-of-text token")
+
+
+def sampling_params(args: argparse.Namespace, **extra: Any):
+    """SamplingParams from `add_sampling_args` flags; `extra` adds fields (seed, stop)."""
+    from rosejax.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, ignore_eos=args.ignore_eos, **extra,
     )  # fmt: skip

@@ -6,8 +6,7 @@ import argparse
 import sys
 import time
 
-from rosejax.engine_args import add_engine_args, engine_kwargs
-from rosejax.sampling import SamplingParams
+from rosejax.engine_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,30 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a file with one prompt per line (added after any --prompt)",
     )
-    p.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=64,
-        help="tokens to generate per prompt at most; default: %(default)s",
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="sampling temperature, 0 = greedy; default: %(default)s",
-    )
-    p.add_argument(
-        "--top-k",
-        type=int,
-        default=0,
-        help="keep the k most likely tokens, 0 = off; default: %(default)s",
-    )
-    p.add_argument(
-        "--top-p",
-        type=float,
-        default=1.0,
-        help="nucleus sampling mass in (0, 1], 1 = off; default: %(default)s",
-    )
+    add_sampling_args(p, max_new_tokens=64)
     p.add_argument(
         "--seed",
         type=int,
@@ -62,9 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="a stop string, not included in the output; repeatable",
-    )
-    p.add_argument(
-        "--ignore-eos", action="store_true", help="keep generating past the end-of-text token"
     )
     p.add_argument(
         "--stream",
@@ -84,10 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if not prompts:
         parser.error("give at least one --prompt or a --prompt-file")
     try:
-        params = SamplingParams(
-            max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-        )  # fmt: skip
+        params = sampling_params(args, seed=args.seed, stop=args.stop)
         from rosejax.llm import LLM
 
         llm = LLM(args.model, **engine_kwargs(args))
