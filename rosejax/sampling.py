@@ -58,9 +58,9 @@ def _select(key: jax.Array, weight: jax.Array, target: jax.Array) -> jax.Array:
     return t
 
 
-def _filter_key(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """u32[B] cutoff on _order_key(scaled) [B, V]: keep tokens whose key >= it (0 keeps all)."""
-    key = _order_key(scaled)  # [B, V]
+def _filter_key(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """u32[B] cutoff on key = _order_key(scaled) [B, V]: keep tokens whose key >= it (0 keeps
+    all). Each filter runs behind its own `lax.cond`, so a batch without it does not pay."""
     zero = jnp.zeros(key.shape[:1], jnp.uint32)
     cut_k = lax.cond(  # the k-th largest value: the largest T with count(key >= T) >= k
         jnp.any(top_k > 0),
@@ -99,12 +99,8 @@ def sample(
         # Greedy rows and top_k >= V never filter, so they never make a batch pay for it.
         k = jnp.where(do_sample & (top_k < vocab), top_k, 0)
         p = jnp.where(do_sample, top_p, 1.0)
-        cut = lax.cond(
-            jnp.any((k > 0) | (p < 1.0)),
-            lambda: _filter_key(scaled, k, p),
-            lambda: jnp.zeros(k.shape, jnp.uint32),
-        )
-        masked = jnp.where(_order_key(scaled) >= cut[:, None], scaled, -jnp.inf)  # [B, V]
+        key = _order_key(scaled)  # [B, V]
+        masked = jnp.where(key >= _filter_key(key, scaled, k, p)[:, None], scaled, -jnp.inf)
         keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed, step)
         drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
         return jnp.where(do_sample, drawn, greedy)
