@@ -36,6 +36,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 kva = importlib.import_module("pallas_kernels.kv_append")
+copy_bandwidth_gbs = importlib.import_module("bench.common").copy_bandwidth_gbs
 
 XLA_IMPLS = ("xla_generic", "xla_identity", "xla_full")
 KERNEL_IMPLS = ("generic", "identity_pos", "full_batch")
@@ -175,20 +176,6 @@ def verify(caches, news, idx) -> bool:
                 & jnp.array_equal(v_slots, jnp.swapaxes(vn, 0, 1)))
 
 
-def copy_bandwidth(size_mb: int, iters: int = 20) -> float:
-    """GB/s of a large device-to-device pass (negation in place: read + write every byte)."""
-    n = size_mb * (1 << 20) // 4
-    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
-    f = jax.jit(lambda x: lax.fori_loop(0, iters, lambda _, x: -x, x), donate_argnums=(0,))
-    x = f(x).block_until_ready()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x = f(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * n * 4 * iters / statistics.median(times) / 1e9
-
-
 def param_grid(args: argparse.Namespace) -> list[dict]:
     grid = [{}]
     for key, values in (("block_b", args.block_b), ("block_h", args.block_h),
@@ -215,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "defaults": {"block_b": kva.DEFAULT_BLOCK_B, "num_warps": kva.DEFAULT_NUM_WARPS,
                      "min_batch": kva.DEFAULT_MIN_BATCH},
     }
-    meta["copy_gbps"] = copy_bandwidth(args.copy_mb)
+    meta["copy_gbps"] = copy_bandwidth_gbs(args.copy_mb)
     print(f"# {meta['device']}  jax {meta['jax']}  interpret={interpret}  "
           f"copy bandwidth {meta['copy_gbps']:.0f} GB/s (read+write, {args.copy_mb} MB)",
           flush=True)

@@ -92,18 +92,24 @@ def make_engine(args: argparse.Namespace, max_batch_size: int | None = None):
     return engine, time.perf_counter() - start
 
 
-def copy_bandwidth_gbs(repeats: int = 10) -> float:
-    """Device-to-device copy of 1 GiB (fp32 scaled by a constant): bytes read + written per s."""
+def copy_bandwidth_gbs(size_mb: int = 1024, iters: int = 20) -> float:
+    """The card's copy bandwidth, the denominator of every roofline here: GB/s (bytes read +
+    written) of `iters` in-place negations of a `size_mb` float32 buffer inside one jitted loop
+    (no dispatch gaps), median of 5 calls."""
+    import statistics
+
     import jax
 
-    x = jax.numpy.ones((256 * 1024 * 1024,), jax.numpy.float32)
-    f = jax.jit(lambda a: a * 1.0001)
-    f(x).block_until_ready()
-    t = time.perf_counter()
-    for _ in range(repeats):
-        y = f(x)
-    y.block_until_ready()
-    return 2 * x.nbytes * repeats / (time.perf_counter() - t) / 1e9
+    n = size_mb * (1 << 20) // 4
+    x = jax.numpy.ones((n,), jax.numpy.float32)
+    f = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda _, x: -x, x), donate_argnums=(0,))
+    x = f(x).block_until_ready()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        x = f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n * 4 * iters / statistics.median(times) / 1e9
 
 
 def resolve_bandwidth(args: argparse.Namespace) -> float | None:

@@ -21,19 +21,8 @@ import jax, flax, torch, transformers
 print("versions: jax", jax.__version__, "flax", flax.__version__, "torch", torch.__version__,
       "transformers", transformers.__version__, "device", jax.devices()[0].device_kind)
 EOF
-# Copy bandwidth of this card (1 GiB fp32 negation, bytes read + written), for every roofline.
-BW=$("$PY" - <<'EOF'
-import time, jax, jax.numpy as jnp
-x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
-f = jax.jit(lambda a: -a)
-f(x).block_until_ready()
-t = time.perf_counter()
-for _ in range(20):
-    y = f(x)
-y.block_until_ready()
-print(round(2 * x.nbytes * 20 / (time.perf_counter() - t) / 1e9))
-EOF
-)
+# Copy bandwidth of this card (bench/common.py), for every roofline.
+BW=$("$PY" -c 'from bench.common import copy_bandwidth_gbs; print(round(copy_bandwidth_gbs()))')
 echo "copy bandwidth: ${BW} GB/s"
 # Every script's roofline takes its % of this (else each would measure it again itself).
 if [[ $BW =~ ^[0-9]+$ ]]; then COMMON+=(--bandwidth-gbs "$BW"); fi
