@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from typing import Any
 
 import jax
@@ -29,14 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton pallas_call is
-# *lowered*: that is when the jit around a whole decode step compiles, after our Python call
-# has returned, so a filter scoped to the call site cannot catch it. The filter is installed
-# once, the first time a compiled (non-interpret) kernel is built, and matches only this
-# message and category. pyproject's pytest filter covers the test runs the same way.
-TRITON_DEPRECATION = (
-    r"The Pallas Triton backend is deprecated and will be removed in a future JAX version"
-)
+from pallas_kernels._common import env_switch, filter_triton_deprecation, is_power_of_2
 
 ENV_SWITCH = "ROSEJAX_PALLAS_KV_APPEND"
 ENV_MIN_BATCH = "ROSEJAX_PALLAS_KV_APPEND_MIN_BATCH"
@@ -51,15 +43,6 @@ DEFAULT_MIN_BATCH = 1
 # near the best at B=256 and B=2048; 16 rows x 16 heads at 1 warp spills and runs 6x slower.
 DEFAULT_BLOCK_B = 8
 DEFAULT_NUM_WARPS = 4
-
-@functools.cache
-def _filter_triton_deprecation() -> None:
-    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
-
-
-def _is_power_of_2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
-
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
@@ -210,14 +193,14 @@ def _check_caches(k_cache, v_cache, k_new, v_new) -> None:
 
 def _check_kernel_params(head_dim: int, block_b: int, block_h: int) -> None:
     # Triton lowers only power-of-two tiles; the tile is [block_b, block_h, D].
-    if not _is_power_of_2(head_dim):
+    if not is_power_of_2(head_dim):
         raise ValueError(
             f"the Pallas kv_append kernels need a power-of-two head dim, got D={head_dim}; "
             "kv_append() routes such caches to the XLA path"
         )
-    if not _is_power_of_2(block_b):
+    if not is_power_of_2(block_b):
         raise ValueError(f"block_b must be a power of two, got {block_b}")
-    if not _is_power_of_2(block_h):
+    if not is_power_of_2(block_h):
         raise ValueError(f"block_h must be a power of two, got {block_h}")
 
 
@@ -261,7 +244,7 @@ def _launch(
     block_h = min(block_h, _next_power_of_2(num_heads))
     _check_kernel_params(head_dim, block_b, block_h)
     if not interpret:
-        _filter_triton_deprecation()
+        filter_triton_deprecation()
     grid = (pl.cdiv(num_rows, block_b), pl.cdiv(num_heads, block_h))
     cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
     num_inputs = 2 + len(index_arrays)
@@ -419,11 +402,6 @@ def _min_batch() -> int:
         raise ValueError(f"{ENV_MIN_BATCH} must be an integer, got {raw!r}") from None
 
 
-def pallas_enabled() -> bool:
-    """The on/off switch: ROSEJAX_PALLAS_KV_APPEND=0 (or false/off/no) selects the XLA path."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
 def select_kv_append_variant(
     num_rows: int, head_dim: int, *, has_batch_idx: bool, scalar_pos: bool
 ) -> str:
@@ -434,7 +412,7 @@ def select_kv_append_variant(
     """
     if scalar_pos and has_batch_idx:
         raise ValueError("a scalar pos needs batch_idx=None (full-batch form)")
-    if not pallas_enabled() or num_rows < _min_batch() or not _is_power_of_2(head_dim):
+    if not env_switch(ENV_SWITCH) or num_rows < _min_batch() or not is_power_of_2(head_dim):
         return "xla"
     if not has_batch_idx:
         return "full_batch" if scalar_pos else "identity_pos"

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kv_append import _filter_triton_deprecation
+from pallas_kernels._common import filter_triton_deprecation, is_power_of_2
 
 _NEG_INF = -1e30
 
@@ -91,12 +91,12 @@ def paged_decode_attention(
     if lengths.shape != (b,) or lengths.dtype != jnp.int32:
         raise ValueError(f"lengths must be int32 [{b}], got {lengths.dtype} {lengths.shape}")
     bs = k_cache.shape[2]
-    if bs & (bs - 1) or d & (d - 1):
+    if not (is_power_of_2(bs) and is_power_of_2(d)):
         raise ValueError(f"block size and head dim must be powers of two, got {bs}, {d}")
     if num_warps is None:
         num_warps = max(1, min(bs * d // 1024, 8))
     if not interpret:
-        _filter_triton_deprecation()
+        filter_triton_deprecation()
     return pl.pallas_call(
         functools.partial(paged_decode_attention_kernel, sm_scale=1.0 / math.sqrt(d)),
         grid=(b, h),

@@ -13,10 +13,9 @@ prefix-cached prefill (the cached blocks are already there) and decode share one
 
 from __future__ import annotations
 
-import os
-
 import jax
 
+from pallas_kernels._common import env_switch
 from pallas_kernels.paged_attention import (
     causal_attention_xla,
     paged_attention_xla,
@@ -28,7 +27,8 @@ __all__ = ["decode_attention", "prefill_attention", "pallas_attention_enabled"]
 
 
 def pallas_attention_enabled() -> bool:
-    return jax.default_backend() == "gpu" and os.environ.get("ROSEJAX_PALLAS_ATTENTION", "1") != "0"
+    # CPUs would interpret the kernel's (row, head) grid program by program: XLA there.
+    return jax.default_backend() == "gpu" and env_switch("ROSEJAX_PALLAS_ATTENTION")
 
 
 def decode_attention(

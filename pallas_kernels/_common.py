@@ -1,0 +1,31 @@
+"""What the Pallas kernels share: their environment switches, the power-of-two rule of Triton
+tiles, and the filter for jax's Triton deprecation warning."""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+# jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton pallas_call is
+# *lowered*: that is when the jit around a whole decode step compiles, after our Python call
+# has returned, so a filter scoped to the call site cannot catch it. The filter is installed
+# once, the first time a compiled (non-interpret) kernel is built, and matches only this
+# message and category. pyproject's pytest filter covers the test runs the same way.
+TRITON_DEPRECATION = (
+    r"The Pallas Triton backend is deprecated and will be removed in a future JAX version"
+)
+
+
+@functools.cache
+def filter_triton_deprecation() -> None:
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+def is_power_of_2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def env_switch(name: str) -> bool:
+    """A kernel's on/off switch: on unless the variable is 0, false, off or no."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
