@@ -32,6 +32,19 @@ def make_hf_checkpoint(path, seed: int = 0, **config_kwargs):
     return model
 
 
+def hf_greedy(model, prompt, n: int) -> list[int]:
+    """HF's greedy continuation of `prompt` by exactly `n` tokens. The mask is explicit: without
+    one, HF treats every pad id inside a prompt as padding."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
 @pytest.fixture(scope="session", params=list(HF_SHAPES))
 def hf_checkpoint(request, tmp_path_factory):
     """(checkpoint dir, HF torch model) for each parity shape."""

@@ -7,13 +7,12 @@ import functools
 
 import numpy as np
 import pytest
-import torch
 
 from rosejax import LLM, LLMEngine, SamplingParams
 from rosejax.tokenizer import packaged_gpt2_tokenizer_path
-from tests.conftest import make_hf_checkpoint
+from tests.conftest import HF_SHAPES, hf_greedy, make_hf_checkpoint
 
-SHAPE = dict(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4)
+SHAPE = HF_SHAPES["hd16"]
 TOK = packaged_gpt2_tokenizer_path()
 
 
@@ -24,17 +23,7 @@ def checkpoint(tmp_path_factory):
     return str(path), model
 
 
-@functools.cache
-def _hf_greedy(model, prompt: tuple[int, ...], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            # Without an explicit mask, HF treats every pad id (here 0) in the prompt as padding.
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n, min_new_tokens=n, do_sample=False,
-            pad_token_id=0,
-        )  # fmt: skip
-    return out[0, len(prompt) :].tolist()
+_hf_greedy = functools.cache(hf_greedy)  # prompts as tuples: several tests reuse them
 
 
 def make_llm(checkpoint, **kw) -> LLM:

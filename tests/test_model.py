@@ -12,6 +12,7 @@ from rosejax.kv_cache import init_kv_cache
 from rosejax.model import ForwardMetadata
 from rosejax.model import forward as _forward
 from rosejax.weights import load_checkpoint
+from tests.conftest import hf_greedy
 
 BLOCK_SIZE = 16
 forward = jax.jit(_forward, static_argnums=1)  # eager dispatch of every op is slow on CPU
@@ -94,14 +95,7 @@ def test_greedy_generation_matches_hf(hf_checkpoint):
     prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (1, 5, 12)]
     ours = greedy_generate(params, config, prompts, new)
     for prompt, got in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            ids = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                pad_token_id=config.eos_token_id,
-            )  # fmt: skip
-        assert got == ids[0, len(prompt) :].tolist()
+        assert got == hf_greedy(hf, prompt, new)
     assert len({tok for seq in ours for tok in seq}) > 3, "random weights too flat to test"
 
 
