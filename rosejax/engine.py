@@ -27,6 +27,7 @@ from rosejax.scheduler import Scheduler
 from rosejax.tokenizer import IncrementalDetokenizer, load_tokenizer
 from rosejax.weights import load_model, resolve_dtype
 
+AUTO_FULL_STEPS = 32  # "auto" decode window while the batch is full: throughput
 AUTO_OPEN_STEPS = 8  # "auto" decode window while the batch has free slots
 
 
@@ -53,8 +54,9 @@ def parse_decode_steps(text: str) -> int | str:
 
 
 DECODE_STEPS_HELP = (
-    "decode steps per device call (multi-step decode): an int, or 'auto' (32 while the batch is "
-    "full, 8 while it has free slots, cut short while requests wait for a slot); default: auto"
+    f"decode steps per device call (multi-step decode): an int, or 'auto' ({AUTO_FULL_STEPS} "
+    f"while the batch is full, {AUTO_OPEN_STEPS} while it has free slots, cut short while "
+    "requests wait for a slot); default: auto"
 )
 
 
@@ -89,8 +91,9 @@ class LLMEngine:
             raise ValueError("max_batch_size and block_size must be >= 1")
         if decode_steps != "auto" and (not isinstance(decode_steps, int) or decode_steps < 1):
             raise ValueError(f"decode_steps must be 'auto' or an int >= 1, got {decode_steps!r}")
+        on_cpu = jax.default_backend() == "cpu"
         if dtype == "auto":
-            dtype = "float32" if jax.default_backend() == "cpu" else "float16"
+            dtype = "float32" if on_cpu else "float16"
         self.dtype = resolve_dtype(dtype)
         config, params = load_model(model, self.dtype, seed)
         self.config: GPT2Config = config
@@ -99,9 +102,9 @@ class LLMEngine:
         self.max_batch_size = max_batch_size
         # "auto": long windows for throughput, cut short when a waiting request could be admitted.
         self.auto_steps = decode_steps == "auto"
-        self.decode_steps = 32 if self.auto_steps else decode_steps
+        self.decode_steps = AUTO_FULL_STEPS if self.auto_steps else decode_steps
         if kv_cache_tokens is None and kv_cache_memory_fraction is None:
-            if jax.default_backend() == "cpu":
+            if on_cpu:
                 kv_cache_tokens = max_batch_size * config.n_positions
             else:
                 kv_cache_memory_fraction = 0.5
@@ -126,7 +129,7 @@ class LLMEngine:
         # On a GPU, a decode batch under 16 rows turns every matmul into a slow XLA GEMV: padding
         # to 16 rows costs no extra weight traffic and gets GEMM kernels.
         min_batch = int(os.environ.get(
-            "ROSEJAX_MIN_DECODE_BATCH", "1" if jax.default_backend() == "cpu" else "16"))
+            "ROSEJAX_MIN_DECODE_BATCH", "1" if on_cpu else "16"))
         num_slots = max(max_batch_size, min_batch)
         self.runner = ModelRunner(
             config, params, init_kv_cache(config, num_blocks, block_size, self.dtype),
@@ -147,7 +150,7 @@ class LLMEngine:
         enable_compilation_cache(compilation_cache_dir)
         # Compiling every bucket up front pays on a GPU (seconds per program, persistent cache);
         # on a CPU it takes minutes for GPT-2, so there buckets compile on first use by default.
-        if warmup or (warmup is None and jax.default_backend() != "cpu"):
+        if warmup or (warmup is None and not on_cpu):
             self.warmup()
 
     @property
