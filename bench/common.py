@@ -161,7 +161,6 @@ def run_workload(
     offsets: Sequence[float] | None = None,
     tag: str = "run",
     progress: bool = True,
-    on_output: Callable | None = None,
 ) -> tuple[list[RequestTrace], list[StepRecord]]:
     """Submit prompts[i] at start + offsets[i] seconds (None: all at once), step the engine until
     every request finished; return one trace per request (in prompt order) and one record per
@@ -208,8 +207,6 @@ def run_workload(
                 trace.finish_reason = out.finish_reason
                 if bar is not None:
                     bar.update(1)
-            if on_output is not None:
-                on_output(out, t1)
         steps.append(StepRecord(t0, t1, tokens, step_kind(len(outputs), first)))
     if bar is not None:
         bar.close()

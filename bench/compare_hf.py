@@ -189,11 +189,7 @@ def run_hf_subprocess(args: argparse.Namespace, argv: list[str]) -> dict:
 def run_rosejax(args: argparse.Namespace) -> dict:
     max_b = max(args.batch_sizes)
     if args.kv_cache_tokens is None:  # explicit, so the engine never sizes from free memory
-        from rosejax.config import preset
-
-        n_pos = (preset(args.model.removeprefix("random:")).n_positions
-                 if args.model.startswith("random:") else 1024)
-        args.kv_cache_tokens = max_b * min(n_pos, args.input_len + args.max_new_tokens)
+        args.kv_cache_tokens = max_b * (args.input_len + args.max_new_tokens)
     engine, head = common.start(args, "compare_hf", label="rosejax",
                                 max_batch_size=args.max_batch_size or max_b)
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)

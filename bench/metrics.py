@@ -309,8 +309,7 @@ def mean_decode_context(prompt_len: int, new_tokens: int) -> float:
 
 
 def roofline(config, batch: int, context: float | Sequence[float], step_seconds: float,
-             bandwidth_gbs: float | None = None, dtype_bytes: int = 2,
-             peak_tflops: float | None = None) -> dict[str, float | None]:
+             bandwidth_gbs: float | None = None, dtype_bytes: int = 2) -> dict[str, float | None]:
     """A decode step of `step_seconds` against the memory floor: achieved GB/s and TFLOP/s, and
     (given the card's bandwidth in GB/s) the % of it, the floor time and the tokens/s ceiling."""
     nbytes = decode_step_bytes(config, batch, context, dtype_bytes)["total"]
@@ -330,8 +329,6 @@ def roofline(config, batch: int, context: float | Sequence[float], step_seconds:
     }
     if bandwidth_gbs:
         floor = nbytes / (bandwidth_gbs * 1e9)
-        if peak_tflops:
-            floor = max(floor, flops / (peak_tflops * 1e12))
         out.update(pct_of_bandwidth=100.0 * out["achieved_gbs"] / bandwidth_gbs,
                    floor_seconds=floor, tokens_per_s_ceiling=batch / floor)
     return out

@@ -30,7 +30,8 @@ from rosejax import LLM, SamplingParams
 from rosejax.serve import create_app
 
 MODEL, NAME = "random:tiny", "tiny"
-SEED = random.randrange(2**31)  # fresh weights and prompts every run; failures print it
+# Fresh weights and prompts every run; failures print the seed, ROSEJAX_TEST_SEED replays it.
+SEED = int(os.environ.get("ROSEJAX_TEST_SEED", random.randrange(2**31)))
 # Small batch and block: few programs to compile; prompts stay under 16 tokens (one bucket).
 ENGINE = dict(seed=SEED, warmup=False, max_batch_size=8, block_size=16, kv_cache_tokens=1024)
 # With --max-batch-size 2 this gives the same number of KV blocks (tokens/16 + batch), hence the
