@@ -124,12 +124,15 @@ def _safetensors_files(model_dir: str) -> list[str]:
     )
 
 
-def _iter_tensors(files: list[str]) -> Iterator[tuple[str, jax.Array]]:
+def _iter_tensors(files: list[str], dtype: jnp.dtype) -> Iterator[tuple[str, jax.Array]]:
+    """Each tensor cast to `dtype` as it is read, so a float32 checkpoint loaded as fp16 never
+    holds the whole float32 copy on the device; buffers (attn.bias) are skipped unread."""
     # The flax framework reads bfloat16 too, which plain numpy cannot.
     for path in files:
         with safe_open(path, framework="flax") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if not _IGNORED.match(name.removeprefix("transformer.")):
+                    yield name, f.get_tensor(name).astype(dtype)
 
 
 def resolve_model_dir(model: str) -> str:
@@ -157,7 +160,8 @@ def load_checkpoint(model_dir: str, dtype: str | jnp.dtype = "float32") -> tuple
     if not os.path.exists(config_path):
         raise ValueError(f"no config.json in {model_dir!r}")
     config = GPT2Config.from_json_file(config_path)
-    tensors = dict(_iter_tensors(_safetensors_files(model_dir)))
+    dtype = resolve_dtype(dtype)
+    tensors = dict(_iter_tensors(_safetensors_files(model_dir), dtype))
     return config, params_from_tensors(config, tensors, dtype)
 
 
