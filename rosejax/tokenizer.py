@@ -110,7 +110,6 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._pieces: list[str] = []
         self._table: list[bytes] | None = None
         if _is_byte_level(tokenizer):
             self._table = _byte_table(tokenizer, skip_special_tokens)
@@ -118,18 +117,6 @@ class IncrementalDetokenizer:
         else:
             self._ids: list[int] = []
             self._prefix = self._read = 0  # ids[prefix:read] were decoded into emitted text
-
-    @property
-    def text(self) -> str:
-        """Everything emitted so far (flush() included once called)."""
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
-
-    def _emit(self, piece: str) -> str:
-        if piece:
-            self._pieces.append(piece)
-        return piece
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -141,9 +128,9 @@ class IncrementalDetokenizer:
             if not 0 <= token_id < len(self._table):
                 n = len(self._table)
                 raise ValueError(f"token id {token_id} outside the vocabulary [0, {n})")
-            return self._emit(self._utf8.decode(self._table[token_id]))
+            return self._utf8.decode(self._table[token_id])
         self._ids.append(token_id)
-        return self._emit(self._window(final=False))
+        return self._window(final=False)
 
     def _window(self, final: bool) -> str:
         prefix_text = self._decode(self._ids[self._prefix : self._read])
@@ -156,5 +143,5 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At end of stream: whatever is held back (undecodable bytes become U+FFFD)."""
         if self._table is not None:
-            return self._emit(self._utf8.decode(b"", final=True))
-        return self._emit(self._window(final=True))
+            return self._utf8.decode(b"", final=True)
+        return self._window(final=True)

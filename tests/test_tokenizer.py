@@ -49,7 +49,6 @@ def check_stream(tok, ids: list[int], **kwargs) -> None:
             detok._table, detok._ids, detok._prefix, detok._read = None, [], 0, 0
         pieces = stream(detok, ids)
         assert "".join(pieces) == expected, (generic, ids)
-        assert detok.text == expected
         if "\ufffd" not in expected:
             assert not any("\ufffd" in p for p in pieces), (generic, ids, pieces)
 
