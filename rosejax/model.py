@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_append
+from pallas_kernels._common import env_switch
+from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
 from rosejax.attention import decode_attention, prefill_attention
 from rosejax.config import GPT2Config
 from rosejax.kv_cache import KVCache
@@ -60,6 +62,26 @@ class CausalSelfAttention(nn.Module):
         return y, k_cache, v_cache
 
 
+def pallas_layer_norm_enabled() -> bool:
+    # A CPU would interpret the kernel program by program: XLA there.
+    return jax.default_backend() == "gpu" and env_switch("ROSEJAX_PALLAS_LAYER_NORM")
+
+
+class LayerNorm(nn.Module):
+    """flax's `nn.LayerNorm` params (scale, bias) and math, in one Pallas kernel on a GPU (XLA
+    makes two kernels of it; GPT-2 has 25 a step). ROSEJAX_PALLAS_LAYER_NORM=0 turns it off."""
+
+    epsilon: float
+
+    @nn.compact
+    def __call__(self, x):  # [..., E]
+        e = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (e,))
+        bias = self.param("bias", nn.initializers.zeros, (e,))
+        norm = layer_norm if pallas_layer_norm_enabled() else layer_norm_reference
+        return norm(x.reshape(-1, e), scale, bias, eps=self.epsilon).reshape(x.shape)
+
+
 class MLP(nn.Module):
     config: GPT2Config
     dtype: Any
@@ -78,12 +100,12 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, k_cache, v_cache, meta, write_block, write_offset, fresh):
         eps = self.config.layer_norm_epsilon
-        y = nn.LayerNorm(epsilon=eps, dtype=self.dtype, name="ln_1")(x)
+        y = LayerNorm(eps, name="ln_1")(x)
         y, k_cache, v_cache = CausalSelfAttention(self.config, self.dtype, name="attn")(
             y, k_cache, v_cache, meta, write_block, write_offset, fresh
         )
         x = x + y
-        y = nn.LayerNorm(epsilon=eps, dtype=self.dtype, name="ln_2")(x)
+        y = LayerNorm(eps, name="ln_2")(x)
         return x + MLP(self.config, self.dtype, name="mlp")(y), k_cache, v_cache
 
 
@@ -94,7 +116,7 @@ class GPT2(nn.Module):
     @nn.compact
     def __call__(self, tokens, cache: KVCache, meta: ForwardMetadata, logit_indices=None):
         cfg = self.config
-        wte = nn.Embed(cfg.vocab_size, cfg.n_embd, dtype=self.dtype, name="wte")
+        wte = nn.Embed(cfg.padded_vocab_size, cfg.n_embd, dtype=self.dtype, name="wte")
         wpe = nn.Embed(cfg.n_positions, cfg.n_embd, dtype=self.dtype, name="wpe")
         positions = jnp.clip(meta.positions, 0, cfg.n_positions - 1)  # padding may overrun
         x = wte(tokens) + wpe(positions)  # [B, T, E]
@@ -117,11 +139,11 @@ class GPT2(nn.Module):
             vs.append(v)
         if logit_indices is not None:  # only the rows' last real tokens need logits
             x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)[:, 0]  # [B, E]
-        x = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=self.dtype, name="ln_f")(x)
+        x = LayerNorm(cfg.layer_norm_epsilon, name="ln_f")(x)
         # In the model's dtype: an fp16 step writes (and its argmax reads) half the bytes of
         # float32 logits, 26 MB less per step at B=256; the values are the same, since the
         # product is rounded to the model's dtype first either way. Sampling upcasts.
-        logits = wte.attend(x)  # [B, (T,) V]
+        logits = wte.attend(x)[..., : cfg.vocab_size]  # [B, (T,) V]: the padding rows dropped
         return logits, cache.replace(k=ks, v=vs)
 
 

@@ -2,13 +2,14 @@
 
 The params pytree mirrors the Flax model in `rosejax.model`:
 
-    {"wte": {"embedding": [V, E]}, "wpe": {"embedding": [P, E]},
+    {"wte": {"embedding": [V_pad, E]}, "wpe": {"embedding": [P, E]},
      "h_0": {"ln_1": {"scale", "bias"},
              "attn": {"c_attn": {"kernel": [E, 3E], "bias"}, "c_proj": {"kernel": [E, E], "bias"}},
              "ln_2": {...}, "mlp": {"c_fc": {"kernel": [E, F], ...}, "c_proj": {"kernel": [F, E], ...}}},
      ..., "ln_f": {"scale", "bias"}}
 
 HF's GPT-2 uses Conv1D, whose weight is already [in, out]: it maps to a Dense kernel untransposed.
+wte gets zero rows up to `config.padded_vocab_size` (V_pad); the model drops their logits.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def params_from_tensors(
         *parents, leaf = _param_path(name)
         for key in parents:
             node = node.setdefault(key, {})
+        if name == "wte.weight":
+            value = jnp.pad(jnp.asarray(value), ((0, config.padded_vocab_size - shape[0]), (0, 0)))
         node[leaf] = jnp.asarray(value, dtype=dtype)
     return params
 

@@ -61,6 +61,11 @@ def test_hub_naming_loads_identical_params(saved, tmp_path):
     np.testing.assert_array_equal(
         np.asarray(a["h_1"]["attn"]["c_attn"]["kernel"]), raw["transformer.h.1.attn.c_attn.weight"]
     )
+    # wte: the checkpoint's rows, then zero rows up to the padded vocabulary.
+    wte, v = np.asarray(a["wte"]["embedding"]), SHAPE["vocab_size"]
+    assert wte.shape == (GPT2Config(**SHAPE).padded_vocab_size, SHAPE["n_embd"]) and wte.shape[0] > v
+    np.testing.assert_array_equal(wte[:v], raw["transformer.wte.weight"])
+    assert not wte[v:].any()
 
 
 def test_missing_tensor_is_named(saved, tmp_path):
@@ -124,12 +129,14 @@ def test_presets_match_hub_shapes():
     assert PRESETS["gpt2"].num_params() == 124_439_808
     assert PRESETS["gpt2-medium"].num_params() == 354_823_168
     assert PRESETS["gpt2-xl"].head_dim == 64 and PRESETS["gpt2-xl"].n_head == 25
+    assert PRESETS["gpt2"].padded_vocab_size == 50304
 
 
 def test_random_params_cover_every_tensor():
     config = PRESETS["tiny"]
     params = random_params(config, seed=1)
-    assert sum(x.size for x in jax.tree.leaves(params)) == config.num_params()
+    padding = (config.padded_vocab_size - config.vocab_size) * config.n_embd  # zero wte rows
+    assert sum(x.size for x in jax.tree.leaves(params)) == config.num_params() + padding
     assert len(jax.tree.leaves(params)) == len(param_shapes(config))
 
 

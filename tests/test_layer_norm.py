@@ -1,0 +1,84 @@
+"""Layer norm: the Pallas kernel, its XLA reference and flax's nn.LayerNorm against numpy."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
+from rosejax.model import LayerNorm
+
+INTERPRET = jax.default_backend() == "cpu" or os.environ.get("ROSEJAX_TEST_INTERPRET") == "1"
+EPS = 1e-5
+
+
+def flax_layer_norm(x, scale, bias, *, eps):
+    return nn.LayerNorm(epsilon=eps, dtype=x.dtype).apply(
+        {"params": {"scale": scale, "bias": bias}}, x)
+
+
+def rosejax_module(x, scale, bias, *, eps):
+    """The model's module, whichever implementation it dispatches to on this backend."""
+    return LayerNorm(eps).apply({"params": {"scale": scale, "bias": bias}}, x)
+
+
+IMPLS = {
+    "pallas_r4": functools.partial(layer_norm, block_rows=4, interpret=INTERPRET),
+    "pallas_r1_w1": functools.partial(layer_norm, block_rows=1, num_warps=1, interpret=INTERPRET),
+    "reference": layer_norm_reference,
+    "flax": flax_layer_norm,
+    "module": rosejax_module,
+}
+# (rows, features): GPT-2's width, rows not a multiple of the block, a width not a power of two.
+SHAPES = [(6, 768), (13, 96), (1, 40), (32, 64)]
+TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def oracle(x, scale, bias):
+    x = np.asarray(x, np.float64)
+    mean = x.mean(axis=-1, keepdims=True)
+    var = x.var(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + EPS) * np.asarray(scale, np.float64) + np.asarray(
+        bias, np.float64)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_layer_norm_matches_numpy(impl, shape, dtype):
+    rng = np.random.default_rng()
+    n, e = shape
+    # An offset and a spread per row: E[x^2] - E[x]^2 must hold up when the mean is large.
+    x = rng.normal(size=(n, e)) * rng.uniform(0.5, 4, (n, 1)) + rng.uniform(-8, 8, (n, 1))
+    scale, bias = rng.normal(size=e), rng.normal(size=e)
+    x, scale, bias = (jnp.asarray(a, dtype) for a in (x, scale, bias))
+    got = IMPLS[impl](x, scale, bias, eps=EPS)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    want = oracle(x, scale, bias)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=TOL[dtype] * 8,
+                               rtol=TOL[dtype])
+
+
+def test_module_keeps_leading_axes():
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(3, 5, 48)), jnp.float32)
+    scale, bias = jnp.asarray(rng.normal(size=48)), jnp.asarray(rng.normal(size=48))
+    got = rosejax_module(x, scale, bias, eps=EPS)
+    np.testing.assert_allclose(got.reshape(15, 48), oracle(x.reshape(15, 48), scale, bias),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_bad_shapes():
+    x = jnp.zeros((4, 8))
+    with pytest.raises(ValueError, match="need x"):
+        layer_norm(x[0], jnp.zeros(8), jnp.zeros(8), interpret=True)
+    with pytest.raises(ValueError, match="need x"):
+        layer_norm(x, jnp.zeros(7), jnp.zeros(8), interpret=True)
+    with pytest.raises(ValueError, match="block_rows"):
+        layer_norm(x, jnp.zeros(8), jnp.zeros(8), block_rows=3, interpret=True)
