@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
-import time
+import os
+import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+if __package__ in (None, ""):  # run as a file: make `bench` and `pallas_kernels` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels.paged_attention import (
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.common import add_kernel_bench_args, time_in_loop, write_json  # noqa: E402
+from pallas_kernels.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
 )
@@ -44,20 +48,6 @@ def impls(interpret: bool, warps: list[int], stages: list[int]) -> dict:
     return out
 
 
-def time_impl(fn, q, k, v, tables, lengths, iters: int, repeats: int) -> float:
-    @jax.jit
-    def loop(q):
-        return jax.lax.fori_loop(0, iters, lambda _, x: fn(x, k, v, tables, lengths), q)
-
-    loop(q).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        loop(q).block_until_ready()
-        times.append((time.perf_counter() - t) / iters)
-    return float(np.median(times)) * 1e6
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch-sizes", default="1,16,64,256", help="comma list of B")
@@ -66,10 +56,7 @@ def main() -> None:
     p.add_argument("--num-warps", default="1,2,4,8", help="comma list of the kernel's warps")
     p.add_argument("--num-stages", default="2", help="comma list of the kernel's pipeline stages")
     p.add_argument("--no-jax-op", action="store_true", help="skip jax's paged_attention op")
-    p.add_argument("--iters", type=int, default=200, help="calls per timed loop")
-    p.add_argument("--repeats", type=int, default=5, help="timed loops; the median is kept")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, interpret mode (CPU smoke)")
-    p.add_argument("--json", default=None, help="write results here")
+    add_kernel_bench_args(p)
     args = p.parse_args()
     interpret = args.quick or jax.default_backend() == "cpu"
     h, d, bs = 12, 64, args.block_size
@@ -99,14 +86,13 @@ def main() -> None:
                 print(f"B={b:4d} ctx={ctx:4d} {name:18s} failed: {str(e).splitlines()[0][:100]}")
                 continue
             err = float(np.abs(got - ref).max())
-            us = time_impl(fn, q, k, v, tables, lengths, args.iters, args.repeats)
+            us = time_in_loop(lambda x, fn=fn, rest=(k, v, tables, lengths): fn(x, *rest), q,
+                              args.iters, args.repeats)
             rows.append(dict(B=b, context=ctx, block_size=bs, impl=name, us=us, gbs=bytes_ / us / 1e3, max_err=err))
             print(f"B={b:4d} ctx={ctx:4d} {name:18s} {us:9.2f} us {bytes_ / us / 1e3:8.1f} GB/s  err {err:.1e}",
                   flush=True)
     print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, {"device": jax.devices()[0].device_kind, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -112,6 +112,30 @@ def copy_bandwidth_gbs(size_mb: int = 1024, iters: int = 20) -> float:
     return 2 * n * 4 * iters / statistics.median(times) / 1e9
 
 
+def add_kernel_bench_args(p: argparse.ArgumentParser) -> None:
+    """The timing and output flags of the kernel microbenchmarks (bench_attention, bench_layer_norm)."""
+    p.add_argument("--iters", type=int, default=200, help="calls per timed loop")
+    p.add_argument("--repeats", type=int, default=5, help="timed loops; the median is kept")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, interpret mode (CPU smoke)")
+    p.add_argument("--json", default=None, help="write results here")
+
+
+def time_in_loop(fn: Callable, x, iters: int, repeats: int) -> float:
+    """Microseconds per call of `fn(x) -> array shaped like x`, called `iters` times inside one
+    jitted fori_loop (each output feeds the next call, so Python dispatch stays out); median of
+    `repeats` loops."""
+    import jax
+
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda _, y: fn(y), x))
+    loop(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        loop(x).block_until_ready()
+        times.append((time.perf_counter() - t) / iters)
+    return float(np.median(times)) * 1e6
+
+
 def resolve_bandwidth(args: argparse.Namespace) -> float | None:
     """--bandwidth-gbs, else the copy bandwidth measured now on a GPU (before the engine takes
     its memory), else None (CPU: no % of bandwidth). Sets args.bandwidth_gbs and

@@ -356,3 +356,17 @@ def _repo():
     import pathlib
 
     return pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("script", ["bench_attention", "bench_layer_norm"])
+def test_kernel_microbench_quick(tmp_path, script):
+    """The kernel microbenches run end to end (interpret mode) and every kernel agrees with its
+    XLA reference."""
+    path = tmp_path / "k.json"
+    subprocess.run([sys.executable, f"bench/{script}.py", "--quick", "--json", str(path)],
+                   check=True, capture_output=True)
+    data = _load(path)
+    assert data["device"] and len(data["rows"]) >= 3
+    for row in data["rows"]:
+        assert _positive(row["us"]) and _positive(row["gbs"])
+        assert row["max_err"] < 1e-2
