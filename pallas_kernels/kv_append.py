@@ -9,6 +9,10 @@ with src_i = batch_idx[i] (generic) or i (identity-pos, full-batch), and pos_i =
 (generic, identity-pos) or one scalar pos shared by every row (full-batch). Targets are
 duplicate-free except in the reserved scratch block 0, whose contents nobody reads.
 
+`new_head_offsets=(ok, ov)` reads heads ok..ok+H-1 of k_new and ov..ov+H-1 of v_new instead: a
+model passes its fused q/k/v projection [B, 3H, D] as both with (H, 2H), and no slice of it is
+copied out first (XLA would make that copy a kernel of its own every layer).
+
 Three Pallas kernels (Triton on GPU, `interpret=True` on CPU) update the caches in place
 through `input_output_aliases`; the caller donates the caches (a jitted step with
 `donate_argnums`), so no call copies them. `kv_append` is the one dispatch function: it picks a
@@ -78,22 +82,24 @@ def _tile_indices(num_rows: int, num_heads: int, block_b: int, block_h: int):
     return rows, heads
 
 
-def _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, src, heads, blocks, positions):
-    """Load [block_b, block_h, D] of K and V from rows src, store them at (blocks, positions)."""
+def _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, src, heads, blocks, positions,
+               head_offsets):
+    """Load [block_b, block_h, D] of K and V from rows src (heads shifted by head_offsets in
+    k_new / v_new), store them at (blocks, positions)."""
     src = src[:, None]  # [block_b, 1]
     heads = heads[None, :]  # [1, block_h]
     blocks = blocks[:, None]  # [block_b, 1]
     positions = positions[:, None]  # [block_b, 1]
     # Both loads before both stores: all the bytes of the tile are in flight at once.
-    k = k_new_ref[src, heads, :]  # [block_b, block_h, D]
-    v = v_new_ref[src, heads, :]  # [block_b, block_h, D]
+    k = k_new_ref[src, heads + head_offsets[0], :]  # [block_b, block_h, D]
+    v = v_new_ref[src, heads + head_offsets[1], :]  # [block_b, block_h, D]
     k_cache_ref[heads, blocks, positions, :] = k
     v_cache_ref[heads, blocks, positions, :] = v
 
 
 def kv_append_generic_kernel(
-    k_new_ref,  # [B, H, D]
-    v_new_ref,  # [B, H, D]
+    k_new_ref,  # [B, H', D], heads head_offsets[0] + [0, H) read
+    v_new_ref,  # [B, H', D], heads head_offsets[1] + [0, H) read
     batch_idx_ref,  # [B']
     block_idx_ref,  # [B']
     pos_ref,  # [B']
@@ -104,6 +110,7 @@ def kv_append_generic_kernel(
     *,
     block_b: int,
     block_h: int,
+    head_offsets: tuple[int, int],
 ):
     del k_cache_in_ref, v_cache_in_ref
     num_heads = k_cache_ref.shape[0]
@@ -111,12 +118,13 @@ def kv_append_generic_kernel(
     src = batch_idx_ref[rows]  # [block_b]
     blocks = block_idx_ref[rows]  # [block_b]
     positions = pos_ref[rows]  # [block_b]
-    _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, src, heads, blocks, positions)
+    _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, src, heads, blocks, positions,
+               head_offsets)
 
 
 def kv_append_identity_pos_kernel(
-    k_new_ref,  # [B, H, D]
-    v_new_ref,  # [B, H, D]
+    k_new_ref,  # [B, H', D], heads head_offsets[0] + [0, H) read
+    v_new_ref,  # [B, H', D], heads head_offsets[1] + [0, H) read
     block_idx_ref,  # [B]
     pos_ref,  # [B]
     k_cache_in_ref,  # [H, NB, BS, D], aliased to k_cache_ref: never read
@@ -126,18 +134,20 @@ def kv_append_identity_pos_kernel(
     *,
     block_b: int,
     block_h: int,
+    head_offsets: tuple[int, int],
 ):
     del k_cache_in_ref, v_cache_in_ref
     num_heads = k_cache_ref.shape[0]
     rows, heads = _tile_indices(block_idx_ref.shape[0], num_heads, block_b, block_h)
     blocks = block_idx_ref[rows]  # [block_b]
     positions = pos_ref[rows]  # [block_b]
-    _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, rows, heads, blocks, positions)
+    _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, rows, heads, blocks, positions,
+               head_offsets)
 
 
 def kv_append_full_batch_kernel(
-    k_new_ref,  # [B, H, D]
-    v_new_ref,  # [B, H, D]
+    k_new_ref,  # [B, H', D], heads head_offsets[0] + [0, H) read
+    v_new_ref,  # [B, H', D], heads head_offsets[1] + [0, H) read
     block_idx_ref,  # [B]
     pos_ref,  # [1]: the one position shared by every row
     k_cache_in_ref,  # [H, NB, BS, D], aliased to k_cache_ref: never read
@@ -147,13 +157,15 @@ def kv_append_full_batch_kernel(
     *,
     block_b: int,
     block_h: int,
+    head_offsets: tuple[int, int],
 ):
     del k_cache_in_ref, v_cache_in_ref
     num_heads = k_cache_ref.shape[0]
     rows, heads = _tile_indices(block_idx_ref.shape[0], num_heads, block_b, block_h)
     blocks = block_idx_ref[rows]  # [block_b]
     positions = jnp.broadcast_to(pos_ref[0], (block_b,))  # [block_b]
-    _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, rows, heads, blocks, positions)
+    _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, rows, heads, blocks, positions,
+               head_offsets)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,21 +183,22 @@ def _check_int32_vector(name: str, x: Any, length: int | None) -> int:
     return x.shape[0]
 
 
-def _check_caches(k_cache, v_cache, k_new, v_new) -> None:
+def _check_caches(k_cache, v_cache, k_new, v_new, head_offsets=(0, 0)) -> None:
     if k_cache.ndim != 4:
         raise ValueError(f"k_cache must be [H, num_blocks, block_size, D], got {k_cache.shape}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {v_cache.shape} != k_cache shape {k_cache.shape}")
     if k_new.ndim != 3:
         raise ValueError(f"k_new must be [B, H, D], got {k_new.shape}")
-    if v_new.shape != k_new.shape:
-        raise ValueError(f"v_new shape {v_new.shape} != k_new shape {k_new.shape}")
+    if v_new.ndim != 3 or v_new.shape[0] != k_new.shape[0]:
+        raise ValueError(f"v_new shape {v_new.shape} does not match k_new shape {k_new.shape}")
     num_heads, _, _, head_dim = k_cache.shape
-    if k_new.shape[1:] != (num_heads, head_dim):
-        raise ValueError(
-            f"k_new [B, H, D] = {k_new.shape} does not match the cache's H={num_heads}, "
-            f"D={head_dim}"
-        )
+    for name, x, offset in (("k_new", k_new, head_offsets[0]), ("v_new", v_new, head_offsets[1])):
+        if offset < 0 or x.shape[1] < offset + num_heads or x.shape[2] != head_dim:
+            raise ValueError(
+                f"{name} [B, H', D] = {x.shape} has no heads {offset}..{offset + num_heads - 1} "
+                f"of D={head_dim} for the cache's H={num_heads}"
+            )
     for name, x in (("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new)):
         if x.dtype != k_cache.dtype:
             raise ValueError(f"{name} dtype {x.dtype} != k_cache dtype {k_cache.dtype}")
@@ -228,6 +241,7 @@ def _launch(
     *,
     block_b: int | None,
     block_h: int | None,
+    head_offsets: tuple[int, int],
     num_warps: int,
     num_stages: int,
     interpret: bool,
@@ -249,7 +263,8 @@ def _launch(
     cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
     num_inputs = 2 + len(index_arrays)
     return pl.pallas_call(
-        functools.partial(kernel, block_b=block_b, block_h=block_h),
+        functools.partial(kernel, block_b=block_b, block_h=block_h,
+                          head_offsets=tuple(head_offsets)),
         grid=grid,
         out_shape=(cache_shape, cache_shape),
         # The caches are inputs num_inputs, num_inputs + 1: written in place.
@@ -260,7 +275,7 @@ def _launch(
     )(k_new, v_new, *index_arrays, k_cache, v_cache)
 
 
-_STATIC = ["block_b", "block_h", "num_warps", "num_stages", "interpret"]
+_STATIC = ["block_b", "block_h", "new_head_offsets", "num_warps", "num_stages", "interpret"]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(0, 1))
@@ -275,6 +290,7 @@ def kv_append_generic(
     *,
     block_b: int | None = None,
     block_h: int | None = None,
+    new_head_offsets: tuple[int, int] = (0, 0),
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = 1,
     interpret: bool = False,
@@ -283,21 +299,22 @@ def kv_append_generic(
 
     Args:
       k_cache, v_cache: [H, num_blocks, block_size, D], donated and updated in place.
-      k_new, v_new: [B, H, D], same dtype as the caches.
+      k_new, v_new: [B, H, D], same dtype as the caches ([B, H', D] with new_head_offsets).
       batch_idx, block_idx, pos: int32 [B'] (B' may differ from B).
       block_b: rows per program (power of two); block_h: heads per program (power of two,
         default from H); num_warps, num_stages: Triton launch parameters.
     Returns:
       (k_cache, v_cache), the same buffers.
     """
-    _check_caches(k_cache, v_cache, k_new, v_new)
+    _check_caches(k_cache, v_cache, k_new, v_new, new_head_offsets)
     n = _check_int32_vector("block_idx", block_idx, None)
     _check_int32_vector("batch_idx", batch_idx, n)
     _check_int32_vector("pos", pos, n)
     return _launch(
         kv_append_generic_kernel, "kv_append_generic", k_cache, v_cache, k_new, v_new,
         (batch_idx, block_idx, pos), n, block_b=block_b, block_h=block_h,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        head_offsets=new_head_offsets, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret,
     )
 
 
@@ -312,18 +329,20 @@ def kv_append_identity_pos(
     *,
     block_b: int | None = None,
     block_h: int | None = None,
+    new_head_offsets: tuple[int, int] = (0, 0),
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = 1,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Row i of k_new/v_new goes to slot (block_idx[i], pos[i]); block_idx, pos: int32 [B]."""
-    _check_caches(k_cache, v_cache, k_new, v_new)
+    _check_caches(k_cache, v_cache, k_new, v_new, new_head_offsets)
     n = _check_int32_vector("block_idx", block_idx, k_new.shape[0])
     _check_int32_vector("pos", pos, n)
     return _launch(
         kv_append_identity_pos_kernel, "kv_append_identity_pos", k_cache, v_cache, k_new,
         v_new, (block_idx, pos), n, block_b=block_b, block_h=block_h,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        head_offsets=new_head_offsets, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret,
     )
 
 
@@ -338,23 +357,25 @@ def kv_append_full_batch(
     *,
     block_b: int | None = None,
     block_h: int | None = None,
+    new_head_offsets: tuple[int, int] = (0, 0),
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = 1,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Row i of k_new/v_new goes to slot (block_idx[i], pos); block_idx int32 [B], pos int32
     scalar shared by every row (a decode step where all requests are at the same length)."""
-    _check_caches(k_cache, v_cache, k_new, v_new)
+    _check_caches(k_cache, v_cache, k_new, v_new, new_head_offsets)
     n = _check_int32_vector("block_idx", block_idx, k_new.shape[0])
     _check_scalar_pos(pos)
     return _launch(
         kv_append_full_batch_kernel, "kv_append_full_batch", k_cache, v_cache, k_new, v_new,
         (block_idx, pos.reshape(1)), n, block_b=block_b, block_h=block_h,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        head_offsets=new_head_offsets, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret,
     )
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
+@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=["new_head_offsets"])
 def kv_append_reference(
     k_cache: jax.Array,
     v_cache: jax.Array,
@@ -363,13 +384,18 @@ def kv_append_reference(
     block_idx: jax.Array,
     pos: jax.Array,
     batch_idx: jax.Array | None = None,
+    *,
+    new_head_offsets: tuple[int, int] = (0, 0),
 ) -> tuple[jax.Array, jax.Array]:
     """XLA scatter version of all three forms; the dispatcher's XLA path.
 
     Fast forms: no gather of k_new when batch_idx is None (the batch is whole and in order),
     and a scalar pos is broadcast inside the scatter's index computation.
     """
-    _check_caches(k_cache, v_cache, k_new, v_new)
+    _check_caches(k_cache, v_cache, k_new, v_new, new_head_offsets)
+    num_heads = k_cache.shape[0]
+    k_new = k_new[:, new_head_offsets[0]:new_head_offsets[0] + num_heads]  # [B, H, D]
+    v_new = v_new[:, new_head_offsets[1]:new_head_offsets[1] + num_heads]  # [B, H, D]
     if batch_idx is None:
         n = _check_int32_vector("block_idx", block_idx, k_new.shape[0])
     else:
@@ -428,6 +454,7 @@ def kv_append(
     pos: jax.Array | int,
     batch_idx: jax.Array | None = None,
     *,
+    new_head_offsets: tuple[int, int] = (0, 0),
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Append one token's K/V per row into a paged cache layer; see the module docstring.
@@ -435,6 +462,7 @@ def kv_append(
     k_cache, v_cache: [H, NB, BS, D] (donate them in the calling jit); k_new, v_new: [B, H, D];
     block_idx: int32 [B']; pos: int32 [B'] or int32 scalar (full-batch, needs batch_idx=None);
     batch_idx: None (row i is source i, B' = B) or int32 [B'].
+    new_head_offsets: where the H heads start in k_new / v_new (module docstring).
     interpret=None interprets the kernels on a CPU backend and compiles them elsewhere.
     """
     variant = select_kv_append_variant(
@@ -444,17 +472,21 @@ def kv_append(
         scalar_pos=pos.ndim == 0,
     )
     if variant == "xla":
-        return kv_append_reference(k_cache, v_cache, k_new, v_new, block_idx, pos, batch_idx)
+        return kv_append_reference(k_cache, v_cache, k_new, v_new, block_idx, pos, batch_idx,
+                                   new_head_offsets=new_head_offsets)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     if variant == "full_batch":
         return kv_append_full_batch(
-            k_cache, v_cache, k_new, v_new, block_idx, pos, interpret=interpret
+            k_cache, v_cache, k_new, v_new, block_idx, pos, new_head_offsets=new_head_offsets,
+            interpret=interpret,
         )
     if variant == "identity_pos":
         return kv_append_identity_pos(
-            k_cache, v_cache, k_new, v_new, block_idx, pos, interpret=interpret
+            k_cache, v_cache, k_new, v_new, block_idx, pos, new_head_offsets=new_head_offsets,
+            interpret=interpret,
         )
     return kv_append_generic(
-        k_cache, v_cache, k_new, v_new, batch_idx, block_idx, pos, interpret=interpret
+        k_cache, v_cache, k_new, v_new, batch_idx, block_idx, pos,
+        new_head_offsets=new_head_offsets, interpret=interpret,
     )

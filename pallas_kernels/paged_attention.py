@@ -6,7 +6,9 @@ and a padding copy of q are waste. Here every program owns one (row, head) pair 
 head's pages through an online softmax with vector arithmetic: [block_size, D] tiles, no padding.
 
 Layout: k_cache, v_cache [H, num_blocks, block_size, D] (rosejax's KV cache); block_tables
-[B, MB] int32; lengths [B] int32 (tokens in the cache for the row, 0 for a padded row).
+[B, MB] int32; lengths [B] int32 (tokens in the cache for the row, 0 for a padded row). q may carry
+more heads than the cache, [B, H' >= H, D], of which the first H are the queries: a model passes
+its fused q/k/v projection [B, 3H, D] whole, and XLA copies no q out of it first.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ _NEG_INF = -1e30
 
 
 def paged_decode_attention_kernel(
-    q_ref,  # [B, H, D]
+    q_ref,  # [B, H', D], heads [0, H) read
     k_cache_ref,  # [H, NB, BS, D]
     v_cache_ref,  # [H, NB, BS, D]
     block_tables_ref,  # [B, MB]
@@ -64,7 +66,7 @@ def paged_decode_attention_kernel(
 
 @functools.partial(jax.jit, static_argnames=["num_warps", "num_stages", "interpret"])
 def paged_decode_attention(
-    q: jax.Array,  # [B, H, D]
+    q: jax.Array,  # [B, H' >= H, D]: the first H heads are the queries
     k_cache: jax.Array,  # [H, NB, BS, D]
     v_cache: jax.Array,  # [H, NB, BS, D]
     block_tables: jax.Array,  # [B, MB] int32
@@ -81,10 +83,11 @@ def paged_decode_attention(
     if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"need q [B, H, D] and caches [H, NB, BS, D], got {q.shape}, "
                          f"{k_cache.shape}, {v_cache.shape}")
-    b, h, d = q.shape
-    if (k_cache.shape[0], k_cache.shape[3]) != (h, d):
-        raise ValueError(f"q heads/dim {(h, d)} do not match the cache's "
-                         f"{(k_cache.shape[0], k_cache.shape[3])}")
+    b, _, d = q.shape
+    h = k_cache.shape[0]
+    if q.shape[1] < h or k_cache.shape[3] != d:
+        raise ValueError(f"q heads/dim {q.shape[1:]} do not cover the cache's "
+                         f"{(h, k_cache.shape[3])}")
     if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.dtype != jnp.int32:
         raise ValueError(f"block_tables must be int32 [{b}, MB], got {block_tables.dtype} "
                          f"{block_tables.shape}")
@@ -100,7 +103,7 @@ def paged_decode_attention(
     return pl.pallas_call(
         functools.partial(paged_decode_attention_kernel, sm_scale=1.0 / math.sqrt(d)),
         grid=(b, h),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct((b, h, d), q.dtype),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"paged_decode_attention_bs{bs}_w{num_warps}",
@@ -152,12 +155,13 @@ def _masked_attention(
 
 
 def paged_decode_attention_reference(
-    q: jax.Array,  # [B, H, D]
+    q: jax.Array,  # [B, H' >= H, D]: the first H heads are the queries
     k_cache: jax.Array,  # [H, NB, BS, D]
     v_cache: jax.Array,  # [H, NB, BS, D]
     block_tables: jax.Array,  # [B, MB] int32
     lengths: jax.Array,  # [B] int32
 ) -> jax.Array:  # [B, H, D]
     """The XLA reference of `paged_decode_attention`: a padded row (length 0) gives zeros."""
+    q = q[:, : k_cache.shape[0]]  # [B, H, D]
     out = paged_attention_xla(q[:, None], k_cache, v_cache, block_tables, (lengths - 1)[:, None])
     return jnp.where(lengths[:, None, None] > 0, out[:, 0], 0).astype(q.dtype)

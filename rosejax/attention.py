@@ -32,7 +32,7 @@ def pallas_attention_enabled() -> bool:
 
 
 def decode_attention(
-    q: jax.Array,  # [B, H, D]
+    q: jax.Array,  # [B, H' >= H, D]: the first H heads are the queries
     k_cache: jax.Array,  # [H, NB, BS, D]
     v_cache: jax.Array,  # [H, NB, BS, D]
     block_tables: jax.Array,  # [B, MB] int32

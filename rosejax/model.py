@@ -47,15 +47,18 @@ class CausalSelfAttention(nn.Module):
         b, t, e = x.shape
         h, d = self.config.n_head, self.config.head_dim
         qkv = nn.Dense(3 * e, dtype=self.dtype, name="c_attn")(x)  # [B, T, 3E]
-        q, k, v = (a.reshape(b, t, h, d) for a in jnp.split(qkv, 3, axis=-1))
+        # The kernels read q, k and v straight out of the projection (heads 0, H and 2H of
+        # [B*T, 3H, D], a free reshape): split copies would be a kernel per layer of their own.
+        fused = qkv.reshape(b * t, 3 * h, d)
         k_cache, v_cache = kv_append(
-            k_cache, v_cache, k.reshape(b * t, h, d), v.reshape(b * t, h, d),
-            write_block.reshape(-1), write_offset.reshape(-1),
+            k_cache, v_cache, fused, fused, write_block.reshape(-1), write_offset.reshape(-1),
+            new_head_offsets=(h, 2 * h),
         )  # fmt: skip
         if t == 1:
-            out = decode_attention(q[:, 0], k_cache, v_cache, meta.block_tables, meta.seq_lens)
+            out = decode_attention(fused, k_cache, v_cache, meta.block_tables, meta.seq_lens)
             out = out[:, None]
         else:
+            q, k, v = (a.reshape(b, t, h, d) for a in jnp.split(qkv, 3, axis=-1))
             out = prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.positions,
                                     fresh)
         y = nn.Dense(e, dtype=self.dtype, name="c_proj")(out.reshape(b, t, e))

@@ -90,26 +90,28 @@ class Impl:
     env: tuple[tuple[str, str], ...] = ()
 
 
-def _generic(kc, vc, kn, vn, block_idx, pos, batch_idx=None):
+def _generic(kc, vc, kn, vn, block_idx, pos, batch_idx=None, **kw):
     if batch_idx is None:
         batch_idx = jnp.arange(kn.shape[0], dtype=jnp.int32)
     return kva.kv_append_generic(
-        kc, vc, kn, vn, batch_idx, block_idx, pos, interpret=_auto_interpret()
+        kc, vc, kn, vn, batch_idx, block_idx, pos, interpret=_auto_interpret(), **kw
     )
 
 
-def _identity(kc, vc, kn, vn, block_idx, pos, batch_idx=None):
+def _identity(kc, vc, kn, vn, block_idx, pos, batch_idx=None, **kw):
     assert batch_idx is None
-    return kva.kv_append_identity_pos(kc, vc, kn, vn, block_idx, pos, interpret=_auto_interpret())
+    return kva.kv_append_identity_pos(kc, vc, kn, vn, block_idx, pos,
+                                      interpret=_auto_interpret(), **kw)
 
 
-def _full(kc, vc, kn, vn, block_idx, pos, batch_idx=None):
+def _full(kc, vc, kn, vn, block_idx, pos, batch_idx=None, **kw):
     assert batch_idx is None
-    return kva.kv_append_full_batch(kc, vc, kn, vn, block_idx, pos, interpret=_auto_interpret())
+    return kva.kv_append_full_batch(kc, vc, kn, vn, block_idx, pos,
+                                    interpret=_auto_interpret(), **kw)
 
 
-def _dispatch(kc, vc, kn, vn, block_idx, pos, batch_idx=None):
-    return kva.kv_append(kc, vc, kn, vn, block_idx, pos, batch_idx, interpret=_interpret())
+def _dispatch(kc, vc, kn, vn, block_idx, pos, batch_idx=None, **kw):
+    return kva.kv_append(kc, vc, kn, vn, block_idx, pos, batch_idx, interpret=_interpret(), **kw)
 
 
 IMPLEMENTATIONS = [
@@ -172,12 +174,12 @@ def _to_device(inputs: dict) -> dict:
     return {key: None if x is None else jnp.asarray(x) for key, x in inputs.items()}
 
 
-def _run(impl: Impl, inputs: dict, monkeypatch: pytest.MonkeyPatch):
+def _run(impl: Impl, inputs: dict, monkeypatch: pytest.MonkeyPatch, **kw):
     for key, value in impl.env:
         monkeypatch.setenv(key, value)
     x = _to_device(inputs)
     return impl.fn(x["k_cache"], x["v_cache"], x["k_new"], x["v_new"], x["block_idx"],
-                   x["pos"], x["batch_idx"])
+                   x["pos"], x["batch_idx"], **kw)
 
 
 def _assert_bits_equal(actual, expected, what: str) -> None:
@@ -205,6 +207,26 @@ def test_append_matches_oracle(impl: Impl, shape: KVAppendShape, form: str, monk
     inputs = make_inputs(shape, form, rng)
     k_expected, v_expected = oracle(inputs)
     k_out, v_out = _run(impl, inputs, monkeypatch)
+    _assert_bits_equal(k_out, k_expected, "k_cache")
+    _assert_bits_equal(v_out, v_expected, "v_cache")
+
+
+@pytest.mark.parametrize(
+    "impl,form",
+    [(i, f) for i in IMPLEMENTATIONS for f in FORMS if f in i.forms],
+    ids=lambda x: x.name if isinstance(x, Impl) else x,
+)
+def test_append_from_fused_qkv(impl: Impl, form: str, monkeypatch):
+    """The model's call: k_new = v_new = the fused [B, 3H, D] projection, heads at H and 2H."""
+    rng = np.random.default_rng()
+    shape = CASES[1]
+    inputs = make_inputs(shape, form, rng)
+    k_expected, v_expected = oracle(inputs)
+    q = rng.standard_normal(inputs["k_new"].shape).astype(inputs["k_new"].dtype)
+    fused = np.concatenate([q, inputs["k_new"], inputs["v_new"]], axis=1)  # [B, 3H, D]
+    h = shape.num_heads
+    k_out, v_out = _run(impl, inputs | {"k_new": fused, "v_new": fused}, monkeypatch,
+                        new_head_offsets=(h, 2 * h))
     _assert_bits_equal(k_out, k_expected, "k_cache")
     _assert_bits_equal(v_out, v_expected, "v_cache")
 
@@ -298,6 +320,15 @@ def test_bad_inputs_raise(impl: Impl, kind: str, monkeypatch):
     inputs = _bad_inputs(kind, form)
     with pytest.raises(ValueError):
         _run(impl, inputs, monkeypatch)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=lambda i: i.name)
+@pytest.mark.parametrize("offsets", [(1, 0), (0, -1)])
+def test_head_offsets_past_the_heads_raise(impl: Impl, offsets, monkeypatch):
+    inputs = make_inputs(KVAppendShape(4, 6, 4, 16, 3, "float32"), impl.forms[-1],
+                         np.random.default_rng())
+    with pytest.raises(ValueError, match="has no heads"):
+        _run(impl, inputs, monkeypatch, new_head_offsets=offsets)
 
 
 @pytest.mark.parametrize("op", [kva.kv_append_generic, kva.kv_append_identity_pos,

@@ -76,6 +76,18 @@ def test_matches_oracle(impl, shape, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_queries_from_fused_qkv(impl):
+    """The model's call: q is the fused [B, 3H, D] projection; only its first H heads count."""
+    rng = np.random.default_rng()
+    q, k, v, tables, lengths = make_case(rng, 5, 12, 64, 16, 4, "float32")
+    kv_noise = jnp.asarray(rng.normal(size=(5, 24, 64)), jnp.float32) * 100
+    out = IMPLS[impl](jnp.concatenate([q, kv_noise], axis=1), k, v, tables, lengths)
+    assert out.shape == q.shape
+    ref = oracle(q, k, v, np.asarray(tables), np.asarray(lengths))
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_padded_rows_give_zeros(impl):
     rng = np.random.default_rng()
     q, k, v, tables, lengths = make_case(rng, 3, 4, 32, 8, 2, "float32")
@@ -90,7 +102,8 @@ def test_padded_rows_give_zeros(impl):
         (lambda a: {**a, "q": a["q"][0]}, "need q"),
         (lambda a: {**a, "block_tables": a["block_tables"].astype(jnp.int16)}, "block_tables"),
         (lambda a: {**a, "lengths": a["lengths"][:-1]}, "lengths"),
-        (lambda a: {**a, "q": a["q"][:, :, :16]}, "do not match"),
+        (lambda a: {**a, "q": a["q"][:, :, :16]}, "do not cover"),
+        (lambda a: {**a, "q": a["q"][:, :3]}, "do not cover"),
     ],
 )
 def test_bad_shapes_raise(change, match):
