@@ -115,10 +115,11 @@ class LLMEngine:
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         prefill_batch = min(prefill_max_batch_size or max_batch_size, max_batch_size)
         # Prefill buckets grow 4x: each one is a separate GPT-2 compile (seconds on a GPU), and
-        # padding a prefill costs far less than padding the decode steps that follow it.
+        # padding a prefill costs far less than padding the decode steps that follow it. Lengths
+        # start at 8: short chat-like prompts padded to 16 doubled a 256-row prefill's work.
         self.prefill_batch_buckets = _buckets(prefill_batch, factor=4)
         self.prefill_len_buckets = _buckets(
-            config.n_positions, start=min(16, config.n_positions), factor=4
+            config.n_positions, start=min(8, config.n_positions), factor=4
         )
         self.scheduler = Scheduler(
             self.allocator, max_batch_size, max(max_prefill_tokens, config.n_positions),
