@@ -1,10 +1,11 @@
 """Where a decode step's time goes: rosejax's engine against its own parts, at one batch size.
 
-Runs B requests of P-token prompts and N new tokens through the engine twice for each
-`decode_steps` value given (the first run compiles) and times the second: ms per decode step and
-tokens/s, the step's least bytes (bench/metrics.py) against the card's copy bandwidth, the host's
-dispatch/wait/harvest seconds, and a jax.profiler trace of that run when --trace-dir is set
-(a traced run is slower: read its kernel shares, not its times).
+Runs B requests of P-token prompts and N new tokens through the engine 1 + --timed-runs times for
+each `decode_steps` value given (the first run compiles) and reports the median timed run: ms per
+decode step (and each run's) and tokens/s, the step's least bytes (bench/metrics.py) against the
+card's copy bandwidth, the host's dispatch/wait/harvest seconds over the timed runs, and a
+jax.profiler trace of the first timed run when --trace-dir is set (a traced run is slower: read
+its kernel shares, not its times).
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
     p.add_argument("--decode-steps", default="1,8,32", help="comma list of steps per device call")
     p.add_argument("--block-size", type=int, default=64, help="KV block size")
-    p.add_argument("--trace-dir", default=None, help="write a jax.profiler trace here")
+    p.add_argument("--timed-runs", type=int, default=3,
+                   help="timed runs after the compiling one; the median is reported (a card's "
+                        "step time wanders by several %% between runs)")
+    p.add_argument("--trace-dir", default=None, help="write a jax.profiler trace of the first "
+                   "timed run here")
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args()
     bw = copy_bandwidth_gbs()
@@ -47,11 +52,13 @@ def main() -> None:
             decode_steps=k, warmup=False,
         )  # fmt: skip
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-        for run in range(2):  # the first run compiles what it meets
+        runs = []  # (decode seconds, end-to-end seconds, tokens) of each timed run
+        for run in range(1 + args.timed_runs):  # the first run compiles what it meets
             for i in range(args.batch):
                 prompt = rng.integers(0, engine.config.vocab_size, args.prompt_len).tolist()
                 engine.add_request(f"{run}-{i}", prompt, params)
-            engine.host_seconds = dict.fromkeys(engine.host_seconds, 0.0)
+            if run == 1:
+                engine.host_seconds = dict.fromkeys(engine.host_seconds, 0.0)
             t0 = time.perf_counter()
             decode_t = None
             tokens = 0
@@ -69,8 +76,11 @@ def main() -> None:
             t1 = time.perf_counter()
             if run == 1 and args.trace_dir:
                 jax.profiler.stop_trace()
-        decode_s = t1 - (decode_t or t0)
+            if run >= 1:
+                runs.append((t1 - (decode_t or t0), t1 - t0, tokens))
         steps = args.new_tokens - 1
+        all_ms = [d / steps * 1e3 for d, _, _ in runs]
+        decode_s, e2e_s, tokens = sorted(runs)[len(runs) // 2]  # the median run
         ms = decode_s / steps * 1e3
         ctx = m.mean_decode_context(args.prompt_len, args.new_tokens)
         step_bytes = m.decode_step_bytes(engine.config, args.batch, ctx, engine.dtype.itemsize)
@@ -79,9 +89,10 @@ def main() -> None:
             decode_steps=k,
             host_seconds={name: round(v, 3) for name, v in engine.host_seconds.items()},
             batch=args.batch,
-            e2e_s=t1 - t0,
-            e2e_tok_s=tokens / (t1 - t0),
+            e2e_s=e2e_s,
+            e2e_tok_s=tokens / e2e_s,
             decode_ms_per_step=ms,
+            decode_ms_per_step_runs=[round(x, 4) for x in all_ms],
             decode_tok_s=args.batch * steps / decode_s,
             gbs=gbs,
             pct_copy_bw=100 * gbs / bw,
@@ -92,11 +103,13 @@ def main() -> None:
     print(
         f"\ncard: {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth {bw:.0f} GB/s"
     )
-    print(f"{'K':>4} {'ms/step':>9} {'decode tok/s':>13} {'e2e tok/s':>10} {'GB/s':>7} {'%bw':>5}")
+    print(f"{'K':>4} {'ms/step':>9} {'decode tok/s':>13} {'e2e tok/s':>10} {'GB/s':>7} {'%bw':>5}"
+          "  ms/step of each run")
     for r in rows:
         print(
             f"{r['decode_steps']:>4} {r['decode_ms_per_step']:>9.3f} {r['decode_tok_s']:>13.0f} "
-            f"{r['e2e_tok_s']:>10.0f} {r['gbs']:>7.0f} {r['pct_copy_bw']:>5.1f}"
+            f"{r['e2e_tok_s']:>10.0f} {r['gbs']:>7.0f} {r['pct_copy_bw']:>5.1f}  "
+            + " ".join(f"{x:.3f}" for x in r["decode_ms_per_step_runs"])
         )
     if args.json:
         with open(args.json, "w") as f:
