@@ -20,11 +20,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_append
-from pallas_kernels._common import env_switch
-from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
 from rosejax.attention import decode_attention, prefill_attention
 from rosejax.config import GPT2Config
 from rosejax.kv_cache import KVCache
+from rosejax.layers import LayerNorm, Linear
 
 
 @flax.struct.dataclass
@@ -39,14 +38,13 @@ class ForwardMetadata:
 
 class CausalSelfAttention(nn.Module):
     config: GPT2Config
-    dtype: Any
 
     @nn.compact
-    def __call__(self, x, k_cache, v_cache, meta: ForwardMetadata, write_block, write_offset,
-                 fresh):
+    def __call__(self, x, residual, k_cache, v_cache, meta: ForwardMetadata, write_block,
+                 write_offset, fresh):
         b, t, e = x.shape
         h, d = self.config.n_head, self.config.head_dim
-        qkv = nn.Dense(3 * e, dtype=self.dtype, name="c_attn")(x)  # [B, T, 3E]
+        qkv = Linear(3 * e, name="c_attn")(x)  # [B, T, 3E]
         # The kernels read q, k and v straight out of the projection (heads 0, H and 2H of
         # [B*T, 3H, D], a free reshape): split copies would be a kernel per layer of their own.
         fused = qkv.reshape(b * t, 3 * h, d)
@@ -61,55 +59,31 @@ class CausalSelfAttention(nn.Module):
             q, k, v = (a.reshape(b, t, h, d) for a in jnp.split(qkv, 3, axis=-1))
             out = prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.positions,
                                     fresh)
-        y = nn.Dense(e, dtype=self.dtype, name="c_proj")(out.reshape(b, t, e))
+        y = Linear(e, name="c_proj")(out.reshape(b, t, e), residual)  # residual + projection
         return y, k_cache, v_cache
-
-
-def pallas_layer_norm_enabled() -> bool:
-    # A CPU would interpret the kernel program by program: XLA there.
-    return jax.default_backend() == "gpu" and env_switch("ROSEJAX_PALLAS_LAYER_NORM")
-
-
-class LayerNorm(nn.Module):
-    """flax's `nn.LayerNorm` params (scale, bias) and math, in one Pallas kernel on a GPU (XLA
-    makes two kernels of it; GPT-2 has 25 a step). ROSEJAX_PALLAS_LAYER_NORM=0 turns it off."""
-
-    epsilon: float
-
-    @nn.compact
-    def __call__(self, x):  # [..., E]
-        e = x.shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (e,))
-        bias = self.param("bias", nn.initializers.zeros, (e,))
-        norm = layer_norm if pallas_layer_norm_enabled() else layer_norm_reference
-        return norm(x.reshape(-1, e), scale, bias, eps=self.epsilon).reshape(x.shape)
 
 
 class MLP(nn.Module):
     config: GPT2Config
-    dtype: Any
 
     @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(self.config.mlp_dim, dtype=self.dtype, name="c_fc")(x)
-        x = jax.nn.gelu(x, approximate=True)  # gelu_new
-        return nn.Dense(self.config.n_embd, dtype=self.dtype, name="c_proj")(x)
+    def __call__(self, x, residual):
+        x = Linear(self.config.mlp_dim, "gelu_tanh", name="c_fc")(x)  # gelu_new
+        return Linear(self.config.n_embd, name="c_proj")(x, residual)
 
 
 class Block(nn.Module):
     config: GPT2Config
-    dtype: Any
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, meta, write_block, write_offset, fresh):
         eps = self.config.layer_norm_epsilon
         y = LayerNorm(eps, name="ln_1")(x)
-        y, k_cache, v_cache = CausalSelfAttention(self.config, self.dtype, name="attn")(
-            y, k_cache, v_cache, meta, write_block, write_offset, fresh
+        x, k_cache, v_cache = CausalSelfAttention(self.config, name="attn")(
+            y, x, k_cache, v_cache, meta, write_block, write_offset, fresh
         )
-        x = x + y
         y = LayerNorm(eps, name="ln_2")(x)
-        return x + MLP(self.config, self.dtype, name="mlp")(y), k_cache, v_cache
+        return MLP(self.config, name="mlp")(y, x), k_cache, v_cache
 
 
 class GPT2(nn.Module):
@@ -135,7 +109,7 @@ class GPT2(nn.Module):
 
         ks, vs = [], []
         for i in range(cfg.n_layer):  # unrolled: each layer's cache stays its own donated buffer
-            x, k, v = Block(cfg, self.dtype, name=f"h_{i}")(
+            x, k, v = Block(cfg, name=f"h_{i}")(
                 x, cache.k[i], cache.v[i], meta, write_block, write_offset, fresh
             )
             ks.append(k)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
-from rosejax.model import LayerNorm
+from rosejax.layers import LayerNorm
 
 INTERPRET = jax.default_backend() == "cpu" or os.environ.get("ROSEJAX_TEST_INTERPRET") == "1"
 EPS = 1e-5

@@ -1,0 +1,131 @@
+"""x @ w + b for a few rows, with the epilogue GPT-2 puts after it, in one kernel.
+
+At decode batch sizes (16-64 rows) a matmul only streams its weights. XLA's Triton GEMMs split K
+over several programs there to get enough of them, and then need a second kernel to sum the
+float32 partials; the bias, the GELU or the residual add run in that second kernel. GPT-2 has 48
+such pairs a decode step, each costing a launch. Here one program owns `block_n` output columns
+for all rows, streams its [K, block_n] slice of w once (enough programs: N / block_n of them), and
+applies bias, activation and residual before it stores.
+
+Layout: x [M, K]; w [K, N] (flax's Dense kernel); b [N]; residual [M, N] or None; out [M, N].
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import filter_triton_deprecation, is_power_of_2
+
+ACTIVATIONS = (None, "gelu_tanh")
+DEFAULT_BLOCK_N = 32
+DEFAULT_BLOCK_K = 128
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 3
+
+
+def _epilogue(y, bias, residual, activation: str | None):
+    """y [M, N] float32 -> + bias, activation, + residual (all float32)."""
+    y = y + bias.astype(jnp.float32)[None, :]
+    if activation == "gelu_tanh":  # GPT-2's gelu_new, jax.nn.gelu(approximate=True)
+        y = 0.5 * y * (1.0 + jnp.tanh(0.7978845608028654 * (y + 0.044715 * y * y * y)))
+    if residual is not None:
+        y = y + residual.astype(jnp.float32)
+    return y
+
+
+def linear_kernel(
+    x_ref,  # [M, K]
+    w_ref,  # [K, N]
+    b_ref,  # [N]
+    *refs,  # (residual_ref [M, N],) o_ref [M, N]
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    activation: str | None,
+):
+    residual_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+    m, k = x_ref.shape
+    cols = pl.ds(pl.program_id(0) * block_n, block_n)
+    row_ok = (jnp.arange(block_m) < m)[:, None]  # [BM, 1]: rows past M are padding
+
+    def body(i, acc):  # acc [BM, BN] float32
+        x = plgpu.load(x_ref.at[pl.ds(0, block_m), pl.ds(i * block_k, block_k)], mask=row_ok,
+                       other=0.0)  # [BM, BK]
+        w = w_ref[pl.ds(i * block_k, block_k), cols]  # [BK, BN]
+        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+    residual = None
+    if residual_ref is not None:
+        residual = plgpu.load(residual_ref.at[pl.ds(0, block_m), cols], mask=row_ok, other=0.0)
+    y = _epilogue(acc, b_ref[cols], residual, activation)
+    plgpu.store(o_ref.at[pl.ds(0, block_m), cols], y.astype(o_ref.dtype), mask=row_ok)
+
+
+@functools.partial(jax.jit, static_argnames=["activation", "block_n", "block_k", "num_warps",
+                                             "num_stages", "interpret"])
+def linear(
+    x: jax.Array,  # [M, K]
+    w: jax.Array,  # [K, N]
+    b: jax.Array,  # [N]
+    residual: jax.Array | None = None,  # [M, N]
+    *,
+    activation: str | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
+    block_k: int = DEFAULT_BLOCK_K,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    num_stages: int = DEFAULT_NUM_STAGES,
+    interpret: bool = False,
+) -> jax.Array:  # [M, N], x's dtype
+    """activation(x @ w + b) + residual, float32 inside, for M up to a few hundred rows (all
+    rows are one tile: [next_power_of_2(max(M, 16)), block_n] per program). block_n / block_k
+    shrink to the largest power of two dividing N / K."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or b.shape != (w.shape[1],):
+        raise ValueError(f"need x [M, K], w [K, N], b [N], got {x.shape}, {w.shape}, {b.shape}")
+    m, k = x.shape
+    n = w.shape[1]
+    if residual is not None and residual.shape != (m, n):
+        raise ValueError(f"residual must be [{m}, {n}], got {residual.shape}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not (is_power_of_2(block_n) and is_power_of_2(block_k)):
+        raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
+    # Tiles must divide the matrix; shrink them to the largest power of two that does.
+    block_n, block_k = math.gcd(block_n, n), math.gcd(block_k, k)
+    if min(block_n, block_k) < 16:
+        raise ValueError(f"N={n} and K={k} need a power-of-two divisor >= 16 for the tiles "
+                         f"(the matrix units' least); got {block_n}, {block_k}")
+    block_m = max(16, 1 << max(m - 1, 0).bit_length())  # the matrix units' least M is 16
+    if not interpret:
+        filter_triton_deprecation()
+    operands = (x, w, b) if residual is None else (x, w, b, residual)
+    return pl.pallas_call(
+        functools.partial(linear_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
+                          activation=activation),
+        grid=(n // block_n,),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"linear_{activation or 'none'}{'_res' if residual is not None else ''}_n{block_n}",
+    )(*operands)
+
+
+def linear_reference(
+    x: jax.Array,  # [M, K]
+    w: jax.Array,  # [K, N]
+    b: jax.Array,  # [N]
+    residual: jax.Array | None = None,  # [M, N]
+    *,
+    activation: str | None = None,
+) -> jax.Array:  # [M, N]
+    """Plain XLA, as flax's Dense computes it (x @ w + b in x's dtype), then the epilogue."""
+    y = jnp.dot(x, w) + b
+    if activation == "gelu_tanh":
+        y = jax.nn.gelu(y, approximate=True)
+    return y if residual is None else residual + y

@@ -1,0 +1,74 @@
+"""GPT-2's layer norm and linear layers: flax params, each dispatched to a Pallas kernel on a GPU.
+
+Both keep the params (and names) of flax's `nn.LayerNorm` / `nn.Dense`, so checkpoints load
+unchanged, and both compute in plain XLA off the GPU or when switched off:
+
+- `LayerNorm`: one kernel instead of XLA's two (statistics, then normalize); GPT-2 has 25 a step.
+  ROSEJAX_PALLAS_LAYER_NORM=0 turns it off.
+- `Linear`: x @ w + b with its activation and residual add in the same kernel, for calls of at
+  most ROSEJAX_PALLAS_LINEAR_MAX_ROWS rows (decode steps of small batches), where XLA splits the
+  matmul over K and needs a second kernel for the sum and epilogue. ROSEJAX_PALLAS_LINEAR=0 turns
+  it off.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import flax.linen as nn
+import jax
+
+from pallas_kernels._common import env_switch
+from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
+from pallas_kernels.linear import linear, linear_reference
+
+# Rows up to which `Linear` runs the Pallas kernel (bench/RESULTS.md, session 10).
+DEFAULT_LINEAR_MAX_ROWS = 64
+
+
+def _on_gpu() -> bool:
+    # A CPU would interpret the kernels program by program: XLA there.
+    return jax.default_backend() == "gpu"
+
+
+def pallas_layer_norm_enabled() -> bool:
+    return _on_gpu() and env_switch("ROSEJAX_PALLAS_LAYER_NORM")
+
+
+def pallas_linear_enabled(rows: int) -> bool:
+    max_rows = int(os.environ.get("ROSEJAX_PALLAS_LINEAR_MAX_ROWS", DEFAULT_LINEAR_MAX_ROWS))
+    return _on_gpu() and env_switch("ROSEJAX_PALLAS_LINEAR") and rows <= max_rows
+
+
+class LayerNorm(nn.Module):
+    """flax's `nn.LayerNorm` (scale, bias; float32 statistics)."""
+
+    epsilon: float
+
+    @nn.compact
+    def __call__(self, x):  # [..., E]
+        e = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (e,))
+        bias = self.param("bias", nn.initializers.zeros, (e,))
+        norm = layer_norm if pallas_layer_norm_enabled() else layer_norm_reference
+        return norm(x.reshape(-1, e), scale, bias, eps=self.epsilon).reshape(x.shape)
+
+
+class Linear(nn.Module):
+    """flax's `nn.Dense` (kernel [in, out], bias), then `activation` and `+ residual`."""
+
+    features: int
+    activation: str | None = None  # None or "gelu_tanh" (GPT-2's gelu_new)
+
+    @nn.compact
+    def __call__(self, x, residual=None):  # [..., K], [..., N] or None -> [..., N]
+        k = x.shape[-1]
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, self.features))
+        bias = self.param("bias", nn.initializers.zeros, (self.features,))
+        lead = x.shape[:-1]
+        rows = math.prod(lead)
+        impl = linear if pallas_linear_enabled(rows) else linear_reference
+        res = None if residual is None else residual.reshape(rows, self.features)
+        y = impl(x.reshape(rows, k), kernel, bias, res, activation=self.activation)
+        return y.reshape(*lead, self.features)

@@ -1,0 +1,91 @@
+"""Linear with its epilogue: the Pallas kernel, its XLA reference and the model's module against
+numpy."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.linear import linear, linear_reference
+from rosejax.layers import Linear
+
+INTERPRET = jax.default_backend() == "cpu" or os.environ.get("ROSEJAX_TEST_INTERPRET") == "1"
+
+
+def module(x, w, b, residual=None, *, activation=None):
+    """The model's layer, whichever implementation it dispatches to on this backend."""
+    return Linear(w.shape[1], activation).apply({"params": {"kernel": w, "bias": b}}, x, residual)
+
+
+IMPLS = {
+    "pallas": functools.partial(linear, interpret=INTERPRET),
+    "pallas_n16_k32_w2": functools.partial(linear, block_n=16, block_k=32, num_warps=2,
+                                           interpret=INTERPRET),
+    "reference": linear_reference,
+    "module": module,
+}
+# (M, K, N): one decode row, rows not a power of two, a full 16-row tile, more than one tile's K.
+SHAPES = [(1, 128, 64), (5, 64, 96), (16, 256, 32), (33, 128, 64)]
+TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
+
+
+def oracle(x, w, b, residual, activation):
+    x, w, b = (np.asarray(a, np.float64) for a in (x, w, b))
+    y = x @ w + b
+    if activation == "gelu_tanh":
+        y = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y**3)))
+    return y if residual is None else y + np.asarray(residual, np.float64)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("epilogue", [(None, False), ("gelu_tanh", False), (None, True)],
+                         ids=["bias", "gelu", "residual"])
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_linear_matches_numpy(impl, shape, epilogue, dtype):
+    rng = np.random.default_rng()
+    (m, k, n), (activation, with_residual) = shape, epilogue
+    x = rng.normal(size=(m, k))
+    w = rng.normal(size=(k, n)) / np.sqrt(k)
+    b = rng.normal(size=n)
+    residual = rng.normal(size=(m, n)) * 4 if with_residual else None
+    cast = lambda a: None if a is None else jnp.asarray(a, dtype)  # noqa: E731
+    got = IMPLS[impl](cast(x), cast(w), cast(b), cast(residual), activation=activation)
+    assert got.shape == (m, n) and got.dtype == jnp.dtype(dtype)
+    want = oracle(cast(x), cast(w), cast(b), cast(residual), activation)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=TOL[dtype],
+                               atol=TOL[dtype] * 4)
+
+
+def test_module_keeps_leading_axes():
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(2, 3, 64)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(64, 32)) / 8, jnp.float32)
+    b, r = jnp.asarray(rng.normal(size=32)), jnp.asarray(rng.normal(size=(2, 3, 32)))
+    got = module(x, w, b, r)
+    assert got.shape == (2, 3, 32)
+    want = oracle(x.reshape(6, 64), w, b, r.reshape(6, 32), None)
+    np.testing.assert_allclose(np.asarray(got).reshape(6, 32), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(x=jnp.zeros((2, 63))), "need x"),
+        (dict(b=jnp.zeros(31)), "need x"),
+        (dict(residual=jnp.zeros((3, 32))), "residual"),
+        (dict(activation="relu"), "activation"),
+        (dict(block_n=24), "powers of two"),
+        (dict(x=jnp.zeros((2, 40)), w=jnp.zeros((40, 32))), "divisor"),
+    ],
+)
+def test_bad_inputs(kwargs, match):
+    args = dict(x=jnp.zeros((2, 64)), w=jnp.zeros((64, 32)), b=jnp.zeros(32))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        linear(**args, interpret=True)
