@@ -23,8 +23,10 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2
 
 ACTIVATIONS = (None, "gelu_tanh")
+# From an H100 sweep at 16 rows (bench/RESULTS.md, session 10): a 256-deep K tile was the best of
+# 64/128/256/512; 32 columns beat 16 and 64; 4 warps beat 2 and 8.
 DEFAULT_BLOCK_N = 32
-DEFAULT_BLOCK_K = 128
+DEFAULT_BLOCK_K = 256
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
 
@@ -58,7 +60,9 @@ def linear_kernel(
         x = plgpu.load(x_ref.at[pl.ds(0, block_m), pl.ds(i * block_k, block_k)], mask=row_ok,
                        other=0.0)  # [BM, BK]
         w = w_ref[pl.ds(i * block_k, block_k), cols]  # [BK, BN]
-        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+        # float32 weights: full precision, not TF32 (a float32 model is there to match HF).
+        precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
+        return acc + jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
     residual = None

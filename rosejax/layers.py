@@ -23,8 +23,10 @@ from pallas_kernels._common import env_switch
 from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
 from pallas_kernels.linear import linear, linear_reference
 
-# Rows up to which `Linear` runs the Pallas kernel (bench/RESULTS.md, session 10).
-DEFAULT_LINEAR_MAX_ROWS = 64
+# Rows up to which `Linear` runs the Pallas kernel. On an H100 (bench/RESULTS.md, session 10) the
+# 16-row decode step (batches of 1-16) took 0.404 ms with it against 0.427 without; at 32 and 64
+# rows XLA's split-K GEMMs won (0.473 vs 0.520, 0.521 vs 0.577).
+DEFAULT_LINEAR_MAX_ROWS = 16
 
 
 def _on_gpu() -> bool:
