@@ -21,7 +21,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2
-from pallas_kernels.layer_norm import layer_norm_reference
 
 ACTIVATIONS = (None, "gelu_tanh")
 # From an H100 sweep at 16 rows (bench/RESULTS.md, session 10): a 256-deep K tile was the best of
@@ -42,53 +41,25 @@ def _epilogue(y, bias, residual, activation: str | None):
     return y
 
 
-def _row_stats(x_ref, row_ok, block_m: int, block_k: int, eps: float):
-    """float32 mean and 1/sqrt(var + eps) [BM, 1] of x's rows, read in [BM, BK] tiles."""
-    k = x_ref.shape[1]
-
-    def body(i, carry):
-        s1, s2 = carry
-        x = plgpu.load(x_ref.at[pl.ds(0, block_m), pl.ds(i * block_k, block_k)], mask=row_ok,
-                       other=0.0).astype(jnp.float32)
-        return s1 + jnp.sum(x, axis=1, keepdims=True), s2 + jnp.sum(x * x, axis=1, keepdims=True)
-
-    zeros = jnp.zeros((block_m, 1), jnp.float32)
-    s1, s2 = jax.lax.fori_loop(0, k // block_k, body, (zeros, zeros))
-    mean = s1 / k
-    var = jnp.maximum(s2 / k - mean * mean, 0.0)  # E[x^2] - E[x]^2, as flax's LayerNorm
-    return mean, jax.lax.rsqrt(var + eps)
-
-
 def linear_kernel(
     x_ref,  # [M, K]
     w_ref,  # [K, N]
     b_ref,  # [N]
-    *refs,  # (ln_scale_ref [K], ln_bias_ref [K],) (residual_ref [M, N],) o_ref [M, N]
+    *refs,  # (residual_ref [M, N],) o_ref [M, N]
     block_m: int,
     block_n: int,
     block_k: int,
     activation: str | None,
-    ln_eps: float | None,
-    has_residual: bool,
 ):
-    refs = list(refs)
-    o_ref = refs.pop()
-    residual_ref = refs.pop() if has_residual else None
-    ln_scale_ref, ln_bias_ref = refs if ln_eps is not None else (None, None)
+    residual_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     m, k = x_ref.shape
     cols = pl.ds(pl.program_id(0) * block_n, block_n)
     row_ok = (jnp.arange(block_m) < m)[:, None]  # [BM, 1]: rows past M are padding
-    if ln_eps is not None:  # every program takes the rows' statistics itself (x is small)
-        mean, rstd = _row_stats(x_ref, row_ok, block_m, block_k, ln_eps)
 
     def body(i, acc):  # acc [BM, BN] float32
-        ks = pl.ds(i * block_k, block_k)
-        x = plgpu.load(x_ref.at[pl.ds(0, block_m), ks], mask=row_ok, other=0.0)  # [BM, BK]
-        if ln_eps is not None:  # rounded to x's dtype, as the layer norm's own output would be
-            x32 = (x.astype(jnp.float32) - mean) * rstd
-            x = (x32 * ln_scale_ref[ks].astype(jnp.float32)[None, :]
-                 + ln_bias_ref[ks].astype(jnp.float32)[None, :]).astype(x.dtype)
-        w = w_ref[ks, cols]  # [BK, BN]
+        x = plgpu.load(x_ref.at[pl.ds(0, block_m), pl.ds(i * block_k, block_k)], mask=row_ok,
+                       other=0.0)  # [BM, BK]
+        w = w_ref[pl.ds(i * block_k, block_k), cols]  # [BK, BN]
         # float32 weights: full precision, not TF32 (a float32 model is there to match HF).
         precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
         return acc + jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
@@ -101,36 +72,30 @@ def linear_kernel(
     plgpu.store(o_ref.at[pl.ds(0, block_m), cols], y.astype(o_ref.dtype), mask=row_ok)
 
 
-@functools.partial(jax.jit, static_argnames=["activation", "ln_eps", "block_n", "block_k",
-                                             "num_warps", "num_stages", "interpret"])
+@functools.partial(jax.jit, static_argnames=["activation", "block_n", "block_k", "num_warps",
+                                             "num_stages", "interpret"])
 def linear(
     x: jax.Array,  # [M, K]
     w: jax.Array,  # [K, N]
     b: jax.Array,  # [N]
     residual: jax.Array | None = None,  # [M, N]
-    ln: tuple[jax.Array, jax.Array] | None = None,  # (scale [K], bias [K]) of a layer norm of x
     *,
     activation: str | None = None,
-    ln_eps: float = 1e-5,
     block_n: int = DEFAULT_BLOCK_N,
     block_k: int = DEFAULT_BLOCK_K,
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
     interpret: bool = False,
 ) -> jax.Array:  # [M, N], x's dtype
-    """activation(LN(x) @ w + b) + residual, float32 inside, for M up to a few hundred rows (all
-    rows are one tile: [next_power_of_2(max(M, 16)), block_n] per program). LN is the layer norm
-    `ln` = (scale, bias) with `ln_eps` when given (the identity otherwise): the kernel before a
-    GPT-2 matmul folded into it. block_n / block_k shrink to the largest power of two dividing
-    N / K."""
+    """activation(x @ w + b) + residual, float32 inside, for M up to a few hundred rows (all
+    rows are one tile: [next_power_of_2(max(M, 16)), block_n] per program). block_n / block_k
+    shrink to the largest power of two dividing N / K."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or b.shape != (w.shape[1],):
         raise ValueError(f"need x [M, K], w [K, N], b [N], got {x.shape}, {w.shape}, {b.shape}")
     m, k = x.shape
     n = w.shape[1]
     if residual is not None and residual.shape != (m, n):
         raise ValueError(f"residual must be [{m}, {n}], got {residual.shape}")
-    if ln is not None and (ln[0].shape != (k,) or ln[1].shape != (k,)):
-        raise ValueError(f"ln scale and bias must be [{k}], got {ln[0].shape}, {ln[1].shape}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if not (is_power_of_2(block_n) and is_power_of_2(block_k)):
@@ -143,17 +108,15 @@ def linear(
     block_m = max(16, 1 << max(m - 1, 0).bit_length())  # the matrix units' least M is 16
     if not interpret:
         filter_triton_deprecation()
-    operands = (x, w, b, *(ln or ()), *(() if residual is None else (residual,)))
+    operands = (x, w, b) if residual is None else (x, w, b, residual)
     return pl.pallas_call(
         functools.partial(linear_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                          activation=activation, ln_eps=None if ln is None else ln_eps,
-                          has_residual=residual is not None),
+                          activation=activation),
         grid=(n // block_n,),
         out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=(f"linear{'_ln' if ln is not None else ''}_{activation or 'none'}"
-              f"{'_res' if residual is not None else ''}_n{block_n}"),
+        name=f"linear_{activation or 'none'}{'_res' if residual is not None else ''}_n{block_n}",
     )(*operands)
 
 
@@ -162,15 +125,10 @@ def linear_reference(
     w: jax.Array,  # [K, N]
     b: jax.Array,  # [N]
     residual: jax.Array | None = None,  # [M, N]
-    ln: tuple[jax.Array, jax.Array] | None = None,  # (scale [K], bias [K])
     *,
     activation: str | None = None,
-    ln_eps: float = 1e-5,
 ) -> jax.Array:  # [M, N]
-    """Plain XLA: the layer norm (layer_norm_reference), x @ w + b as flax's Dense computes it
-    (in x's dtype), then the epilogue."""
-    if ln is not None:
-        x = layer_norm_reference(x, *ln, eps=ln_eps)
+    """Plain XLA, as flax's Dense computes it (x @ w + b in x's dtype), then the epilogue."""
     y = jnp.dot(x, w) + b
     if activation == "gelu_tanh":
         y = jax.nn.gelu(y, approximate=True)

@@ -5,10 +5,10 @@ unchanged, and both compute in plain XLA off the GPU or when switched off:
 
 - `LayerNorm`: one kernel instead of XLA's two (statistics, then normalize); GPT-2 has 25 a step.
   ROSEJAX_PALLAS_LAYER_NORM=0 turns it off.
-- `Linear`: x @ w + b with its activation and residual add, and the layer norm before it, in
-  the same kernel, for calls of at most ROSEJAX_PALLAS_LINEAR_MAX_ROWS rows (decode steps of
-  small batches), where XLA splits the matmul over K and needs a second kernel for the sum and
-  epilogue, and a layer norm is two more. ROSEJAX_PALLAS_LINEAR=0 turns it off.
+- `Linear`: x @ w + b with its activation and residual add in the same kernel, for calls of at
+  most ROSEJAX_PALLAS_LINEAR_MAX_ROWS rows (decode steps of small batches), where XLA splits the
+  matmul over K and needs a second kernel for the sum and epilogue. ROSEJAX_PALLAS_LINEAR=0 turns
+  it off.
 """
 
 from __future__ import annotations
@@ -44,44 +44,33 @@ def pallas_linear_enabled(rows: int) -> bool:
 
 
 class LayerNorm(nn.Module):
-    """flax's `nn.LayerNorm` (scale, bias; float32 statistics). A `Linear` given it as `norm`
-    may fold it into its own kernel."""
+    """flax's `nn.LayerNorm` (scale, bias; float32 statistics)."""
 
-    features: int
     epsilon: float
 
-    def setup(self):
-        self.scale = self.param("scale", nn.initializers.ones, (self.features,))
-        self.bias = self.param("bias", nn.initializers.zeros, (self.features,))
-
+    @nn.compact
     def __call__(self, x):  # [..., E]
+        e = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (e,))
+        bias = self.param("bias", nn.initializers.zeros, (e,))
         norm = layer_norm if pallas_layer_norm_enabled() else layer_norm_reference
-        e = self.features
-        return norm(x.reshape(-1, e), self.scale, self.bias, eps=self.epsilon).reshape(x.shape)
+        return norm(x.reshape(-1, e), scale, bias, eps=self.epsilon).reshape(x.shape)
 
 
 class Linear(nn.Module):
-    """flax's `nn.Dense` (kernel [in, out], bias) of `norm(x)`, then `activation` and
-    `+ residual`. The Pallas kernel does all of it in one launch (the layer norm too)."""
+    """flax's `nn.Dense` (kernel [in, out], bias), then `activation` and `+ residual`."""
 
     features: int
     activation: str | None = None  # None or "gelu_tanh" (GPT-2's gelu_new)
 
     @nn.compact
-    def __call__(self, x, residual=None, norm: LayerNorm | None = None):
-        # x [..., K], residual [..., N] or None -> [..., N]
+    def __call__(self, x, residual=None):  # [..., K], [..., N] or None -> [..., N]
         k = x.shape[-1]
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, self.features))
         bias = self.param("bias", nn.initializers.zeros, (self.features,))
         lead = x.shape[:-1]
         rows = math.prod(lead)
+        impl = linear if pallas_linear_enabled(rows) else linear_reference
         res = None if residual is None else residual.reshape(rows, self.features)
-        if pallas_linear_enabled(rows):
-            ln = None if norm is None else (norm.scale, norm.bias)
-            y = linear(x.reshape(rows, k), kernel, bias, res, ln, activation=self.activation,
-                       ln_eps=1e-5 if norm is None else norm.epsilon)
-        else:
-            x = x if norm is None else norm(x)
-            y = linear_reference(x.reshape(rows, k), kernel, bias, res,
-                                 activation=self.activation)
+        y = impl(x.reshape(rows, k), kernel, bias, res, activation=self.activation)
         return y.reshape(*lead, self.features)

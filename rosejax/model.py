@@ -40,12 +40,11 @@ class CausalSelfAttention(nn.Module):
     config: GPT2Config
 
     @nn.compact
-    def __call__(self, x, norm, k_cache, v_cache, meta: ForwardMetadata, write_block,
+    def __call__(self, x, residual, k_cache, v_cache, meta: ForwardMetadata, write_block,
                  write_offset, fresh):
-        """residual x + attention(norm(x)) -> [B, T, E], and the caches."""
         b, t, e = x.shape
         h, d = self.config.n_head, self.config.head_dim
-        qkv = Linear(3 * e, name="c_attn")(x, norm=norm)  # [B, T, 3E]
+        qkv = Linear(3 * e, name="c_attn")(x)  # [B, T, 3E]
         # The kernels read q, k and v straight out of the projection (heads 0, H and 2H of
         # [B*T, 3H, D], a free reshape): split copies would be a kernel per layer of their own.
         fused = qkv.reshape(b * t, 3 * h, d)
@@ -60,7 +59,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v = (a.reshape(b, t, h, d) for a in jnp.split(qkv, 3, axis=-1))
             out = prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.positions,
                                     fresh)
-        y = Linear(e, name="c_proj")(out.reshape(b, t, e), x)  # x + projection
+        y = Linear(e, name="c_proj")(out.reshape(b, t, e), residual)  # residual + projection
         return y, k_cache, v_cache
 
 
@@ -68,10 +67,9 @@ class MLP(nn.Module):
     config: GPT2Config
 
     @nn.compact
-    def __call__(self, x, norm):
-        """x + mlp(norm(x))."""
-        y = Linear(self.config.mlp_dim, "gelu_tanh", name="c_fc")(x, norm=norm)  # gelu_new
-        return Linear(self.config.n_embd, name="c_proj")(y, x)
+    def __call__(self, x, residual):
+        x = Linear(self.config.mlp_dim, "gelu_tanh", name="c_fc")(x)  # gelu_new
+        return Linear(self.config.n_embd, name="c_proj")(x, residual)
 
 
 class Block(nn.Module):
@@ -79,13 +77,13 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, meta, write_block, write_offset, fresh):
-        e, eps = self.config.n_embd, self.config.layer_norm_epsilon
-        # The layer norms are handed to the projections after them, which may fold them in.
+        eps = self.config.layer_norm_epsilon
+        y = LayerNorm(eps, name="ln_1")(x)
         x, k_cache, v_cache = CausalSelfAttention(self.config, name="attn")(
-            x, LayerNorm(e, eps, name="ln_1"), k_cache, v_cache, meta, write_block,
-            write_offset, fresh,
-        )  # fmt: skip
-        return MLP(self.config, name="mlp")(x, LayerNorm(e, eps, name="ln_2")), k_cache, v_cache
+            y, x, k_cache, v_cache, meta, write_block, write_offset, fresh
+        )
+        y = LayerNorm(eps, name="ln_2")(x)
+        return MLP(self.config, name="mlp")(y, x), k_cache, v_cache
 
 
 class GPT2(nn.Module):
@@ -118,7 +116,7 @@ class GPT2(nn.Module):
             vs.append(v)
         if logit_indices is not None:  # only the rows' last real tokens need logits
             x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)[:, 0]  # [B, E]
-        x = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, name="ln_f")(x)
+        x = LayerNorm(cfg.layer_norm_epsilon, name="ln_f")(x)
         # In the model's dtype: an fp16 step writes (and its argmax reads) half the bytes of
         # float32 logits, 26 MB less per step at B=256; the values are the same, since the
         # product is rounded to the model's dtype first either way. Sampling upcasts.

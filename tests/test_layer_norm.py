@@ -25,7 +25,7 @@ def flax_layer_norm(x, scale, bias, *, eps):
 
 def rosejax_module(x, scale, bias, *, eps):
     """The model's module, whichever implementation it dispatches to on this backend."""
-    return LayerNorm(x.shape[-1], eps).apply({"params": {"scale": scale, "bias": bias}}, x)
+    return LayerNorm(eps).apply({"params": {"scale": scale, "bias": bias}}, x)
 
 
 IMPLS = {

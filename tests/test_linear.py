@@ -6,15 +6,13 @@ from __future__ import annotations
 import functools
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.linear import linear, linear_reference
-from rosejax import layers
-from rosejax.layers import LayerNorm, Linear
+from rosejax.layers import Linear
 
 INTERPRET = jax.default_backend() == "cpu" or os.environ.get("ROSEJAX_TEST_INTERPRET") == "1"
 
@@ -82,7 +80,6 @@ def test_module_keeps_leading_axes():
         (dict(b=jnp.zeros(31)), "need x"),
         (dict(residual=jnp.zeros((3, 32))), "residual"),
         (dict(activation="relu"), "activation"),
-        (dict(ln=(jnp.zeros(63), jnp.zeros(64))), "ln scale"),
         (dict(block_n=24), "powers of two"),
         (dict(x=jnp.zeros((2, 40)), w=jnp.zeros((40, 32))), "divisor"),
     ],
@@ -92,37 +89,3 @@ def test_bad_inputs(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         linear(**args, interpret=True)
-
-
-class _NormThenLinear(nn.Module):
-    """How the model hands a layer norm to the projection after it."""
-
-    @nn.compact
-    def __call__(self, x, residual):
-        norm = LayerNorm(64, 1e-5, name="ln")
-        return Linear(32, "gelu_tanh", name="proj")(x, residual, norm=norm)
-
-
-def test_module_folds_the_layer_norm_in(monkeypatch):
-    """The Pallas path (forced here, interpreted) reads the LayerNorm module's params and gives
-    what the XLA path (layer norm, then matmul) gives."""
-    rng = np.random.default_rng()
-    x = jnp.asarray(rng.normal(size=(2, 3, 64)) * 2 + 1, jnp.float32)
-    r = jnp.asarray(rng.normal(size=(2, 3, 32)), jnp.float32)
-    params = {
-        "ln": {"scale": jnp.asarray(rng.normal(size=64)), "bias": jnp.asarray(rng.normal(size=64))},
-        "proj": {"kernel": jnp.asarray(rng.normal(size=(64, 32)) / 8),
-                 "bias": jnp.asarray(rng.normal(size=32))},
-    }
-    want = _NormThenLinear().apply({"params": params}, x, r)  # this backend's path (XLA on CPU)
-    monkeypatch.setattr(layers, "pallas_linear_enabled", lambda rows: True)
-    monkeypatch.setattr(layers, "linear", functools.partial(linear, interpret=True))
-    got = _NormThenLinear().apply({"params": params}, x, r)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    xn = np.asarray(x, np.float64).reshape(6, 64)
-    xn = (xn - xn.mean(1, keepdims=True)) / np.sqrt(xn.var(1, keepdims=True) + 1e-5)
-    xn = xn * np.asarray(params["ln"]["scale"]) + np.asarray(params["ln"]["bias"])
-    np.testing.assert_allclose(
-        np.asarray(got).reshape(6, 32),
-        oracle(xn, params["proj"]["kernel"], params["proj"]["bias"], r.reshape(6, 32), "gelu_tanh"),
-        rtol=1e-4, atol=1e-4)
