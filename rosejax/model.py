@@ -42,6 +42,7 @@ class CausalSelfAttention(nn.Module):
     @nn.compact
     def __call__(self, x, residual, k_cache, v_cache, meta: ForwardMetadata, write_block,
                  write_offset, fresh):
+        """residual + attention over x (the layer-normed residual) -> [B, T, E], the caches."""
         b, t, e = x.shape
         h, d = self.config.n_head, self.config.head_dim
         qkv = Linear(3 * e, name="c_attn")(x)  # [B, T, 3E]
@@ -68,6 +69,7 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x, residual):
+        """residual + MLP(x)."""
         x = Linear(self.config.mlp_dim, "gelu_tanh", name="c_fc")(x)  # gelu_new
         return Linear(self.config.n_embd, name="c_proj")(x, residual)
 
