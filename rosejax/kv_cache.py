@@ -6,6 +6,7 @@ Layout per layer: k, v [H, num_blocks, block_size, D], the layout jax's Pallas G
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -128,6 +129,18 @@ class BlockTable:
         return f"BlockTable(blocks={self.blocks}, num_tokens={self.num_tokens})"
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptPlan:
+    """`BlockAllocator.probe`'s answer for one prompt."""
+
+    tokens: list[int]
+    hashes: list[int]  # chained hashes of its full blocks
+    hits: list[int]  # cached blocks of its leading full blocks
+    num_cached: int  # leading tokens whose KV those blocks hold
+    need: int  # free blocks allocating it takes
+    fits: bool  # whether `allocate` would find enough free blocks now
+
+
 def _chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
     # Python's hash is fast and deterministic for ints, but not collision-resistant: swap in
     # hashlib here before sharing a cache between mutually untrusted users.
@@ -187,7 +200,9 @@ class BlockAllocator:
             hits.append(b)
         return hits
 
-    def _prepare(self, token_ids: Sequence[int]) -> tuple[list[int], list[int], list[int], int]:
+    def probe(self, token_ids: Sequence[int]) -> PromptPlan:
+        """What `allocate` would do for this prompt now: its cached prefix, whether it fits, and
+        the work `allocate(token_ids, plan)` can reuse if nothing is allocated or freed between."""
         tokens = [int(t) for t in token_ids]
         if not tokens:
             raise ValueError("cannot allocate an empty prompt")
@@ -195,21 +210,21 @@ class BlockAllocator:
         hits = self._match(tokens, hashes)
         # Revived hits (refcount 0) come out of the free list as well as fresh blocks.
         need = _cdiv(len(tokens), self.block_size) - sum(self._ref[b] > 0 for b in hits)
-        return tokens, hashes, hits, need
-
-    def probe(self, token_ids: Sequence[int]) -> tuple[int, bool]:
-        """(leading tokens whose KV `allocate` would find cached, whether the prompt fits now)."""
-        _, _, hits, need = self._prepare(token_ids)
-        return len(hits) * self.block_size, need <= len(self._free)
+        return PromptPlan(tokens, hashes, hits, len(hits) * self.block_size, need,
+                          need <= len(self._free))
 
     def can_allocate(self, token_ids: Sequence[int]) -> bool:
-        return self.probe(token_ids)[1]
+        return self.probe(token_ids).fits
 
-    def allocate(self, token_ids: Sequence[int]) -> tuple[BlockTable, int]:
-        """Blocks for a prompt -> (table, number of leading tokens whose KV is already cached)."""
-        tokens, hashes, hits, need = self._prepare(token_ids)
-        if need > len(self._free):
-            raise NoFreeBlocksError(f"prompt of {len(tokens)} tokens needs {need} free blocks, "
+    def allocate(self, token_ids: Sequence[int],
+                 plan: PromptPlan | None = None) -> tuple[BlockTable, int]:
+        """Blocks for a prompt -> (table, number of leading tokens whose KV is already cached).
+        `plan`: this prompt's `probe`, taken with no allocation or free since (saves hashing
+        the prompt again)."""
+        plan = plan or self.probe(token_ids)
+        tokens, hashes, hits = plan.tokens, plan.hashes, plan.hits
+        if not plan.fits:
+            raise NoFreeBlocksError(f"prompt of {len(tokens)} tokens needs {plan.need} free blocks, "
                                     f"{len(self._free)} left")
         for b in hits:
             if self._ref[b] == 0:
@@ -225,7 +240,7 @@ class BlockAllocator:
         self.prefix_hits += len(hits)
         self.prefix_hit_tokens += len(hits) * bs
         self.prompt_tokens += len(tokens)
-        return table, len(hits) * bs
+        return table, plan.num_cached
 
     def _take(self) -> int:
         """A free block, its old prefix hash dropped (the block is about to be overwritten)."""

@@ -60,13 +60,13 @@ class Scheduler:
                 break
             request = self.waiting[0]
             tokens = request.all_token_ids()
-            num_cached, fits = self.allocator.probe(tokens)
-            grown = max(longest, len(tokens) - num_cached)
+            plan = self.allocator.probe(tokens)
+            grown = max(longest, len(tokens) - plan.num_cached)
             if admitted and self.prefill_cost(len(admitted) + 1, grown) > self.max_prefill_tokens:
                 break
-            if not fits:
+            if not plan.fits:
                 break
-            request.table, num_cached = self.allocator.allocate(tokens)
+            request.table, num_cached = self.allocator.allocate(tokens, plan)
             longest = grown
             request.status = RequestStatus.RUNNING
             admitted.append(self.waiting.popleft())
