@@ -368,3 +368,24 @@ def test_auto_window_stops_at_the_context_limit(checkpoint, monkeypatch):
     assert len(outs[1].token_ids) == 100
     # The first window is dispatched before the prefill's token is read back: 8 steps, not 32.
     assert windows[0] == 8
+
+
+def test_layer_kernels_forced_match_hf(checkpoint, monkeypatch):
+    """The GPU's layer kernels (one-kernel layer norm, matmul with fused bias/GELU/residual),
+    forced on and interpreted here, wired into the whole model: greedy outputs still match HF.
+    Decode batches (<= 16 rows) and these short prefills both take the kernels."""
+    from pallas_kernels.layer_norm import layer_norm
+    from pallas_kernels.linear import linear
+    from rosejax import layers
+
+    monkeypatch.setattr(layers, "pallas_layer_norm_enabled", lambda: True)
+    monkeypatch.setattr(layers, "pallas_linear_enabled", lambda rows: rows <= 16)
+    monkeypatch.setattr(layers, "layer_norm", functools.partial(layer_norm, interpret=True))
+    kernel_rows = []  # rows of each traced kernel call
+    monkeypatch.setattr(layers, "linear", lambda x, *a, **k: kernel_rows.append(x.shape[0])
+                        or linear(x, *a, interpret=True, **k))
+    llm = make_llm(checkpoint)
+    prompts = random_prompts(3)
+    check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+    assert_clean(llm.engine)
+    assert kernel_rows and max(kernel_rows) <= 16  # the decode steps did run the kernel
