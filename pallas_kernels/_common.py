@@ -1,4 +1,4 @@
-"""What the Pallas kernels share: their environment switches, the power-of-two rule of Triton
+"""What the Pallas kernels share: their environment switches, the power-of-two rules of Triton
 tiles, and the filter for jax's Triton deprecation warning."""
 
 from __future__ import annotations
@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+
+import jax
 
 # jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton pallas_call is
 # *lowered*: that is when the jit around a whole decode step compiles, after our Python call
@@ -26,6 +28,17 @@ def is_power_of_2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1): Triton tiles must be powers of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def env_switch(name: str) -> bool:
     """A kernel's on/off switch: on unless the variable is 0, false, off or no."""
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def gpu_kernel_enabled(switch: str) -> bool:
+    """Whether the model runs a compiled kernel: on a GPU, unless `switch` turns it off. A CPU
+    would interpret the kernel program by program, so XLA runs there."""
+    return jax.default_backend() == "gpu" and env_switch(switch)

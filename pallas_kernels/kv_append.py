@@ -32,7 +32,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import env_switch, filter_triton_deprecation, is_power_of_2
+from pallas_kernels._common import (
+    env_switch,
+    filter_triton_deprecation,
+    is_power_of_2,
+    next_power_of_2,
+)
 
 ENV_SWITCH = "ROSEJAX_PALLAS_KV_APPEND"
 ENV_MIN_BATCH = "ROSEJAX_PALLAS_KV_APPEND_MIN_BATCH"
@@ -48,10 +53,6 @@ DEFAULT_MIN_BATCH = 1
 DEFAULT_BLOCK_B = 8
 DEFAULT_NUM_WARPS = 4
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def default_block_h(num_heads: int) -> int:
     """Heads per program: a power of two (Triton needs power-of-two tiles).
 
@@ -62,7 +63,7 @@ def default_block_h(num_heads: int) -> int:
     low_bit = num_heads & -num_heads  # largest power-of-two divisor
     if low_bit >= 4:
         return min(low_bit, 16)
-    return _next_power_of_2(num_heads)
+    return next_power_of_2(num_heads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,8 +255,8 @@ def _launch(
     if block_b is None:
         block_b = DEFAULT_BLOCK_B
     # A tile larger than the batch only duplicates clamped rows.
-    block_b = min(block_b, _next_power_of_2(num_rows))
-    block_h = min(block_h, _next_power_of_2(num_heads))
+    block_b = min(block_b, next_power_of_2(num_rows))
+    block_h = min(block_h, next_power_of_2(num_heads))
     _check_kernel_params(head_dim, block_b, block_h)
     if not interpret:
         filter_triton_deprecation()

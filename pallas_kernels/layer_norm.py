@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import filter_triton_deprecation, is_power_of_2
+from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
 
 
 def layer_norm_kernel(
@@ -66,7 +66,7 @@ def layer_norm(
     if not is_power_of_2(block_rows):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     n, e = x.shape
-    block_cols = 1 << max(e - 1, 0).bit_length()  # the next power of two >= E
+    block_cols = next_power_of_2(e)  # the row as one tile, masked past E
     if not interpret:
         filter_triton_deprecation()
     return pl.pallas_call(

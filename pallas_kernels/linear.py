@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import filter_triton_deprecation, is_power_of_2
+from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
 
 ACTIVATIONS = (None, "gelu_tanh")
 # From an H100 sweep at 16 rows (bench/RESULTS.md, session 10): a 256-deep K tile was the best of
@@ -105,7 +105,7 @@ def linear(
     if min(block_n, block_k) < 16:
         raise ValueError(f"N={n} and K={k} need a power-of-two divisor >= 16 for the tiles "
                          f"(the matrix units' least); got {block_n}, {block_k}")
-    block_m = max(16, 1 << max(m - 1, 0).bit_length())  # the matrix units' least M is 16
+    block_m = max(16, next_power_of_2(m))  # the matrix units' least M is 16
     if not interpret:
         filter_triton_deprecation()
     operands = (x, w, b) if residual is None else (x, w, b, residual)

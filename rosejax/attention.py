@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels._common import env_switch
+from pallas_kernels._common import gpu_kernel_enabled
 from pallas_kernels.paged_attention import (
     causal_attention_xla,
     paged_attention_xla,
@@ -27,8 +27,7 @@ __all__ = ["decode_attention", "prefill_attention", "pallas_attention_enabled"]
 
 
 def pallas_attention_enabled() -> bool:
-    # CPUs would interpret the kernel's (row, head) grid program by program: XLA there.
-    return jax.default_backend() == "gpu" and env_switch("ROSEJAX_PALLAS_ATTENTION")
+    return gpu_kernel_enabled("ROSEJAX_PALLAS_ATTENTION")
 
 
 def decode_attention(

@@ -17,9 +17,8 @@ import math
 import os
 
 import flax.linen as nn
-import jax
 
-from pallas_kernels._common import env_switch
+from pallas_kernels._common import gpu_kernel_enabled
 from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
 from pallas_kernels.linear import linear, linear_reference
 
@@ -29,18 +28,13 @@ from pallas_kernels.linear import linear, linear_reference
 DEFAULT_LINEAR_MAX_ROWS = 16
 
 
-def _on_gpu() -> bool:
-    # A CPU would interpret the kernels program by program: XLA there.
-    return jax.default_backend() == "gpu"
-
-
 def pallas_layer_norm_enabled() -> bool:
-    return _on_gpu() and env_switch("ROSEJAX_PALLAS_LAYER_NORM")
+    return gpu_kernel_enabled("ROSEJAX_PALLAS_LAYER_NORM")
 
 
 def pallas_linear_enabled(rows: int) -> bool:
     max_rows = int(os.environ.get("ROSEJAX_PALLAS_LINEAR_MAX_ROWS", DEFAULT_LINEAR_MAX_ROWS))
-    return _on_gpu() and env_switch("ROSEJAX_PALLAS_LINEAR") and rows <= max_rows
+    return rows <= max_rows and gpu_kernel_enabled("ROSEJAX_PALLAS_LINEAR")
 
 
 class LayerNorm(nn.Module):
