@@ -303,13 +303,13 @@ class LLMEngine:
 
     def _window(self, running: list[Request]) -> int:
         """Steps for the next decode window. Fixed when the user chose them; under "auto", the
-        full 32 while the batch is full and nobody waits (throughput), until the first running
+        full AUTO_FULL_STEPS while the batch is full and nobody waits (throughput), until the first running
         request may finish while requests wait for a slot (its slot is refilled at once), and
         AUTO_OPEN_STEPS while slots are free (a request arriving now starts within that many)."""
         if not self.auto_steps:
             return self.decode_steps
         if self.scheduler.waiting and len(running) >= self.max_batch_size:
-            left = min(r.max_output - len(r.output_token_ids) - r.inflight for r in running)
+            left = min(r.remaining - r.inflight for r in running)
             return int(min(self.decode_steps, max(left, 1)))
         if len(running) < self.max_batch_size:
             return min(self.decode_steps, AUTO_OPEN_STEPS)
@@ -342,8 +342,9 @@ class LLMEngine:
         tokens = np.asarray(tokens)  # waits for that program only
         t1 = time.perf_counter()
         self.host_seconds["wait"] += t1 - t0
-        # One conversion to Python ints per program, not one numpy scalar per token.
-        columns = (tokens[None] if kind == "prefill" else tokens).T.tolist()  # [B][K]
+        # One conversion to Python ints per program, not one numpy scalar per token; a window
+        # of k steps fills only the first k of the program's max_decode_steps rows.
+        columns = (tokens[None] if kind == "prefill" else tokens[:k]).T.tolist()  # [B][K]
         decoded = kind == "decode"
         outputs = []
         for request, epoch, column in roster:

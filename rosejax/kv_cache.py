@@ -138,7 +138,6 @@ class PromptPlan:
     hits: list[int]  # cached blocks of its leading full blocks
     num_cached: int  # leading tokens whose KV those blocks hold
     need: int  # free blocks allocating it takes
-    fits: bool  # whether `allocate` would find enough free blocks now
 
 
 def _chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
@@ -201,8 +200,9 @@ class BlockAllocator:
         return hits
 
     def probe(self, token_ids: Sequence[int]) -> PromptPlan:
-        """What `allocate` would do for this prompt now: its cached prefix, whether it fits, and
-        the work `allocate(token_ids, plan)` can reuse if nothing is allocated or freed between."""
+        """What `allocate` would do for this prompt now: its cached prefix, the free blocks it
+        needs, and the work `allocate(token_ids, plan)` can reuse if nothing is allocated or
+        freed between."""
         tokens = [int(t) for t in token_ids]
         if not tokens:
             raise ValueError("cannot allocate an empty prompt")
@@ -210,11 +210,14 @@ class BlockAllocator:
         hits = self._match(tokens, hashes)
         # Revived hits (refcount 0) come out of the free list as well as fresh blocks.
         need = _cdiv(len(tokens), self.block_size) - sum(self._ref[b] > 0 for b in hits)
-        return PromptPlan(tokens, hashes, hits, len(hits) * self.block_size, need,
-                          need <= len(self._free))
+        return PromptPlan(tokens, hashes, hits, len(hits) * self.block_size, need)
+
+    def fits(self, plan: PromptPlan) -> bool:
+        """Whether `allocate(..., plan)` finds enough free blocks now."""
+        return plan.need <= len(self._free)
 
     def can_allocate(self, token_ids: Sequence[int]) -> bool:
-        return self.probe(token_ids).fits
+        return self.fits(self.probe(token_ids))
 
     def allocate(self, token_ids: Sequence[int],
                  plan: PromptPlan | None = None) -> tuple[BlockTable, int]:
@@ -223,7 +226,7 @@ class BlockAllocator:
         the prompt again)."""
         plan = plan or self.probe(token_ids)
         tokens, hashes, hits = plan.tokens, plan.hashes, plan.hits
-        if not plan.fits:
+        if not self.fits(plan):
             raise NoFreeBlocksError(f"prompt of {len(tokens)} tokens needs {plan.need} free blocks, "
                                     f"{len(self._free)} left")
         for b in hits:

@@ -77,6 +77,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def remaining(self) -> int:
+        """Tokens it may still generate (what is in flight on the device included)."""
+        return self.max_output - len(self.output_token_ids)
+
+    @property
     def last_token(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 

@@ -31,7 +31,7 @@ class Scheduler:
         max_batch_size: int,
         max_prefill_tokens: int,
         max_prefill_batch: int,
-        prefill_cost: Callable[[int, int], int] = lambda rows, longest: rows * longest,
+        prefill_cost: Callable[[int, int], int],
     ):
         """`prefill_cost(rows, longest)`: tokens the device computes for a prefill of `rows`
         requests whose longest uncached suffix is `longest`. One request is always admissible."""
@@ -64,7 +64,7 @@ class Scheduler:
             grown = max(longest, len(tokens) - plan.num_cached)
             if admitted and self.prefill_cost(len(admitted) + 1, grown) > self.max_prefill_tokens:
                 break
-            if not plan.fits:
+            if not self.allocator.fits(plan):
                 break
             request.table, num_cached = self.allocator.allocate(tokens, plan)
             longest = grown
@@ -84,9 +84,7 @@ class Scheduler:
         for request in requests:
             while request.status == RequestStatus.RUNNING:
                 # Never beyond what the request may still generate (its context included).
-                room = max(1, min(
-                    request.inflight + steps, request.max_output - len(request.output_token_ids)
-                ))  # fmt: skip
+                room = max(1, min(request.inflight + steps, request.remaining))
                 if self.allocator.can_append(request.table, room):
                     cow_src, _ = self.allocator.reserve(request.table, room)
                     # Copy-on-write needs a block shared by two live tables, i.e. a `fork`,
