@@ -25,7 +25,7 @@ from pallas_kernels.layer_norm import layer_norm, layer_norm_reference  # noqa: 
 
 
 def flax_layer_norm(x, scale, bias):
-    return nn.LayerNorm(dtype=x.dtype).apply({"params": {"scale": scale, "bias": bias}}, x)
+    return nn.LayerNorm(epsilon=1e-5, dtype=x.dtype).apply({"params": {"scale": scale, "bias": bias}}, x)
 
 
 def main() -> None:

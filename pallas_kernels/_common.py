@@ -38,6 +38,17 @@ def env_switch(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def env_int(name: str, default: int) -> int:
+    """An integer setting from the environment: `default` when unset or blank."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
 def gpu_kernel_enabled(switch: str) -> bool:
     """Whether the model runs a compiled kernel: on a GPU, unless `switch` turns it off. A CPU
     would interpret the kernel program by program, so XLA runs there."""

@@ -24,7 +24,6 @@ the head dim is not a power of two, which the Triton lowering cannot tile.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import jax
@@ -33,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
+    env_int,
     env_switch,
     filter_triton_deprecation,
     is_power_of_2,
@@ -52,6 +52,7 @@ DEFAULT_MIN_BATCH = 1
 # near the best at B=256 and B=2048; 16 rows x 16 heads at 1 warp spills and runs 6x slower.
 DEFAULT_BLOCK_B = 8
 DEFAULT_NUM_WARPS = 4
+
 
 def default_block_h(num_heads: int) -> int:
     """Heads per program: a power of two (Triton needs power-of-two tiles).
@@ -184,7 +185,7 @@ def _check_int32_vector(name: str, x: Any, length: int | None) -> int:
     return x.shape[0]
 
 
-def _check_caches(k_cache, v_cache, k_new, v_new, head_offsets=(0, 0)) -> None:
+def _check_caches(k_cache, v_cache, k_new, v_new, head_offsets: tuple[int, int]) -> None:
     if k_cache.ndim != 4:
         raise ValueError(f"k_cache must be [H, num_blocks, block_size, D], got {k_cache.shape}")
     if v_cache.shape != k_cache.shape:
@@ -265,7 +266,7 @@ def _launch(
     num_inputs = 2 + len(index_arrays)
     return pl.pallas_call(
         functools.partial(kernel, block_b=block_b, block_h=block_h,
-                          head_offsets=tuple(head_offsets)),
+                          head_offsets=head_offsets),
         grid=grid,
         out_shape=(cache_shape, cache_shape),
         # The caches are inputs num_inputs, num_inputs + 1: written in place.
@@ -419,16 +420,6 @@ def kv_append_reference(
 # ----------------------------------------------------------------------------------------------
 
 
-def _min_batch() -> int:
-    raw = os.environ.get(ENV_MIN_BATCH)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_MIN_BATCH
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_MIN_BATCH} must be an integer, got {raw!r}") from None
-
-
 def select_kv_append_variant(
     num_rows: int, head_dim: int, *, has_batch_idx: bool, scalar_pos: bool
 ) -> str:
@@ -439,7 +430,7 @@ def select_kv_append_variant(
     """
     if scalar_pos and has_batch_idx:
         raise ValueError("a scalar pos needs batch_idx=None (full-batch form)")
-    if not env_switch(ENV_SWITCH) or num_rows < _min_batch() or not is_power_of_2(head_dim):
+    if not env_switch(ENV_SWITCH) or num_rows < env_int(ENV_MIN_BATCH, DEFAULT_MIN_BATCH) or not is_power_of_2(head_dim):
         return "xla"
     if not has_batch_idx:
         return "full_batch" if scalar_pos else "identity_pos"

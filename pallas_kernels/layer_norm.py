@@ -20,6 +20,14 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
 
 
+def _normalize(x, scale, bias, e: int, eps: float):
+    """x [R, C] float32 (zeros past column E) -> (x - mean) / sqrt(var + eps) * scale + bias."""
+    mean = jnp.sum(x, axis=-1, keepdims=True) / e  # [R, 1]
+    var = jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True) / e - mean * mean, 0.0)  # [R, 1]
+    y = (x - mean) * (jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32))
+    return y + bias.astype(jnp.float32)
+
+
 def layer_norm_kernel(
     x_ref,  # [N, E]
     scale_ref,  # [E]
@@ -38,12 +46,9 @@ def layer_norm_kernel(
     mask = (rows < n)[:, None] & col_ok[None, :]  # [R, C]
     x = plgpu.load(x_ref.at[pl.ds(first, block_rows), pl.ds(0, block_cols)], mask=mask,
                    other=0.0).astype(jnp.float32)  # [R, C]
-    mean = jnp.sum(x, axis=1) / e  # [R]
-    var = jnp.maximum(jnp.sum(x * x, axis=1) / e - mean * mean, 0.0)  # [R]
     scale = plgpu.load(scale_ref.at[pl.ds(0, block_cols)], mask=col_ok, other=0.0)
     bias = plgpu.load(bias_ref.at[pl.ds(0, block_cols)], mask=col_ok, other=0.0)
-    y = (x - mean[:, None]) * (jax.lax.rsqrt(var + eps)[:, None] * scale.astype(jnp.float32))
-    y = y + bias.astype(jnp.float32)
+    y = _normalize(x, scale, bias, e, eps)  # columns past E are zeros: the sums hold
     plgpu.store(o_ref.at[pl.ds(first, block_rows), pl.ds(0, block_cols)],
                 y.astype(o_ref.dtype), mask=mask)
 
@@ -88,8 +93,4 @@ def layer_norm_reference(
     eps: float = 1e-5,
 ) -> jax.Array:  # [N, E]
     """Plain XLA, the statistics in float32 as flax's `nn.LayerNorm` takes them."""
-    x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.maximum(jnp.mean(x32 * x32, axis=-1, keepdims=True) - mean * mean, 0.0)
-    y = (x32 - mean) * (jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32))
-    return (y + bias.astype(jnp.float32)).astype(x.dtype)
+    return _normalize(x.astype(jnp.float32), scale, bias, x.shape[-1], eps).astype(x.dtype)

@@ -1,6 +1,6 @@
 """x @ w + b for a few rows, with the epilogue GPT-2 puts after it, in one kernel.
 
-At decode batch sizes (16-64 rows) a matmul only streams its weights. XLA's Triton GEMMs split K
+At small decode batches (16 rows) a matmul only streams its weights. XLA's Triton GEMMs split K
 over several programs there to get enough of them, and then need a second kernel to sum the
 float32 partials; the bias, the GELU or the residual add run in that second kernel. GPT-2 has 48
 such pairs a decode step, each costing a launch. Here one program owns `block_n` output columns
@@ -31,11 +31,18 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
 
 
+def linear_supported(k: int, n: int, block_k: int = DEFAULT_BLOCK_K,
+                     block_n: int = DEFAULT_BLOCK_N) -> bool:
+    """Whether K and N tile: each needs a power-of-two divisor >= 16 (the matrix units' least)
+    within the block size. A dispatcher sends other shapes to `linear_reference`."""
+    return min(math.gcd(block_k, k), math.gcd(block_n, n)) >= 16
+
+
 def _epilogue(y, bias, residual, activation: str | None):
     """y [M, N] float32 -> + bias, activation, + residual (all float32)."""
     y = y + bias.astype(jnp.float32)[None, :]
-    if activation == "gelu_tanh":  # GPT-2's gelu_new, jax.nn.gelu(approximate=True)
-        y = 0.5 * y * (1.0 + jnp.tanh(0.7978845608028654 * (y + 0.044715 * y * y * y)))
+    if activation == "gelu_tanh":  # GPT-2's gelu_new
+        y = jax.nn.gelu(y, approximate=True)
     if residual is not None:
         y = y + residual.astype(jnp.float32)
     return y
@@ -87,8 +94,7 @@ def linear(
     num_stages: int = DEFAULT_NUM_STAGES,
     interpret: bool = False,
 ) -> jax.Array:  # [M, N], x's dtype
-    """activation(x @ w + b) + residual, float32 inside, for M up to a few hundred rows (all
-    rows are one tile: [next_power_of_2(max(M, 16)), block_n] per program). block_n / block_k
+    """activation(x @ w + b) + residual, float32 inside, for few rows (all rows are one tile: [next_power_of_2(max(M, 16)), block_n] per program). block_n / block_k
     shrink to the largest power of two dividing N / K."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or b.shape != (w.shape[1],):
         raise ValueError(f"need x [M, K], w [K, N], b [N], got {x.shape}, {w.shape}, {b.shape}")
@@ -100,11 +106,11 @@ def linear(
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if not (is_power_of_2(block_n) and is_power_of_2(block_k)):
         raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
+    if not linear_supported(k, n, block_k, block_n):
+        raise ValueError(f"N={n} and K={k} need a power-of-two divisor >= 16 for the tiles "
+                         f"(the matrix units' least) within {block_n}, {block_k}")
     # Tiles must divide the matrix; shrink them to the largest power of two that does.
     block_n, block_k = math.gcd(block_n, n), math.gcd(block_k, k)
-    if min(block_n, block_k) < 16:
-        raise ValueError(f"N={n} and K={k} need a power-of-two divisor >= 16 for the tiles "
-                         f"(the matrix units' least); got {block_n}, {block_k}")
     block_m = max(16, next_power_of_2(m))  # the matrix units' least M is 16
     if not interpret:
         filter_triton_deprecation()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from pallas_kernels._common import env_int
+
 _DEFAULTS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
 }
@@ -34,6 +36,6 @@ def decode_compiler_options(batch: int) -> dict[str, bool]:
     ROSEJAX_CUBLAS_MIN_BATCH rows up (default 256), unless XLA_FLAGS already decides."""
     if "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):
         return {}
-    if batch >= int(os.environ.get("ROSEJAX_CUBLAS_MIN_BATCH", "256")):
+    if batch >= env_int("ROSEJAX_CUBLAS_MIN_BATCH", 256):
         return {"xla_gpu_enable_triton_gemm": False}
     return {}

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from pallas_kernels._common import env_int
 from rosejax.config import GPT2Config
 from rosejax.kv_cache import BlockAllocator, init_kv_cache, num_blocks_for
 from rosejax.request import Request, RequestOutput, RequestStatus
@@ -129,8 +130,7 @@ class LLMEngine:
         per_row = -(-2 * self.decode_steps // block_size) + 1
         # On a GPU, a decode batch under 16 rows turns every matmul into a slow XLA GEMV: padding
         # to 16 rows costs no extra weight traffic and gets GEMM kernels.
-        min_batch = int(os.environ.get(
-            "ROSEJAX_MIN_DECODE_BATCH", "1" if on_cpu else "16"))
+        min_batch = env_int("ROSEJAX_MIN_DECODE_BATCH", 1 if on_cpu else 16)
         num_slots = max(max_batch_size, min_batch)
         self.runner = ModelRunner(
             config, params, init_kv_cache(config, num_blocks, block_size, self.dtype),

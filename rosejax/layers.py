@@ -14,13 +14,12 @@ unchanged, and both compute in plain XLA off the GPU or when switched off:
 from __future__ import annotations
 
 import math
-import os
 
 import flax.linen as nn
 
-from pallas_kernels._common import gpu_kernel_enabled
+from pallas_kernels._common import env_int, gpu_kernel_enabled
 from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
-from pallas_kernels.linear import linear, linear_reference
+from pallas_kernels.linear import linear, linear_reference, linear_supported
 
 # Rows up to which `Linear` runs the Pallas kernel. On an H100 (bench/RESULTS.md, session 10) the
 # 16-row decode step (batches of 1-16) took 0.404 ms with it against 0.427 without; at 32 and 64
@@ -32,9 +31,11 @@ def pallas_layer_norm_enabled() -> bool:
     return gpu_kernel_enabled("ROSEJAX_PALLAS_LAYER_NORM")
 
 
-def pallas_linear_enabled(rows: int) -> bool:
-    max_rows = int(os.environ.get("ROSEJAX_PALLAS_LINEAR_MAX_ROWS", DEFAULT_LINEAR_MAX_ROWS))
-    return rows <= max_rows and gpu_kernel_enabled("ROSEJAX_PALLAS_LINEAR")
+def pallas_linear_enabled(rows: int, k: int, n: int) -> bool:
+    """For an [rows, k] @ [k, n] call: few rows, a shape the kernel tiles, and not switched off."""
+    max_rows = env_int("ROSEJAX_PALLAS_LINEAR_MAX_ROWS", DEFAULT_LINEAR_MAX_ROWS)
+    return (rows <= max_rows and linear_supported(k, n)
+            and gpu_kernel_enabled("ROSEJAX_PALLAS_LINEAR"))
 
 
 class LayerNorm(nn.Module):
@@ -64,7 +65,7 @@ class Linear(nn.Module):
         bias = self.param("bias", nn.initializers.zeros, (self.features,))
         lead = x.shape[:-1]
         rows = math.prod(lead)
-        impl = linear if pallas_linear_enabled(rows) else linear_reference
+        impl = linear if pallas_linear_enabled(rows, k, self.features) else linear_reference
         res = None if residual is None else residual.reshape(rows, self.features)
         y = impl(x.reshape(rows, k), kernel, bias, res, activation=self.activation)
         return y.reshape(*lead, self.features)

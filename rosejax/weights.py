@@ -106,9 +106,10 @@ def params_from_tensors(
         *parents, leaf = _param_path(name)
         for key in parents:
             node = node.setdefault(key, {})
-        if name == "wte.weight":
-            value = jnp.pad(jnp.asarray(value), ((0, config.padded_vocab_size - shape[0]), (0, 0)))
-        node[leaf] = jnp.asarray(value, dtype=dtype)
+        value = jnp.asarray(value, dtype=dtype)
+        if name == "wte.weight":  # cast first: no padded float32 copy on the device
+            value = jnp.pad(value, ((0, config.padded_vocab_size - shape[0]), (0, 0)))
+        node[leaf] = value
     return params
 
 

@@ -9,6 +9,9 @@ import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# Pallas kernels under test: compiled on a GPU, interpreted on a CPU or when asked to.
+INTERPRET = jax.default_backend() == "cpu" or os.environ.get("ROSEJAX_TEST_INTERPRET") == "1"
+
 # Shapes the parity tests run: head dim 16 (not 64), a context filled to n_positions, an odd vocab.
 HF_SHAPES = {
     "hd16": dict(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4),

@@ -378,8 +378,7 @@ def test_layer_kernels_forced_match_hf(checkpoint, monkeypatch):
     from pallas_kernels.linear import linear
     from rosejax import layers
 
-    monkeypatch.setattr(layers, "pallas_layer_norm_enabled", lambda: True)
-    monkeypatch.setattr(layers, "pallas_linear_enabled", lambda rows: rows <= 16)
+    monkeypatch.setattr(layers, "gpu_kernel_enabled", lambda switch: True)  # the real row gate
     monkeypatch.setattr(layers, "layer_norm", functools.partial(layer_norm, interpret=True))
     kernel_rows = []  # rows of each traced kernel call
     monkeypatch.setattr(layers, "linear", lambda x, *a, **k: kernel_rows.append(x.shape[0])

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
 from rosejax.layers import LayerNorm
+from tests.conftest import INTERPRET
 
-INTERPRET = jax.default_backend() == "cpu" or os.environ.get("ROSEJAX_TEST_INTERPRET") == "1"
 EPS = 1e-5
 
 

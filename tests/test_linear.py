@@ -4,17 +4,14 @@ numpy."""
 from __future__ import annotations
 
 import functools
-import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.linear import linear, linear_reference
 from rosejax.layers import Linear
-
-INTERPRET = jax.default_backend() == "cpu" or os.environ.get("ROSEJAX_TEST_INTERPRET") == "1"
+from tests.conftest import INTERPRET
 
 
 def module(x, w, b, residual=None, *, activation=None):
@@ -89,3 +86,16 @@ def test_bad_inputs(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         linear(**args, interpret=True)
+
+
+def test_untileable_shapes_fall_back_to_xla(monkeypatch):
+    """K = 40 has no power-of-two divisor >= 16: on a GPU the layer must take XLA, not raise."""
+    from rosejax import layers
+
+    monkeypatch.setattr(layers, "gpu_kernel_enabled", lambda switch: True)
+    monkeypatch.setattr(layers, "linear", functools.partial(linear, interpret=True))
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(4, 40)), jnp.float32)
+    w, b = jnp.asarray(rng.normal(size=(40, 32)) / 6), jnp.asarray(rng.normal(size=32))
+    np.testing.assert_allclose(np.asarray(module(x, w, b)), oracle(x, w, b, None, None),
+                               rtol=1e-5, atol=1e-5)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +14,8 @@ from pallas_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from tests.conftest import INTERPRET
 
-INTERPRET = jax.default_backend() == "cpu" or os.environ.get("ROSEJAX_TEST_INTERPRET") == "1"
 IMPLS = {
     "pallas": functools.partial(paged_decode_attention, interpret=INTERPRET),
     "reference": jax.jit(paged_decode_attention_reference),
