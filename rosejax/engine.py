@@ -173,10 +173,9 @@ class LLMEngine:
         return b * t
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
-        """Every (rows, tokens) bucket the scheduler can admit: within the prefill budget, or
-        one request alone."""
+        """Every (rows, tokens) bucket the scheduler can admit (its own rule, on the buckets)."""
         return [(b, t) for b in self.prefill_batch_buckets for t in self.prefill_len_buckets
-                if b * t <= self.scheduler.max_prefill_tokens or b == 1]
+                if self.scheduler.prefill_fits(b, t)]
 
     def warmup(self) -> float:
         """Compile every bucket once (padded rows only touch the scratch block); seconds taken."""

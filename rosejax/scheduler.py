@@ -50,6 +50,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def prefill_fits(self, rows: int, longest: int) -> bool:
+        """Whether a prefill of `rows` requests whose longest uncached suffix is `longest` tokens
+        is within the budget; a single request always is."""
+        return rows == 1 or self.prefill_cost(rows, longest) <= self.max_prefill_tokens
+
     def admit(self) -> PrefillPlan | None:
         """Newly admitted requests (FIFO) to prefill, or None if none fits now."""
         admitted: list[Request] = []
@@ -62,7 +67,7 @@ class Scheduler:
             tokens = request.all_token_ids()
             plan = self.allocator.probe(tokens)
             grown = max(longest, len(tokens) - plan.num_cached)
-            if admitted and self.prefill_cost(len(admitted) + 1, grown) > self.max_prefill_tokens:
+            if not self.prefill_fits(len(admitted) + 1, grown):
                 break
             if not self.allocator.fits(plan):
                 break
