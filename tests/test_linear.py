@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.linear import linear, linear_reference
+from pallas_kernels.linear import linear, linear_reference, split_count
 from rosejax.layers import Linear
 from tests.conftest import INTERPRET
 
@@ -23,6 +23,8 @@ IMPLS = {
     "pallas": functools.partial(linear, interpret=INTERPRET),
     "pallas_n16_k32_w2": functools.partial(linear, block_n=16, block_k=32, num_warps=2,
                                            interpret=INTERPRET),
+    # K split over 2-8 programs (one 32-deep tile each), the epilogue after their sum.
+    "pallas_split_k": functools.partial(linear, block_k=32, max_k_steps=1, interpret=INTERPRET),
     "reference": linear_reference,
     "module": module,
 }
@@ -78,6 +80,7 @@ def test_module_keeps_leading_axes():
         (dict(residual=jnp.zeros((3, 32))), "residual"),
         (dict(activation="relu"), "activation"),
         (dict(block_n=24), "powers of two"),
+        (dict(max_k_steps=0), "max_k_steps"),
         (dict(x=jnp.zeros((2, 40)), w=jnp.zeros((40, 32))), "divisor"),
     ],
 )
@@ -86,6 +89,17 @@ def test_bad_inputs(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         linear(**args, interpret=True)
+
+
+@pytest.mark.parametrize("k_steps,max_k_steps,want", [
+    (12, 4, 3),  # GPT-2's MLP down-projection at block_k 256: 3 programs of 4 tiles
+    (12, 5, 3),  # 3 divides 12; 12 / 2 = 6 tiles would still be over 5
+    (3, 4, 1),   # short enough: no split
+    (7, 2, 7),   # a prime count splits all the way down
+    (8, 1, 8),
+])
+def test_split_count(k_steps, max_k_steps, want):
+    assert split_count(k_steps, max_k_steps) == want
 
 
 def test_untileable_shapes_fall_back_to_xla(monkeypatch):
