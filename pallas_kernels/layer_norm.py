@@ -6,6 +6,11 @@ has 25 layer norms a step. Here one program reads `block_rows` rows once, takes 
 writes them normalized. Statistics in float32, like flax's `nn.LayerNorm` (E[x^2] - E[x]^2).
 
 Layout: x [N, E] (any E; the row is loaded as a power-of-two tile, masked past E); scale, bias [E].
+
+`add_layer_norm` is GPT-2's residual step and the next layer norm in one kernel: h = residual +
+the float32 partial sums [S, N, E] of a linear layer (`pallas_kernels.linear.linear_partial_sums`)
++ that layer's bias, stored in the residual's dtype, and layer_norm(h). The linear then needs no
+epilogue kernel of its own, and the layer norm no launch of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +33,23 @@ def _normalize(x, scale, bias, e: int, eps: float):
     return y + bias.astype(jnp.float32)
 
 
+def _row_tile(n: int, e: int, block_rows: int, block_cols: int):
+    """This program's [R, C] tile of an [N, E] array: (its index, the mask of real elements,
+    the mask of real columns [C])."""
+    first = pl.program_id(0) * block_rows
+    rows = first + jnp.arange(block_rows, dtype=jnp.int32)  # [R]
+    col_ok = jnp.arange(block_cols, dtype=jnp.int32) < e  # [C]
+    mask = (rows < n)[:, None] & col_ok[None, :]  # [R, C]
+    return (pl.ds(first, block_rows), pl.ds(0, block_cols)), mask, col_ok
+
+
+def _load_normalized(x, scale_ref, bias_ref, col_ok, e: int, eps: float):
+    """x [R, C] float32, zeros past column E (so the sums hold) -> its layer norm."""
+    scale = plgpu.load(scale_ref.at[pl.ds(0, x.shape[1])], mask=col_ok, other=0.0)
+    bias = plgpu.load(bias_ref.at[pl.ds(0, x.shape[1])], mask=col_ok, other=0.0)
+    return _normalize(x, scale, bias, e, eps)
+
+
 def layer_norm_kernel(
     x_ref,  # [N, E]
     scale_ref,  # [E]
@@ -39,18 +61,37 @@ def layer_norm_kernel(
     block_cols: int,
 ):
     n, e = x_ref.shape
-    first = pl.program_id(0) * block_rows
-    rows = first + jnp.arange(block_rows, dtype=jnp.int32)  # [R]
-    cols = jnp.arange(block_cols, dtype=jnp.int32)  # [C]
-    col_ok = cols < e
-    mask = (rows < n)[:, None] & col_ok[None, :]  # [R, C]
-    x = plgpu.load(x_ref.at[pl.ds(first, block_rows), pl.ds(0, block_cols)], mask=mask,
-                   other=0.0).astype(jnp.float32)  # [R, C]
-    scale = plgpu.load(scale_ref.at[pl.ds(0, block_cols)], mask=col_ok, other=0.0)
-    bias = plgpu.load(bias_ref.at[pl.ds(0, block_cols)], mask=col_ok, other=0.0)
-    y = _normalize(x, scale, bias, e, eps)  # columns past E are zeros: the sums hold
-    plgpu.store(o_ref.at[pl.ds(first, block_rows), pl.ds(0, block_cols)],
-                y.astype(o_ref.dtype), mask=mask)
+    tile, mask, col_ok = _row_tile(n, e, block_rows, block_cols)
+    x = plgpu.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)  # [R, C]
+    y = _load_normalized(x, scale_ref, bias_ref, col_ok, e, eps)
+    plgpu.store(o_ref.at[tile], y.astype(o_ref.dtype), mask=mask)
+
+
+def add_layer_norm_kernel(
+    partials_ref,  # [S, N, E] float32
+    linear_bias_ref,  # [E]
+    residual_ref,  # [N, E]
+    scale_ref,  # [E]
+    bias_ref,  # [E]
+    h_ref,  # [N, E]: residual + sum of partials + linear bias
+    o_ref,  # [N, E]: layer_norm(h)
+    *,
+    eps: float,
+    block_rows: int,
+    block_cols: int,
+):
+    splits, n, e = partials_ref.shape
+    tile, mask, col_ok = _row_tile(n, e, block_rows, block_cols)
+    acc = plgpu.load(residual_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
+    acc += plgpu.load(linear_bias_ref.at[tile[1]], mask=col_ok, other=0.0).astype(
+        jnp.float32)[None, :]
+    for s in range(splits):  # in order: the same sum on every run
+        acc += plgpu.load(partials_ref.at[(jnp.int32(s), *tile)], mask=mask, other=0.0)
+    # Rounded to the residual stream's dtype first, as the unfused layers store and reload it.
+    h = acc.astype(h_ref.dtype)  # [R, C]
+    plgpu.store(h_ref.at[tile], h, mask=mask)
+    y = _load_normalized(h.astype(jnp.float32), scale_ref, bias_ref, col_ok, e, eps)
+    plgpu.store(o_ref.at[tile], y.astype(o_ref.dtype), mask=mask)
 
 
 @functools.partial(jax.jit, static_argnames=["eps", "block_rows", "num_warps", "interpret"])
@@ -68,21 +109,28 @@ def layer_norm(
     if x.ndim != 2 or scale.shape != (x.shape[1],) or bias.shape != (x.shape[1],):
         raise ValueError(f"need x [N, E], scale and bias [E], got {x.shape}, {scale.shape}, "
                          f"{bias.shape}")
+    return _row_call(layer_norm_kernel, (x, scale, bias), (x,), "layer_norm", eps=eps,
+                     block_rows=block_rows, num_warps=num_warps, interpret=interpret)
+
+
+def _row_call(kernel, operands, like: tuple[jax.Array, ...], name: str, *, eps: float,
+              block_rows: int, num_warps: int, interpret: bool):
+    """A kernel over row tiles of [N, E] arrays, one output shaped like each of `like`."""
     if not is_power_of_2(block_rows):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
-    n, e = x.shape
-    block_cols = next_power_of_2(e)  # the row as one tile, masked past E
+    n, e = like[0].shape
     if not interpret:
         filter_triton_deprecation()
-    return pl.pallas_call(
-        functools.partial(layer_norm_kernel, eps=eps, block_rows=block_rows,
-                          block_cols=block_cols),
+    out = pl.pallas_call(
+        # The row as one tile, masked past E.
+        functools.partial(kernel, eps=eps, block_rows=block_rows, block_cols=next_power_of_2(e)),
         grid=(pl.cdiv(n, block_rows),),
-        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in like),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"layer_norm_r{block_rows}_w{num_warps}",
-    )(x, scale, bias)
+        name=f"{name}_r{block_rows}_w{num_warps}",
+    )(*operands)
+    return out if len(like) > 1 else out[0]
 
 
 def layer_norm_reference(
@@ -94,3 +142,58 @@ def layer_norm_reference(
 ) -> jax.Array:  # [N, E]
     """Plain XLA, the statistics in float32 as flax's `nn.LayerNorm` takes them."""
     return _normalize(x.astype(jnp.float32), scale, bias, x.shape[-1], eps).astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=["eps", "block_rows", "num_warps", "interpret"])
+def add_layer_norm(
+    partials: jax.Array,  # [S, N, E] float32
+    linear_bias: jax.Array,  # [E]
+    residual: jax.Array,  # [N, E]
+    scale: jax.Array,  # [E]
+    bias: jax.Array,  # [E]
+    *,
+    eps: float = 1e-5,
+    block_rows: int = 4,
+    num_warps: int = 4,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # h [N, E], layer_norm(h) [N, E], both in residual's dtype
+    """h = residual + sum(partials) + linear_bias (rounded to residual's dtype) and its layer
+    norm, in one kernel."""
+    _check_add_layer_norm(partials, linear_bias, residual, scale, bias)
+    return _row_call(add_layer_norm_kernel, (partials, linear_bias, residual, scale, bias),
+                     (residual, residual), "add_layer_norm", eps=eps, block_rows=block_rows,
+                     num_warps=num_warps, interpret=interpret)
+
+
+def _check_add_layer_norm(partials, linear_bias, residual, scale, bias) -> None:
+    if (partials.ndim != 3 or partials.dtype != jnp.float32 or residual.shape != partials.shape[1:]
+            or any(a.shape != (residual.shape[1],) for a in (linear_bias, scale, bias))):
+        raise ValueError(
+            f"need float32 partials [S, N, E], residual [N, E], linear_bias, scale and bias [E], "
+            f"got {partials.dtype}{list(partials.shape)}, {residual.shape}, {linear_bias.shape}, "
+            f"{scale.shape}, {bias.shape}")
+
+
+def add_layer_norm_reference(
+    partials: jax.Array,  # [S, N, E] float32
+    linear_bias: jax.Array,  # [E]
+    residual: jax.Array,  # [N, E]
+    scale: jax.Array,  # [E]
+    bias: jax.Array,  # [E]
+    *,
+    eps: float = 1e-5,
+) -> tuple[jax.Array, jax.Array]:
+    """Plain XLA: `add_partial_sums`, then `layer_norm_reference`."""
+    _check_add_layer_norm(partials, linear_bias, residual, scale, bias)
+    h = add_partial_sums(partials, linear_bias, residual)
+    return h, layer_norm_reference(h, scale, bias, eps=eps)
+
+
+def add_partial_sums(
+    partials: jax.Array,  # [S, N, E] float32
+    linear_bias: jax.Array,  # [E]
+    residual: jax.Array,  # [N, E]
+) -> jax.Array:  # [N, E], residual's dtype
+    """residual + sum(partials) + linear_bias in float32, as the linear layer's epilogue adds."""
+    h = partials.sum(axis=0) + linear_bias.astype(jnp.float32) + residual.astype(jnp.float32)
+    return h.astype(residual.dtype)

@@ -65,15 +65,14 @@ def _epilogue(y, bias, residual, activation: str | None):
 def linear_kernel(
     x_ref,  # [M, K]
     w_ref,  # [K, N]
-    b_ref,  # [N]
-    *refs,  # (residual_ref [M, N],) o_ref [M, N], or o_ref [S, M, N] float32 when K is split
+    *refs,  # o_ref [S, M, N] float32 (partial sums over K), or b_ref [N], (residual_ref [M, N],) o_ref [M, N]
     block_m: int,
     block_n: int,
     block_k: int,
     k_steps: int,  # K tiles this program streams: K // block_k, or its share of a split
     activation: str | None,
 ):
-    residual_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+    o_ref = refs[-1]
     m = x_ref.shape[0]
     cols = pl.ds(pl.program_id(0) * block_n, block_n)
     row_ok = (jnp.arange(block_m) < m)[:, None]  # [BM, 1]: rows past M are padding
@@ -89,9 +88,10 @@ def linear_kernel(
     first = pl.program_id(1) * k_steps
     acc = jax.lax.fori_loop(first, first + k_steps, body,
                             jnp.zeros((block_m, block_n), jnp.float32))
-    if o_ref.ndim == 3:  # split K: this program's partial sum; the caller applies the epilogue
+    if o_ref.ndim == 3:  # partial sums: whoever reads them applies the epilogue
         plgpu.store(o_ref.at[pl.program_id(1), pl.ds(0, block_m), cols], acc, mask=row_ok)
         return
+    b_ref, residual_ref = refs[0], (refs[1] if len(refs) == 3 else None)
     residual = None
     if residual_ref is not None:
         residual = plgpu.load(residual_ref.at[pl.ds(0, block_m), cols], mask=row_ok, other=0.0)
@@ -99,8 +99,10 @@ def linear_kernel(
     plgpu.store(o_ref.at[pl.ds(0, block_m), cols], y.astype(o_ref.dtype), mask=row_ok)
 
 
-@functools.partial(jax.jit, static_argnames=["activation", "block_n", "block_k", "num_warps",
-                                             "num_stages", "max_k_steps", "interpret"])
+TILE_ARGS = ["block_n", "block_k", "num_warps", "num_stages", "max_k_steps", "interpret"]
+
+
+@functools.partial(jax.jit, static_argnames=["activation", *TILE_ARGS])
 def linear(
     x: jax.Array,  # [M, K]
     w: jax.Array,  # [K, N]
@@ -118,44 +120,81 @@ def linear(
     """activation(x @ w + b) + residual, float32 inside, for few rows (all rows are one tile:
     [next_power_of_2(max(M, 16)), block_n] per program). block_n / block_k shrink to the largest
     power of two dividing N / K. K is split over programs when one would stream more than
-    `max_k_steps` tiles of block_k."""
+    `max_k_steps` tiles of block_k; the epilogue then runs after their sum, in XLA."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or b.shape != (w.shape[1],):
         raise ValueError(f"need x [M, K], w [K, N], b [N], got {x.shape}, {w.shape}, {b.shape}")
-    m, k = x.shape
-    n = w.shape[1]
+    m, n = x.shape[0], w.shape[1]
     if residual is not None and residual.shape != (m, n):
         raise ValueError(f"residual must be [{m}, {n}], got {residual.shape}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if not (is_power_of_2(block_n) and is_power_of_2(block_k)):
-        raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
+    tiles = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                 max_k_steps=max_k_steps, interpret=interpret)
+    if _split_count(x, w, block_k, max_k_steps) > 1:
+        partials = linear_partial_sums(x, w, **tiles)
+        return _epilogue(partials.sum(axis=0), b, residual, activation).astype(x.dtype)
+    operands = (b,) if residual is None else (b, residual)
+    name = f"linear_{activation or 'none'}{'_res' if residual is not None else ''}"
+    return _pallas_linear(x, w, operands, jax.ShapeDtypeStruct((m, n), x.dtype), name,
+                          activation=activation, **tiles)
+
+
+@functools.partial(jax.jit, static_argnames=TILE_ARGS)
+def linear_partial_sums(
+    x: jax.Array,  # [M, K]
+    w: jax.Array,  # [K, N]
+    *,
+    block_n: int = DEFAULT_BLOCK_N,
+    block_k: int = DEFAULT_BLOCK_K,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    num_stages: int = DEFAULT_NUM_STAGES,
+    max_k_steps: int = DEFAULT_MAX_K_STEPS,
+    interpret: bool = False,
+) -> jax.Array:  # [S, M, N] float32, S >= 1 splits of K
+    """x @ w as float32 partial sums over S splits of K (S = 1 when no program would stream more
+    than `max_k_steps` tiles), for a consumer that applies the epilogue itself
+    (`pallas_kernels.layer_norm.add_layer_norm`)."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"need x [M, K], w [K, N], got {x.shape}, {w.shape}")
+    splits = _split_count(x, w, block_k, max_k_steps)
+    out = jax.ShapeDtypeStruct((splits, x.shape[0], w.shape[1]), jnp.float32)
+    return _pallas_linear(x, w, (), out, f"linear_partial_s{splits}", activation=None,
+                          block_n=block_n, block_k=block_k, num_warps=num_warps,
+                          num_stages=num_stages, max_k_steps=max_k_steps, interpret=interpret)
+
+
+def _split_count(x, w, block_k: int, max_k_steps: int) -> int:
     if max_k_steps < 1:
         raise ValueError(f"max_k_steps must be >= 1, got {max_k_steps}")
+    k = x.shape[1]
+    return split_count(k // math.gcd(block_k, k), max_k_steps)
+
+
+def _pallas_linear(x, w, operands, out: jax.ShapeDtypeStruct, name: str, *, activation,
+                   block_n: int, block_k: int, num_warps: int, num_stages: int,
+                   max_k_steps: int, interpret: bool) -> jax.Array:
+    """The kernel over x, w and `operands` (bias and residual, or none for partial sums)."""
+    (m, k), n = x.shape, w.shape[1]
+    if not (is_power_of_2(block_n) and is_power_of_2(block_k)):
+        raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
     if not linear_supported(k, n, block_k, block_n):
         raise ValueError(f"N={n} and K={k} need a power-of-two divisor >= 16 for the tiles "
                          f"(the matrix units' least) within {block_n}, {block_k}")
     # Tiles must divide the matrix; shrink them to the largest power of two that does.
     block_n, block_k = math.gcd(block_n, n), math.gcd(block_k, k)
-    block_m = max(16, next_power_of_2(m))  # the matrix units' least M is 16
+    splits = split_count(k // block_k, max_k_steps)
     if not interpret:
         filter_triton_deprecation()
-    splits = split_count(k // block_k, max_k_steps)
-    fused = splits == 1
-    operands = (x, w, b) if residual is None or not fused else (x, w, b, residual)
-    out = pl.pallas_call(
-        functools.partial(linear_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                          k_steps=k // block_k // splits, activation=activation),
+    return pl.pallas_call(
+        functools.partial(linear_kernel, block_m=max(16, next_power_of_2(m)),  # the MMA's least M
+                          block_n=block_n, block_k=block_k, k_steps=k // block_k // splits,
+                          activation=activation),
         grid=(n // block_n, splits),
-        out_shape=(jax.ShapeDtypeStruct((m, n), x.dtype) if fused
-                   else jax.ShapeDtypeStruct((splits, m, n), jnp.float32)),
+        out_shape=out,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=(f"linear_{activation or 'none'}{'_res' if residual is not None else ''}_n{block_n}"
-              if fused else f"linear_partial_n{block_n}_s{splits}"),
-    )(*operands)
-    if fused:
-        return out
-    return _epilogue(out.sum(axis=0), b, residual, activation).astype(x.dtype)
+        name=f"{name}_n{block_n}",
+    )(x, w, *operands)
 
 
 def linear_reference(

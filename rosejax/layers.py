@@ -9,6 +9,11 @@ unchanged, and both compute in plain XLA off the GPU or when switched off:
   most ROSEJAX_PALLAS_LINEAR_MAX_ROWS rows (decode steps of small batches), where XLA splits the
   matmul over K and needs a second kernel for the sum and epilogue. ROSEJAX_PALLAS_LINEAR=0 turns
   it off.
+- A residual `Linear` whose sum feeds a layer norm (GPT-2's attention and MLP outputs) may defer
+  its epilogue: it returns the float32 partial sums of x @ w (`PendingSum`), and the next
+  `LayerNorm` adds bias and residual in its own kernel (`add_layer_norm`), which also stores
+  the sum for the residual stream. Per layer that is one kernel fewer, and the matmul may split
+  K over more programs for free.
 """
 
 from __future__ import annotations
@@ -16,10 +21,22 @@ from __future__ import annotations
 import math
 
 import flax.linen as nn
+import flax.struct
+import jax
 
 from pallas_kernels._common import env_int, gpu_kernel_enabled
-from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
-from pallas_kernels.linear import linear, linear_reference, linear_supported
+from pallas_kernels.layer_norm import (
+    add_layer_norm,
+    add_partial_sums,
+    layer_norm,
+    layer_norm_reference,
+)
+from pallas_kernels.linear import (
+    linear,
+    linear_partial_sums,
+    linear_reference,
+    linear_supported,
+)
 
 # Rows up to which `Linear` runs the Pallas kernel. On an H100 (bench/RESULTS.md, session 10) the
 # 16-row decode step (batches of 1-16) took 0.404 ms with it against 0.427 without; at 32 and 64
@@ -38,18 +55,43 @@ def pallas_linear_enabled(rows: int, k: int, n: int) -> bool:
             and gpu_kernel_enabled("ROSEJAX_PALLAS_LINEAR"))
 
 
+@flax.struct.dataclass
+class PendingSum:
+    """residual + x @ w + bias with the matmul's float32 partial sums not yet added up."""
+
+    partials: jax.Array  # [S, M, N] float32
+    bias: jax.Array  # [N]
+    residual: jax.Array  # [..., N], M rows in all
+
+    def residual_rows(self) -> jax.Array:  # [M, N]
+        return self.residual.reshape(self.partials.shape[1:])
+
+    def value(self) -> jax.Array:  # [..., N], the residual's dtype
+        h = add_partial_sums(self.partials, self.bias, self.residual_rows())
+        return h.reshape(self.residual.shape)
+
+
 class LayerNorm(nn.Module):
-    """flax's `nn.LayerNorm` (scale, bias; float32 statistics)."""
+    """flax's `nn.LayerNorm` (scale, bias; float32 statistics), taking the residual stream as
+    an array or a `PendingSum` and returning (the stream as an array, its layer norm)."""
 
     epsilon: float
 
     @nn.compact
-    def __call__(self, x):  # [..., E]
-        e = x.shape[-1]
+    def __call__(self, x: jax.Array | PendingSum) -> tuple[jax.Array, jax.Array]:  # [..., E] each
+        pending = isinstance(x, PendingSum)
+        shape = x.residual.shape if pending else x.shape
+        e = shape[-1]
         scale = self.param("scale", nn.initializers.ones, (e,))
         bias = self.param("bias", nn.initializers.zeros, (e,))
+        if pending and pallas_layer_norm_enabled():
+            h, y = add_layer_norm(x.partials, x.bias, x.residual_rows(), scale, bias,
+                                  eps=self.epsilon)
+            return h.reshape(shape), y.reshape(shape)
+        if pending:
+            x = x.value()
         norm = layer_norm if pallas_layer_norm_enabled() else layer_norm_reference
-        return norm(x.reshape(-1, e), scale, bias, eps=self.epsilon).reshape(x.shape)
+        return x, norm(x.reshape(-1, e), scale, bias, eps=self.epsilon).reshape(shape)
 
 
 class Linear(nn.Module):
@@ -59,13 +101,18 @@ class Linear(nn.Module):
     activation: str | None = None  # None or "gelu_tanh" (GPT-2's gelu_new)
 
     @nn.compact
-    def __call__(self, x, residual=None):  # [..., K], [..., N] or None -> [..., N]
+    def __call__(self, x, residual=None, *, defer: bool = False):
+        """x [..., K], residual [..., N] or None -> [..., N], or a `PendingSum` when `defer`
+        (a residual layer whose sum only a `LayerNorm` reads) and the Pallas kernel runs."""
         k = x.shape[-1]
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, self.features))
         bias = self.param("bias", nn.initializers.zeros, (self.features,))
         lead = x.shape[:-1]
         rows = math.prod(lead)
-        impl = linear if pallas_linear_enabled(rows, k, self.features) else linear_reference
+        pallas = pallas_linear_enabled(rows, k, self.features)
+        if defer and pallas and residual is not None and self.activation is None:
+            return PendingSum(linear_partial_sums(x.reshape(rows, k), kernel), bias, residual)
+        impl = linear if pallas else linear_reference
         res = None if residual is None else residual.reshape(rows, self.features)
         y = impl(x.reshape(rows, k), kernel, bias, res, activation=self.activation)
         return y.reshape(*lead, self.features)

@@ -42,7 +42,8 @@ class CausalSelfAttention(nn.Module):
     @nn.compact
     def __call__(self, x, residual, k_cache, v_cache, meta: ForwardMetadata, write_block,
                  write_offset, fresh):
-        """residual + attention over x (the layer-normed residual) -> [B, T, E], the caches."""
+        """residual + attention over x (the layer-normed residual) -> [B, T, E] or its
+        `PendingSum`, the caches."""
         b, t, e = x.shape
         h, d = self.config.n_head, self.config.head_dim
         qkv = Linear(3 * e, name="c_attn")(x)  # [B, T, 3E]
@@ -60,7 +61,8 @@ class CausalSelfAttention(nn.Module):
             q, k, v = (a.reshape(b, t, h, d) for a in jnp.split(qkv, 3, axis=-1))
             out = prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.positions,
                                     fresh)
-        y = Linear(e, name="c_proj")(out.reshape(b, t, e), residual)  # residual + projection
+        # residual + projection, summed by the next layer norm
+        y = Linear(e, name="c_proj")(out.reshape(b, t, e), residual, defer=True)
         return y, k_cache, v_cache
 
 
@@ -69,9 +71,9 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x, residual):
-        """residual + MLP(x)."""
+        """residual + MLP(x), or its `PendingSum` (the next layer norm sums it)."""
         x = Linear(self.config.mlp_dim, "gelu_tanh", name="c_fc")(x)  # gelu_new
-        return Linear(self.config.n_embd, name="c_proj")(x, residual)
+        return Linear(self.config.n_embd, name="c_proj")(x, residual, defer=True)
 
 
 class Block(nn.Module):
@@ -79,12 +81,13 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, meta, write_block, write_offset, fresh):
+        """x: the residual stream [B, T, E], an array or a `PendingSum`."""
         eps = self.config.layer_norm_epsilon
-        y = LayerNorm(eps, name="ln_1")(x)
+        x, y = LayerNorm(eps, name="ln_1")(x)
         x, k_cache, v_cache = CausalSelfAttention(self.config, name="attn")(
             y, x, k_cache, v_cache, meta, write_block, write_offset, fresh
         )
-        y = LayerNorm(eps, name="ln_2")(x)
+        x, y = LayerNorm(eps, name="ln_2")(x)
         return MLP(self.config, name="mlp")(y, x), k_cache, v_cache
 
 
@@ -116,9 +119,9 @@ class GPT2(nn.Module):
             )
             ks.append(k)
             vs.append(v)
+        _, x = LayerNorm(cfg.layer_norm_epsilon, name="ln_f")(x)
         if logit_indices is not None:  # only the rows' last real tokens need logits
             x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)[:, 0]  # [B, E]
-        x = LayerNorm(cfg.layer_norm_epsilon, name="ln_f")(x)
         # In the model's dtype: an fp16 step writes (and its argmax reads) half the bytes of
         # float32 logits, 26 MB less per step at B=256; the values are the same, since the
         # product is rounded to the model's dtype first either way. Sampling upcasts.

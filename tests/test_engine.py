@@ -371,20 +371,32 @@ def test_auto_window_stops_at_the_context_limit(checkpoint, monkeypatch):
 
 
 def test_layer_kernels_forced_match_hf(checkpoint, monkeypatch):
-    """The GPU's layer kernels (one-kernel layer norm, matmul with fused bias/GELU/residual),
-    forced on and interpreted here, wired into the whole model: greedy outputs still match HF.
-    Decode batches (<= 16 rows) and these short prefills both take the kernels."""
-    from pallas_kernels.layer_norm import layer_norm
-    from pallas_kernels.linear import linear
+    """The GPU's layer kernels (one-kernel layer norm, matmul with fused bias/GELU/residual, the
+    residual projections' partial sums added inside the next layer norm), forced on and
+    interpreted here, wired into the whole model: greedy outputs still match HF. Decode batches
+    (<= 16 rows) and these short prefills both take the kernels."""
+    from pallas_kernels.layer_norm import add_layer_norm, layer_norm
+    from pallas_kernels.linear import linear, linear_partial_sums
     from rosejax import layers
 
     monkeypatch.setattr(layers, "gpu_kernel_enabled", lambda switch: True)  # the real row gate
-    monkeypatch.setattr(layers, "layer_norm", functools.partial(layer_norm, interpret=True))
-    kernel_rows = []  # rows of each traced kernel call
-    monkeypatch.setattr(layers, "linear", lambda x, *a, **k: kernel_rows.append(x.shape[0])
-                        or linear(x, *a, interpret=True, **k))
+    kernel_rows = []  # (kernel, rows) of each traced call
+
+    def interpreted(name, kernel):
+        def call(x, *args, **kwargs):
+            kernel_rows.append((name, x.shape[-2]))
+            return kernel(x, *args, interpret=True, **kwargs)
+        monkeypatch.setattr(layers, name, call)
+
+    for name, kernel in [("layer_norm", layer_norm), ("linear", linear),
+                         ("linear_partial_sums", linear_partial_sums),
+                         ("add_layer_norm", add_layer_norm)]:
+        interpreted(name, kernel)
     llm = make_llm(checkpoint)
     prompts = random_prompts(3)
     check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
     assert_clean(llm.engine)
-    assert kernel_rows and max(kernel_rows) <= 16  # the decode steps did run the kernel
+    # Every kernel ran, the matmuls only on decode-sized calls (<= 16 rows).
+    assert {name for name, _ in kernel_rows} == {"layer_norm", "linear", "linear_partial_sums",
+                                                 "add_layer_norm"}
+    assert max(rows for name, rows in kernel_rows if name.startswith("linear")) <= 16

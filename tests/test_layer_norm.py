@@ -9,8 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.layer_norm import layer_norm, layer_norm_reference
-from rosejax.layers import LayerNorm
+from pallas_kernels.layer_norm import (
+    add_layer_norm,
+    add_layer_norm_reference,
+    layer_norm,
+    layer_norm_reference,
+)
+from rosejax.layers import LayerNorm, PendingSum
 from tests.conftest import INTERPRET
 
 EPS = 1e-5
@@ -23,7 +28,7 @@ def flax_layer_norm(x, scale, bias, *, eps):
 
 def rosejax_module(x, scale, bias, *, eps):
     """The model's module, whichever implementation it dispatches to on this backend."""
-    return LayerNorm(eps).apply({"params": {"scale": scale, "bias": bias}}, x)
+    return LayerNorm(eps).apply({"params": {"scale": scale, "bias": bias}}, x)[1]
 
 
 IMPLS = {
@@ -80,3 +85,49 @@ def test_bad_shapes():
         layer_norm(x, jnp.zeros(7), jnp.zeros(8), interpret=True)
     with pytest.raises(ValueError, match="block_rows"):
         layer_norm(x, jnp.zeros(8), jnp.zeros(8), block_rows=3, interpret=True)
+
+
+def pending_module(partials, linear_bias, residual, scale, bias, *, eps):
+    """The model's module fed a `PendingSum`, whichever implementation it dispatches to."""
+    return LayerNorm(eps).apply({"params": {"scale": scale, "bias": bias}},
+                                PendingSum(partials, linear_bias, residual))
+
+
+ADD_IMPLS = {
+    "pallas_r4": functools.partial(add_layer_norm, block_rows=4, interpret=INTERPRET),
+    "pallas_r2_w1": functools.partial(add_layer_norm, block_rows=2, num_warps=1,
+                                      interpret=INTERPRET),
+    "reference": add_layer_norm_reference,
+    "module": pending_module,
+}
+
+
+@pytest.mark.parametrize("impl", list(ADD_IMPLS))
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_add_layer_norm_matches_numpy(impl, splits, shape, dtype):
+    rng = np.random.default_rng()
+    n, e = shape
+    partials = jnp.asarray(rng.normal(size=(splits, n, e)) * 2, jnp.float32)
+    residual = rng.normal(size=(n, e)) * rng.uniform(0.5, 4, (n, 1)) + rng.uniform(-8, 8, (n, 1))
+    linear_bias, scale, bias = (rng.normal(size=e) for _ in range(3))
+    residual, linear_bias, scale, bias = (jnp.asarray(a, dtype)
+                                          for a in (residual, linear_bias, scale, bias))
+    h, y = ADD_IMPLS[impl](partials, linear_bias, residual, scale, bias, eps=EPS)
+    assert h.shape == y.shape == (n, e) and h.dtype == y.dtype == jnp.dtype(dtype)
+    want_h = (np.asarray(partials, np.float64).sum(0) + np.asarray(linear_bias, np.float64)
+              + np.asarray(residual, np.float64))
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(h, np.float64), want_h, atol=tol * 8, rtol=tol)
+    # The norm is of h as stored (rounded to the stream's dtype), as the unfused layers take it.
+    np.testing.assert_allclose(np.asarray(y, np.float64), oracle(h, scale, bias),
+                               atol=tol * 8, rtol=tol)
+
+
+def test_add_layer_norm_bad_shapes():
+    p, r, v = jnp.zeros((2, 4, 8)), jnp.zeros((4, 8)), jnp.zeros(8)
+    for args in [(p.astype(jnp.float16), v, r, v, v), (p[0], v, r, v, v), (p, v, r[:3], v, v),
+                 (p, v[:7], r, v, v), (p, v, r, v, v[:7])]:
+        with pytest.raises(ValueError, match="need float32 partials"):
+            add_layer_norm(*args, interpret=True)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.linear import linear, linear_reference, split_count
+from pallas_kernels.linear import linear, linear_partial_sums, linear_reference, split_count
 from rosejax.layers import Linear
 from tests.conftest import INTERPRET
 
@@ -89,6 +89,22 @@ def test_bad_inputs(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         linear(**args, interpret=True)
+
+
+@pytest.mark.parametrize("block_k,max_k_steps", [(256, 4), (32, 1), (32, 2)])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_partial_sums_add_up_to_the_product(block_k, max_k_steps, shape):
+    """Partial sums over the K splits (1 to 8 of them here) add up to x @ w, in float32."""
+    rng = np.random.default_rng()
+    m, k, n = shape
+    x, w = jnp.asarray(rng.normal(size=(m, k)), jnp.float16), jnp.asarray(rng.normal(size=(k, n)),
+                                                                          jnp.float16)
+    got = linear_partial_sums(x, w, block_k=block_k, max_k_steps=max_k_steps,
+                              interpret=INTERPRET)
+    k_steps = k // min(block_k, k)
+    assert got.dtype == jnp.float32 and got.shape == (split_count(k_steps, max_k_steps), m, n)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(np.asarray(got, np.float64).sum(0), want, rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("k_steps,max_k_steps,want", [
