@@ -75,12 +75,10 @@ def linear_kernel(
     o_ref = refs[-1]
     m = x_ref.shape[0]
     cols = pl.ds(pl.program_id(0) * block_n, block_n)
-    first_row = pl.program_id(2) * block_m
-    rows = pl.ds(first_row, block_m)
-    row_ok = (first_row + jnp.arange(block_m) < m)[:, None]  # [BM, 1]: rows past M are padding
+    row_ok = (jnp.arange(block_m) < m)[:, None]  # [BM, 1]: rows past M are padding
 
     def body(i, acc):  # acc [BM, BN] float32
-        x = plgpu.load(x_ref.at[rows, pl.ds(i * block_k, block_k)], mask=row_ok,
+        x = plgpu.load(x_ref.at[pl.ds(0, block_m), pl.ds(i * block_k, block_k)], mask=row_ok,
                        other=0.0)  # [BM, BK]
         w = w_ref[pl.ds(i * block_k, block_k), cols]  # [BK, BN]
         # float32 weights: full precision, not TF32 (a float32 model is there to match HF).
@@ -91,17 +89,17 @@ def linear_kernel(
     acc = jax.lax.fori_loop(first, first + k_steps, body,
                             jnp.zeros((block_m, block_n), jnp.float32))
     if o_ref.ndim == 3:  # partial sums: whoever reads them applies the epilogue
-        plgpu.store(o_ref.at[pl.program_id(1), rows, cols], acc, mask=row_ok)
+        plgpu.store(o_ref.at[pl.program_id(1), pl.ds(0, block_m), cols], acc, mask=row_ok)
         return
     b_ref, residual_ref = refs[0], (refs[1] if len(refs) == 3 else None)
     residual = None
     if residual_ref is not None:
-        residual = plgpu.load(residual_ref.at[rows, cols], mask=row_ok, other=0.0)
+        residual = plgpu.load(residual_ref.at[pl.ds(0, block_m), cols], mask=row_ok, other=0.0)
     y = _epilogue(acc, b_ref[cols], residual, activation)
-    plgpu.store(o_ref.at[rows, cols], y.astype(o_ref.dtype), mask=row_ok)
+    plgpu.store(o_ref.at[pl.ds(0, block_m), cols], y.astype(o_ref.dtype), mask=row_ok)
 
 
-TILE_ARGS = ["block_m", "block_n", "block_k", "num_warps", "num_stages", "max_k_steps", "interpret"]
+TILE_ARGS = ["block_n", "block_k", "num_warps", "num_stages", "max_k_steps", "interpret"]
 
 
 @functools.partial(jax.jit, static_argnames=["activation", *TILE_ARGS])
@@ -112,7 +110,6 @@ def linear(
     residual: jax.Array | None = None,  # [M, N]
     *,
     activation: str | None = None,
-    block_m: int | None = None,
     block_n: int = DEFAULT_BLOCK_N,
     block_k: int = DEFAULT_BLOCK_K,
     num_warps: int = DEFAULT_NUM_WARPS,
@@ -120,8 +117,8 @@ def linear(
     max_k_steps: int = DEFAULT_MAX_K_STEPS,
     interpret: bool = False,
 ) -> jax.Array:  # [M, N], x's dtype
-    """activation(x @ w + b) + residual, float32 inside. Made for few rows: all rows are one tile
-    ([next_power_of_2(max(M, 16)), block_n] per program) unless block_m is given. block_n / block_k shrink to the largest
+    """activation(x @ w + b) + residual, float32 inside, for few rows (all rows are one tile:
+    [next_power_of_2(max(M, 16)), block_n] per program). block_n / block_k shrink to the largest
     power of two dividing N / K. K is split over programs when one would stream more than
     `max_k_steps` tiles of block_k; the epilogue then runs after their sum, in XLA."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or b.shape != (w.shape[1],):
@@ -131,7 +128,7 @@ def linear(
         raise ValueError(f"residual must be [{m}, {n}], got {residual.shape}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    tiles = dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+    tiles = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                  max_k_steps=max_k_steps, interpret=interpret)
     if _split_count(x, w, block_k, max_k_steps) > 1:
         partials = linear_partial_sums(x, w, **tiles)
@@ -147,7 +144,6 @@ def linear_partial_sums(
     x: jax.Array,  # [M, K]
     w: jax.Array,  # [K, N]
     *,
-    block_m: int | None = None,
     block_n: int = DEFAULT_BLOCK_N,
     block_k: int = DEFAULT_BLOCK_K,
     num_warps: int = DEFAULT_NUM_WARPS,
@@ -163,7 +159,7 @@ def linear_partial_sums(
     splits = _split_count(x, w, block_k, max_k_steps)
     out = jax.ShapeDtypeStruct((splits, x.shape[0], w.shape[1]), jnp.float32)
     return _pallas_linear(x, w, (), out, f"linear_partial_s{splits}", activation=None,
-                          block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                          block_n=block_n, block_k=block_k, num_warps=num_warps,
                           num_stages=num_stages, max_k_steps=max_k_steps, interpret=interpret)
 
 
@@ -175,16 +171,12 @@ def _split_count(x, w, block_k: int, max_k_steps: int) -> int:
 
 
 def _pallas_linear(x, w, operands, out: jax.ShapeDtypeStruct, name: str, *, activation,
-                   block_m: int | None, block_n: int, block_k: int, num_warps: int, num_stages: int,
+                   block_n: int, block_k: int, num_warps: int, num_stages: int,
                    max_k_steps: int, interpret: bool) -> jax.Array:
     """The kernel over x, w and `operands` (bias and residual, or none for partial sums)."""
     (m, k), n = x.shape, w.shape[1]
     if not (is_power_of_2(block_n) and is_power_of_2(block_k)):
         raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
-    if block_m is not None and not (is_power_of_2(block_m) and block_m >= 16):
-        raise ValueError(f"block_m must be a power of two >= 16 (the MMA's least M), got {block_m}")
-    # All rows in one tile unless told: each row tile streams the weights again.
-    block_m = block_m or max(16, next_power_of_2(m))
     if not linear_supported(k, n, block_k, block_n):
         raise ValueError(f"N={n} and K={k} need a power-of-two divisor >= 16 for the tiles "
                          f"(the matrix units' least) within {block_n}, {block_k}")
@@ -194,9 +186,10 @@ def _pallas_linear(x, w, operands, out: jax.ShapeDtypeStruct, name: str, *, acti
     if not interpret:
         filter_triton_deprecation()
     return pl.pallas_call(
-        functools.partial(linear_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
-                          k_steps=k // block_k // splits, activation=activation),
-        grid=(n // block_n, splits, pl.cdiv(m, block_m)),
+        functools.partial(linear_kernel, block_m=max(16, next_power_of_2(m)),  # the MMA's least M
+                          block_n=block_n, block_k=block_k, k_steps=k // block_k // splits,
+                          activation=activation),
+        grid=(n // block_n, splits),
         out_shape=out,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -44,12 +44,6 @@ from pallas_kernels.linear import (
 DEFAULT_LINEAR_MAX_ROWS = 16
 
 
-# Larger calls than that: the residual projections (whose sums a layer norm adds up anyway) may
-# still take the kernel, in row tiles, from ROSEJAX_PALLAS_RESIDUAL_MIN_ROWS rows (0: never).
-DEFAULT_RESIDUAL_MIN_ROWS = 0
-LARGE_ROW_TILES = dict(block_m=64, block_n=32, block_k=64, max_k_steps=12)
-
-
 def pallas_layer_norm_enabled() -> bool:
     return gpu_kernel_enabled("ROSEJAX_PALLAS_LAYER_NORM")
 
@@ -75,14 +69,6 @@ class PendingSum:
     def value(self) -> jax.Array:  # [..., N], the residual's dtype
         h = add_partial_sums(self.partials, self.bias, self.residual_rows())
         return h.reshape(self.residual.shape)
-
-
-def pallas_residual_linear_enabled(rows: int, k: int, n: int) -> bool:
-    """For a residual projection of more rows than `pallas_linear_enabled` takes."""
-    min_rows = env_int("ROSEJAX_PALLAS_RESIDUAL_MIN_ROWS", DEFAULT_RESIDUAL_MIN_ROWS)
-    tiles = LARGE_ROW_TILES
-    return (0 < min_rows <= rows and linear_supported(k, n, tiles["block_k"], tiles["block_n"])
-            and gpu_kernel_enabled("ROSEJAX_PALLAS_LINEAR"))
 
 
 class LayerNorm(nn.Module):
@@ -124,12 +110,8 @@ class Linear(nn.Module):
         lead = x.shape[:-1]
         rows = math.prod(lead)
         pallas = pallas_linear_enabled(rows, k, self.features)
-        if defer and residual is not None and self.activation is None:
-            if pallas:
-                return PendingSum(linear_partial_sums(x.reshape(rows, k), kernel), bias, residual)
-            if pallas_residual_linear_enabled(rows, k, self.features):
-                partials = linear_partial_sums(x.reshape(rows, k), kernel, **LARGE_ROW_TILES)
-                return PendingSum(partials, bias, residual)
+        if defer and pallas and residual is not None and self.activation is None:
+            return PendingSum(linear_partial_sums(x.reshape(rows, k), kernel), bias, residual)
         impl = linear if pallas else linear_reference
         res = None if residual is None else residual.reshape(rows, self.features)
         y = impl(x.reshape(rows, k), kernel, bias, res, activation=self.activation)

@@ -25,8 +25,6 @@ IMPLS = {
                                            interpret=INTERPRET),
     # K split over 2-8 programs (one 32-deep tile each), the epilogue after their sum.
     "pallas_split_k": functools.partial(linear, block_k=32, max_k_steps=1, interpret=INTERPRET),
-    # Rows in tiles of 16 (the 33-row case takes three, the last one mostly padding).
-    "pallas_m16": functools.partial(linear, block_m=16, interpret=INTERPRET),
     "reference": linear_reference,
     "module": module,
 }
@@ -83,7 +81,6 @@ def test_module_keeps_leading_axes():
         (dict(activation="relu"), "activation"),
         (dict(block_n=24), "powers of two"),
         (dict(max_k_steps=0), "max_k_steps"),
-        (dict(block_m=8), "block_m"),
         (dict(x=jnp.zeros((2, 40)), w=jnp.zeros((40, 32))), "divisor"),
     ],
 )
@@ -94,16 +91,15 @@ def test_bad_inputs(kwargs, match):
         linear(**args, interpret=True)
 
 
-@pytest.mark.parametrize("block_m,block_k,max_k_steps", [(None, 256, 4), (None, 32, 1),
-                                                         (16, 32, 2)])
+@pytest.mark.parametrize("block_k,max_k_steps", [(256, 4), (32, 1), (32, 2)])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_partial_sums_add_up_to_the_product(block_m, block_k, max_k_steps, shape):
+def test_partial_sums_add_up_to_the_product(block_k, max_k_steps, shape):
     """Partial sums over the K splits (1 to 8 of them here) add up to x @ w, in float32."""
     rng = np.random.default_rng()
     m, k, n = shape
     x, w = jnp.asarray(rng.normal(size=(m, k)), jnp.float16), jnp.asarray(rng.normal(size=(k, n)),
                                                                           jnp.float16)
-    got = linear_partial_sums(x, w, block_m=block_m, block_k=block_k, max_k_steps=max_k_steps,
+    got = linear_partial_sums(x, w, block_k=block_k, max_k_steps=max_k_steps,
                               interpret=INTERPRET)
     k_steps = k // min(block_k, k)
     assert got.dtype == jnp.float32 and got.shape == (split_count(k_steps, max_k_steps), m, n)
@@ -133,28 +129,3 @@ def test_untileable_shapes_fall_back_to_xla(monkeypatch):
     w, b = jnp.asarray(rng.normal(size=(40, 32)) / 6), jnp.asarray(rng.normal(size=32))
     np.testing.assert_allclose(np.asarray(module(x, w, b)), oracle(x, w, b, None, None),
                                rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("rows,min_rows,pending", [(33, 32, True), (33, 64, False),
-                                                   (33, 0, False), (4, 0, True)])
-def test_residual_projection_defers_by_rows(monkeypatch, rows, min_rows, pending):
-    """A deferred residual projection returns partial sums for decode-sized calls, and for larger
-    ones from ROSEJAX_PALLAS_RESIDUAL_MIN_ROWS rows (0: never), in row tiles; either way its value
-    is residual + x @ w + b."""
-    from rosejax import layers
-
-    monkeypatch.setattr(layers, "gpu_kernel_enabled", lambda switch: True)
-    monkeypatch.setattr(layers, "linear", functools.partial(linear, interpret=True))
-    monkeypatch.setattr(layers, "linear_partial_sums",
-                        functools.partial(linear_partial_sums, interpret=True))
-    monkeypatch.setattr(layers, "LARGE_ROW_TILES",
-                        dict(block_m=16, block_n=32, block_k=32, max_k_steps=2))
-    monkeypatch.setenv("ROSEJAX_PALLAS_RESIDUAL_MIN_ROWS", str(min_rows))
-    rng = np.random.default_rng()
-    x = jnp.asarray(rng.normal(size=(rows, 128)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(128, 64)) / 11, jnp.float32)
-    b, r = jnp.asarray(rng.normal(size=64)), jnp.asarray(rng.normal(size=(rows, 64)))
-    got = Linear(64).apply({"params": {"kernel": w, "bias": b}}, x, r, defer=True)
-    assert isinstance(got, layers.PendingSum) == pending
-    value = got.value() if pending else got
-    np.testing.assert_allclose(np.asarray(value), oracle(x, w, b, r, None), rtol=1e-4, atol=1e-4)
