@@ -7,9 +7,9 @@ writes them normalized. Statistics in float32, like flax's `nn.LayerNorm` (E[x^2
 
 Layout: x [N, E] (any E; the row is loaded as a power-of-two tile, masked past E); scale, bias [E].
 
-`add_layer_norm` is GPT-2's residual step and the next layer norm in one kernel: h = residual +
-the float32 partial sums [S, N, E] of a linear layer (`pallas_kernels.linear.linear_partial_sums`)
-+ that layer's bias, stored in the residual's dtype, and layer_norm(h). The linear then needs no
+`add_layer_norm` is GPT-2's residual step and the next layer norm in one kernel: h = the float32
+partial sums [S, N, E] of a linear layer (`pallas_kernels.linear.linear_partial_sums`) + that
+layer's bias + the residual, stored in the residual's dtype, and layer_norm(h). The linear then needs no
 epilogue kernel of its own, and the layer norm no launch of its own.
 """
 
@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
+from pallas_kernels.linear import finish_partial_sums
 
 
 def _normalize(x, scale, bias, e: int, eps: float):
@@ -82,11 +83,13 @@ def add_layer_norm_kernel(
 ):
     splits, n, e = partials_ref.shape
     tile, mask, col_ok = _row_tile(n, e, block_rows, block_cols)
-    acc = plgpu.load(residual_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
+    # The order of `finish_partial_sums` (the splits, then bias, then residual): the same sums.
+    acc = plgpu.load(partials_ref.at[(jnp.int32(0), *tile)], mask=mask, other=0.0)
+    for s in range(1, splits):
+        acc += plgpu.load(partials_ref.at[(jnp.int32(s), *tile)], mask=mask, other=0.0)
     acc += plgpu.load(linear_bias_ref.at[tile[1]], mask=col_ok, other=0.0).astype(
         jnp.float32)[None, :]
-    for s in range(splits):  # in order: the same sum on every run
-        acc += plgpu.load(partials_ref.at[(jnp.int32(s), *tile)], mask=mask, other=0.0)
+    acc += plgpu.load(residual_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
     # Rounded to the residual stream's dtype first, as the unfused layers store and reload it.
     h = acc.astype(h_ref.dtype)  # [R, C]
     plgpu.store(h_ref.at[tile], h, mask=mask)
@@ -109,28 +112,28 @@ def layer_norm(
     if x.ndim != 2 or scale.shape != (x.shape[1],) or bias.shape != (x.shape[1],):
         raise ValueError(f"need x [N, E], scale and bias [E], got {x.shape}, {scale.shape}, "
                          f"{bias.shape}")
-    return _row_call(layer_norm_kernel, (x, scale, bias), (x,), "layer_norm", eps=eps,
+    (y,) = _row_call(layer_norm_kernel, (x, scale, bias), 1, x, "layer_norm", eps=eps,
                      block_rows=block_rows, num_warps=num_warps, interpret=interpret)
+    return y
 
 
-def _row_call(kernel, operands, like: tuple[jax.Array, ...], name: str, *, eps: float,
-              block_rows: int, num_warps: int, interpret: bool):
-    """A kernel over row tiles of [N, E] arrays, one output shaped like each of `like`."""
+def _row_call(kernel, operands, num_outputs: int, like: jax.Array, name: str, *, eps: float,
+              block_rows: int, num_warps: int, interpret: bool) -> tuple[jax.Array, ...]:
+    """A kernel over row tiles of [N, E] arrays: `num_outputs` outputs shaped like `like`."""
     if not is_power_of_2(block_rows):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
-    n, e = like[0].shape
+    n, e = like.shape
     if not interpret:
         filter_triton_deprecation()
-    out = pl.pallas_call(
+    return pl.pallas_call(
         # The row as one tile, masked past E.
         functools.partial(kernel, eps=eps, block_rows=block_rows, block_cols=next_power_of_2(e)),
         grid=(pl.cdiv(n, block_rows),),
-        out_shape=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in like),
+        out_shape=(jax.ShapeDtypeStruct(like.shape, like.dtype),) * num_outputs,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         name=f"{name}_r{block_rows}_w{num_warps}",
     )(*operands)
-    return out if len(like) > 1 else out[0]
 
 
 def layer_norm_reference(
@@ -160,8 +163,8 @@ def add_layer_norm(
     """h = residual + sum(partials) + linear_bias (rounded to residual's dtype) and its layer
     norm, in one kernel."""
     _check_add_layer_norm(partials, linear_bias, residual, scale, bias)
-    return _row_call(add_layer_norm_kernel, (partials, linear_bias, residual, scale, bias),
-                     (residual, residual), "add_layer_norm", eps=eps, block_rows=block_rows,
+    return _row_call(add_layer_norm_kernel, (partials, linear_bias, residual, scale, bias), 2,
+                     residual, "add_layer_norm", eps=eps, block_rows=block_rows,
                      num_warps=num_warps, interpret=interpret)
 
 
@@ -183,17 +186,7 @@ def add_layer_norm_reference(
     *,
     eps: float = 1e-5,
 ) -> tuple[jax.Array, jax.Array]:
-    """Plain XLA: `add_partial_sums`, then `layer_norm_reference`."""
+    """Plain XLA: `finish_partial_sums`, then `layer_norm_reference`."""
     _check_add_layer_norm(partials, linear_bias, residual, scale, bias)
-    h = add_partial_sums(partials, linear_bias, residual)
+    h = finish_partial_sums(partials, linear_bias, residual)
     return h, layer_norm_reference(h, scale, bias, eps=eps)
-
-
-def add_partial_sums(
-    partials: jax.Array,  # [S, N, E] float32
-    linear_bias: jax.Array,  # [E]
-    residual: jax.Array,  # [N, E]
-) -> jax.Array:  # [N, E], residual's dtype
-    """residual + sum(partials) + linear_bias in float32, as the linear layer's epilogue adds."""
-    h = partials.sum(axis=0) + linear_bias.astype(jnp.float32) + residual.astype(jnp.float32)
-    return h.astype(residual.dtype)

@@ -4,16 +4,19 @@ At small decode batches (16 rows) a matmul only streams its weights. XLA's Trito
 over several programs there to get enough of them, and then need a second kernel to sum the
 float32 partials; the bias, the GELU or the residual add run in that second kernel. GPT-2 has 48
 such pairs a decode step, each costing a launch. Here one program owns `block_n` output columns
-for all rows, streams its [K, block_n] slice of w once (enough programs: N / block_n of them), and
-applies bias, activation and residual before it stores.
+for all rows, streams its [K, block_n] slice of w (N / block_n programs), and applies bias,
+activation and residual before it stores.
 
 A program's K loop is serial, and each step waits on memory: a long K over few column tiles
 (GPT-2's MLP down-projection, K=3072 over 768 columns) left 24 programs streaming 12 tiles each,
 9 µs on an H200 against 4 µs for the other three matmuls. So K is split when a program would
-stream more than `max_k_steps` tiles: programs write float32 partial sums, and the epilogue runs
-after their sum in XLA (one fused kernel).
+stream more than `max_k_steps` tiles: each program then writes its float32 partial sums
+(`linear_partial_sums`), and the epilogue runs after their sum (`finish_partial_sums`, one XLA
+kernel, or the next layer norm: `pallas_kernels.layer_norm.add_layer_norm`). The default of 4
+tiles was measured on GPT-2 small only (bench/RESULTS.md, session 11).
 
-Layout: x [M, K]; w [K, N] (flax's Dense kernel); b [N]; residual [M, N] or None; out [M, N].
+Layout: x [M, K]; w [K, N] (flax's Dense kernel); b [N]; residual [M, N] or None; out [M, N];
+partial sums [S, M, N] float32.
 """
 
 from __future__ import annotations
@@ -46,10 +49,29 @@ def linear_supported(k: int, n: int, block_k: int = DEFAULT_BLOCK_K,
 
 
 def split_count(k_steps: int, max_k_steps: int) -> int:
-    """The fewest programs over K that give each at most `max_k_steps` of the `k_steps` tiles
-    (a divisor of k_steps, so every split streams the same number)."""
-    return next(s for s in range(1, k_steps + 1)
-                if k_steps % s == 0 and k_steps // s <= max_k_steps)
+    """Programs over K so that none streams more than `max_k_steps` of the `k_steps` tiles, the
+    tiles shared out as evenly as they go (`_tiles` gives each split the same count but the last,
+    which may have fewer)."""
+    if max_k_steps < 1:
+        raise ValueError(f"max_k_steps must be >= 1, got {max_k_steps}")
+    per_split = -(-k_steps // -(-k_steps // max_k_steps))
+    return -(-k_steps // per_split)
+
+
+def _tiles(m: int, k: int, n: int, block_n: int, block_k: int, max_k_steps: int) -> dict:
+    """The kernel's static tiling of an [M, K] @ [K, N] call, checked."""
+    if not (is_power_of_2(block_n) and is_power_of_2(block_k)):
+        raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
+    if not linear_supported(k, n, block_k, block_n):
+        raise ValueError(f"N={n} and K={k} need a power-of-two divisor >= 16 for the tiles "
+                         f"(the matrix units' least) within {block_n}, {block_k}")
+    # Tiles must divide the matrix; shrink them to the largest power of two that does.
+    block_n, block_k = math.gcd(block_n, n), math.gcd(block_k, k)
+    k_steps = k // block_k
+    splits = split_count(k_steps, max_k_steps)
+    return dict(block_m=max(16, next_power_of_2(m)),  # the matrix units' least M is 16
+                block_n=block_n, block_k=block_k, k_steps=k_steps, splits=splits,
+                steps_per_split=-(-k_steps // splits))
 
 
 def _epilogue(y, bias, residual, activation: str | None):
@@ -62,15 +84,32 @@ def _epilogue(y, bias, residual, activation: str | None):
     return y
 
 
+def finish_partial_sums(
+    partials: jax.Array,  # [S, M, N] float32
+    b: jax.Array,  # [N]
+    residual: jax.Array | None = None,  # [M, N]
+    *,
+    activation: str | None = None,
+    dtype=None,  # default: the residual's (or b's)
+) -> jax.Array:  # [M, N]
+    """`linear`'s epilogue over `linear_partial_sums`: the splits summed in order, then as the
+    kernel finishes its own sum."""
+    dtype = dtype or (residual if residual is not None else b).dtype
+    return _epilogue(partials.sum(axis=0), b, residual, activation).astype(dtype)
+
+
 def linear_kernel(
     x_ref,  # [M, K]
     w_ref,  # [K, N]
-    *refs,  # o_ref [S, M, N] float32 (partial sums over K), or b_ref [N], (residual_ref [M, N],) o_ref [M, N]
+    *refs,  # partial sums: o_ref [S, M, N] float32;
+    #         else b_ref [N], (residual_ref [M, N],) o_ref [M, N]
     block_m: int,
     block_n: int,
     block_k: int,
-    k_steps: int,  # K tiles this program streams: K // block_k, or its share of a split
+    k_steps: int,  # K // block_k
+    steps_per_split: int,  # tiles of K each program streams (the last split's may be fewer)
     activation: str | None,
+    partial_sums: bool,
 ):
     o_ref = refs[-1]
     m = x_ref.shape[0]
@@ -85,10 +124,12 @@ def linear_kernel(
         precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
         return acc + jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
 
-    first = pl.program_id(1) * k_steps
-    acc = jax.lax.fori_loop(first, first + k_steps, body,
-                            jnp.zeros((block_m, block_n), jnp.float32))
-    if o_ref.ndim == 3:  # partial sums: whoever reads them applies the epilogue
+    first = pl.program_id(1) * steps_per_split
+    # A static trip count where the splits are even (what the compiler pipelines best).
+    last = (first + steps_per_split if k_steps % steps_per_split == 0
+            else jnp.minimum(first + steps_per_split, k_steps))
+    acc = jax.lax.fori_loop(first, last, body, jnp.zeros((block_m, block_n), jnp.float32))
+    if partial_sums:
         plgpu.store(o_ref.at[pl.program_id(1), pl.ds(0, block_m), cols], acc, mask=row_ok)
         return
     b_ref, residual_ref = refs[0], (refs[1] if len(refs) == 3 else None)
@@ -99,10 +140,10 @@ def linear_kernel(
     plgpu.store(o_ref.at[pl.ds(0, block_m), cols], y.astype(o_ref.dtype), mask=row_ok)
 
 
-TILE_ARGS = ["block_n", "block_k", "num_warps", "num_stages", "max_k_steps", "interpret"]
+_STATIC_ARGS = ["block_n", "block_k", "num_warps", "num_stages", "max_k_steps", "interpret"]
 
 
-@functools.partial(jax.jit, static_argnames=["activation", *TILE_ARGS])
+@functools.partial(jax.jit, static_argnames=["activation", *_STATIC_ARGS])
 def linear(
     x: jax.Array,  # [M, K]
     w: jax.Array,  # [K, N]
@@ -123,23 +164,21 @@ def linear(
     `max_k_steps` tiles of block_k; the epilogue then runs after their sum, in XLA."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or b.shape != (w.shape[1],):
         raise ValueError(f"need x [M, K], w [K, N], b [N], got {x.shape}, {w.shape}, {b.shape}")
-    m, n = x.shape[0], w.shape[1]
+    (m, k), n = x.shape, w.shape[1]
     if residual is not None and residual.shape != (m, n):
         raise ValueError(f"residual must be [{m}, {n}], got {residual.shape}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    tiles = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                 max_k_steps=max_k_steps, interpret=interpret)
-    if _split_count(x, w, block_k, max_k_steps) > 1:
-        partials = linear_partial_sums(x, w, **tiles)
-        return _epilogue(partials.sum(axis=0), b, residual, activation).astype(x.dtype)
-    operands = (b,) if residual is None else (b, residual)
-    name = f"linear_{activation or 'none'}{'_res' if residual is not None else ''}"
-    return _pallas_linear(x, w, operands, jax.ShapeDtypeStruct((m, n), x.dtype), name,
-                          activation=activation, **tiles)
+    tiles = _tiles(m, k, n, block_n, block_k, max_k_steps)
+    launch = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    if tiles["splits"] > 1:
+        partials = _pallas_linear(x, w, (), tiles, None, **launch)
+        return finish_partial_sums(partials, b, residual, activation=activation, dtype=x.dtype)
+    return _pallas_linear(x, w, (b,) if residual is None else (b, residual), tiles, activation,
+                          **launch)
 
 
-@functools.partial(jax.jit, static_argnames=TILE_ARGS)
+@functools.partial(jax.jit, static_argnames=_STATIC_ARGS)
 def linear_partial_sums(
     x: jax.Array,  # [M, K]
     w: jax.Array,  # [K, N]
@@ -153,48 +192,44 @@ def linear_partial_sums(
 ) -> jax.Array:  # [S, M, N] float32, S >= 1 splits of K
     """x @ w as float32 partial sums over S splits of K (S = 1 when no program would stream more
     than `max_k_steps` tiles), for a consumer that applies the epilogue itself
-    (`pallas_kernels.layer_norm.add_layer_norm`)."""
+    (`finish_partial_sums`, `pallas_kernels.layer_norm.add_layer_norm`)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"need x [M, K], w [K, N], got {x.shape}, {w.shape}")
-    splits = _split_count(x, w, block_k, max_k_steps)
-    out = jax.ShapeDtypeStruct((splits, x.shape[0], w.shape[1]), jnp.float32)
-    return _pallas_linear(x, w, (), out, f"linear_partial_s{splits}", activation=None,
-                          block_n=block_n, block_k=block_k, num_warps=num_warps,
-                          num_stages=num_stages, max_k_steps=max_k_steps, interpret=interpret)
+    tiles = _tiles(x.shape[0], x.shape[1], w.shape[1], block_n, block_k, max_k_steps)
+    return _pallas_linear(x, w, (), tiles, None, num_warps=num_warps, num_stages=num_stages,
+                          interpret=interpret)
 
 
-def _split_count(x, w, block_k: int, max_k_steps: int) -> int:
-    if max_k_steps < 1:
-        raise ValueError(f"max_k_steps must be >= 1, got {max_k_steps}")
-    k = x.shape[1]
-    return split_count(k // math.gcd(block_k, k), max_k_steps)
-
-
-def _pallas_linear(x, w, operands, out: jax.ShapeDtypeStruct, name: str, *, activation,
-                   block_n: int, block_k: int, num_warps: int, num_stages: int,
-                   max_k_steps: int, interpret: bool) -> jax.Array:
-    """The kernel over x, w and `operands` (bias and residual, or none for partial sums)."""
-    (m, k), n = x.shape, w.shape[1]
-    if not (is_power_of_2(block_n) and is_power_of_2(block_k)):
-        raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
-    if not linear_supported(k, n, block_k, block_n):
-        raise ValueError(f"N={n} and K={k} need a power-of-two divisor >= 16 for the tiles "
-                         f"(the matrix units' least) within {block_n}, {block_k}")
-    # Tiles must divide the matrix; shrink them to the largest power of two that does.
-    block_n, block_k = math.gcd(block_n, n), math.gcd(block_k, k)
-    splits = split_count(k // block_k, max_k_steps)
+def _pallas_linear(x, w, operands, tiles: dict, activation, *, num_warps: int, num_stages: int,
+                   interpret: bool) -> jax.Array:
+    """The kernel over x, w and `operands`: bias and residual, or none for partial sums."""
+    (m, _), n = x.shape, w.shape[1]
+    partial_sums = not operands
+    if partial_sums:
+        out = jax.ShapeDtypeStruct((tiles["splits"], m, n), jnp.float32)
+        name = f"linear_partial_s{tiles['splits']}"
+    else:
+        out = jax.ShapeDtypeStruct((m, n), x.dtype)
+        name = f"linear_{activation or 'none'}{'_res' if len(operands) == 2 else ''}"
     if not interpret:
         filter_triton_deprecation()
     return pl.pallas_call(
-        functools.partial(linear_kernel, block_m=max(16, next_power_of_2(m)),  # the MMA's least M
-                          block_n=block_n, block_k=block_k, k_steps=k // block_k // splits,
-                          activation=activation),
-        grid=(n // block_n, splits),
+        functools.partial(linear_kernel, activation=activation, partial_sums=partial_sums,
+                          **{k: v for k, v in tiles.items() if k != "splits"}),
+        grid=(n // tiles["block_n"], tiles["splits"]),
         out_shape=out,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"{name}_n{block_n}",
+        name=f"{name}_n{tiles['block_n']}",
     )(x, w, *operands)
+
+
+def linear_partial_sums_reference(
+    x: jax.Array,  # [M, K]
+    w: jax.Array,  # [K, N]
+) -> jax.Array:  # [1, M, N] float32: one split
+    """Plain XLA: x @ w accumulated in float32, as a single partial sum."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)[None]
 
 
 def linear_reference(

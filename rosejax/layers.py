@@ -6,9 +6,11 @@ unchanged, and both compute in plain XLA off the GPU or when switched off:
 - `LayerNorm`: one kernel instead of XLA's two (statistics, then normalize); GPT-2 has 25 a step.
   ROSEJAX_PALLAS_LAYER_NORM=0 turns it off.
 - `Linear`: x @ w + b with its activation and residual add in the same kernel, for calls of at
-  most ROSEJAX_PALLAS_LINEAR_MAX_ROWS rows (decode steps of small batches), where XLA splits the
-  matmul over K and needs a second kernel for the sum and epilogue. ROSEJAX_PALLAS_LINEAR=0 turns
-  it off.
+  most ROSEJAX_PALLAS_LINEAR_MAX_ROWS rows (decode steps of small batches), where XLA splits
+  every matmul over K and needs a second kernel for the sum and epilogue. The kernel splits K
+  only where a program's share would be long (GPT-2 small: the MLP down-projection), and then
+  needs that second kernel too, unless a layer norm takes the sum (below).
+  ROSEJAX_PALLAS_LINEAR=0 turns it off.
 - A residual `Linear` whose sum feeds a layer norm (GPT-2's attention and MLP outputs) may defer
   its epilogue: it returns the float32 partial sums of x @ w (`PendingSum`), and the next
   `LayerNorm` adds bias and residual in its own kernel (`add_layer_norm`), which also stores
@@ -25,22 +27,18 @@ import flax.struct
 import jax
 
 from pallas_kernels._common import env_int, gpu_kernel_enabled
-from pallas_kernels.layer_norm import (
-    add_layer_norm,
-    add_partial_sums,
-    layer_norm,
-    layer_norm_reference,
-)
+from pallas_kernels.layer_norm import add_layer_norm, layer_norm, layer_norm_reference
 from pallas_kernels.linear import (
+    finish_partial_sums,
     linear,
     linear_partial_sums,
     linear_reference,
     linear_supported,
 )
 
-# Rows up to which `Linear` runs the Pallas kernel. On an H100 (bench/RESULTS.md, session 10) the
-# 16-row decode step (batches of 1-16) took 0.404 ms with it against 0.427 without; at 32 and 64
-# rows XLA's split-K GEMMs won (0.473 vs 0.520, 0.521 vs 0.577).
+# Rows up to which `Linear` runs the Pallas kernel. On an H100 (bench/RESULTS.md, session 10, before
+# the kernel split K) the 16-row decode step (batches of 1-16) took 0.404 ms with it against 0.427
+# without; at 32 and 64 rows XLA's split-K GEMMs won (0.473 vs 0.520, 0.521 vs 0.577).
 DEFAULT_LINEAR_MAX_ROWS = 16
 
 
@@ -67,7 +65,7 @@ class PendingSum:
         return self.residual.reshape(self.partials.shape[1:])
 
     def value(self) -> jax.Array:  # [..., N], the residual's dtype
-        h = add_partial_sums(self.partials, self.bias, self.residual_rows())
+        h = finish_partial_sums(self.partials, self.bias, self.residual_rows())
         return h.reshape(self.residual.shape)
 
 
@@ -102,8 +100,9 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x, residual=None, *, defer: bool = False):
-        """x [..., K], residual [..., N] or None -> [..., N], or a `PendingSum` when `defer`
-        (a residual layer whose sum only a `LayerNorm` reads) and the Pallas kernel runs."""
+        """x [..., K], residual [..., N] or None -> [..., N]. With `defer` (a residual layer
+        whose sum only a `LayerNorm` reads), a `PendingSum` instead when there is a residual, no
+        activation, and the call is the Pallas kernel's; otherwise the array as without it."""
         k = x.shape[-1]
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, self.features))
         bias = self.param("bias", nn.initializers.zeros, (self.features,))

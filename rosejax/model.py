@@ -23,7 +23,7 @@ from pallas_kernels import kv_append
 from rosejax.attention import decode_attention, prefill_attention
 from rosejax.config import GPT2Config
 from rosejax.kv_cache import KVCache
-from rosejax.layers import LayerNorm, Linear
+from rosejax.layers import LayerNorm, Linear, PendingSum
 
 
 @flax.struct.dataclass
@@ -119,9 +119,10 @@ class GPT2(nn.Module):
             )
             ks.append(k)
             vs.append(v)
-        _, x = LayerNorm(cfg.layer_norm_epsilon, name="ln_f")(x)
         if logit_indices is not None:  # only the rows' last real tokens need logits
+            x = x.value() if isinstance(x, PendingSum) else x
             x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)[:, 0]  # [B, E]
+        _, x = LayerNorm(cfg.layer_norm_epsilon, name="ln_f")(x)
         # In the model's dtype: an fp16 step writes (and its argmax reads) half the bytes of
         # float32 logits, 26 MB less per step at B=256; the values are the same, since the
         # product is rounded to the model's dtype first either way. Sampling upcasts.

@@ -370,16 +370,20 @@ def test_auto_window_stops_at_the_context_limit(checkpoint, monkeypatch):
     assert windows[0] == 8
 
 
-def test_layer_kernels_forced_match_hf(checkpoint, monkeypatch):
+@pytest.mark.parametrize("pallas_layer_norm", [True, False], ids=["ln_kernel", "ln_xla"])
+def test_layer_kernels_forced_match_hf(checkpoint, monkeypatch, pallas_layer_norm):
     """The GPU's layer kernels (one-kernel layer norm, matmul with fused bias/GELU/residual, the
     residual projections' partial sums added inside the next layer norm), forced on and
     interpreted here, wired into the whole model: greedy outputs still match HF. Decode batches
-    (<= 16 rows) and these short prefills both take the kernels."""
+    (<= 16 rows) and these short prefills both take the kernels; K is split one tile a program,
+    so the partial sums come in several splits. With the layer-norm kernel off, XLA adds the
+    partial sums up instead."""
     from pallas_kernels.layer_norm import add_layer_norm, layer_norm
     from pallas_kernels.linear import linear, linear_partial_sums
     from rosejax import layers
 
-    monkeypatch.setattr(layers, "gpu_kernel_enabled", lambda switch: True)  # the real row gate
+    monkeypatch.setattr(layers, "gpu_kernel_enabled",  # the real row gate
+                        lambda switch: pallas_layer_norm or switch != "ROSEJAX_PALLAS_LAYER_NORM")
     kernel_rows = []  # (kernel, rows) of each traced call
 
     def interpreted(name, kernel):
@@ -389,7 +393,8 @@ def test_layer_kernels_forced_match_hf(checkpoint, monkeypatch):
         monkeypatch.setattr(layers, name, call)
 
     for name, kernel in [("layer_norm", layer_norm), ("linear", linear),
-                         ("linear_partial_sums", linear_partial_sums),
+                         ("linear_partial_sums", functools.partial(linear_partial_sums,
+                                                                   block_k=16, max_k_steps=1)),
                          ("add_layer_norm", add_layer_norm)]:
         interpreted(name, kernel)
     llm = make_llm(checkpoint)
@@ -397,6 +402,7 @@ def test_layer_kernels_forced_match_hf(checkpoint, monkeypatch):
     check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
     assert_clean(llm.engine)
     # Every kernel ran, the matmuls only on decode-sized calls (<= 16 rows).
-    assert {name for name, _ in kernel_rows} == {"layer_norm", "linear", "linear_partial_sums",
-                                                 "add_layer_norm"}
+    want = {"linear", "linear_partial_sums"}
+    want |= {"layer_norm", "add_layer_norm"} if pallas_layer_norm else set()
+    assert {name for name, _ in kernel_rows} == want
     assert max(rows for name, rows in kernel_rows if name.startswith("linear")) <= 16

@@ -131,3 +131,30 @@ def test_add_layer_norm_bad_shapes():
                  (p, v[:7], r, v, v), (p, v, r, v, v[:7])]:
         with pytest.raises(ValueError, match="need float32 partials"):
             add_layer_norm(*args, interpret=True)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_add_layer_norm_kernel_sums_as_the_xla_path_does(splits):
+    """Fused and unfused decode steps store the same residual stream: same order of float32 adds,
+    same rounding (checked bit for bit where XLA's reduction order is not in doubt)."""
+    rng = np.random.default_rng()
+    partials = jnp.asarray(rng.normal(size=(splits, 13, 96)) * 3, jnp.float32)
+    residual = jnp.asarray(rng.normal(size=(13, 96)) * 5, jnp.float16)
+    lb, scale, bias = (jnp.asarray(rng.normal(size=96), jnp.float16) for _ in range(3))
+    h_kernel, _ = add_layer_norm(partials, lb, residual, scale, bias, interpret=INTERPRET)
+    h_xla, _ = add_layer_norm_reference(partials, lb, residual, scale, bias)
+    np.testing.assert_array_equal(np.asarray(h_kernel), np.asarray(h_xla))
+
+
+def test_module_takes_a_pending_sum_with_leading_axes():
+    rng = np.random.default_rng()
+    partials = jnp.asarray(rng.normal(size=(3, 15, 48)), jnp.float32)
+    residual = jnp.asarray(rng.normal(size=(3, 5, 48)), jnp.float32)
+    lb, scale, bias = (jnp.asarray(rng.normal(size=48), jnp.float32) for _ in range(3))
+    h, y = pending_module(partials, lb, residual, scale, bias, eps=EPS)
+    assert h.shape == y.shape == (3, 5, 48)
+    want_h = np.asarray(partials, np.float64).sum(0) + np.asarray(lb) + np.asarray(
+        residual).reshape(15, 48)
+    np.testing.assert_allclose(np.asarray(h).reshape(15, 48), want_h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y).reshape(15, 48), oracle(want_h, scale, bias),
+                               rtol=1e-4, atol=1e-4)

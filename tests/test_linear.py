@@ -9,7 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.linear import linear, linear_partial_sums, linear_reference, split_count
+from pallas_kernels.linear import (
+    linear,
+    linear_partial_sums,
+    linear_partial_sums_reference,
+    linear_reference,
+    split_count,
+)
 from rosejax.layers import Linear
 from tests.conftest import INTERPRET
 
@@ -25,6 +31,9 @@ IMPLS = {
                                            interpret=INTERPRET),
     # K split over 2-8 programs (one 32-deep tile each), the epilogue after their sum.
     "pallas_split_k": functools.partial(linear, block_k=32, max_k_steps=1, interpret=INTERPRET),
+    # Uneven splits: 16 tiles of K=256 in 6 programs, 3 tiles each but the last's one.
+    "pallas_split_uneven": functools.partial(linear, block_k=16, max_k_steps=3,
+                                             interpret=INTERPRET),
     "reference": linear_reference,
     "module": module,
 }
@@ -91,31 +100,74 @@ def test_bad_inputs(kwargs, match):
         linear(**args, interpret=True)
 
 
-@pytest.mark.parametrize("block_k,max_k_steps", [(256, 4), (32, 1), (32, 2)])
+PARTIAL_IMPLS = {
+    "pallas": functools.partial(linear_partial_sums, interpret=INTERPRET),
+    "pallas_split_k": functools.partial(linear_partial_sums, block_k=32, max_k_steps=1,
+                                        interpret=INTERPRET),
+    "pallas_split_uneven": functools.partial(linear_partial_sums, block_k=16, max_k_steps=3,
+                                             interpret=INTERPRET),
+    "reference": linear_partial_sums_reference,
+}
+
+
+@pytest.mark.parametrize("impl", list(PARTIAL_IMPLS))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_partial_sums_add_up_to_the_product(block_k, max_k_steps, shape):
+def test_partial_sums_add_up_to_the_product(impl, shape):
     """Partial sums over the K splits (1 to 8 of them here) add up to x @ w, in float32."""
     rng = np.random.default_rng()
     m, k, n = shape
-    x, w = jnp.asarray(rng.normal(size=(m, k)), jnp.float16), jnp.asarray(rng.normal(size=(k, n)),
-                                                                          jnp.float16)
-    got = linear_partial_sums(x, w, block_k=block_k, max_k_steps=max_k_steps,
-                              interpret=INTERPRET)
-    k_steps = k // min(block_k, k)
-    assert got.dtype == jnp.float32 and got.shape == (split_count(k_steps, max_k_steps), m, n)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float16)
+    w = jnp.asarray(rng.normal(size=(k, n)), jnp.float16)
+    got = PARTIAL_IMPLS[impl](x, w)
+    assert got.dtype == jnp.float32 and got.ndim == 3 and got.shape[1:] == (m, n)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     np.testing.assert_allclose(np.asarray(got, np.float64).sum(0), want, rtol=1e-4, atol=1e-3)
 
 
+def test_partial_sums_bad_shapes():
+    with pytest.raises(ValueError, match="need x"):
+        linear_partial_sums(jnp.zeros((2, 64)), jnp.zeros((32, 64)), interpret=True)
+    with pytest.raises(ValueError, match="max_k_steps"):
+        linear_partial_sums(jnp.zeros((2, 64)), jnp.zeros((64, 32)), max_k_steps=0,
+                            interpret=True)
+
+
 @pytest.mark.parametrize("k_steps,max_k_steps,want", [
     (12, 4, 3),  # GPT-2's MLP down-projection at block_k 256: 3 programs of 4 tiles
-    (12, 5, 3),  # 3 divides 12; 12 / 2 = 6 tiles would still be over 5
+    (12, 5, 3),  # 4 tiles each beats 5 + 5 + 2
     (3, 4, 1),   # short enough: no split
-    (7, 2, 7),   # a prime count splits all the way down
+    (7, 2, 4),   # 2 + 2 + 2 + 1
+    (25, 4, 7),  # gpt2-xl's K=1600 in 64-deep tiles: not 25 splits of one
     (8, 1, 8),
 ])
 def test_split_count(k_steps, max_k_steps, want):
     assert split_count(k_steps, max_k_steps) == want
+    with pytest.raises(ValueError, match="max_k_steps"):
+        split_count(k_steps, 0)
+
+
+@pytest.mark.parametrize("rows,residual,activation,pending", [
+    (4, True, None, True), (4, False, None, False), (4, True, "gelu_tanh", False),
+    (33, True, None, False),  # more rows than the kernel takes: XLA, an array
+])
+def test_deferred_linear_returns_pending_sum_only_for_the_kernel(monkeypatch, rows, residual,
+                                                                  activation, pending):
+    from rosejax import layers
+
+    monkeypatch.setattr(layers, "gpu_kernel_enabled", lambda switch: True)
+    monkeypatch.setattr(layers, "linear", functools.partial(linear, interpret=True))
+    monkeypatch.setattr(layers, "linear_partial_sums",
+                        functools.partial(linear_partial_sums, interpret=True))
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(rows, 128)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(128, 64)) / 11, jnp.float32)
+    b = jnp.asarray(rng.normal(size=64))
+    r = jnp.asarray(rng.normal(size=(rows, 64))) if residual else None
+    got = Linear(64, activation).apply({"params": {"kernel": w, "bias": b}}, x, r, defer=True)
+    assert isinstance(got, layers.PendingSum) == pending
+    value = got.value() if pending else got
+    np.testing.assert_allclose(np.asarray(value), oracle(x, w, b, r, activation), rtol=1e-4,
+                               atol=1e-4)
 
 
 def test_untileable_shapes_fall_back_to_xla(monkeypatch):
