@@ -74,25 +74,31 @@ def _is_byte_level(tokenizer: PreTrainedTokenizerFast) -> bool:
     return isinstance(decoder, tokenizers.decoders.ByteLevel)
 
 
-def _byte_table(tokenizer: PreTrainedTokenizerFast, skip_special: bool) -> list[bytes]:
-    """id -> the bytes that the ByteLevel decoder turns that token into."""
+def _byte_table(tokenizer: PreTrainedTokenizerFast, skip_special: bool) -> list[bytes] | None:
+    """id -> the bytes that the ByteLevel decoder turns that token into; None for a tokenizer
+    that is not byte-level. Cached per tokenizer: every request's detokenizer asks."""
     cached = _TABLES.get(tokenizer)
     if cached is not None and cached[:2] == (len(tokenizer), skip_special):
         return cached[2]
-    vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)  # token -> id
-    table = [b""] * (max(vocab.values()) + 1)
-    skip = set(tokenizer.all_special_ids) if skip_special else set()
-    for token, i in vocab.items():
-        if i in skip:
-            continue
-        # The same rule as tokenizers' ByteLevel decoder (added tokens included): map every char
-        # back to its byte, or, if any char is outside the alphabet, use the token's UTF-8.
-        try:
-            table[i] = bytes(_BYTE_DECODER[c] for c in token)
-        except KeyError:
-            table[i] = token.encode("utf-8")
+    table = None
+    if _is_byte_level(tokenizer):
+        vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)  # token -> id
+        table = [b""] * (max(vocab.values()) + 1)
+        skip = set(tokenizer.all_special_ids) if skip_special else set()
+        for token, i in vocab.items():
+            if i in skip:
+                continue
+            # The same rule as tokenizers' ByteLevel decoder (added tokens included): map every
+            # char back to its byte, or, if any char is outside the alphabet, use the token's UTF-8.
+            try:
+                table[i] = bytes(_BYTE_DECODER[c] for c in token)
+            except KeyError:
+                table[i] = token.encode("utf-8")
     _TABLES[tokenizer] = (len(tokenizer), skip_special, table)
     return table
+
+
+_UTF8_DECODER = codecs.getincrementaldecoder("utf-8")
 
 
 class IncrementalDetokenizer:
@@ -110,10 +116,9 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._table: list[bytes] | None = None
-        if _is_byte_level(tokenizer):
-            self._table = _byte_table(tokenizer, skip_special_tokens)
-            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._table = _byte_table(tokenizer, skip_special_tokens)
+        if self._table is not None:
+            self._utf8 = _UTF8_DECODER(errors="replace")
         else:
             self._ids: list[int] = []
             self._prefix = self._read = 0  # ids[prefix:read] were decoded into emitted text
