@@ -274,6 +274,7 @@ class LLMEngine:
         return True
 
     def _prefill_batch(self, requests, cached, suffix, b: int, t: int) -> dict[str, np.ndarray]:
+        n = len(requests)
         batch = dict(
             tokens=np.zeros((b, t), np.int32),
             positions=np.tile(np.arange(t, dtype=np.int32), (b, 1)),
@@ -285,19 +286,25 @@ class LLMEngine:
             steps=np.zeros(b, np.int32), limit=np.zeros(b, np.int32),
             stop_ids=np.full((b, NUM_STOP_IDS), -1, np.int32),
         )  # fmt: skip
-        for i, (r, c, n) in enumerate(zip(requests, cached, suffix, strict=True)):
-            p = r.params
-            batch["tokens"][i, :n] = r.all_token_ids()[c:]
-            batch["positions"][i] += c
-            batch["seq_lens"][i], batch["last"][i], batch["slots"][i] = c + n, n - 1, r.slot
+        for i, (r, c, k) in enumerate(zip(requests, cached, suffix, strict=True)):
+            batch["tokens"][i, :k] = r.all_token_ids()[c:]
             batch["tables"][i, : len(r.table.blocks)] = r.table.blocks
-            # top_k >= vocab keeps everything, like 0; clamping keeps it inside int32.
-            batch["temperature"][i], batch["top_k"][i], batch["top_p"][i] = (
-                p.temperature, min(p.top_k, self.config.vocab_size), p.top_p)  # fmt: skip
-            batch["seed"][i], batch["steps"][i] = r.seed, len(r.output_token_ids)
-            batch["limit"][i] = r.max_output
             stop = r.device_stop_ids[:NUM_STOP_IDS]
             batch["stop_ids"][i, : len(stop)] = stop
+        # One array assignment per field, not one numpy scalar write per request and field:
+        # all requests of a batch arrive together in offline serving.
+        cached = np.asarray(cached, np.int32)
+        suffix = np.asarray(suffix, np.int32)
+        batch["positions"][:n] += cached[:, None]
+        batch["seq_lens"][:n], batch["last"][:n] = cached + suffix, suffix - 1
+        batch["slots"][:n] = [r.slot for r in requests]
+        batch["temperature"][:n] = [r.params.temperature for r in requests]
+        # top_k >= vocab keeps everything, like 0; clamping keeps it inside int32.
+        batch["top_k"][:n] = [min(r.params.top_k, self.config.vocab_size) for r in requests]
+        batch["top_p"][:n] = [r.params.top_p for r in requests]
+        batch["seed"][:n] = [r.seed for r in requests]
+        batch["steps"][:n] = [len(r.output_token_ids) for r in requests]
+        batch["limit"][:n] = [r.max_output for r in requests]
         return batch
 
     def _window(self, running: list[Request]) -> int:
