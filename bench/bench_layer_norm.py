@@ -25,7 +25,8 @@ from pallas_kernels.layer_norm import layer_norm, layer_norm_reference  # noqa: 
 
 
 def flax_layer_norm(x, scale, bias):
-    return nn.LayerNorm(epsilon=1e-5, dtype=x.dtype).apply({"params": {"scale": scale, "bias": bias}}, x)
+    params = {"params": {"scale": scale, "bias": bias}}
+    return nn.LayerNorm(epsilon=1e-5, dtype=x.dtype).apply(params, x)
 
 
 def main() -> None:

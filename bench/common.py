@@ -113,7 +113,8 @@ def copy_bandwidth_gbs(size_mb: int = 1024, iters: int = 20) -> float:
 
 
 def add_kernel_bench_args(p: argparse.ArgumentParser) -> None:
-    """The timing and output flags of the kernel microbenchmarks (bench_attention, bench_layer_norm)."""
+    """The timing and output flags of the kernel microbenchmarks (bench_attention,
+    bench_layer_norm)."""
     p.add_argument("--iters", type=int, default=200, help="calls per timed loop")
     p.add_argument("--repeats", type=int, default=5, help="timed loops; the median is kept")
     p.add_argument("--quick", action="store_true", help="tiny sizes, interpret mode (CPU smoke)")

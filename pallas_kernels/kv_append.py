@@ -430,7 +430,8 @@ def select_kv_append_variant(
     """
     if scalar_pos and has_batch_idx:
         raise ValueError("a scalar pos needs batch_idx=None (full-batch form)")
-    if not env_switch(ENV_SWITCH) or num_rows < env_int(ENV_MIN_BATCH, DEFAULT_MIN_BATCH) or not is_power_of_2(head_dim):
+    min_batch = env_int(ENV_MIN_BATCH, DEFAULT_MIN_BATCH)
+    if not env_switch(ENV_SWITCH) or num_rows < min_batch or not is_power_of_2(head_dim):
         return "xla"
     if not has_batch_idx:
         return "full_batch" if scalar_pos else "identity_pos"

@@ -9,8 +9,8 @@ Layout: x [N, E] (any E; the row is loaded as a power-of-two tile, masked past E
 
 `add_layer_norm` is GPT-2's residual step and the next layer norm in one kernel: h = the float32
 partial sums [S, N, E] of a linear layer (`pallas_kernels.linear.linear_partial_sums`) + that
-layer's bias + the residual, stored in the residual's dtype, and layer_norm(h). The linear then needs no
-epilogue kernel of its own, and the layer norm no launch of its own.
+layer's bias + the residual, stored in the residual's dtype, and layer_norm(h). The linear then
+needs no epilogue kernel of its own, and the layer norm no launch of its own.
 """
 
 from __future__ import annotations

@@ -309,9 +309,10 @@ class LLMEngine:
 
     def _window(self, running: list[Request]) -> int:
         """Steps for the next decode window. Fixed when the user chose them; under "auto", the
-        full AUTO_FULL_STEPS while the batch is full and nobody waits (throughput), until the first running
-        request may finish while requests wait for a slot (its slot is refilled at once), and
-        AUTO_OPEN_STEPS while slots are free (a request arriving now starts within that many)."""
+        full `decode_steps` while the batch is full and nobody waits (throughput), until the
+        first running request may finish while requests wait for a slot (its slot is refilled at
+        once), and AUTO_OPEN_STEPS while slots are free (a request arriving now starts within
+        that many)."""
         if not self.auto_steps:
             return self.decode_steps
         if self.scheduler.waiting and len(running) >= self.max_batch_size:

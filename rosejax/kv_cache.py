@@ -227,8 +227,8 @@ class BlockAllocator:
         plan = plan or self.probe(token_ids)
         tokens, hashes, hits = plan.tokens, plan.hashes, plan.hits
         if not self.fits(plan):
-            raise NoFreeBlocksError(f"prompt of {len(tokens)} tokens needs {plan.need} free blocks, "
-                                    f"{len(self._free)} left")
+            raise NoFreeBlocksError(f"prompt of {len(tokens)} tokens needs {plan.need} free "
+                                    f"blocks, {len(self._free)} left")
         for b in hits:
             if self._ref[b] == 0:
                 del self._free[b]

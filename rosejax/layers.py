@@ -82,13 +82,13 @@ class LayerNorm(nn.Module):
         e = shape[-1]
         scale = self.param("scale", nn.initializers.ones, (e,))
         bias = self.param("bias", nn.initializers.zeros, (e,))
-        if pending and pallas_layer_norm_enabled():
+        kernel = pallas_layer_norm_enabled()
+        if pending and kernel:
             h, y = add_layer_norm(x.partials, x.bias, x.residual_rows(), scale, bias,
                                   eps=self.epsilon)
             return h.reshape(shape), y.reshape(shape)
-        if pending:
-            x = x.value()
-        norm = layer_norm if pallas_layer_norm_enabled() else layer_norm_reference
+        x = x.value() if pending else x
+        norm = layer_norm if kernel else layer_norm_reference
         return x, norm(x.reshape(-1, e), scale, bias, eps=self.epsilon).reshape(shape)
 
 

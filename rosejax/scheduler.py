@@ -3,9 +3,10 @@
 FIFO admission under the max batch size, a prefill token budget and the free KV blocks; requests
 join and leave between steps. The budget counts the tokens the device computes: a prefill batch
 is padded to a bucket of rows and of tokens (`prefill_cost`), so admission and the programs
-compiled at warm-up agree on which batch shapes exist. When a running request cannot get a slot for its next token, the
-newest running request is preempted: its blocks are freed and it goes back to the head of the
-queue, to be recomputed (prompt + what it generated so far) when there is room again.
+compiled at warm-up agree on which batch shapes exist. When a running request cannot get a slot
+for its next token, the newest running request is preempted: its blocks are freed and it goes
+back to the head of the queue, to be recomputed (prompt + what it generated so far) when there
+is room again.
 """
 
 from __future__ import annotations
