@@ -25,6 +25,10 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
 from pallas_kernels.linear import finish_partial_sums
 
+# Rows per program and warps of both kernels; bench/bench_layer_norm.py sweeps them.
+DEFAULT_BLOCK_ROWS = 4
+DEFAULT_NUM_WARPS = 4
+
 
 def _normalize(x, scale, bias, e: int, eps: float):
     """x [R, C] float32 (zeros past column E) -> (x - mean) / sqrt(var + eps) * scale + bias."""
@@ -104,8 +108,8 @@ def layer_norm(
     bias: jax.Array,  # [E]
     *,
     eps: float = 1e-5,
-    block_rows: int = 4,
-    num_warps: int = 4,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+    num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool = False,
 ) -> jax.Array:  # [N, E], x's dtype
     """(x - mean) / sqrt(var + eps) * scale + bias over each row of x."""
@@ -156,8 +160,8 @@ def add_layer_norm(
     bias: jax.Array,  # [E]
     *,
     eps: float = 1e-5,
-    block_rows: int = 4,
-    num_warps: int = 4,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+    num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # h [N, E], layer_norm(h) [N, E], both in residual's dtype
     """h = residual + sum(partials) + linear_bias (rounded to residual's dtype) and its layer
