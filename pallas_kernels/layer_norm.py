@@ -25,9 +25,12 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
 from pallas_kernels.linear import finish_partial_sums
 
-# Rows per program and warps of both kernels; bench/bench_layer_norm.py sweeps them.
-DEFAULT_BLOCK_ROWS = 4
-DEFAULT_NUM_WARPS = 4
+# Rows per program and warps of both kernels, measured inside the decode step (bench/RESULTS.md,
+# session 12; bench/bench_layer_norm.py times calls one by one, where dispatch hides them): one
+# row per program and two warps took the B=1 step on an H200 from 0.400 to 0.348 ms, since a row
+# of 768 is too little work to share among more threads, and more rows only serialize.
+DEFAULT_BLOCK_ROWS = 1
+DEFAULT_NUM_WARPS = 2
 
 
 def _normalize(x, scale, bias, e: int, eps: float):

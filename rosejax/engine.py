@@ -358,14 +358,13 @@ class LLMEngine:
             if request.epoch != epoch or request.status != RequestStatus.RUNNING:
                 continue  # preempted or aborted since: its tokens here are void
             request.inflight -= k
-            for tok in columns[column]:
-                if tok < 0:
-                    break
-                if decoded:  # the token fed at this step now has its KV in the cache
-                    self.allocator.append(request.table, request.last_token)
-                request.add_token(tok)
-                if request.finished:
-                    break
+            tokens = columns[column]
+            if tokens and tokens[-1] < 0:  # the row stopped inside the window
+                tokens = tokens[: tokens.index(-1)]
+            fed = request.last_token
+            taken = request.add_tokens(tokens)
+            if decoded and taken:  # the tokens fed at these steps now have their KV in the cache
+                self.allocator.extend(request.table, [fed, *tokens[: taken - 1]])
             outputs.append(request.take_output())
             if request.finished:
                 del self._requests[request.request_id]

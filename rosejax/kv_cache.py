@@ -329,6 +329,26 @@ class BlockAllocator:
 
     # -- sharing and release ---------------------------------------------------------------------
 
+    def extend(self, table: BlockTable, token_ids: Sequence[int]) -> None:
+        """`append` each of token_ids into room `reserve` made (so nothing allocates or copies),
+        the prefix-cache bookkeeping done once per block: a decode window's harvest records
+        K tokens for each of up to hundreds of requests."""
+        n = len(token_ids)
+        if self._blocks_needed(table, n)[0]:
+            raise ValueError(f"no room reserved for {n} more tokens")
+        start, table.num_tokens = table.num_tokens, table.num_tokens + n
+        if not self.enable_prefix_caching:
+            return
+        bs, done = self.block_size, 0
+        while done < n:
+            take = min(bs - len(table.partial), n - done)
+            table.partial.extend(token_ids[done : done + take])
+            done += take
+            if len(table.partial) == bs:  # the block just filled: make it findable
+                table.last_hash = _chain_hash(table.last_hash, tuple(table.partial))
+                table.partial.clear()
+                self._register(table.blocks[(start + done - 1) // bs], table.last_hash)
+
     def fork(self, table: BlockTable) -> BlockTable:
         """A child sharing every block that holds tokens (not blocks merely reserved)."""
         if table.num_tokens < 0:

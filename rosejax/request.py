@@ -88,19 +88,32 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def add_token(self, token: int) -> None:
-        """Record a sampled token; decide whether the request is finished and why."""
-        self.output_token_ids.append(token)
-        piece = self.detokenizer.add(token)
-        if token in self._stop_ids:
+    def add_tokens(self, tokens: list[int]) -> int:
+        """Record sampled tokens in order until one finishes the request (a stop token id, its
+        max tokens, a stop string); returns how many were taken."""
+        if self.params.stop and len(tokens) > 1:  # a stop string may end it after any token
+            for i, token in enumerate(tokens):
+                self.add_tokens([token])
+                if self.finished:
+                    return i + 1
+            return len(tokens)
+        room = self.max_output - len(self.output_token_ids)
+        taken = tokens[:room]
+        if not taken:
+            return 0
+        if not self._stop_ids.isdisjoint(taken):
+            taken = taken[: next(i for i, t in enumerate(taken) if t in self._stop_ids) + 1]
             self.finish_reason = "stop"
-            piece += self.detokenizer.flush()
-        elif len(self.output_token_ids) >= self.max_output:
+        elif len(taken) == room:
             self.finish_reason = "length"
+        self.output_token_ids.extend(taken)
+        piece = self.detokenizer.add_many(taken)
+        if self.finish_reason:
             piece += self.detokenizer.flush()
         self.text += piece
         if self.params.stop:
             self._apply_stop_strings(len(piece))
+        return len(taken)
 
     def _apply_stop_strings(self, piece_len: int) -> None:
         # Only the new piece (and the longest stop string before it) can hold a new match.

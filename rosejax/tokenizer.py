@@ -6,6 +6,7 @@ import codecs
 import importlib.resources
 import os
 import weakref
+from collections.abc import Sequence
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -128,14 +129,22 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Feed one token id; returns the newly completed text (possibly '')."""
-        token_id = int(token_id)
-        if self._table is not None:
-            if not 0 <= token_id < len(self._table):
-                n = len(self._table)
-                raise ValueError(f"token id {token_id} outside the vocabulary [0, {n})")
-            return self._utf8.decode(self._table[token_id])
-        self._ids.append(token_id)
-        return self._window(final=False)
+        return self.add_many([int(token_id)])
+
+    def add_many(self, token_ids: Sequence[int]) -> str:
+        """Feed several token ids (one request's share of a decode window); returns the newly
+        completed text: what `add` for each in turn returns, joined."""
+        if self._table is None:
+            pieces = []
+            for token_id in token_ids:
+                self._ids.append(token_id)
+                pieces.append(self._window(final=False))
+            return "".join(pieces)
+        table = self._table
+        if token_ids and not (0 <= min(token_ids) and max(token_ids) < len(table)):
+            bad = next(t for t in token_ids if not 0 <= t < len(table))
+            raise ValueError(f"token id {bad} outside the vocabulary [0, {len(table)})")
+        return self._utf8.decode(b"".join([table[t] for t in token_ids]))
 
     def _window(self, final: bool) -> str:
         prefix_text = self._decode(self._ids[self._prefix : self._read])

@@ -131,6 +131,32 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.content[dst] = list(self.content[src])
         self.reserved[sid] = n
 
+    @precondition(lambda self: any(self.reserved.values()))
+    @rule(data=st.data())
+    def extend(self, data):
+        sid = data.draw(st.sampled_from(sorted(s for s, n in self.reserved.items() if n)))
+        table, tokens = self.seqs[sid]
+        new = data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=self.reserved[sid]))
+        start, free_before = table.num_tokens, self.alloc.num_free_blocks
+        self.alloc.extend(table, new)
+        assert self.alloc.num_free_blocks == free_before  # reserved room: nothing allocated
+        for i, token in enumerate(new, start):
+            self._write(table.blocks[i // self.bs], i % self.bs, token)
+        tokens.extend(new)
+        self.reserved[sid] -= len(new)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), n=st.integers(1, 6))
+    def extend_past_room(self, data, n):
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        table, _ = self.seqs[sid]
+        if self.alloc._blocks_needed(table, n)[0] == 0:
+            return  # there is room (a partial private block, or reserved)
+        before, tbefore = _state(self.alloc), _table_state(table)
+        with pytest.raises(ValueError, match="no room reserved"):
+            self.alloc.extend(table, [0] * n)
+        assert _state(self.alloc) == before and _table_state(table) == tbefore
+
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def fork(self, data):
@@ -146,6 +172,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def free(self, data):
         sid = data.draw(st.sampled_from(sorted(self.seqs)))
         table, _ = self.seqs.pop(sid)
+        del self.reserved[sid]
         self.alloc.free(table)
         with pytest.raises(ValueError):
             self.alloc.free(table)
@@ -221,6 +248,23 @@ def test_equal_prefixes_share_blocks_changed_ones_do_not(bs, full, data, prefix_
     assert alloc.prefix_hits == shared and alloc.prefix_hit_tokens == shared * bs
     assert alloc.prompt_tokens == 2 * len(tokens)
     alloc.check_invariants([a, b])
+
+
+@given(bs=st.integers(1, 8), prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
+       windows=st.lists(st.lists(st.integers(0, VOCAB - 1), max_size=12), max_size=6),
+       prefix_caching=st.booleans())
+def test_extend_is_append_per_token(bs, prompt, windows, prefix_caching):
+    # Two allocators fed the same prompts and windows: one extends, one appends token by token.
+    allocs = [BlockAllocator(64, bs, prefix_caching) for _ in range(2)]
+    tables = [a.allocate(prompt)[0] for a in allocs]
+    for window in windows:
+        for a, t in zip(allocs, tables, strict=True):
+            a.reserve(t, len(window))
+        allocs[0].extend(tables[0], window)
+        for token in window:
+            allocs[1].append(tables[1], token)
+        assert _state(allocs[0]) == _state(allocs[1])
+        assert _table_state(tables[0]) == _table_state(tables[1])
 
 
 @pytest.mark.parametrize("bs", [1, 2, 5])

@@ -35,8 +35,13 @@ def tok():
     return load_tokenizer("random:gpt2")
 
 
-def stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
-    pieces = [detok.add(i) for i in ids]
+def stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> list[str]:
+    """The pieces of `ids` fed one at a time (`add`) or `chunk` at a time (`add_many`), then
+    the flush."""
+    if chunk == 1:
+        pieces = [detok.add(i) for i in ids]
+    else:
+        pieces = [detok.add_many(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     pieces.append(detok.flush())
     return pieces
 
@@ -44,13 +49,22 @@ def stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
 def check_stream(tok, ids: list[int], **kwargs) -> None:
     expected = tok.decode(ids, **kwargs)
     for generic in (False, True):
-        detok = IncrementalDetokenizer(tok, **kwargs)
-        if generic:  # force the window path that non-byte-level tokenizers take
-            detok._table, detok._ids, detok._prefix, detok._read = None, [], 0, 0
-        pieces = stream(detok, ids)
+
+        def detokenizer(generic=generic):
+            detok = IncrementalDetokenizer(tok, **kwargs)
+            if generic:  # force the window path that non-byte-level tokenizers take
+                detok._table, detok._ids, detok._prefix, detok._read = None, [], 0, 0
+            return detok
+
+        pieces = stream(detokenizer(), ids)
         assert "".join(pieces) == expected, (generic, ids)
         if "\ufffd" not in expected:
             assert not any("\ufffd" in p for p in pieces), (generic, ids, pieces)
+        # Several ids at once give what one at a time gives over the same ids, joined.
+        for chunk in (3, 7):
+            per_id = pieces[:-1]
+            joined = ["".join(per_id[i : i + chunk]) for i in range(0, len(ids), chunk)]
+            assert stream(detokenizer(), ids, chunk) == [*joined, pieces[-1]], (generic, ids)
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -88,7 +102,11 @@ def test_byte_level_path_never_decodes(tok, monkeypatch):
     detok.flush()
 
 
-def test_out_of_vocab_id(tok):
+@pytest.mark.parametrize("ids", [[5, 10**6], [-1], [3, 4, -2, 7]])
+def test_out_of_vocab_id(tok, ids):
+    bad = next(i for i in ids if not 0 <= i < len(tok))
+    with pytest.raises(ValueError, match=f"token id {bad} outside the vocabulary"):
+        IncrementalDetokenizer(tok).add_many(ids)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         IncrementalDetokenizer(tok).add(len(tok) + 5)
 
