@@ -27,8 +27,9 @@ from pallas_kernels.linear import finish_partial_sums
 
 # Rows per program and warps of both kernels, measured inside the decode step (bench/RESULTS.md,
 # session 12; bench/bench_layer_norm.py times calls one by one, where dispatch hides them): one
-# row per program and two warps took the B=1 step on an H200 from 0.400 to 0.348 ms, since a row
-# of 768 is too little work to share among more threads, and more rows only serialize.
+# row per program and two warps against 4 and 4 took the B=1 step from 0.405 to 0.393 ms on an
+# H100 and from 0.400 to 0.348 on an H200 (one process each): a row of 768 is too little work to
+# share among more threads, and more rows a program only serialize. Neutral at B=256.
 DEFAULT_BLOCK_ROWS = 1
 DEFAULT_NUM_WARPS = 2
 

@@ -358,13 +358,15 @@ class LLMEngine:
             if request.epoch != epoch or request.status != RequestStatus.RUNNING:
                 continue  # preempted or aborted since: its tokens here are void
             request.inflight -= k
-            tokens = columns[column]
-            if tokens and tokens[-1] < 0:  # the row stopped inside the window
-                tokens = tokens[: tokens.index(-1)]
+            row = columns[column]
+            # A row that stops inside the window reads -1 from then on (a stopped row never
+            # restarts within a window), so the -1s only trail.
+            if row and row[-1] < 0:
+                row = row[: row.index(-1)]
             fed = request.last_token
-            taken = request.add_tokens(tokens)
+            taken = request.add_tokens(row)
             if decoded and taken:  # the tokens fed at these steps now have their KV in the cache
-                self.allocator.extend(request.table, [fed, *tokens[: taken - 1]])
+                self.allocator.extend(request.table, [fed, *row[: taken - 1]])
             outputs.append(request.take_output())
             if request.finished:
                 del self._requests[request.request_id]

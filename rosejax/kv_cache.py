@@ -317,37 +317,35 @@ class BlockAllocator:
             cow_src = table.blocks[idx]
             self._ref[cow_src] -= 1
             table.blocks[idx] = self._take()
-        block = table.blocks[idx]
-        table.num_tokens = n + 1
-        if self.enable_prefix_caching:
-            table.partial.append(token_id)
-            if off == self.block_size - 1:  # the block just filled: make it findable
-                table.last_hash = _chain_hash(table.last_hash, tuple(table.partial))
-                table.partial.clear()
-                self._register(block, table.last_hash)
-        return block, off, cow_src
-
-    # -- sharing and release ---------------------------------------------------------------------
+        self._record(table, [token_id])
+        return table.blocks[idx], off, cow_src
 
     def extend(self, table: BlockTable, token_ids: Sequence[int]) -> None:
         """`append` each of token_ids into room `reserve` made (so nothing allocates or copies),
         the prefix-cache bookkeeping done once per block: a decode window's harvest records
-        K tokens for each of up to hundreds of requests."""
-        n = len(token_ids)
-        if self._blocks_needed(table, n)[0]:
-            raise ValueError(f"no room reserved for {n} more tokens")
-        start, table.num_tokens = table.num_tokens, table.num_tokens + n
+        K tokens for each of up to hundreds of requests. Without that room it is the caller's
+        bug, not a full cache: ValueError, and nothing changes."""
+        if self._blocks_needed(table, len(token_ids))[0]:
+            raise ValueError(f"no room reserved for {len(token_ids)} more tokens")
+        self._record(table, token_ids)
+
+    def _record(self, table: BlockTable, token_ids: Sequence[int]) -> None:
+        """Count tokens whose slots exist; with prefix caching, every block they fill gets its
+        chained hash and becomes findable."""
+        start, table.num_tokens = table.num_tokens, table.num_tokens + len(token_ids)
         if not self.enable_prefix_caching:
             return
         bs, done = self.block_size, 0
-        while done < n:
-            take = min(bs - len(table.partial), n - done)
+        while done < len(token_ids):
+            take = min(bs - len(table.partial), len(token_ids) - done)
             table.partial.extend(token_ids[done : done + take])
             done += take
-            if len(table.partial) == bs:  # the block just filled: make it findable
+            if len(table.partial) == bs:
                 table.last_hash = _chain_hash(table.last_hash, tuple(table.partial))
                 table.partial.clear()
                 self._register(table.blocks[(start + done - 1) // bs], table.last_hash)
+
+    # -- sharing and release ---------------------------------------------------------------------
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A child sharing every block that holds tokens (not blocks merely reserved)."""

@@ -59,8 +59,9 @@ class Request:
         self.text = ""  # generated text, stop string excluded
         self.emitted = 0  # characters of `text` already handed out
         self.finish_reason: str | None = None
-        # Tokens it may generate in all: its max_tokens, or what is left of the model's context.
-        self.max_output = min(params.max_tokens, max_context - len(prompt_token_ids))
+        # Tokens it may generate in all: its max_tokens, or what is left of the model's context;
+        # a prompt that fills the context still gets the token its prefill samples.
+        self.max_output = max(1, min(params.max_tokens, max_context - len(prompt_token_ids)))
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids.add(eos_token_id)
@@ -91,20 +92,20 @@ class Request:
     def add_tokens(self, tokens: list[int]) -> int:
         """Record sampled tokens in order until one finishes the request (a stop token id, its
         max tokens, a stop string); returns how many were taken."""
-        if self.params.stop and len(tokens) > 1:  # a stop string may end it after any token
+        if self.params.stop and len(tokens) > 1:
+            # A stop string may end it after any token: one token at a time, as it was streamed.
             for i, token in enumerate(tokens):
                 self.add_tokens([token])
                 if self.finished:
                     return i + 1
             return len(tokens)
-        room = self.max_output - len(self.output_token_ids)
-        taken = tokens[:room]
+        taken = tokens[: self.remaining]
         if not taken:
             return 0
         if not self._stop_ids.isdisjoint(taken):
             taken = taken[: next(i for i, t in enumerate(taken) if t in self._stop_ids) + 1]
             self.finish_reason = "stop"
-        elif len(taken) == room:
+        elif len(taken) == self.remaining:
             self.finish_reason = "length"
         self.output_token_ids.extend(taken)
         piece = self.detokenizer.add_many(taken)

@@ -148,6 +148,20 @@ def test_prefix_caching_same_outputs_fewer_prefill_tokens(checkpoint):
     assert results[True][1] <= results[False][1] - 2 * 32
 
 
+def test_blocks_filled_by_decode_serve_the_next_turn(checkpoint):
+    # A chat's second turn repeats the first turn's prompt and output: the blocks that decode
+    # filled (here all three: the prompt is shorter than a block) must be found by their hashes.
+    llm = make_llm(checkpoint, max_batch_size=1)
+    prompt = random_prompts(1, 5, 6)[0]
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]  # 5 + 24 tokens, 28 in the cache
+    turn2 = prompt + first.token_ids + random_prompts(1, 3, 4)[0]
+    hits = llm.engine.allocator.prefix_hit_tokens
+    second = llm.generate([turn2], GREEDY, use_tqdm=False)[0]
+    assert llm.engine.allocator.prefix_hit_tokens - hits == 3 * 8
+    assert second.token_ids == _hf_greedy(checkpoint[1], tuple(turn2), 24)
+    assert_clean(llm.engine)
+
+
 def test_output_independent_of_batch(checkpoint):
     prompt = random_prompts(1)[0]
     sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234)
@@ -205,6 +219,11 @@ def test_stop_token_ids_stop_strings_and_context_limit(checkpoint):
     ]
     assert len(out.token_ids) == SHAPE["n_positions"] - 120 and out.finish_reason == "length"
     assert out.token_ids == _hf_greedy(checkpoint[1], tuple(long_prompt), 8)
+    # A prompt that fills the context still gets the token its prefill samples.
+    full_prompt = random_prompts(1, SHAPE["n_positions"], SHAPE["n_positions"] + 1)[0]
+    out = llm.generate([full_prompt], GREEDY, use_tqdm=False)[0]
+    assert out.token_ids == _hf_greedy(checkpoint[1], tuple(full_prompt), 1)
+    assert out.finish_reason == "length"
     assert_clean(llm.engine)
 
 

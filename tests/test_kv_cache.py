@@ -251,20 +251,27 @@ def test_equal_prefixes_share_blocks_changed_ones_do_not(bs, full, data, prefix_
 
 
 @given(bs=st.integers(1, 8), prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
-       windows=st.lists(st.lists(st.integers(0, VOCAB - 1), max_size=12), max_size=6),
+       windows=st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), max_size=12),
+                                  st.integers(0, 4)), max_size=6),
        prefix_caching=st.booleans())
 def test_extend_is_append_per_token(bs, prompt, windows, prefix_caching):
-    # Two allocators fed the same prompts and windows: one extends, one appends token by token.
-    allocs = [BlockAllocator(64, bs, prefix_caching) for _ in range(2)]
-    tables = [a.allocate(prompt)[0] for a in allocs]
-    for window in windows:
-        for a, t in zip(allocs, tables, strict=True):
-            a.reserve(t, len(window))
-        allocs[0].extend(tables[0], window)
-        for token in window:
-            allocs[1].append(tables[1], token)
+    # Two allocators fed the same: one extends by windows, one appends token by token. Each
+    # holds two tables of the same prompt, so equal blocks fill twice (the second stays
+    # unhashed), and reserves more than the window (the engine reserves what is in flight too).
+    allocs = [BlockAllocator(256, bs, prefix_caching) for _ in range(2)]
+    tables = [[a.allocate(prompt)[0] for _ in range(2)] for a in allocs]
+    for window, extra in windows:
+        for a, pair in zip(allocs, tables, strict=True):
+            for t in pair:
+                a.reserve(t, len(window) + extra)
+        for t in tables[0]:
+            allocs[0].extend(t, window)
+        for t in tables[1]:
+            for token in window:
+                allocs[1].append(t, token)
         assert _state(allocs[0]) == _state(allocs[1])
-        assert _table_state(tables[0]) == _table_state(tables[1])
+        for t0, t1 in zip(tables[0], tables[1], strict=True):
+            assert _table_state(t0) == _table_state(t1)
 
 
 @pytest.mark.parametrize("bs", [1, 2, 5])

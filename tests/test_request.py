@@ -41,14 +41,14 @@ def _feed(request: Request, tokens: list[int], cuts: list[int]) -> list[int]:
 @given(tokens=st.lists(st.sampled_from(IDS), max_size=40),
        cuts=st.lists(st.integers(0, 40), max_size=6), max_tokens=st.integers(1, 30),
        stop_ids=st.lists(st.sampled_from(IDS), max_size=2), ignore_eos=st.booleans(),
-       prompt_len=st.integers(1, 50))
+       prompt_len=st.integers(1, 64))
 def test_windows_record_the_spec(tok, tokens, cuts, max_tokens, stop_ids, ignore_eos, prompt_len):
     params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
     request = _request(tok, params, prompt_len)
     taken = _feed(request, tokens, cuts)
     # The spec: tokens up to the first stop id (kept), at most max_tokens and what is left of
-    # the context.
-    limit = min(max_tokens, 64 - prompt_len)
+    # the context, but at least the one its prefill samples (a prompt may fill the context).
+    limit = max(1, min(max_tokens, 64 - prompt_len))
     stops = set(stop_ids) | (set() if ignore_eos else {EOS})
     first_stop = next((i for i, t in enumerate(tokens) if t in stops), None)
     end = len(tokens) if first_stop is None else first_stop + 1

@@ -94,6 +94,11 @@ def test_invalid_bytes_flush_like_decode(tok):
     assert detok.add(246) == "\u2018"  # ... and here it does
 
 
+def test_no_ids_no_text(tok):
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add(447) == "" and detok.add_many([]) == "" and detok.add(246) == "\u2018"
+
+
 def test_byte_level_path_never_decodes(tok, monkeypatch):
     detok = IncrementalDetokenizer(tok)
     monkeypatch.setattr(tok, "decode", lambda *a, **k: pytest.fail("decode called"))
