@@ -6,11 +6,19 @@ decode step (and each run's) and tokens/s, the step's least bytes (bench/metrics
 card's copy bandwidth, the host's dispatch/wait/harvest seconds over the timed runs, and a
 jax.profiler trace of the first timed run when --trace-dir is set (a traced run is slower: read
 its kernel shares, not its times).
+
+--kernel-option OP.PARAM=N (repeatable) hands a keyword to every call the model makes of one
+kernel (a tile size, warps, stages), so a sweep needs no edit of the kernels' defaults:
+
+    python bench/profile_decode.py --batch 1 --decode-steps 32 \
+        --kernel-option layer_norm.block_rows=4 --kernel-option layer_norm.num_warps=4
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
 import os
 import sys
@@ -24,11 +32,43 @@ import numpy as np  # noqa: E402
 
 from bench import metrics as m  # noqa: E402
 from bench.common import copy_bandwidth_gbs  # noqa: E402
-from rosejax import LLMEngine, SamplingParams  # noqa: E402
+from rosejax import LLMEngine, SamplingParams, attention, layers  # noqa: E402
+
+# The names through which the model calls each kernel (module, attribute): OP of --kernel-option.
+KERNELS = {
+    "layer_norm": [(layers, "layer_norm"), (layers, "add_layer_norm")],
+    "linear": [(layers, "linear"), (layers, "linear_partial_sums")],
+    "attention": [(attention, "paged_decode_attention")],
+}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+def kernel_option(text: str) -> tuple[str, str, int]:
+    """'OP.PARAM=N' -> (op, param, n), checked against the kernels' keyword parameters."""
+    try:
+        name, value = text.split("=", 1)
+        op, param = name.split(".", 1)
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected OP.PARAM=N, got {text!r}") from None
+    if op not in KERNELS:
+        raise argparse.ArgumentTypeError(f"OP must be one of {sorted(KERNELS)}, got {op!r}")
+    for module, attr in KERNELS[op]:
+        kw = inspect.signature(getattr(module, attr)).parameters.get(param)
+        if kw is None or kw.kind != inspect.Parameter.KEYWORD_ONLY:
+            raise argparse.ArgumentTypeError(f"{attr} has no keyword parameter {param!r}")
+    return op, param, n
+
+
+def apply_kernel_options(options: list[tuple[str, str, int]]) -> None:
+    """Bind each option's keyword into the model's calls of its kernel (before any tracing)."""
+    for op, param, n in options:
+        for module, attr in KERNELS[op]:
+            setattr(module, attr, functools.partial(getattr(module, attr), **{param: n}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:gpt2", help="model to load (default: %(default)s)")
     p.add_argument("--batch", type=int, default=256, help="concurrent requests")
     p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
@@ -40,8 +80,12 @@ def main() -> None:
                         "step time wanders by several %% between runs)")
     p.add_argument("--trace-dir", default=None, help="write a jax.profiler trace of the first "
                    "timed run here")
+    p.add_argument("--kernel-option", type=kernel_option, action="append", default=[],
+                   metavar="OP.PARAM=N", help=f"a keyword for every call of kernel OP (one of "
+                   f"{', '.join(KERNELS)}), e.g. linear.num_warps=2; repeatable")
     p.add_argument("--json", default=None, help="write results here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    apply_kernel_options(args.kernel_option)
     bw = copy_bandwidth_gbs()
     rows = []
     rng = np.random.default_rng(0)
@@ -113,7 +157,8 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, copy_gbs=bw, device=jax.devices()[0].device_kind), f)
+            json.dump(dict(rows=rows, copy_gbs=bw, device=jax.devices()[0].device_kind,
+                           kernel_options=[f"{o}.{p}={n}" for o, p, n in args.kernel_option]), f)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import subprocess
@@ -323,6 +324,32 @@ def test_compare_hf_end_to_end(tmp_path):
         assert _positive(t["ratio_vs_dynamic"]) and t["hf_static_tok_s"] is None
 
 
+def test_profile_decode_kernel_options(tmp_path, monkeypatch):
+    """--kernel-option binds its keyword into the model's calls of that kernel (checked
+    against the kernels' keyword parameters), and the script runs end to end on CPU."""
+    from bench import profile_decode as pd
+
+    for targets in pd.KERNELS.values():  # restore every binding after the test
+        for module, attr in targets:
+            monkeypatch.setattr(module, attr, getattr(module, attr))
+    for bad in ("linear.block_n", "linear.bogus=2", "conv.num_warps=2", "linear.block_n=x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            pd.kernel_option(bad)
+    path = tmp_path / "p.json"
+    pd.main(["--model", "random:tiny", "--batch", "2", "--new-tokens", "4", "--decode-steps",
+             "2", "--timed-runs", "1", "--kernel-option", "linear.num_warps=2",
+             "--kernel-option", "layer_norm.block_rows=2", "--json", str(path)])
+    from rosejax import layers
+
+    assert layers.linear.keywords == {"num_warps": 2}
+    assert layers.linear_partial_sums.keywords == {"num_warps": 2}
+    assert layers.add_layer_norm.keywords == {"block_rows": 2}
+    data = _load(path)
+    assert data["kernel_options"] == ["linear.num_warps=2", "layer_norm.block_rows=2"]
+    (row,) = data["rows"]
+    assert row["decode_steps"] == 2 and row["decode_ms_per_step"] > 0
+
+
 def test_plots(tmp_path):
     pytest.importorskip("matplotlib")
     from bench import common
@@ -342,6 +369,7 @@ def test_plots(tmp_path):
                                  "--hf-model-id", "--warmup-runs", "--repeat-runs", "--plot"]),
         ("benchmark_scheduler", ["--mode", "--request-rate", "--input-len", "--json"]),
         ("compare_hf", ["--batch-sizes", "--skip-hf-static", "--hf-in-process", "--plot"]),
+        ("profile_decode", ["--kernel-option", "--trace-dir", "--decode-steps", "--timed-runs"]),
     ],
 )
 def test_help_as_a_file(script, flags):
