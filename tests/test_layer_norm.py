@@ -32,6 +32,7 @@ def rosejax_module(x, scale, bias, *, eps):
 
 
 IMPLS = {
+    "pallas": functools.partial(layer_norm, interpret=INTERPRET),  # the defaults the model runs
     "pallas_r4": functools.partial(layer_norm, block_rows=4, interpret=INTERPRET),
     "pallas_r1_w1": functools.partial(layer_norm, block_rows=1, num_warps=1, interpret=INTERPRET),
     "reference": layer_norm_reference,
@@ -94,6 +95,7 @@ def pending_module(partials, linear_bias, residual, scale, bias, *, eps):
 
 
 ADD_IMPLS = {
+    "pallas": functools.partial(add_layer_norm, interpret=INTERPRET),  # the model's defaults
     "pallas_r4": functools.partial(add_layer_norm, block_rows=4, interpret=INTERPRET),
     "pallas_r2_w1": functools.partial(add_layer_norm, block_rows=2, num_warps=1,
                                       interpret=INTERPRET),
