@@ -38,7 +38,8 @@ from rosejax import LLMEngine, SamplingParams, attention, layers  # noqa: E402
 KERNELS = {
     "layer_norm": [(layers, "layer_norm"), (layers, "add_layer_norm")],
     "linear": [(layers, "linear"), (layers, "linear_partial_sums")],
-    "attention": [(attention, "paged_decode_attention")],
+    "attention": [(attention, "paged_decode_attention"),
+                  (attention, "paged_decode_attention_append")],
 }
 
 

@@ -9,6 +9,10 @@ Layout: k_cache, v_cache [H, num_blocks, block_size, D] (rosejax's KV cache); bl
 [B, MB] int32; lengths [B] int32 (tokens in the cache for the row, 0 for a padded row). q may carry
 more heads than the cache, [B, H' >= H, D], of which the first H are the queries: a model passes
 its fused q/k/v projection [B, 3H, D] whole, and XLA copies no q out of it first.
+
+`paged_decode_attention_append` also writes each row's new K/V (heads H..3H of that projection)
+into its slot first, which saves a decode step one `kv_append` kernel per layer: on a one-request
+step, a tenth of the ~100 small kernels whose launches bound it.
 """
 
 from __future__ import annotations
@@ -22,8 +26,35 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2
+from pallas_kernels.kv_append import kv_append_reference
 
 _NEG_INF = -1e30
+
+
+def _attend_pages(q, k_cache_ref, v_cache_ref, block_tables_ref, b, h, num_tokens):
+    """Online softmax of q [D] (already scaled) over the row's first `num_tokens` cached keys
+    of head h -> (running max, softmax denominator, numerator [D]), all float32."""
+    block_size, head_dim = k_cache_ref.shape[2], k_cache_ref.shape[3]
+
+    def body(i, carry):
+        m, denom, acc = carry
+        page = block_tables_ref[b, i]
+        valid = i * block_size + jnp.arange(block_size, dtype=jnp.int32) < num_tokens  # [BS]
+        # Masked loads: the last page's unused tail is never read (at block size 64 and GPT-2's
+        # decode contexts that tail is a fifth to a half of the bytes).
+        k = plgpu.load(k_cache_ref.at[h, page, :, :], mask=valid[:, None], other=0.0)
+        v = plgpu.load(v_cache_ref.at[h, page, :, :], mask=valid[:, None], other=0.0)
+        s = jnp.sum(q[None, :] * k.astype(jnp.float32), axis=1)  # [BS]
+        s = jnp.where(valid, s, _NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s))
+        p = jnp.exp(s - m_new)  # [BS]
+        alpha = jnp.exp(m - m_new)
+        acc = acc * alpha + jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
+        return m_new, denom * alpha + jnp.sum(p), acc
+
+    num_pages = (num_tokens + block_size - 1) // block_size
+    init = (jnp.float32(_NEG_INF), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32))
+    return jax.lax.fori_loop(0, num_pages, body, init)
 
 
 def paged_decode_attention_kernel(
@@ -37,34 +68,103 @@ def paged_decode_attention_kernel(
     sm_scale: float,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
-    block_size, head_dim = k_cache_ref.shape[2], k_cache_ref.shape[3]
     q = q_ref[b, h, :].astype(jnp.float32) * sm_scale  # [D]
-    length = lengths_ref[b]
-
-    def body(i, carry):
-        m, denom, acc = carry  # [], [], [D]: running max, softmax denominator, numerator
-        page = block_tables_ref[b, i]
-        valid = i * block_size + jnp.arange(block_size, dtype=jnp.int32) < length  # [BS]
-        # Masked loads: the last page's unused tail is never read (at block size 64 and GPT-2's
-        # decode contexts that tail is a fifth to a half of the bytes).
-        k = plgpu.load(k_cache_ref.at[h, page, :, :], mask=valid[:, None], other=0.0)
-        v = plgpu.load(v_cache_ref.at[h, page, :, :], mask=valid[:, None], other=0.0)
-        s = jnp.sum(q[None, :] * k.astype(jnp.float32), axis=1)  # [BS]
-        s = jnp.where(valid, s, _NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(s))
-        p = jnp.exp(s - m_new)  # [BS]
-        alpha = jnp.exp(m - m_new)
-        acc = acc * alpha + jnp.sum(p[:, None] * v.astype(jnp.float32), axis=0)
-        return m_new, denom * alpha + jnp.sum(p), acc
-
-    num_pages = (length + block_size - 1) // block_size
-    init = (jnp.float32(_NEG_INF), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32))
-    _, denom, acc = jax.lax.fori_loop(0, num_pages, body, init)
+    _, denom, acc = _attend_pages(q, k_cache_ref, v_cache_ref, block_tables_ref, b, h,
+                                  lengths_ref[b])
     # A padded row (length 0) has denom = 0: write zeros, not NaN.
     o_ref[b, h, :] = (acc / jnp.maximum(denom, 1e-30)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=["num_warps", "num_stages", "interpret"])
+def paged_decode_attention_append_kernel(
+    qkv_ref,  # [B, 3H, D]: q, k, v of the row's new token
+    k_cache_in_ref,  # [H, NB, BS, D], aliased to k_cache_ref
+    v_cache_in_ref,  # [H, NB, BS, D], aliased to v_cache_ref
+    block_tables_ref,  # [B, MB]
+    lengths_ref,  # [B]
+    o_ref,  # [B, H, D]
+    k_cache_ref,  # [H, NB, BS, D]
+    v_cache_ref,  # [H, NB, BS, D]
+    *,
+    sm_scale: float,
+):
+    b, h = pl.program_id(0), pl.program_id(1)
+    num_heads, block_size = k_cache_ref.shape[0], k_cache_ref.shape[2]
+    length = lengths_ref[b]
+    # The older tokens come from the cache; the new one from registers, so no program reads a
+    # slot that this launch writes (a row's write slot is private to it: shared blocks are full,
+    # and a shared partial block is copied before anyone writes into it).
+    q = qkv_ref[b, h, :].astype(jnp.float32) * sm_scale  # [D]
+    m, denom, acc = _attend_pages(q, k_cache_in_ref, v_cache_in_ref, block_tables_ref, b, h,
+                                  length - 1)
+    k_new = qkv_ref[b, num_heads + h, :]  # [D]
+    v_new = qkv_ref[b, 2 * num_heads + h, :]  # [D]
+    s = jnp.sum(q * k_new.astype(jnp.float32))
+    m_new = jnp.maximum(m, s)
+    alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
+    out = (acc * alpha + p * v_new.astype(jnp.float32)) / (denom * alpha + p)  # [D]
+    o_ref[b, h, :] = jnp.where(length > 0, out, 0.0).astype(o_ref.dtype)
+    # Stored last: with these stores ahead of the page loop the kernel took 6.7 us a call at
+    # B=1 on an H100, 1.4 us more than the attention alone (bench/RESULTS.md, session 13).
+    # The new token's slot is position length - 1; a padded row (length 0) writes scratch block 0.
+    pos = jnp.maximum(length - 1, 0)
+    block = jnp.where(length > 0, block_tables_ref[b, pos // block_size], 0)
+    k_cache_ref[h, block, pos % block_size, :] = k_new
+    v_cache_ref[h, block, pos % block_size, :] = v_new
+
+
+def _check_decode_args(q, k_cache, v_cache, block_tables, lengths, num_q_heads: str) -> None:
+    """Static checks shared by both decode ops; `num_q_heads` says how many heads q must have."""
+    if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"need q [B, H, D] and caches [H, NB, BS, D], got {q.shape}, "
+                         f"{k_cache.shape}, {v_cache.shape}")
+    b, _, d = q.shape
+    h = k_cache.shape[0]
+    need = {">= H": q.shape[1] >= h, "3H": q.shape[1] == 3 * h}[num_q_heads]
+    if not need or k_cache.shape[3] != d:
+        raise ValueError(f"q heads/dim {q.shape[1:]} do not cover the cache's "
+                         f"{(h, k_cache.shape[3])} (need {num_q_heads} heads)")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.dtype != jnp.int32:
+        raise ValueError(f"block_tables must be int32 [{b}, MB], got {block_tables.dtype} "
+                         f"{block_tables.shape}")
+    if lengths.shape != (b,) or lengths.dtype != jnp.int32:
+        raise ValueError(f"lengths must be int32 [{b}], got {lengths.dtype} {lengths.shape}")
+    bs = k_cache.shape[2]
+    if not (is_power_of_2(bs) and is_power_of_2(d)):
+        raise ValueError(f"block size and head dim must be powers of two, got {bs}, {d}")
+
+
+def _default_num_warps(block_size: int, head_dim: int) -> int:
+    # One warp per 1,024 elements of a [block_size, D] page: the best of 1/2/4 warps at each
+    # block size of an H200 sweep (B=256, context 136; bench/RESULTS.md).
+    return max(1, min(block_size * head_dim // 1024, 8))
+
+
+def _decode_call(kernel, name: str, q, k_cache, v_cache, block_tables, lengths, *,
+                 append: bool, num_warps: int | None, num_stages: int, interpret: bool):
+    """One program per (row, head); with `append` the caches are outputs too, in place."""
+    b, d = q.shape[0], q.shape[2]
+    h, _, bs, _ = k_cache.shape
+    if num_warps is None:
+        num_warps = _default_num_warps(bs, d)
+    if not interpret:
+        filter_triton_deprecation()
+    out_shape = jax.ShapeDtypeStruct((b, h, d), q.dtype)
+    cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
+    return pl.pallas_call(
+        functools.partial(kernel, sm_scale=1.0 / math.sqrt(d)),
+        grid=(b, h),
+        out_shape=(out_shape, cache_shape, cache_shape) if append else out_shape,
+        input_output_aliases={1: 1, 2: 2} if append else {},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"{name}_bs{bs}_w{num_warps}",
+    )(q, k_cache, v_cache, block_tables, lengths)
+
+
+_STATIC = ["num_warps", "num_stages", "interpret"]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_decode_attention(
     q: jax.Array,  # [B, H' >= H, D]: the first H heads are the queries
     k_cache: jax.Array,  # [H, NB, BS, D]
@@ -78,36 +178,33 @@ def paged_decode_attention(
 ) -> jax.Array:  # [B, H, D]
     """softmax(q k^T / sqrt(D)) v over each row's first `lengths[b]` cached tokens.
 
-    `num_warps` None: one warp per 1,024 elements of a [block_size, D] page, the best of 1/2/4
-    warps at each block size of an H200 sweep (B=256, context 136; bench/RESULTS.md)."""
-    if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"need q [B, H, D] and caches [H, NB, BS, D], got {q.shape}, "
-                         f"{k_cache.shape}, {v_cache.shape}")
-    b, _, d = q.shape
-    h = k_cache.shape[0]
-    if q.shape[1] < h or k_cache.shape[3] != d:
-        raise ValueError(f"q heads/dim {q.shape[1:]} do not cover the cache's "
-                         f"{(h, k_cache.shape[3])}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.dtype != jnp.int32:
-        raise ValueError(f"block_tables must be int32 [{b}, MB], got {block_tables.dtype} "
-                         f"{block_tables.shape}")
-    if lengths.shape != (b,) or lengths.dtype != jnp.int32:
-        raise ValueError(f"lengths must be int32 [{b}], got {lengths.dtype} {lengths.shape}")
-    bs = k_cache.shape[2]
-    if not (is_power_of_2(bs) and is_power_of_2(d)):
-        raise ValueError(f"block size and head dim must be powers of two, got {bs}, {d}")
-    if num_warps is None:
-        num_warps = max(1, min(bs * d // 1024, 8))
-    if not interpret:
-        filter_triton_deprecation()
-    return pl.pallas_call(
-        functools.partial(paged_decode_attention_kernel, sm_scale=1.0 / math.sqrt(d)),
-        grid=(b, h),
-        out_shape=jax.ShapeDtypeStruct((b, h, d), q.dtype),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"paged_decode_attention_bs{bs}_w{num_warps}",
-    )(q, k_cache, v_cache, block_tables, lengths)
+    `num_warps` None: one warp per 1,024 elements of a [block_size, D] page."""
+    _check_decode_args(q, k_cache, v_cache, block_tables, lengths, ">= H")
+    return _decode_call(paged_decode_attention_kernel, "paged_decode_attention", q, k_cache,
+                        v_cache, block_tables, lengths, append=False, num_warps=num_warps,
+                        num_stages=num_stages, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1, 2))
+def paged_decode_attention_append(
+    qkv: jax.Array,  # [B, 3H, D]: each row's new token's q, k and v heads
+    k_cache: jax.Array,  # [H, NB, BS, D], donated
+    v_cache: jax.Array,  # [H, NB, BS, D], donated
+    block_tables: jax.Array,  # [B, MB] int32
+    lengths: jax.Array,  # [B] int32, the new token included
+    *,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # [B, H, D], k_cache, v_cache
+    """`kv_append` of each row's new K/V at position lengths[b] - 1, then
+    `paged_decode_attention`, in one kernel: a decode step's layer launches one kernel fewer.
+    A padded row (length 0) writes scratch block 0 and gives zeros. Updates the caches in place
+    (donate them in the calling jit). Tiles as `paged_decode_attention`."""
+    _check_decode_args(qkv, k_cache, v_cache, block_tables, lengths, "3H")
+    return _decode_call(paged_decode_attention_append_kernel, "paged_decode_attention_append",
+                        qkv, k_cache, v_cache, block_tables, lengths, append=True,
+                        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 def paged_attention_xla(
@@ -165,3 +262,21 @@ def paged_decode_attention_reference(
     q = q[:, : k_cache.shape[0]]  # [B, H, D]
     out = paged_attention_xla(q[:, None], k_cache, v_cache, block_tables, (lengths - 1)[:, None])
     return jnp.where(lengths[:, None, None] > 0, out[:, 0], 0).astype(q.dtype)
+
+
+def paged_decode_attention_append_reference(
+    qkv: jax.Array,  # [B, 3H, D]
+    k_cache: jax.Array,  # [H, NB, BS, D]
+    v_cache: jax.Array,  # [H, NB, BS, D]
+    block_tables: jax.Array,  # [B, MB] int32
+    lengths: jax.Array,  # [B] int32
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The XLA reference of `paged_decode_attention_append`: the append, then the attention."""
+    h, _, bs, _ = k_cache.shape
+    pos = jnp.maximum(lengths - 1, 0)  # [B]
+    block = jnp.take_along_axis(block_tables, (pos // bs)[:, None], axis=1)[:, 0]  # [B]
+    block = jnp.where(lengths > 0, block, 0)
+    k_cache, v_cache = kv_append_reference(k_cache, v_cache, qkv, qkv, block, pos % bs,
+                                           new_head_offsets=(h, 2 * h))
+    out = paged_decode_attention_reference(qkv, k_cache, v_cache, block_tables, lengths)
+    return out, k_cache, v_cache

@@ -7,39 +7,69 @@ prefix-cached prefill (the cached blocks are already there) and decode share one
 - `prefill_attention`: any number of queries per row, plain XLA. A batch in which no row continues
   a cached prefix (every chunk starts at position 0) attends among its own tokens
   (`causal_attention_xla`); otherwise every row's pages are gathered (`paged_attention_xla`).
-- `decode_attention`: one query per row. On the GPU, rosejax's Pallas kernel
-  (`pallas_kernels/paged_attention.py`, ROSEJAX_PALLAS_ATTENTION=0 turns it off); elsewhere XLA.
+- `decode_attention`: one query per row, K/V written and attended in one call. On the GPU,
+  rosejax's Pallas kernel (`pallas_kernels/paged_attention.py`, ROSEJAX_PALLAS_ATTENTION=0 turns
+  it off), which writes the K/V itself (ROSEJAX_FUSED_KV_APPEND=0 leaves that to `append_kv`);
+  elsewhere XLA.
+- `append_kv`: the `kv_append` dispatcher's kernels (or its XLA scatter), for prefill chunks and
+  unfused decode steps.
 """
 
 from __future__ import annotations
 
 import jax
 
-from pallas_kernels._common import gpu_kernel_enabled
+from pallas_kernels import kv_append
+from pallas_kernels._common import env_switch, gpu_kernel_enabled
 from pallas_kernels.paged_attention import (
     causal_attention_xla,
     paged_attention_xla,
     paged_decode_attention,
+    paged_decode_attention_append,
     paged_decode_attention_reference,
 )
 
-__all__ = ["decode_attention", "prefill_attention", "pallas_attention_enabled"]
+__all__ = ["append_kv", "decode_append_fused", "decode_attention", "pallas_attention_enabled",
+           "prefill_attention"]
 
 
 def pallas_attention_enabled() -> bool:
     return gpu_kernel_enabled("ROSEJAX_PALLAS_ATTENTION")
 
 
+def decode_append_fused() -> bool:
+    """Whether the decode attention kernel writes the step's K/V too, a kernel a layer fewer."""
+    return pallas_attention_enabled() and env_switch("ROSEJAX_FUSED_KV_APPEND")
+
+
+def append_kv(
+    qkv: jax.Array,  # [N, 3H, D]: the new tokens' fused q/k/v projection
+    k_cache: jax.Array,  # [H, NB, BS, D]
+    v_cache: jax.Array,  # [H, NB, BS, D]
+    write_block: jax.Array,  # [N] int32, each token's physical block
+    write_offset: jax.Array,  # [N] int32, its slot in that block
+) -> tuple[jax.Array, jax.Array]:
+    h = k_cache.shape[0]
+    return kv_append(k_cache, v_cache, qkv, qkv, write_block, write_offset,
+                     new_head_offsets=(h, 2 * h))
+
+
 def decode_attention(
-    q: jax.Array,  # [B, H' >= H, D]: the first H heads are the queries
+    qkv: jax.Array,  # [B, 3H, D]: each row's one new token
     k_cache: jax.Array,  # [H, NB, BS, D]
     v_cache: jax.Array,  # [H, NB, BS, D]
     block_tables: jax.Array,  # [B, MB] int32
     seq_lens: jax.Array,  # [B] int32, tokens in the cache for each row, this step's included
-) -> jax.Array:  # [B, H, D]
-    if pallas_attention_enabled():
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens)
-    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens)
+    write_block: jax.Array,  # [B] int32: the slot of position seq_lens - 1 (scratch if padded)
+    write_offset: jax.Array,  # [B] int32
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # [B, H, D], k_cache, v_cache
+    """Write each row's new K/V, then attend over the row's `seq_lens` tokens."""
+    if decode_append_fused():  # finds the slots from block_tables and seq_lens itself
+        return paged_decode_attention_append(qkv, k_cache, v_cache, block_tables, seq_lens)
+    k_cache, v_cache = append_kv(qkv, k_cache, v_cache, write_block, write_offset)
+    attend = (paged_decode_attention if pallas_attention_enabled()
+              else paged_decode_attention_reference)
+    return attend(qkv, k_cache, v_cache, block_tables, seq_lens), k_cache, v_cache
 
 
 def prefill_attention(

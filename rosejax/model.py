@@ -5,9 +5,9 @@ engine jits, with the params as a plain nested dict that the checkpoint loader b
 NNX would need a `split`/`merge` round trip to get the same thing.
 
 One forward serves prefill (T tokens per row, padded) and decode (T = 1): each layer writes the new
-K/V into the cache through `pallas_kernels.kv_append`, then attends over the pages (see
-`rosejax.attention`). Exactly GPT-2: learned positions, pre-LN, tanh GELU, 1/sqrt(head_dim), tied
-LM head.
+K/V into the cache (the `pallas_kernels.kv_append` dispatcher, or a decode step's attention kernel),
+then attends over the pages (see `rosejax.attention`). Exactly GPT-2: learned positions, pre-LN,
+tanh GELU, 1/sqrt(head_dim), tied LM head.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import kv_append
-from rosejax.attention import decode_attention, prefill_attention
+from rosejax.attention import append_kv, decode_attention, prefill_attention
 from rosejax.config import GPT2Config
 from rosejax.kv_cache import KVCache
 from rosejax.layers import LayerNorm, Linear, PendingSum
@@ -50,14 +49,14 @@ class CausalSelfAttention(nn.Module):
         # The kernels read q, k and v straight out of the projection (heads 0, H and 2H of
         # [B*T, 3H, D], a free reshape): split copies would be a kernel per layer of their own.
         fused = qkv.reshape(b * t, 3 * h, d)
-        k_cache, v_cache = kv_append(
-            k_cache, v_cache, fused, fused, write_block.reshape(-1), write_offset.reshape(-1),
-            new_head_offsets=(h, 2 * h),
-        )  # fmt: skip
+        write_block, write_offset = write_block.reshape(-1), write_offset.reshape(-1)
         if t == 1:
-            out = decode_attention(fused, k_cache, v_cache, meta.block_tables, meta.seq_lens)
-            out = out[:, None]
+            out, k_cache, v_cache = decode_attention(
+                fused, k_cache, v_cache, meta.block_tables, meta.seq_lens, write_block,
+                write_offset,
+            )  # fmt: skip
         else:
+            k_cache, v_cache = append_kv(fused, k_cache, v_cache, write_block, write_offset)
             q, k, v = (a.reshape(b, t, h, d) for a in jnp.split(qkv, 3, axis=-1))
             out = prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.positions,
                                     fresh)

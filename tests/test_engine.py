@@ -425,3 +425,34 @@ def test_layer_kernels_forced_match_hf(checkpoint, monkeypatch, pallas_layer_nor
     want |= {"layer_norm", "add_layer_norm"} if pallas_layer_norm else set()
     assert {name for name, _ in kernel_rows} == want
     assert max(rows for name, rows in kernel_rows if name.startswith("linear")) <= 16
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["append_fused", "kv_append_kernel"])
+def test_attention_kernels_forced_match_hf(checkpoint, monkeypatch, fused):
+    """The GPU's decode attention, forced on and interpreted here, wired into the whole model:
+    greedy outputs still match HF, whether the attention kernel writes each step's K/V itself
+    or the kv_append kernels do (ROSEJAX_FUSED_KV_APPEND). Decode steps only: prefill chunks
+    always append through the kv_append dispatcher."""
+    from pallas_kernels.paged_attention import (
+        paged_decode_attention,
+        paged_decode_attention_append,
+    )
+    from rosejax import attention
+
+    monkeypatch.setenv("ROSEJAX_FUSED_KV_APPEND", "1" if fused else "0")
+    monkeypatch.setattr(attention, "gpu_kernel_enabled", lambda switch: True)
+    ran = []
+
+    def interpreted(kernel):
+        def call(*args, **kwargs):
+            ran.append(kernel.__name__)
+            return kernel(*args, interpret=True, **kwargs)
+        monkeypatch.setattr(attention, kernel.__name__, call)
+
+    interpreted(paged_decode_attention)
+    interpreted(paged_decode_attention_append)
+    llm = make_llm(checkpoint)
+    prompts = random_prompts(3)
+    check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+    assert_clean(llm.engine)
+    assert set(ran) == {"paged_decode_attention_append" if fused else "paged_decode_attention"}

@@ -1,4 +1,5 @@
-"""Paged decode attention: the Pallas kernel and the XLA reference against a numpy oracle."""
+"""Paged decode attention (and its fused K/V append): the Pallas kernels and the XLA references
+against a numpy oracle."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 from pallas_kernels.paged_attention import (
     causal_attention_xla,
     paged_decode_attention,
+    paged_decode_attention_append,
+    paged_decode_attention_append_reference,
     paged_decode_attention_reference,
 )
 from tests.conftest import INTERPRET
@@ -19,6 +22,10 @@ from tests.conftest import INTERPRET
 IMPLS = {
     "pallas": functools.partial(paged_decode_attention, interpret=INTERPRET),
     "reference": jax.jit(paged_decode_attention_reference),
+}
+APPEND_IMPLS = {
+    "pallas": functools.partial(paged_decode_attention_append, interpret=INTERPRET),
+    "reference": jax.jit(paged_decode_attention_append_reference, donate_argnums=(1, 2)),
 }
 # (B, H, D, block_size, blocks per row): GPT-2's heads, a head dim other than 64, B = 1, odd B.
 SHAPES = [(5, 12, 64, 16, 4), (1, 4, 32, 8, 6), (3, 2, 16, 8, 3)]
@@ -111,6 +118,67 @@ def test_bad_shapes_raise(change, match):
     args = dict(q=q, k_cache=k, v_cache=v, block_tables=tables, lengths=lengths)
     with pytest.raises(ValueError, match=match):
         paged_decode_attention(**change(args), interpret=INTERPRET)
+
+
+def make_append_case(rng, shape, dtype, padded_rows=()):
+    """make_case plus each row's new token: qkv [B, 3H, D] whose K/V must land at position
+    lengths[b] - 1, whose slot holds a stale (owned, finite) value before the call; rows in
+    `padded_rows` get length 0. Returns the inputs and the caches the call must leave (numpy,
+    bit for bit)."""
+    q, k, v, tables, lengths = make_case(rng, *shape, dtype)
+    lengths = lengths.at[np.asarray(padded_rows, int)].set(0)
+    b, h, d = q.shape
+    bs = k.shape[2]
+    kv_new = jnp.asarray(rng.normal(size=(b, 2 * h, d)), dtype)
+    qkv = jnp.concatenate([q, kv_new], axis=1)
+    want_k, want_v = np.array(k), np.array(v)
+    for row in range(b):
+        n = int(lengths[row])
+        blk, off = (int(tables[row, (n - 1) // bs]), (n - 1) % bs) if n else (0, 0)
+        want_k[:, blk, off] = np.asarray(kv_new[row, :h])
+        want_v[:, blk, off] = np.asarray(kv_new[row, h:])
+    return (qkv, k, v, tables, lengths), (want_k, want_v)
+
+
+@pytest.mark.parametrize("impl", APPEND_IMPLS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", TOL)
+def test_append_then_attend(impl, shape, dtype):
+    """The new K/V land in their slots and nowhere else (poisoned slots stay as they were), and
+    the output attends over them, not over the slot's stale value."""
+    rng = np.random.default_rng()
+    (qkv, k, v, tables, lengths), (want_k, want_v) = make_append_case(rng, shape, dtype)
+    out, k_out, v_out = APPEND_IMPLS[impl](qkv, k, v, tables, lengths)
+    np.testing.assert_array_equal(np.asarray(k_out), want_k)
+    np.testing.assert_array_equal(np.asarray(v_out), want_v)
+    h = want_k.shape[0]
+    assert out.shape == (qkv.shape[0], h, qkv.shape[2]) and out.dtype == qkv.dtype
+    ref = oracle(qkv[:, :h], want_k, want_v, np.asarray(tables), np.asarray(lengths))
+    err = np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref)
+    assert err <= TOL[dtype]
+
+
+@pytest.mark.parametrize("impl", APPEND_IMPLS)
+def test_append_padded_rows_write_scratch(impl):
+    """A padded row (length 0) gives zeros and writes only scratch block 0, slot 0."""
+    rng = np.random.default_rng()
+    (qkv, k, v, tables, lengths), (want_k, want_v) = make_append_case(
+        rng, (3, 4, 32, 8, 2), "float32", padded_rows=[1])
+    out, k_out, v_out = APPEND_IMPLS[impl](qkv, k, v, tables, lengths)
+    out = np.asarray(out)
+    assert np.all(np.isfinite(out)) and np.all(out[1] == 0)
+    np.testing.assert_array_equal(np.asarray(k_out), want_k)
+    np.testing.assert_array_equal(np.asarray(v_out), want_v)
+
+
+@pytest.mark.parametrize("change", [lambda a: a[:, :8], lambda a: jnp.concatenate([a, a], 1)],
+                         ids=["2H", "6H"])
+def test_append_needs_exactly_3h_heads(change):
+    """q/k/v are found at heads 0, H and 2H: any other head count is a caller's mistake."""
+    rng = np.random.default_rng()
+    (qkv, k, v, tables, lengths), _ = make_append_case(rng, (2, 4, 32, 8, 2), "float32")
+    with pytest.raises(ValueError, match="need 3H heads"):
+        paged_decode_attention_append(change(qkv), k, v, tables, lengths, interpret=INTERPRET)
 
 
 def make_prefill_case(rng, cached, new, h=4, d=16, bs=8, mb=5):
