@@ -67,6 +67,37 @@ def apply_kernel_options(options: list[tuple[str, str, int]]) -> None:
             setattr(module, attr, functools.partial(getattr(module, attr), **{param: n}))
 
 
+def make_engine(model: str, batch: int, prompt_len: int, new_tokens: int, block_size: int,
+                decode_steps: int) -> LLMEngine:
+    """An fp16 engine for `batch` concurrent requests of this shape (KV for all of them)."""
+    return LLMEngine(
+        model, dtype="float16", max_batch_size=batch, block_size=block_size,
+        kv_cache_tokens=batch * (prompt_len + new_tokens + 2 * block_size),
+        decode_steps=decode_steps, warmup=False,
+    )  # fmt: skip
+
+
+def timed_run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
+              rng: np.random.Generator, tag: object) -> tuple[float, float, int]:
+    """`batch` requests of random `prompt_len`-token prompts, `new_tokens` greedy tokens each,
+    all at once -> (decode seconds: from every request holding its first token to the end,
+    end-to-end seconds, tokens)."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = rng.integers(0, engine.config.vocab_size, prompt_len).tolist()
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    t0 = time.perf_counter()
+    decode_t = None
+    tokens = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if decode_t is None and len(outs) == batch and all(len(o.token_ids) for o in outs):
+            decode_t = time.perf_counter()
+        tokens += sum(len(o.new_token_ids) for o in outs)
+    t1 = time.perf_counter()
+    return t1 - (decode_t or t0), t1 - t0, tokens
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,38 +122,20 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     rng = np.random.default_rng(0)
     for k in [int(s) for s in args.decode_steps.split(",")]:
-        engine = LLMEngine(
-            args.model, dtype="float16", max_batch_size=args.batch, block_size=args.block_size,
-            kv_cache_tokens=args.batch * (args.prompt_len + args.new_tokens + 2 * args.block_size),
-            decode_steps=k, warmup=False,
-        )  # fmt: skip
-        params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+        engine = make_engine(args.model, args.batch, args.prompt_len, args.new_tokens,
+                             args.block_size, k)
         runs = []  # (decode seconds, end-to-end seconds, tokens) of each timed run
         for run in range(1 + args.timed_runs):  # the first run compiles what it meets
-            for i in range(args.batch):
-                prompt = rng.integers(0, engine.config.vocab_size, args.prompt_len).tolist()
-                engine.add_request(f"{run}-{i}", prompt, params)
             if run == 1:
                 engine.host_seconds = dict.fromkeys(engine.host_seconds, 0.0)
-            t0 = time.perf_counter()
-            decode_t = None
-            tokens = 0
-            if run == 1 and args.trace_dir:
+            trace = run == 1 and args.trace_dir
+            if trace:
                 jax.profiler.start_trace(args.trace_dir, create_perfetto_trace=True)
-            while engine.has_unfinished_requests():
-                outs = engine.step()
-                if (
-                    decode_t is None
-                    and all(len(o.token_ids) >= 1 for o in outs)
-                    and len(outs) == args.batch
-                ):
-                    decode_t = time.perf_counter()
-                tokens += sum(len(o.new_token_ids) for o in outs)
-            t1 = time.perf_counter()
-            if run == 1 and args.trace_dir:
+            timed = timed_run(engine, args.batch, args.prompt_len, args.new_tokens, rng, run)
+            if trace:
                 jax.profiler.stop_trace()
             if run >= 1:
-                runs.append((t1 - (decode_t or t0), t1 - t0, tokens))
+                runs.append(timed)
         steps = args.new_tokens - 1
         all_ms = [d / steps * 1e3 for d, _, _ in runs]
         decode_s, e2e_s, tokens = sorted(runs)[len(runs) // 2]  # the median run

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -350,6 +351,43 @@ def test_profile_decode_kernel_options(tmp_path, monkeypatch):
     assert row["decode_steps"] == 2 and row["decode_ms_per_step"] > 0
 
 
+def test_compare_variants(tmp_path, monkeypatch):
+    """Each variant's engine is built under its own env and kernel keywords, both undone after;
+    the timed runs are interleaved and the first variant is the baseline."""
+    from bench import compare_variants as cv
+    from bench import profile_decode as pd
+    from rosejax import layers
+
+    for bad in ("nocolon", ":x=1", "a:linear.bogus=2", "a:NOEQUALS"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cv.variant(bad)
+    monkeypatch.delenv("ROSEJAX_FUSED_KV_APPEND", raising=False)
+    unbound = layers.linear
+    built = []  # (env value, linear's bound keywords) when each engine was made
+    make = pd.make_engine
+
+    def spy(*args):
+        built.append((os.environ.get("ROSEJAX_FUSED_KV_APPEND"),
+                      getattr(layers.linear, "keywords", None)))
+        return make(*args)
+
+    monkeypatch.setattr(pd, "make_engine", spy)
+    path = tmp_path / "v.json"
+    data = cv.main(["base:", "both:ROSEJAX_FUSED_KV_APPEND=0,linear.num_warps=2", "--model",
+                    "random:tiny", "--batch", "2", "--new-tokens", "4", "--decode-steps", "2",
+                    "--runs", "2", "--json", str(path)])
+    assert built == [(None, None), ("0", {"num_warps": 2})]
+    assert "ROSEJAX_FUSED_KV_APPEND" not in os.environ and layers.linear is unbound
+    assert _load(path) == json.loads(json.dumps(data))
+    base, both = data["rows"]
+    assert (base["name"], both["name"]) == ("base", "both")
+    assert both["settings"] == ["ROSEJAX_FUSED_KV_APPEND=0", "linear.num_warps=2"]
+    assert base["vs_baseline"] == 1.0 and _positive(both["vs_baseline"])
+    for row in data["rows"]:
+        assert len(row["runs"]) == 2 and all(_positive(x) for x in row["runs"])
+        assert not row["recompiled"]
+
+
 def test_plots(tmp_path):
     pytest.importorskip("matplotlib")
     from bench import common
@@ -370,6 +408,7 @@ def test_plots(tmp_path):
         ("benchmark_scheduler", ["--mode", "--request-rate", "--input-len", "--json"]),
         ("compare_hf", ["--batch-sizes", "--skip-hf-static", "--hf-in-process", "--plot"]),
         ("profile_decode", ["--kernel-option", "--trace-dir", "--decode-steps", "--timed-runs"]),
+        ("compare_variants", ["--runs", "--batch", "--decode-steps", "--json"]),
     ],
 )
 def test_help_as_a_file(script, flags):
