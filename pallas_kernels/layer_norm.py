@@ -25,13 +25,14 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
 from pallas_kernels.linear import finish_partial_sums
 
-# Rows per program and warps of both kernels, measured inside the decode step (bench/RESULTS.md,
-# session 12; bench/bench_layer_norm.py times calls one by one, where dispatch hides them): one
-# row per program and two warps against 4 and 4 took the B=1 step from 0.405 to 0.393 ms on an
-# H100 and from 0.400 to 0.348 on an H200 (one process each): a row of 768 is too little work to
-# share among more threads, and more rows a program only serialize. Neutral at B=256.
+# Rows per program and warps of both kernels, measured inside the decode step (bench/RESULTS.md;
+# bench/bench_layer_norm.py times calls one by one, where dispatch hides them). Session 12: one
+# row per program against 4 took the B=1 step from 0.405 to 0.393 ms on an H100 and from 0.400 to
+# 0.348 on an H200 (one process each; more rows a program only serialize). Session 13, in one
+# process (bench/compare_variants.py): 4 warps beat 2 by 0.4-1.2% at B=1 and B=16 in two calls
+# on H100s, and 1 warp was slower. Neutral at B=256.
 DEFAULT_BLOCK_ROWS = 1
-DEFAULT_NUM_WARPS = 2
+DEFAULT_NUM_WARPS = 4
 
 
 def _normalize(x, scale, bias, e: int, eps: float):

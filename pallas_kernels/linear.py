@@ -33,11 +33,13 @@ from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, nex
 
 ACTIVATIONS = (None, "gelu_tanh")
 # From an H100 sweep at 16 rows (bench/RESULTS.md, session 10): a 256-deep K tile was the best of
-# 64/128/256/512; 32 columns beat 16 and 64; 4 warps beat 2 and 8.
+# 64/128/256/512; 32 columns beat 16 and 64; 4 warps beat 2 and 8. Re-swept in one process in
+# session 13 (bench/compare_variants.py, B=1 and 16): all of that held, and 4 stages beat 3 by
+# 0.4-0.7% (2 stages: 15% slower).
 DEFAULT_BLOCK_N = 32
 DEFAULT_BLOCK_K = 256
 DEFAULT_NUM_WARPS = 4
-DEFAULT_NUM_STAGES = 3
+DEFAULT_NUM_STAGES = 4
 DEFAULT_MAX_K_STEPS = 4
 
 
