@@ -1,8 +1,8 @@
 """Decode step time of engine variants measured in one process, the first variant the baseline.
 
-Separate processes on one GPU differ by 5-9% in decode step time (bench/RESULTS.md, session 13: the
-same B=1 program gave 0.351 and 0.383 ms/step in two processes), more than most kernel changes
-are worth, while runs inside one process agree to about 0.5%. So each variant here gets its own
+Separate processes on one GPU have differed by up to 9% in decode step time (bench/RESULTS.md,
+session 13: the same B=1 program gave 0.351 and 0.383 ms/step in two processes), more than most
+kernel changes are worth, while runs inside one process agree to about 0.5%. So each variant here gets its own
 engine, compiled under its settings, and the timed runs go round-robin (A B C A B C ...), so a
 drift of the card hits every variant alike.
 
@@ -11,7 +11,7 @@ when it is traced (ENV=VALUE, e.g. ROSEJAX_FUSED_KV_APPEND=0) or a kernel keywor
 (OP.PARAM=N, as profile_decode.py's --kernel-option). NAME: alone is the defaults.
 
     python bench/compare_variants.py --batch 1 base: unfused:ROSEJAX_FUSED_KV_APPEND=0 \\
-        ln4:layer_norm.num_warps=4
+        ln2:layer_norm.num_warps=2
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import profile_decode as pd  # noqa: E402
+from rosejax import LLMEngine  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,15 +57,16 @@ def variant(text: str) -> Variant:
     return Variant(name, env, options)
 
 
-def build(v: Variant, args: argparse.Namespace, rng: np.random.Generator):
+def build(v: Variant, args: argparse.Namespace,
+          rng: np.random.Generator) -> tuple[LLMEngine, int]:
     """An engine compiled under v's settings (they are undone once its warm-up run has traced
     every program the timed runs use) -> (engine, its compile count after warm-up)."""
     bound = {(module, attr): getattr(module, attr)
              for targets in pd.KERNELS.values() for module, attr in targets}
     old_env = {key: os.environ.get(key) for key in v.env}
-    os.environ.update(v.env)
-    pd.apply_kernel_options(v.kernel_options)
     try:
+        os.environ.update(v.env)
+        pd.apply_kernel_options(v.kernel_options)
         engine = pd.make_engine(args.model, args.batch, args.prompt_len, args.new_tokens,
                                 args.block_size, args.decode_steps)
         pd.timed_run(engine, args.batch, args.prompt_len, args.new_tokens, rng, "warm-up")
@@ -96,6 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     names = [v.name for v in args.variants]
     if len(set(names)) != len(names):
         p.error(f"variant names must differ, got {names}")
+    if args.new_tokens < 2 or args.runs < 1:
+        p.error("need --new-tokens >= 2 (a decode step) and --runs >= 1")
     rng = np.random.default_rng(0)
     engines = {v.name: build(v, args, rng) for v in args.variants}
     ms = {name: [] for name in engines}  # ms per decode step of each timed run
@@ -104,13 +108,13 @@ def main(argv: list[str] | None = None) -> dict:
             decode_s, _, _ = pd.timed_run(engine, args.batch, args.prompt_len, args.new_tokens,
                                           rng, f"{name}-{run}")
             ms[name].append(decode_s / (args.new_tokens - 1) * 1e3)
-    base = statistics.median(ms[names[0]])
-    rows = [dict(name=name, settings=[f"{k}={v}" for k, v in var.env.items()]
-                 + [f"{o}.{p}={n}" for o, p, n in var.kernel_options],
-                 ms_per_step=statistics.median(ms[name]), runs=[round(x, 4) for x in ms[name]],
-                 vs_baseline=statistics.median(ms[name]) / base,
-                 recompiled=engines[name][0].num_compiles != engines[name][1])
-            for name, var in zip(names, args.variants, strict=True)]
+    median = {name: statistics.median(xs) for name, xs in ms.items()}
+    rows = [dict(name=var.name, settings=[f"{k}={v}" for k, v in var.env.items()]
+                 + [f"{op}.{param}={n}" for op, param, n in var.kernel_options],
+                 ms_per_step=median[var.name], runs=[round(x, 4) for x in ms[var.name]],
+                 vs_baseline=median[var.name] / median[names[0]],
+                 recompiled=engines[var.name][0].num_compiles != engines[var.name][1])
+            for var in args.variants]
     print(f"\ncard: {jax.devices()[0].device_kind}, jax {jax.__version__}, batch {args.batch}, "
           f"{args.runs} interleaved runs each")
     print(f"{'variant':>14} {'ms/step':>8} {'x base':>7}  ms/step of each run")

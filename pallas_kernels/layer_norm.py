@@ -26,11 +26,12 @@ from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, nex
 from pallas_kernels.linear import finish_partial_sums
 
 # Rows per program and warps of both kernels, measured inside the decode step (bench/RESULTS.md;
-# bench/bench_layer_norm.py times calls one by one, where dispatch hides them). Session 12: one
-# row per program against 4 took the B=1 step from 0.405 to 0.393 ms on an H100 and from 0.400 to
-# 0.348 on an H200 (one process each; more rows a program only serialize). Session 13, in one
-# process (bench/compare_variants.py): 4 warps beat 2 by 0.4-1.2% at B=1 and B=16 in two calls
-# on H100s, and 1 warp was slower. Neutral at B=256.
+# bench/bench_layer_norm.py times calls one by one, where dispatch hides them). Session 12, one
+# process per setting: (1 row, 2 warps) against (4 rows, 4 warps) took the B=1 step from 0.405 to
+# 0.393 ms on an H100 and from 0.400 to 0.348 on an H200, where (1 row, 4 warps) gave 0.384.
+# Session 13, in one process (bench/compare_variants.py): (1 row, 4 warps) beat (1 row, 2 warps)
+# by 0.4-1.2% at B=1 and B=16 in two calls on H100s; 1 warp was slower; neutral at B=256. Not yet
+# compared in one process on an H200, where the cross-process run favoured 2 warps.
 DEFAULT_BLOCK_ROWS = 1
 DEFAULT_NUM_WARPS = 4
 

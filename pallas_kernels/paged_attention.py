@@ -10,9 +10,10 @@ Layout: k_cache, v_cache [H, num_blocks, block_size, D] (rosejax's KV cache); bl
 more heads than the cache, [B, H' >= H, D], of which the first H are the queries: a model passes
 its fused q/k/v projection [B, 3H, D] whole, and XLA copies no q out of it first.
 
-`paged_decode_attention_append` also writes each row's new K/V (heads H..3H of that projection)
-into its slot first, which saves a decode step one `kv_append` kernel per layer: on a one-request
-step, a tenth of the ~100 small kernels whose launches bound it.
+`paged_decode_attention_append` attends as if each row's new K/V (heads H..3H of that projection)
+were already in its slot, taking them from the projection, and writes them into the slot after
+its page loop. A decode step then needs no `kv_append` kernel: one kernel a layer fewer, out of
+the ~100 small kernels that bound a one-request step.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2
-from pallas_kernels.kv_append import kv_append_reference
 
 _NEG_INF = -1e30
 
@@ -107,22 +107,27 @@ def paged_decode_attention_append_kernel(
     # B=1 on an H100, 1.4 us more than the attention alone (bench/RESULTS.md, session 13).
     # The new token's slot is position length - 1; a padded row (length 0) writes scratch block 0.
     pos = jnp.maximum(length - 1, 0)
-    block = jnp.where(length > 0, block_tables_ref[b, pos // block_size], 0)
+    logical = jnp.minimum(pos // block_size, block_tables_ref.shape[1] - 1)  # as the model clips
+    block = jnp.where(length > 0, block_tables_ref[b, logical], 0)
     k_cache_ref[h, block, pos % block_size, :] = k_new
     v_cache_ref[h, block, pos % block_size, :] = v_new
 
 
-def _check_decode_args(q, k_cache, v_cache, block_tables, lengths, num_q_heads: str) -> None:
-    """Static checks shared by both decode ops; `num_q_heads` says how many heads q must have."""
+def _check_decode_args(q, k_cache, v_cache, block_tables, lengths, append: bool) -> None:
+    """Static checks shared by both decode ops. q needs >= H heads, or exactly 3H of the cache's
+    dtype to `append` (its K/V are stored in the cache)."""
     if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"need q [B, H, D] and caches [H, NB, BS, D], got {q.shape}, "
                          f"{k_cache.shape}, {v_cache.shape}")
     b, _, d = q.shape
     h = k_cache.shape[0]
-    need = {">= H": q.shape[1] >= h, "3H": q.shape[1] == 3 * h}[num_q_heads]
-    if not need or k_cache.shape[3] != d:
+    need = "3H" if append else ">= H"
+    if (q.shape[1] != 3 * h if append else q.shape[1] < h) or k_cache.shape[3] != d:
         raise ValueError(f"q heads/dim {q.shape[1:]} do not cover the cache's "
-                         f"{(h, k_cache.shape[3])} (need {num_q_heads} heads)")
+                         f"{(h, k_cache.shape[3])} (need {need} heads)")
+    if append and (q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype):
+        raise ValueError(f"qkv and the caches must share a dtype to append, got {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
     if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.dtype != jnp.int32:
         raise ValueError(f"block_tables must be int32 [{b}, MB], got {block_tables.dtype} "
                          f"{block_tables.shape}")
@@ -179,7 +184,7 @@ def paged_decode_attention(
     """softmax(q k^T / sqrt(D)) v over each row's first `lengths[b]` cached tokens.
 
     `num_warps` None: one warp per 1,024 elements of a [block_size, D] page."""
-    _check_decode_args(q, k_cache, v_cache, block_tables, lengths, ">= H")
+    _check_decode_args(q, k_cache, v_cache, block_tables, lengths, append=False)
     return _decode_call(paged_decode_attention_kernel, "paged_decode_attention", q, k_cache,
                         v_cache, block_tables, lengths, append=False, num_warps=num_warps,
                         num_stages=num_stages, interpret=interpret)
@@ -201,7 +206,7 @@ def paged_decode_attention_append(
     `paged_decode_attention`, in one kernel: a decode step's layer launches one kernel fewer.
     A padded row (length 0) writes scratch block 0 and gives zeros. Updates the caches in place
     (donate them in the calling jit). Tiles as `paged_decode_attention`."""
-    _check_decode_args(qkv, k_cache, v_cache, block_tables, lengths, "3H")
+    _check_decode_args(qkv, k_cache, v_cache, block_tables, lengths, append=True)
     return _decode_call(paged_decode_attention_append_kernel, "paged_decode_attention_append",
                         qkv, k_cache, v_cache, block_tables, lengths, append=True,
                         num_warps=num_warps, num_stages=num_stages, interpret=interpret)
@@ -271,12 +276,15 @@ def paged_decode_attention_append_reference(
     block_tables: jax.Array,  # [B, MB] int32
     lengths: jax.Array,  # [B] int32
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The XLA reference of `paged_decode_attention_append`: the append, then the attention."""
+    """The XLA reference of `paged_decode_attention_append`: the append (a scatter), then the
+    attention. Returns new caches; the arguments are left as they were."""
     h, _, bs, _ = k_cache.shape
     pos = jnp.maximum(lengths - 1, 0)  # [B]
-    block = jnp.take_along_axis(block_tables, (pos // bs)[:, None], axis=1)[:, 0]  # [B]
+    logical = jnp.minimum(pos // bs, block_tables.shape[1] - 1)  # [B]
+    block = jnp.take_along_axis(block_tables, logical[:, None], axis=1)[:, 0]  # [B]
     block = jnp.where(lengths > 0, block, 0)
-    k_cache, v_cache = kv_append_reference(k_cache, v_cache, qkv, qkv, block, pos % bs,
-                                           new_head_offsets=(h, 2 * h))
+    # k_cache[:, block, pos % bs] is [H, B, D]
+    k_cache = k_cache.at[:, block, pos % bs].set(jnp.swapaxes(qkv[:, h:2 * h], 0, 1))
+    v_cache = v_cache.at[:, block, pos % bs].set(jnp.swapaxes(qkv[:, 2 * h:], 0, 1))
     out = paged_decode_attention_reference(qkv, k_cache, v_cache, block_tables, lengths)
     return out, k_cache, v_cache

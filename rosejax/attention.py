@@ -1,8 +1,10 @@
 """Attention over the paged KV cache.
 
-Every forward writes its new K/V into the pages first and then attends over the pages, so prefill,
-prefix-cached prefill (the cached blocks are already there) and decode share one path. Query token
-`t` of row `b` at absolute position `p` sees the keys at logical positions `0..p` of its block table.
+Every forward attends over the pages as if its new K/V were already written there: prefill chunks
+(and unfused decode steps) write them first through `append_kv`; the fused decode kernel writes
+them itself and takes the new token from its projection. Prefill, prefix-cached prefill (the cached
+blocks are already there) and decode therefore see the same cache. Query token `t` of row `b` at
+absolute position `p` sees the keys at logical positions `0..p` of its block table.
 
 - `prefill_attention`: any number of queries per row, plain XLA. A batch in which no row continues
   a cached prefix (every chunk starts at position 0) attends among its own tokens
@@ -49,6 +51,7 @@ def append_kv(
     write_block: jax.Array,  # [N] int32, each token's physical block
     write_offset: jax.Array,  # [N] int32, its slot in that block
 ) -> tuple[jax.Array, jax.Array]:
+    """Write each token's K/V (heads H..3H of qkv) into its slot -> the caches."""
     h = k_cache.shape[0]
     return kv_append(k_cache, v_cache, qkv, qkv, write_block, write_offset,
                      new_head_offsets=(h, 2 * h))

@@ -130,8 +130,9 @@ class LLMEngine:
         per_row = -(-2 * self.decode_steps // block_size) + 1
         # On a GPU, decode batches of 1-16 rows share one 16-row program: the small-batch matmul
         # kernel pads to 16 rows anyway, so padding costs no extra weight traffic, and warm-up
-        # compiles one program instead of five. (A 1-row program was 1.7% faster at B=1 on an
-        # H100 in session 13: ROSEJAX_MIN_DECODE_BATCH=1 buys that with the four programs.)
+        # compiles one program instead of five. (A 1-row program was 1.0-1.7% faster at B=1 on
+        # an H100 in session 13: ROSEJAX_MIN_DECODE_BATCH=1 buys that with four more programs,
+        # of 1, 2, 4 and 8 rows.)
         min_batch = env_int("ROSEJAX_MIN_DECODE_BATCH", 1 if on_cpu else 16)
         num_slots = max(max_batch_size, min_batch)
         self.runner = ModelRunner(

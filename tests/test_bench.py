@@ -361,6 +361,9 @@ def test_compare_variants(tmp_path, monkeypatch):
     for bad in ("nocolon", ":x=1", "a:linear.bogus=2", "a:NOEQUALS"):
         with pytest.raises(argparse.ArgumentTypeError):
             cv.variant(bad)
+    for bad_args in (["a:", "a:"], ["a:", "--runs", "0"], ["a:", "--new-tokens", "1"]):
+        with pytest.raises(SystemExit):
+            cv.main(bad_args)
     monkeypatch.delenv("ROSEJAX_FUSED_KV_APPEND", raising=False)
     unbound = layers.linear
     built = []  # (env value, linear's bound keywords) when each engine was made
@@ -372,11 +375,20 @@ def test_compare_variants(tmp_path, monkeypatch):
         return make(*args)
 
     monkeypatch.setattr(pd, "make_engine", spy)
+    tags = []  # each run's tag, in the order the runs happened
+    timed_run = pd.timed_run
+
+    def spy_run(engine, batch, prompt_len, new_tokens, rng, tag):
+        tags.append(tag)
+        return timed_run(engine, batch, prompt_len, new_tokens, rng, tag)
+
+    monkeypatch.setattr(pd, "timed_run", spy_run)
     path = tmp_path / "v.json"
     data = cv.main(["base:", "both:ROSEJAX_FUSED_KV_APPEND=0,linear.num_warps=2", "--model",
                     "random:tiny", "--batch", "2", "--new-tokens", "4", "--decode-steps", "2",
                     "--runs", "2", "--json", str(path)])
     assert built == [(None, None), ("0", {"num_warps": 2})]
+    assert tags == ["warm-up", "warm-up", "base-0", "both-0", "base-1", "both-1"]
     assert "ROSEJAX_FUSED_KV_APPEND" not in os.environ and layers.linear is unbound
     assert _load(path) == json.loads(json.dumps(data))
     base, both = data["rows"]

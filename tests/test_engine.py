@@ -427,7 +427,7 @@ def test_layer_kernels_forced_match_hf(checkpoint, monkeypatch, pallas_layer_nor
     assert max(rows for name, rows in kernel_rows if name.startswith("linear")) <= 16
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["append_fused", "kv_append_kernel"])
+@pytest.mark.parametrize("fused", [True, False], ids=["append_fused", "kv_append_dispatcher"])
 def test_attention_kernels_forced_match_hf(checkpoint, monkeypatch, fused):
     """The GPU's decode attention, forced on and interpreted here, wired into the whole model:
     greedy outputs still match HF, whether the attention kernel writes each step's K/V itself

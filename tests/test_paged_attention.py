@@ -120,13 +120,17 @@ def test_bad_shapes_raise(change, match):
         paged_decode_attention(**change(args), interpret=INTERPRET)
 
 
-def make_append_case(rng, shape, dtype, padded_rows=()):
+def make_append_case(rng, shape, dtype, padded_rows=(), lengths=None, shared_first_block=()):
     """make_case plus each row's new token: qkv [B, 3H, D] whose K/V must land at position
-    lengths[b] - 1, whose slot holds a stale (owned, finite) value before the call; rows in
-    `padded_rows` get length 0. Returns the inputs and the caches the call must leave (numpy,
-    bit for bit)."""
-    q, k, v, tables, lengths = make_case(rng, *shape, dtype)
+    lengths[b] - 1, whose slot holds a stale (finite) value before the call; rows in
+    `padded_rows` get length 0. `lengths` replaces the random lengths; each (a, b) of
+    `shared_first_block` gives row b row a's first block (a full prefix both read). Returns the
+    inputs and the caches the call must leave (numpy, bit for bit)."""
+    q, k, v, tables, random_lengths = make_case(rng, *shape, dtype)
+    lengths = random_lengths if lengths is None else jnp.asarray(lengths, jnp.int32)
     lengths = lengths.at[np.asarray(padded_rows, int)].set(0)
+    for a, b in shared_first_block:
+        tables = tables.at[b, 0].set(tables[a, 0])
     b, h, d = q.shape
     bs = k.shape[2]
     kv_new = jnp.asarray(rng.normal(size=(b, 2 * h, d)), dtype)
@@ -169,6 +173,35 @@ def test_append_padded_rows_write_scratch(impl):
     assert np.all(np.isfinite(out)) and np.all(out[1] == 0)
     np.testing.assert_array_equal(np.asarray(k_out), want_k)
     np.testing.assert_array_equal(np.asarray(v_out), want_v)
+
+
+@pytest.mark.parametrize("impl", APPEND_IMPLS)
+def test_append_edge_rows(impl):
+    """Rows chosen, not drawn: a first token (nothing cached, no page to read), a token opening a
+    fresh page, a full table, two padded rows, and two rows reading one shared full block while
+    writing their own slots. Every row's output is checked against the oracle."""
+    rng = np.random.default_rng()
+    bs = 8
+    (qkv, k, v, tables, lengths), (want_k, want_v) = make_append_case(
+        rng, (6, 4, 32, bs, 3), "float32", lengths=[1, bs + 1, 3 * bs, 0, 0, 2 * bs + 3],
+        shared_first_block=[(2, 5)])
+    out, k_out, v_out = APPEND_IMPLS[impl](qkv, k, v, tables, lengths)
+    np.testing.assert_array_equal(np.asarray(k_out), want_k)
+    np.testing.assert_array_equal(np.asarray(v_out), want_v)
+    out = np.asarray(out)
+    assert np.all(out[3:5] == 0)
+    real = [0, 1, 2, 5]
+    ref = oracle(qkv[real, :4], want_k, want_v, np.asarray(tables)[real],
+                 np.asarray(lengths)[real])
+    np.testing.assert_allclose(out[real], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_append_needs_the_caches_dtype():
+    rng = np.random.default_rng()
+    (qkv, k, v, tables, lengths), _ = make_append_case(rng, (2, 4, 32, 8, 2), "float16")
+    with pytest.raises(ValueError, match="share a dtype"):
+        paged_decode_attention_append(qkv.astype(jnp.float32), k, v, tables, lengths,
+                                      interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("change", [lambda a: a[:, :8], lambda a: jnp.concatenate([a, a], 1)],
