@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2
+from pallas_kernels.kv_append import cache_slots
 
 _NEG_INF = -1e30
 
@@ -279,12 +280,11 @@ def paged_decode_attention_append_reference(
     """The XLA reference of `paged_decode_attention_append`: the append (a scatter), then the
     attention. Returns new caches; the arguments are left as they were."""
     h, _, bs, _ = k_cache.shape
-    pos = jnp.maximum(lengths - 1, 0)  # [B]
-    logical = jnp.minimum(pos // bs, block_tables.shape[1] - 1)  # [B]
-    block = jnp.take_along_axis(block_tables, logical[:, None], axis=1)[:, 0]  # [B]
-    block = jnp.where(lengths > 0, block, 0)
-    # k_cache[:, block, pos % bs] is [H, B, D]
-    k_cache = k_cache.at[:, block, pos % bs].set(jnp.swapaxes(qkv[:, h:2 * h], 0, 1))
-    v_cache = v_cache.at[:, block, pos % bs].set(jnp.swapaxes(qkv[:, 2 * h:], 0, 1))
+    # Position lengths - 1, which for a padded row (length 0) clips to 0: not real, scratch.
+    block, offset = cache_slots(block_tables, jnp.maximum(lengths - 1, 0)[:, None], lengths, bs)
+    block, offset = block[:, 0], offset[:, 0]  # [B]
+    # k_cache[:, block, offset] is [H, B, D]
+    k_cache = k_cache.at[:, block, offset].set(jnp.swapaxes(qkv[:, h:2 * h], 0, 1))
+    v_cache = v_cache.at[:, block, offset].set(jnp.swapaxes(qkv[:, 2 * h:], 0, 1))
     out = paged_decode_attention_reference(qkv, k_cache, v_cache, block_tables, lengths)
     return out, k_cache, v_cache

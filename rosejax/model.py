@@ -19,6 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cache_slots
 from rosejax.attention import append_kv, decode_attention, prefill_attention
 from rosejax.config import GPT2Config
 from rosejax.kv_cache import KVCache
@@ -103,12 +104,8 @@ class GPT2(nn.Module):
         x = wte(tokens) + wpe(positions)  # [B, T, E]
 
         # The cache slot each token writes, computed once for every layer.
-        block_size = cache.block_size
-        real = meta.positions < meta.seq_lens[:, None]  # [B, T]
-        logical = jnp.clip(meta.positions // block_size, 0, meta.block_tables.shape[1] - 1)
-        physical = jnp.take_along_axis(meta.block_tables, logical, axis=1)  # [B, T]
-        write_block = jnp.where(real, physical, 0).astype(jnp.int32)
-        write_offset = jnp.where(real, meta.positions % block_size, 0).astype(jnp.int32)
+        write_block, write_offset = cache_slots(meta.block_tables, meta.positions, meta.seq_lens,
+                                                cache.block_size)  # [B, T] each
         fresh = jnp.all(meta.positions[:, 0] == 0)  # no row continues a cached prefix
 
         ks, vs = [], []
