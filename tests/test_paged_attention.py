@@ -186,12 +186,20 @@ def test_append_edge_rows(impl):
         rng, (6, 4, 32, bs, 3), "float32", lengths=[1, bs + 1, 3 * bs, 0, 0, 2 * bs + 3],
         shared_first_block=[(2, 5)])
     out, k_out, v_out = APPEND_IMPLS[impl](qkv, k, v, tables, lengths)
-    np.testing.assert_array_equal(np.asarray(k_out), want_k)
-    np.testing.assert_array_equal(np.asarray(v_out), want_v)
+    h = want_k.shape[0]
+    for got, want, first_head in ((k_out, want_k, h), (v_out, want_v, 2 * h)):
+        got = np.array(got)
+        # Both padded rows write scratch slot (block 0, offset 0), in no set order on a GPU: each
+        # head's slot must hold one of their values, and every other element the expected one.
+        for head in range(h):
+            assert any(np.array_equal(got[head, 0, 0], np.asarray(qkv[row, first_head + head]))
+                       for row in (3, 4))
+        got[:, 0, 0] = want[:, 0, 0]
+        np.testing.assert_array_equal(got, want)
     out = np.asarray(out)
     assert np.all(out[3:5] == 0)
     real = [0, 1, 2, 5]
-    ref = oracle(qkv[real, :4], want_k, want_v, np.asarray(tables)[real],
+    ref = oracle(qkv[real, :h], want_k, want_v, np.asarray(tables)[real],
                  np.asarray(lengths)[real])
     np.testing.assert_allclose(out[real], ref, rtol=1e-4, atol=1e-5)
 
