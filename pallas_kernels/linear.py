@@ -4,8 +4,8 @@ At small decode batches (16 rows) a matmul only streams its weights. XLA's Trito
 over several programs there to get enough of them, and then need a second kernel to sum the
 float32 partials; the bias, the GELU or the residual add run in that second kernel. GPT-2 has 48
 such pairs a decode step, each costing a launch. Here one program owns `block_n` output columns
-for all rows, streams its [K, block_n] slice of w (N / block_n programs), and applies bias,
-activation and residual before it stores.
+for all rows (up to `block_m` of them; more rows take more programs), streams its [K, block_n]
+slice of w (N / block_n programs), and applies bias, activation and residual before it stores.
 
 A program's K loop is serial, and each step waits on memory: a long K over few column tiles
 (GPT-2's MLP down-projection, K=3072 over 768 columns) left 24 programs streaming 12 tiles each,
@@ -36,6 +36,11 @@ ACTIVATIONS = (None, "gelu_tanh")
 # 64/128/256/512; 32 columns beat 16 and 64; 4 warps beat 2 and 8. Re-swept in one process in
 # session 13 (bench/compare_variants.py, B=1 and 16): all of that held, and 4 stages beat 3 by
 # 0.4-0.7% (2 stages: 15% slower).
+# Rows per program: a decode batch of up to 64 rows is one tile. More rows take more programs
+# (a 256-row tile would need 128 KB of shared memory per pipeline stage). At 256 rows 64x64 tiles
+# were the best tried and still 8.6% slower a step than cuBLAS (bench/RESULTS.md, session 14),
+# so the model sends only small batches here.
+DEFAULT_BLOCK_M = 64
 DEFAULT_BLOCK_N = 32
 DEFAULT_BLOCK_K = 256
 DEFAULT_NUM_WARPS = 4
@@ -60,10 +65,13 @@ def split_count(k_steps: int, max_k_steps: int) -> int:
     return -(-k_steps // per_split)
 
 
-def _tiles(m: int, k: int, n: int, block_n: int, block_k: int, max_k_steps: int) -> dict:
+def _tiles(m: int, k: int, n: int, block_m: int, block_n: int, block_k: int,
+           max_k_steps: int) -> dict:
     """The kernel's static tiling of an [M, K] @ [K, N] call, checked."""
     if not (is_power_of_2(block_n) and is_power_of_2(block_k)):
         raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
+    if not (is_power_of_2(block_m) and block_m >= 16):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     if not linear_supported(k, n, block_k, block_n):
         raise ValueError(f"N={n} and K={k} need a power-of-two divisor >= 16 for the tiles "
                          f"(the matrix units' least) within {block_n}, {block_k}")
@@ -71,7 +79,9 @@ def _tiles(m: int, k: int, n: int, block_n: int, block_k: int, max_k_steps: int)
     block_n, block_k = math.gcd(block_n, n), math.gcd(block_k, k)
     k_steps = k // block_k
     splits = split_count(k_steps, max_k_steps)
-    return dict(block_m=max(16, next_power_of_2(m)),  # the matrix units' least M is 16
+    # Never more rows than M rounds up to; the matrix units' least M is 16.
+    block_m = min(block_m, max(16, next_power_of_2(m)))
+    return dict(block_m=block_m, m_tiles=-(-m // block_m),
                 block_n=block_n, block_k=block_k, k_steps=k_steps, splits=splits,
                 steps_per_split=-(-k_steps // splits))
 
@@ -115,34 +125,36 @@ def linear_kernel(
 ):
     o_ref = refs[-1]
     m = x_ref.shape[0]
-    cols = pl.ds(pl.program_id(0) * block_n, block_n)
-    row_ok = (jnp.arange(block_m) < m)[:, None]  # [BM, 1]: rows past M are padding
+    first_row = pl.program_id(1) * block_m
+    rows, cols = pl.ds(first_row, block_m), pl.ds(pl.program_id(0) * block_n, block_n)
+    row_ok = (first_row + jnp.arange(block_m) < m)[:, None]  # [BM, 1]: rows past M are padding
 
     def body(i, acc):  # acc [BM, BN] float32
-        x = plgpu.load(x_ref.at[pl.ds(0, block_m), pl.ds(i * block_k, block_k)], mask=row_ok,
+        x = plgpu.load(x_ref.at[rows, pl.ds(i * block_k, block_k)], mask=row_ok,
                        other=0.0)  # [BM, BK]
         w = w_ref[pl.ds(i * block_k, block_k), cols]  # [BK, BN]
         # float32 weights: full precision, not TF32 (a float32 model is there to match HF).
         precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
         return acc + jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
 
-    first = pl.program_id(1) * steps_per_split
+    first = pl.program_id(2) * steps_per_split
     # A static trip count where the splits are even (what the compiler pipelines best).
     last = (first + steps_per_split if k_steps % steps_per_split == 0
             else jnp.minimum(first + steps_per_split, k_steps))
     acc = jax.lax.fori_loop(first, last, body, jnp.zeros((block_m, block_n), jnp.float32))
     if partial_sums:
-        plgpu.store(o_ref.at[pl.program_id(1), pl.ds(0, block_m), cols], acc, mask=row_ok)
+        plgpu.store(o_ref.at[pl.program_id(2), rows, cols], acc, mask=row_ok)
         return
     b_ref, residual_ref = refs[0], (refs[1] if len(refs) == 3 else None)
     residual = None
     if residual_ref is not None:
-        residual = plgpu.load(residual_ref.at[pl.ds(0, block_m), cols], mask=row_ok, other=0.0)
+        residual = plgpu.load(residual_ref.at[rows, cols], mask=row_ok, other=0.0)
     y = _epilogue(acc, b_ref[cols], residual, activation)
-    plgpu.store(o_ref.at[pl.ds(0, block_m), cols], y.astype(o_ref.dtype), mask=row_ok)
+    plgpu.store(o_ref.at[rows, cols], y.astype(o_ref.dtype), mask=row_ok)
 
 
-_STATIC_ARGS = ["block_n", "block_k", "num_warps", "num_stages", "max_k_steps", "interpret"]
+_STATIC_ARGS = ["block_m", "block_n", "block_k", "num_warps", "num_stages", "max_k_steps",
+                "interpret"]
 
 
 @functools.partial(jax.jit, static_argnames=["activation", *_STATIC_ARGS])
@@ -153,6 +165,7 @@ def linear(
     residual: jax.Array | None = None,  # [M, N]
     *,
     activation: str | None = None,
+    block_m: int = DEFAULT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
     block_k: int = DEFAULT_BLOCK_K,
     num_warps: int = DEFAULT_NUM_WARPS,
@@ -160,8 +173,8 @@ def linear(
     max_k_steps: int = DEFAULT_MAX_K_STEPS,
     interpret: bool = False,
 ) -> jax.Array:  # [M, N], x's dtype
-    """activation(x @ w + b) + residual, float32 inside, for few rows (all rows are one tile:
-    [next_power_of_2(max(M, 16)), block_n] per program). block_n / block_k shrink to the largest
+    """activation(x @ w + b) + residual, float32 inside, for few rows (a program's tile is
+    [min(block_m, next_power_of_2(max(M, 16))), block_n]). block_n / block_k shrink to the largest
     power of two dividing N / K. K is split over programs when one would stream more than
     `max_k_steps` tiles of block_k; the epilogue then runs after their sum, in XLA."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or b.shape != (w.shape[1],):
@@ -171,7 +184,7 @@ def linear(
         raise ValueError(f"residual must be [{m}, {n}], got {residual.shape}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    tiles = _tiles(m, k, n, block_n, block_k, max_k_steps)
+    tiles = _tiles(m, k, n, block_m, block_n, block_k, max_k_steps)
     launch = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if tiles["splits"] > 1:
         partials = _pallas_linear(x, w, (), tiles, None, **launch)
@@ -185,6 +198,7 @@ def linear_partial_sums(
     x: jax.Array,  # [M, K]
     w: jax.Array,  # [K, N]
     *,
+    block_m: int = DEFAULT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
     block_k: int = DEFAULT_BLOCK_K,
     num_warps: int = DEFAULT_NUM_WARPS,
@@ -197,9 +211,13 @@ def linear_partial_sums(
     (`finish_partial_sums`, `pallas_kernels.layer_norm.add_layer_norm`)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"need x [M, K], w [K, N], got {x.shape}, {w.shape}")
-    tiles = _tiles(x.shape[0], x.shape[1], w.shape[1], block_n, block_k, max_k_steps)
+    tiles = _tiles(x.shape[0], x.shape[1], w.shape[1], block_m, block_n, block_k,
+                   max_k_steps)
     return _pallas_linear(x, w, (), tiles, None, num_warps=num_warps, num_stages=num_stages,
                           interpret=interpret)
+
+
+_GRID_ONLY = ("m_tiles", "splits")
 
 
 def _pallas_linear(x, w, operands, tiles: dict, activation, *, num_warps: int, num_stages: int,
@@ -217,8 +235,8 @@ def _pallas_linear(x, w, operands, tiles: dict, activation, *, num_warps: int, n
         filter_triton_deprecation()
     return pl.pallas_call(
         functools.partial(linear_kernel, activation=activation, partial_sums=partial_sums,
-                          **{k: v for k, v in tiles.items() if k != "splits"}),
-        grid=(n // tiles["block_n"], tiles["splits"]),
+                          **{k: v for k, v in tiles.items() if k not in _GRID_ONLY}),
+        grid=(n // tiles["block_n"], tiles["m_tiles"], tiles["splits"]),
         out_shape=out,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),

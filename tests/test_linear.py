@@ -34,11 +34,16 @@ IMPLS = {
     # Uneven splits: 16 tiles of K=256 in 6 programs, 3 tiles each but the last's one.
     "pallas_split_uneven": functools.partial(linear, block_k=16, max_k_steps=3,
                                              interpret=INTERPRET),
+    # Rows in 16-row tiles over a second grid axis (the 33-row shape: 3 tiles, the last of 1 row).
+    "pallas_m16": functools.partial(linear, block_m=16, interpret=INTERPRET),
+    "pallas_m16_split_k": functools.partial(linear, block_m=16, block_k=32, max_k_steps=1,
+                                            interpret=INTERPRET),
     "reference": linear_reference,
     "module": module,
 }
-# (M, K, N): one decode row, rows not a power of two, a full 16-row tile, more than one tile's K.
-SHAPES = [(1, 128, 64), (5, 64, 96), (16, 256, 32), (33, 128, 64)]
+# (M, K, N): one decode row, rows not a power of two, a full 16-row tile, more than one tile's K,
+# and more rows than the default 64-row tile.
+SHAPES = [(1, 128, 64), (5, 64, 96), (16, 256, 32), (33, 128, 64), (100, 64, 32)]
 TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
 
 
@@ -89,6 +94,7 @@ def test_module_keeps_leading_axes():
         (dict(residual=jnp.zeros((3, 32))), "residual"),
         (dict(activation="relu"), "activation"),
         (dict(block_n=24), "powers of two"),
+        (dict(block_m=8), "block_m"),
         (dict(max_k_steps=0), "max_k_steps"),
         (dict(x=jnp.zeros((2, 40)), w=jnp.zeros((40, 32))), "divisor"),
     ],
@@ -106,6 +112,8 @@ PARTIAL_IMPLS = {
                                         interpret=INTERPRET),
     "pallas_split_uneven": functools.partial(linear_partial_sums, block_k=16, max_k_steps=3,
                                              interpret=INTERPRET),
+    "pallas_m16_split_k": functools.partial(linear_partial_sums, block_m=16, block_k=32,
+                                            max_k_steps=1, interpret=INTERPRET),
     "reference": linear_partial_sums_reference,
 }
 
