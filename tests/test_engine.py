@@ -332,10 +332,14 @@ def test_decode_gemm_choice_per_batch(monkeypatch):
 
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.setenv("ROSEJAX_CUBLAS_MIN_BATCH", "64")
-    assert decode_compiler_options(63) == {}
-    assert decode_compiler_options(64) == {"xla_gpu_enable_triton_gemm": False}
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")  # the user's choice wins
-    assert decode_compiler_options(256) == {}
+    concurrent = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    assert decode_compiler_options(63) == concurrent
+    assert decode_compiler_options(64) == {**concurrent, "xla_gpu_enable_triton_gemm": False}
+    # The user's choices win.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert decode_compiler_options(256) == concurrent
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_scheduling_mode=LHS")
+    assert decode_compiler_options(256) == {"xla_gpu_enable_triton_gemm": False}
 
 
 def test_cublas_threshold_keeps_outputs(checkpoint, monkeypatch):
