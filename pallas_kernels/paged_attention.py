@@ -26,20 +26,29 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import filter_triton_deprecation, is_power_of_2
+from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
 from pallas_kernels.kv_append import cache_slots
 
 _NEG_INF = -1e30
 
 
-def _attend_pages(q, k_cache_ref, v_cache_ref, block_tables_ref, b, h, num_tokens):
+def _attend_pages(q, k_cache_ref, v_cache_ref, block_tables_ref, b, h, num_tokens,
+                  prefetch_table):
     """Online softmax of q [D] (already scaled) over the row's first `num_tokens` cached keys
     of head h -> (running max, softmax denominator, numerator [D]), all float32."""
     block_size, head_dim = k_cache_ref.shape[2], k_cache_ref.shape[3]
+    max_blocks = block_tables_ref.shape[1]
+    if prefetch_table:
+        slots = jnp.arange(next_power_of_2(max_blocks), dtype=jnp.int32)
+        table = plgpu.load(block_tables_ref.at[b, pl.ds(0, slots.shape[0])],
+                           mask=slots < max_blocks, other=0)  # [MB']
 
     def body(i, carry):
         m, denom, acc = carry
-        page = block_tables_ref[b, i]
+        if prefetch_table:
+            page = jnp.sum(jnp.where(slots == i, table, 0))
+        else:
+            page = block_tables_ref[b, i]
         valid = i * block_size + jnp.arange(block_size, dtype=jnp.int32) < num_tokens  # [BS]
         # Masked loads: the last page's unused tail is never read (at block size 64 and GPT-2's
         # decode contexts that tail is a fifth to a half of the bytes).
@@ -67,11 +76,12 @@ def paged_decode_attention_kernel(
     o_ref,  # [B, H, D]
     *,
     sm_scale: float,
+    prefetch_table: bool,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
     q = q_ref[b, h, :].astype(jnp.float32) * sm_scale  # [D]
     _, denom, acc = _attend_pages(q, k_cache_ref, v_cache_ref, block_tables_ref, b, h,
-                                  lengths_ref[b])
+                                  lengths_ref[b], prefetch_table)
     # A padded row (length 0) has denom = 0: write zeros, not NaN.
     o_ref[b, h, :] = (acc / jnp.maximum(denom, 1e-30)).astype(o_ref.dtype)
 
@@ -87,6 +97,7 @@ def paged_decode_attention_append_kernel(
     v_cache_ref,  # [H, NB, BS, D]
     *,
     sm_scale: float,
+    prefetch_table: bool,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
     num_heads, block_size = k_cache_ref.shape[0], k_cache_ref.shape[2]
@@ -96,7 +107,7 @@ def paged_decode_attention_append_kernel(
     # and a shared partial block is copied before anyone writes into it).
     q = qkv_ref[b, h, :].astype(jnp.float32) * sm_scale  # [D]
     m, denom, acc = _attend_pages(q, k_cache_in_ref, v_cache_in_ref, block_tables_ref, b, h,
-                                  length - 1)
+                                  length - 1, prefetch_table)
     k_new = qkv_ref[b, num_heads + h, :]  # [D]
     v_new = qkv_ref[b, 2 * num_heads + h, :]  # [D]
     s = jnp.sum(q * k_new.astype(jnp.float32))
@@ -145,19 +156,30 @@ def _default_num_warps(block_size: int, head_dim: int) -> int:
     return max(1, min(block_size * head_dim // 1024, 8))
 
 
+# Batches from which a program loads its row's whole block table once, before its page loop,
+# rather than one entry per page inside it: at B=256 that took a page's address off the loop's
+# chain of dependent loads (-1.1% a decode step on an H200), at B=1 it cost 0.4% and at B=64 it
+# was even (bench/RESULTS.md, session 14).
+PREFETCH_TABLE_MIN_BATCH = 128
+
+
 def _decode_call(kernel, name: str, q, k_cache, v_cache, block_tables, lengths, *,
-                 append: bool, num_warps: int | None, num_stages: int, interpret: bool):
+                 append: bool, num_warps: int | None, num_stages: int,
+                 prefetch_table: bool | None, interpret: bool):
     """One program per (row, head); with `append` the caches are outputs too, in place."""
     b, d = q.shape[0], q.shape[2]
     h, _, bs, _ = k_cache.shape
     if num_warps is None:
         num_warps = _default_num_warps(bs, d)
+    if prefetch_table is None:
+        prefetch_table = b >= PREFETCH_TABLE_MIN_BATCH
     if not interpret:
         filter_triton_deprecation()
     out_shape = jax.ShapeDtypeStruct((b, h, d), q.dtype)
     cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
     return pl.pallas_call(
-        functools.partial(kernel, sm_scale=1.0 / math.sqrt(d)),
+        functools.partial(kernel, sm_scale=1.0 / math.sqrt(d),
+                          prefetch_table=bool(prefetch_table)),
         grid=(b, h),
         out_shape=(out_shape, cache_shape, cache_shape) if append else out_shape,
         input_output_aliases={1: 1, 2: 2} if append else {},
@@ -167,7 +189,7 @@ def _decode_call(kernel, name: str, q, k_cache, v_cache, block_tables, lengths, 
     )(q, k_cache, v_cache, block_tables, lengths)
 
 
-_STATIC = ["num_warps", "num_stages", "interpret"]
+_STATIC = ["num_warps", "num_stages", "prefetch_table", "interpret"]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -180,15 +202,19 @@ def paged_decode_attention(
     *,
     num_warps: int | None = None,
     num_stages: int = 2,
+    prefetch_table: bool | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [B, H, D]
     """softmax(q k^T / sqrt(D)) v over each row's first `lengths[b]` cached tokens.
 
-    `num_warps` None: one warp per 1,024 elements of a [block_size, D] page."""
+    `num_warps` None: one warp per 1,024 elements of a [block_size, D] page. `prefetch_table`
+    None: a program reads its row's whole block table up front from PREFETCH_TABLE_MIN_BATCH rows
+    up, an entry per page below that."""
     _check_decode_args(q, k_cache, v_cache, block_tables, lengths, append=False)
     return _decode_call(paged_decode_attention_kernel, "paged_decode_attention", q, k_cache,
                         v_cache, block_tables, lengths, append=False, num_warps=num_warps,
-                        num_stages=num_stages, interpret=interpret)
+                        num_stages=num_stages, prefetch_table=prefetch_table,
+                        interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1, 2))
@@ -201,6 +227,7 @@ def paged_decode_attention_append(
     *,
     num_warps: int | None = None,
     num_stages: int = 2,
+    prefetch_table: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [B, H, D], k_cache, v_cache
     """`kv_append` of each row's new K/V at position lengths[b] - 1, then
@@ -210,7 +237,8 @@ def paged_decode_attention_append(
     _check_decode_args(qkv, k_cache, v_cache, block_tables, lengths, append=True)
     return _decode_call(paged_decode_attention_append_kernel, "paged_decode_attention_append",
                         qkv, k_cache, v_cache, block_tables, lengths, append=True,
-                        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                        num_warps=num_warps, num_stages=num_stages,
+                        prefetch_table=prefetch_table, interpret=interpret)
 
 
 def paged_attention_xla(

@@ -21,10 +21,14 @@ from tests.conftest import INTERPRET
 
 IMPLS = {
     "pallas": functools.partial(paged_decode_attention, interpret=INTERPRET),
+    "pallas_prefetch": functools.partial(paged_decode_attention, prefetch_table=True,
+                                         interpret=INTERPRET),
     "reference": jax.jit(paged_decode_attention_reference),
 }
 APPEND_IMPLS = {
     "pallas": functools.partial(paged_decode_attention_append, interpret=INTERPRET),
+    "pallas_prefetch": functools.partial(paged_decode_attention_append, prefetch_table=True,
+                                         interpret=INTERPRET),
     "reference": jax.jit(paged_decode_attention_append_reference, donate_argnums=(1, 2)),
 }
 # (B, H, D, block_size, blocks per row): GPT-2's heads, a head dim other than 64, B = 1, odd B.
