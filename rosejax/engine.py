@@ -10,6 +10,8 @@ stops them for what only it can see (stop strings) and tells the device at the n
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import os
 import time
 from collections import deque
@@ -42,7 +44,18 @@ def _buckets(limit: int, start: int = 1, factor: int = 2) -> list[int]:
 
 
 def _bucket(n: int, buckets: list[int]) -> int:
-    return next(b for b in buckets if b >= n)
+    """The smallest of the (increasing) `buckets` that holds `n`: admission asks this for every
+    request it considers, so it is a bisection, not a scan."""
+    return buckets[bisect.bisect_left(buckets, n)]
+
+
+def _fill_rows(out: np.ndarray, rows: list[list[int]]) -> None:
+    """out[i, :len(rows[i])] = rows[i] for every row, in one masked assignment (row-major order
+    of the mask is the order of the concatenated rows)."""
+    lens = np.fromiter(map(len, rows), np.int64, len(rows))
+    out[: len(rows)][np.arange(out.shape[1]) < lens[:, None]] = list(
+        itertools.chain.from_iterable(rows)
+    )
 
 
 def parse_decode_steps(text: str) -> int | str:
@@ -200,13 +213,13 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(map(int, prompt))
         if not ids:
             raise ValueError("prompt is empty")
         n_pos = self.config.n_positions
         if len(ids) > n_pos:
             raise ValueError(f"prompt has {len(ids)} tokens, more than the context ({n_pos})")
-        if any(t < 0 or t >= self.config.vocab_size for t in ids):
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
         seed = params.seed if params.seed is not None else hash((self.seed, self._arrivals))
         request = Request(
@@ -263,12 +276,13 @@ class LLMEngine:
         if plan is None:
             return False
         requests = plan.requests
-        for r in requests:
-            r.slot = self._free_slots.pop()
+        slots = [self._free_slots.pop() for _ in requests]
+        for r, slot in zip(requests, slots, strict=True):
+            r.slot = slot
             r.epoch += 1
             r.blocks_on_device = len(r.table.blocks)
             r.inflight = 0
-            self._kill[r.slot] = False
+        self._kill[slots] = False
         suffix = [r.num_tokens - c for r, c in zip(requests, plan.num_cached, strict=True)]
         self.prefill_tokens_computed += sum(suffix)
         b, t = self._prefill_shape(len(requests), max(suffix))
@@ -289,13 +303,12 @@ class LLMEngine:
             steps=np.zeros(b, np.int32), limit=np.zeros(b, np.int32),
             stop_ids=np.full((b, NUM_STOP_IDS), -1, np.int32),
         )  # fmt: skip
-        for i, (r, c, k) in enumerate(zip(requests, cached, suffix, strict=True)):
-            batch["tokens"][i, :k] = r.all_token_ids()[c:]
-            batch["tables"][i, : len(r.table.blocks)] = r.table.blocks
-            stop = r.device_stop_ids[:NUM_STOP_IDS]
-            batch["stop_ids"][i, : len(stop)] = stop
-        # One array assignment per field, not one numpy scalar write per request and field:
-        # all requests of a batch arrive together in offline serving.
+        # One array assignment per field, not one numpy write per request and field: all
+        # requests of a batch arrive together in offline serving.
+        uncached = [r.all_token_ids()[c:] for r, c in zip(requests, cached, strict=True)]
+        _fill_rows(batch["tokens"], uncached)
+        _fill_rows(batch["tables"], [r.table.blocks for r in requests])
+        _fill_rows(batch["stop_ids"], [r.device_stop_ids[:NUM_STOP_IDS] for r in requests])
         cached = np.asarray(cached, np.int32)
         suffix = np.asarray(suffix, np.int32)
         batch["positions"][:n] += cached[:, None]
@@ -366,10 +379,11 @@ class LLMEngine:
             # restarts within a window), so the -1s only trail.
             if row and row[-1] < 0:
                 row = row[: row.index(-1)]
-            fed = request.last_token
             taken = request.add_tokens(row)
-            if decoded and taken:  # the tokens fed at these steps now have their KV in the cache
-                self.allocator.extend(request.table, [fed, *row[: taken - 1]])
+            if decoded and taken:  # the tokens fed at these steps now have their KV in the cache:
+                # the one before the window's first (a decoding request has its prefill's token)
+                # and all it took but the last
+                self.allocator.extend(request.table, request.output_token_ids[-taken - 1 : -1])
             outputs.append(request.take_output())
             if request.finished:
                 del self._requests[request.request_id]

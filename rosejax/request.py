@@ -99,13 +99,14 @@ class Request:
                 if self.finished:
                     return i + 1
             return len(tokens)
-        taken = tokens[: self.remaining]
+        remaining = self.remaining
+        taken = tokens[:remaining]
         if not taken:
             return 0
         if not self._stop_ids.isdisjoint(taken):
             taken = taken[: next(i for i, t in enumerate(taken) if t in self._stop_ids) + 1]
             self.finish_reason = "stop"
-        elif len(taken) == self.remaining:
+        elif len(taken) == remaining:
             self.finish_reason = "length"
         self.output_token_ids.extend(taken)
         piece = self.detokenizer.add_many(taken)
@@ -149,7 +150,9 @@ class Request:
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
-            token_ids=list(self.output_token_ids),
+            # A finished request's list never changes again: handed out as it is, not copied
+            # (the last window of a batch finishes every request at once).
+            token_ids=self.output_token_ids if self.finished else list(self.output_token_ids),
             text=self.text[: self.emitted] if not self.finished else self.text,
             new_token_ids=new_ids,
             new_text=new_text,

@@ -61,21 +61,20 @@ class Scheduler:
         admitted: list[Request] = []
         cached: list[int] = []
         longest = 0
-        while self.waiting and len(admitted) < self.max_prefill_batch:
-            if len(self.running) + len(admitted) >= self.max_batch_size:
-                break
-            request = self.waiting[0]
+        # Slots left (every running request holds one), and one prefill's row limit.
+        rows = min(self.max_batch_size - len(self.running), self.max_prefill_batch)
+        allocator, waiting = self.allocator, self.waiting
+        while waiting and len(admitted) < rows:
+            request = waiting[0]
             tokens = request.all_token_ids()
-            plan = self.allocator.probe(tokens)
+            plan = allocator.probe(tokens)
             grown = max(longest, len(tokens) - plan.num_cached)
-            if not self.prefill_fits(len(admitted) + 1, grown):
+            if not self.prefill_fits(len(admitted) + 1, grown) or not allocator.fits(plan):
                 break
-            if not self.allocator.fits(plan):
-                break
-            request.table, num_cached = self.allocator.allocate(tokens, plan)
+            request.table, num_cached = allocator.allocate(tokens, plan)
             longest = grown
             request.status = RequestStatus.RUNNING
-            admitted.append(self.waiting.popleft())
+            admitted.append(waiting.popleft())
             cached.append(num_cached)
         if not admitted:
             return None
