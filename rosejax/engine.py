@@ -32,7 +32,6 @@ from rosejax.weights import load_model, resolve_dtype
 
 AUTO_FULL_STEPS = 32  # "auto" decode window while the batch is full: throughput
 AUTO_OPEN_STEPS = 8  # "auto" decode window while the batch has free slots
-AUTO_LAST_STEPS = 4  # "auto": the shortest of the halving windows that end a batch
 
 
 def _buckets(limit: int, start: int = 1, factor: int = 2) -> list[int]:
@@ -329,21 +328,15 @@ class LLMEngine:
         full `decode_steps` while the batch is full and nobody waits (throughput), until the
         first running request may finish while requests wait for a slot (its slot is refilled at
         once), and AUTO_OPEN_STEPS while slots are free (a request arriving now starts within
-        that many). With nobody waiting, a window that could finish every running request is
-        halved (down to AUTO_LAST_STEPS): the host reads the last window back after the device
-        is done, so a short last window ends the batch sooner (256 rows x 31 tokens took ~5 ms
-        to read back)."""
+        that many)."""
         if not self.auto_steps:
             return self.decode_steps
         if self.scheduler.waiting and len(running) >= self.max_batch_size:
             left = min(r.remaining - r.inflight for r in running)
             return int(min(self.decode_steps, max(left, 1)))
-        steps = (self.decode_steps if len(running) >= self.max_batch_size
-                 else min(self.decode_steps, AUTO_OPEN_STEPS))
-        last = max((r.remaining - r.inflight for r in running), default=0)
-        if not self.scheduler.waiting and last <= steps:
-            return max(-(-last // 2), min(last, AUTO_LAST_STEPS), 1)
-        return steps
+        if len(running) < self.max_batch_size:
+            return min(self.decode_steps, AUTO_OPEN_STEPS)
+        return self.decode_steps
 
     def _dispatch_decode(self, running: list[Request]) -> bool:
         k = self._window(running)
