@@ -45,7 +45,7 @@ def _attend_pages(q, k_cache_ref, v_cache_ref, block_tables_ref, b, h, num_token
 
     def body(i, carry):
         m, denom, acc = carry
-        if prefetch_table:
+        if prefetch_table:  # a register vector takes no dynamic index: select by mask
             page = jnp.sum(jnp.where(slots == i, table, 0))
         else:
             page = block_tables_ref[b, i]
@@ -161,6 +161,8 @@ def _default_num_warps(block_size: int, head_dim: int) -> int:
 # chain of dependent loads (-1.1% a decode step on an H200), at B=1 it cost 0.4% and at B=64 it
 # was even (bench/RESULTS.md, session 14).
 PREFETCH_TABLE_MIN_BATCH = 128
+# The per-page select costs a lane per table entry; measured only at 16 entries (block size 64).
+PREFETCH_TABLE_MAX_BLOCKS = 64
 
 
 def _decode_call(kernel, name: str, q, k_cache, v_cache, block_tables, lengths, *,
@@ -172,7 +174,8 @@ def _decode_call(kernel, name: str, q, k_cache, v_cache, block_tables, lengths, 
     if num_warps is None:
         num_warps = _default_num_warps(bs, d)
     if prefetch_table is None:
-        prefetch_table = b >= PREFETCH_TABLE_MIN_BATCH
+        prefetch_table = (b >= PREFETCH_TABLE_MIN_BATCH
+                          and block_tables.shape[1] <= PREFETCH_TABLE_MAX_BLOCKS)
     if not interpret:
         filter_triton_deprecation()
     out_shape = jax.ShapeDtypeStruct((b, h, d), q.dtype)

@@ -380,9 +380,8 @@ class LLMEngine:
             if row and row[-1] < 0:
                 row = row[: row.index(-1)]
             taken = request.add_tokens(row)
-            if decoded and taken:  # the tokens fed at these steps now have their KV in the cache:
-                # the one before the window's first (a decoding request has its prefill's token)
-                # and all it took but the last
+            if decoded and taken:  # KV is now cached for the token fed at the window's first
+                # step (the prefill's token, read back before any window) and each taken but last
                 self.allocator.extend(request.table, request.output_token_ids[-taken - 1 : -1])
             outputs.append(request.take_output())
             if request.finished:
