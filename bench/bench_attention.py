@@ -32,8 +32,15 @@ def jax_op(q, k, v, tables, lengths, *, pages_per_compute_block, k_splits):
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
     q = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)  # the op does not scale
-    return paged_attention(q, k, v, tables, jnp.maximum(lengths, 1),
-                           pages_per_compute_block=pages_per_compute_block, k_splits=k_splits)
+    return paged_attention(
+        q,
+        k,
+        v,
+        tables,
+        jnp.maximum(lengths, 1),
+        pages_per_compute_block=pages_per_compute_block,
+        k_splits=k_splits,
+    )
 
 
 def impls(interpret: bool, warps: list[int], stages: list[int]) -> dict:
@@ -41,7 +48,8 @@ def impls(interpret: bool, warps: list[int], stages: list[int]) -> dict:
     for w in warps:
         for s in stages:
             out[f"rosejax_w{w}_s{s}"] = functools.partial(
-                paged_decode_attention, num_warps=w, num_stages=s, interpret=interpret)
+                paged_decode_attention, num_warps=w, num_stages=s, interpret=interpret
+            )
     if not interpret:
         out["jax_op_ppcb4"] = functools.partial(jax_op, pages_per_compute_block=4, k_splits=1)
         out["jax_op_ppcb8_ks4"] = functools.partial(jax_op, pages_per_compute_block=8, k_splits=4)
@@ -60,7 +68,11 @@ def main() -> None:
     args = p.parse_args()
     interpret = args.quick or jax.default_backend() == "cpu"
     h, d, bs = 12, 64, args.block_size
-    sizes = [(b, c) for b in map(int, args.batch_sizes.split(",")) for c in map(int, args.contexts.split(","))]
+    sizes = [
+        (b, c)
+        for b in map(int, args.batch_sizes.split(","))
+        for c in map(int, args.contexts.split(","))
+    ]
     if args.quick:
         sizes, args.iters, args.repeats = [(2, 20)], 2, 1
     rng = np.random.default_rng(0)
@@ -75,8 +87,11 @@ def main() -> None:
         q = jnp.asarray(rng.normal(size=(b, h, d)), jnp.float16)
         ref = np.asarray(paged_decode_attention_reference(q, k, v, tables, lengths), np.float32)
         bytes_ = b * ctx * h * d * 2 * 2
-        variants = impls(interpret, [int(w) for w in args.num_warps.split(",")],
-                         [int(s) for s in args.num_stages.split(",")])
+        variants = impls(
+            interpret,
+            [int(w) for w in args.num_warps.split(",")],
+            [int(s) for s in args.num_stages.split(",")],
+        )
         if args.no_jax_op:
             variants = {n: f for n, f in variants.items() if not n.startswith("jax_op")}
         for name, fn in variants.items():
@@ -86,11 +101,27 @@ def main() -> None:
                 print(f"B={b:4d} ctx={ctx:4d} {name:18s} failed: {str(e).splitlines()[0][:100]}")
                 continue
             err = float(np.abs(got - ref).max())
-            us = time_in_loop(lambda x, fn=fn, rest=(k, v, tables, lengths): fn(x, *rest), q,
-                              args.iters, args.repeats)
-            rows.append(dict(B=b, context=ctx, block_size=bs, impl=name, us=us, gbs=bytes_ / us / 1e3, max_err=err))
-            print(f"B={b:4d} ctx={ctx:4d} {name:18s} {us:9.2f} us {bytes_ / us / 1e3:8.1f} GB/s  err {err:.1e}",
-                  flush=True)
+            us = time_in_loop(
+                lambda x, fn=fn, rest=(k, v, tables, lengths): fn(x, *rest),
+                q,
+                args.iters,
+                args.repeats,
+            )
+            rows.append(
+                dict(
+                    B=b,
+                    context=ctx,
+                    block_size=bs,
+                    impl=name,
+                    us=us,
+                    gbs=bytes_ / us / 1e3,
+                    max_err=err,
+                )
+            )
+            print(
+                f"B={b:4d} ctx={ctx:4d} {name:18s} {us:9.2f} us {bytes_ / us / 1e3:8.1f} GB/s  err {err:.1e}",
+                flush=True,
+            )
     print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     write_json(args.json, {"device": jax.devices()[0].device_kind, "rows": rows})
 

@@ -47,8 +47,9 @@ def main() -> None:
     impls = {"xla": layer_norm_reference, "flax": flax_layer_norm}
     for r in args.block_rows:
         for w in args.num_warps:
-            impls[f"pallas_r{r}_w{w}"] = functools.partial(layer_norm, block_rows=r, num_warps=w,
-                                                           interpret=interpret)
+            impls[f"pallas_r{r}_w{w}"] = functools.partial(
+                layer_norm, block_rows=r, num_warps=w, interpret=interpret
+            )
     rows = []
     for n in args.rows:
         x = jnp.asarray(rng.normal(size=(n, e)), jnp.float16)

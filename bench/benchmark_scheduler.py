@@ -34,17 +34,31 @@ from rosejax.engine_args import sampling_params  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     p = common.new_parser(__doc__)
-    p.add_argument("--mode", choices=["offline", "online"], default="offline",
-                   help="offline: all requests at once; online: Poisson arrivals at "
-                        "--request-rate")
-    p.add_argument("--request-rate", type=float, default=8.0,
-                   help="online mode: mean requests per second (Poisson arrivals)")
+    p.add_argument(
+        "--mode",
+        choices=["offline", "online"],
+        default="offline",
+        help="offline: all requests at once; online: Poisson arrivals at --request-rate",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=8.0,
+        help="online mode: mean requests per second (Poisson arrivals)",
+    )
     common.add_engine_args(p, max_batch_size=256)
-    p.add_argument("--input-len", type=int, default=8,
-                   help="prompt length in tokens: random token ids (seeded, distinct per "
-                        "request and run, so the prefix cache shares nothing)")
-    p.add_argument("--prompt", default=None,
-                   help="use this text as every prompt instead of random ids of --input-len")
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=8,
+        help="prompt length in tokens: random token ids (seeded, distinct per "
+        "request and run, so the prefix cache shares nothing)",
+    )
+    p.add_argument(
+        "--prompt",
+        default=None,
+        help="use this text as every prompt instead of random ids of --input-len",
+    )
     common.add_workload_args(p)
     return p
 
@@ -71,14 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     engine, result = common.start(args, "scheduler", mode=args.mode)
     cfg = engine.config
     params = sampling_params(args)
-    offsets = (poisson_offsets(args.num_requests, args.request_rate, args.seed)
-               if args.mode == "online" else None)
+    offsets = (
+        poisson_offsets(args.num_requests, args.request_rate, args.seed)
+        if args.mode == "online"
+        else None
+    )
 
     def make_prompts(run: int) -> list:
         if args.prompt is not None:
             return [args.prompt] * args.num_requests
-        return random_prompts(args.num_requests, args.input_len, cfg.vocab_size,
-                              seed=args.seed * 1000 + run)
+        return random_prompts(
+            args.num_requests, args.input_len, cfg.vocab_size, seed=args.seed * 1000 + run
+        )
 
     runs = common.run_repeated(engine, args, make_prompts, params, offsets)
     return common.finish(args, engine, result, runs, args.mode)

@@ -36,18 +36,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = common.new_parser(__doc__)
     common.add_engine_args(p, max_batch_size=16)
     p.add_argument("--prompt", default="Hello", help="the prompt text")
-    p.add_argument("--prompt-repeats", type=common.ints, default=[1], metavar="R1,R2,...",
-                   help="request i's prompt is --prompt repeated R[i mod len] times, joined by "
-                        "spaces (e.g. 1,4 alternates 1 and 4 copies)")
-    p.add_argument("--unique-prompts", action="store_true",
-                   help="make every prompt distinct with a '<run>-<i> ' prefix (so no two "
-                        "requests, in this run or another, share a prefix-cache block)")
-    p.add_argument("--pretok", action="store_true",
-                   help="tokenize the prompts before the timed loop and submit token ids "
-                        "(else add_request tokenizes, inside the timed loop)")
-    p.add_argument("--submit-interval-ms", type=float, default=0.0,
-                   help="request i is due at i x this many ms after the run starts; 0 = all "
-                        "at once")
+    p.add_argument(
+        "--prompt-repeats",
+        type=common.ints,
+        default=[1],
+        metavar="R1,R2,...",
+        help="request i's prompt is --prompt repeated R[i mod len] times, joined by "
+        "spaces (e.g. 1,4 alternates 1 and 4 copies)",
+    )
+    p.add_argument(
+        "--unique-prompts",
+        action="store_true",
+        help="make every prompt distinct with a '<run>-<i> ' prefix (so no two "
+        "requests, in this run or another, share a prefix-cache block)",
+    )
+    p.add_argument(
+        "--pretok",
+        action="store_true",
+        help="tokenize the prompts before the timed loop and submit token ids "
+        "(else add_request tokenizes, inside the timed loop)",
+    )
+    p.add_argument(
+        "--submit-interval-ms",
+        type=float,
+        default=0.0,
+        help="request i is due at i x this many ms after the run starts; 0 = all at once",
+    )
     common.add_workload_args(p)
     return p
 
@@ -71,12 +85,22 @@ def main(argv: list[str] | None = None) -> int:
     params = sampling_params(args)
     offsets = [i * args.submit_interval_ms / 1e3 for i in range(args.num_requests)]
 
-    runs = common.run_repeated(engine, args, lambda run: make_prompts(args, run, engine.tokenizer),
-                               params, offsets)
-    return common.finish(args, engine, result, runs, "streaming", [
-        ("itl_ms.p50", "ITL p50 ms"), ("itl_ms.p99", "ITL p99 ms"),
-        ("e2e_ms.p50", "e2e p50 ms"), ("e2e_ms.p99", "e2e p99 ms"),
-    ])  # fmt: skip
+    runs = common.run_repeated(
+        engine, args, lambda run: make_prompts(args, run, engine.tokenizer), params, offsets
+    )
+    return common.finish(
+        args,
+        engine,
+        result,
+        runs,
+        "streaming",
+        [
+            ("itl_ms.p50", "ITL p50 ms"),
+            ("itl_ms.p99", "ITL p99 ms"),
+            ("e2e_ms.p50", "e2e p50 ms"),
+            ("e2e_ms.p99", "e2e p99 ms"),
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -30,30 +30,50 @@ def main() -> int:
     args = p.parse_args()
     jax.config.update("jax_default_matmul_precision", "highest")  # no TF32: compare in fp32
     torch.manual_seed(args.seed)
-    hf = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_positions=128, n_embd=64, n_layer=2,
-                                    n_head=4, initializer_range=0.3)).eval()
+    hf = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3
+        )
+    ).eval()
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, 1000, rng.integers(1, 40)).tolist() for _ in range(args.num_prompts)]
     steps = args.decode_steps if args.decode_steps == "auto" else int(args.decode_steps)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
-        llm = LLM(d, tokenizer="rosejax/tokenizer_data", block_size=8, dtype="float32",
-                  max_batch_size=args.max_batch_size, decode_steps=steps, warmup=False,
-                  kv_cache_tokens=args.kv_cache_tokens)
-        outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0),
-                            use_tqdm=False)
+        llm = LLM(
+            d,
+            tokenizer="rosejax/tokenizer_data",
+            block_size=8,
+            dtype="float32",
+            max_batch_size=args.max_batch_size,
+            decode_steps=steps,
+            warmup=False,
+            kv_cache_tokens=args.kv_cache_tokens,
+        )
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0), use_tqdm=False
+        )
     bad = 0
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                              max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
-                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt)),
+                max_new_tokens=args.max_tokens,
+                min_new_tokens=args.max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         if out.token_ids != ref:
             bad += 1
-            first = next(i for i, (a, b) in enumerate(zip(out.token_ids, ref, strict=False)) if a != b)
+            first = next(
+                i for i, (a, b) in enumerate(zip(out.token_ids, ref, strict=False)) if a != b
+            )
             print(f"mismatch: prompt len {len(prompt)}, first diff at {first}")
-    print(f"{bad}/{len(prompts)} requests differ from HF "
-          f"(preemptions: {llm.engine.scheduler.num_preemptions})")
+    print(
+        f"{bad}/{len(prompts)} requests differ from HF "
+        f"(preemptions: {llm.engine.scheduler.num_preemptions})"
+    )
     return 1 if bad else 0
 
 

@@ -36,8 +36,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def new_parser(doc: str) -> argparse.ArgumentParser:
     """A script's parser: its docstring's first paragraph as description, defaults in --help."""
-    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
 
 
 def ints(text: str) -> list[int]:
@@ -53,10 +54,15 @@ def ints(text: str) -> list[int]:
 
 def add_engine_args(p: argparse.ArgumentParser, max_batch_size: int = 64) -> None:
     """The engine's flags (rosejax.engine_args) with the benchmarks' defaults, and --seed."""
-    add_engine_args_(p, model_default="random:gpt2", model_aliases=("--hf-model-id",),
-                     max_batch_size=max_batch_size)
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the random weights and of the sampling seeds")
+    add_engine_args_(
+        p,
+        model_default="random:gpt2",
+        model_aliases=("--hf-model-id",),
+        max_batch_size=max_batch_size,
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the random weights and of the sampling seeds"
+    )
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -67,17 +73,33 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_run_args(p: argparse.ArgumentParser, warmup_runs: int = 1, repeat_runs: int = 3) -> None:
-    p.add_argument("--warmup-runs", type=int, default=warmup_runs,
-                   help="untimed runs of the whole workload first (they compile what it uses)")
-    p.add_argument("--repeat-runs", type=int, default=repeat_runs,
-                   help="timed runs; each is reported, then a summary over them")
+    p.add_argument(
+        "--warmup-runs",
+        type=int,
+        default=warmup_runs,
+        help="untimed runs of the whole workload first (they compile what it uses)",
+    )
+    p.add_argument(
+        "--repeat-runs",
+        type=int,
+        default=repeat_runs,
+        help="timed runs; each is reported, then a summary over them",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure here")
-    p.add_argument("--plot", default=None, metavar="PATH",
-                   help="write a PNG here (needs matplotlib: pip install -e '.[bench]')")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="write a PNG here (needs matplotlib: pip install -e '.[bench]')",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--bandwidth-gbs", type=float, default=None,
-                   help="the card's memory bandwidth in GB/s, for the roofline's %% column; "
-                        "default: its copy bandwidth measured here on a GPU (none on CPU)")
+    p.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=None,
+        help="the card's memory bandwidth in GB/s, for the roofline's %% column; "
+        "default: its copy bandwidth measured here on a GPU (none on CPU)",
+    )
 
 
 def make_engine(args: argparse.Namespace, max_batch_size: int | None = None):
@@ -149,30 +171,45 @@ def resolve_bandwidth(args: argparse.Namespace) -> float | None:
             try:
                 args.bandwidth_gbs = copy_bandwidth_gbs()
             except Exception as e:  # e.g. out of memory beside torch (--hf-in-process)
-                print(f"copy bandwidth not measured: {type(e).__name__}: {e}"[:300],
-                      file=sys.stderr)
+                print(
+                    f"copy bandwidth not measured: {type(e).__name__}: {e}"[:300], file=sys.stderr
+                )
                 return None
             args.bandwidth_measured = True
             print(f"copy bandwidth (measured): {args.bandwidth_gbs:,.0f} GB/s", file=sys.stderr)
     return args.bandwidth_gbs
 
 
-def start(args: argparse.Namespace, benchmark: str, label: str = "engine",
-          max_batch_size: int | None = None, **extra) -> tuple[Any, dict]:
+def start(
+    args: argparse.Namespace,
+    benchmark: str,
+    label: str = "engine",
+    max_batch_size: int | None = None,
+    **extra,
+) -> tuple[Any, dict]:
     """Resolve the bandwidth, build the engine and say so on stderr; returns (engine, result):
     the JSON's head ({'benchmark', **extra, 'args', 'environment', 'engine'})."""
     resolve_bandwidth(args)
     engine, build_s = make_engine(args, max_batch_size)
     env = environment(engine)
-    print(f"{label}: {args.model} {env['dtype']} on {env.get('device')} (jax {env.get('jax')}), "
-          f"max batch {engine.max_batch_size}, decode_steps {env['decode_steps']}; built in "
-          f"{build_s:.1f} s ({engine.compile_seconds:.1f} s warm-up compile, "
-          f"{engine.num_compiles} traces)", file=sys.stderr)
+    print(
+        f"{label}: {args.model} {env['dtype']} on {env.get('device')} (jax {env.get('jax')}), "
+        f"max batch {engine.max_batch_size}, decode_steps {env['decode_steps']}; built in "
+        f"{build_s:.1f} s ({engine.compile_seconds:.1f} s warm-up compile, "
+        f"{engine.num_compiles} traces)",
+        file=sys.stderr,
+    )
     result = {
-        "benchmark": benchmark, **extra, "args": vars(args), "environment": env,
-        "engine": {"build_seconds": build_s, "warmup_compile_seconds": engine.compile_seconds,
-                   "num_compiles_after_build": engine.num_compiles},
-    }  # fmt: skip
+        "benchmark": benchmark,
+        **extra,
+        "args": vars(args),
+        "environment": env,
+        "engine": {
+            "build_seconds": build_s,
+            "warmup_compile_seconds": engine.compile_seconds,
+            "num_compiles_after_build": engine.num_compiles,
+        },
+    }
     return engine, result
 
 
@@ -261,18 +298,26 @@ def run_repeated(
         warm = run < args.warmup_runs
         tag = tag_prefix + (f"warmup{run}" if warm else f"run{run - args.warmup_runs}")
         compiles = engine.num_compiles
-        traces, steps = run_workload(engine, make_prompts(run), params, offsets, tag=tag,
-                                     progress=not args.no_progress)
+        traces, steps = run_workload(
+            engine, make_prompts(run), params, offsets, tag=tag, progress=not args.no_progress
+        )
         summary = m.summarize(traces, steps)
         summary["new_compiles"] = engine.num_compiles - compiles
-        roof = m.traced_decode_roofline(engine.config, traces, steps, args.bandwidth_gbs,
-                                        dtype_bytes=np.dtype(engine.dtype).itemsize)
+        roof = m.traced_decode_roofline(
+            engine.config,
+            traces,
+            steps,
+            args.bandwidth_gbs,
+            dtype_bytes=np.dtype(engine.dtype).itemsize,
+        )
         if roof is not None:
             summary["roofline"] = roof
         if report:
             dest = sys.stderr if warm else sys.stdout
-            print(m.format_summary(summary, f"[{tag}]" + (" (warm-up, not counted)" if warm
-                                                          else "")), file=dest)
+            print(
+                m.format_summary(summary, f"[{tag}]" + (" (warm-up, not counted)" if warm else "")),
+                file=dest,
+            )
             if roof is not None:
                 print(m.format_roofline(roof), file=dest)
             if summary["new_compiles"] and not warm:
@@ -283,8 +328,10 @@ def run_repeated(
             continue
         entry["requests"] = trace_lists(traces)
         out["runs"].append(entry)
-        out["series"][tag] = {"ttft_ms": entry["requests"]["ttft_ms"],
-                              "itl_ms": [g * 1e3 for t in traces for g in m.itl(t)]}
+        out["series"][tag] = {
+            "ttft_ms": entry["requests"]["ttft_ms"],
+            "itl_ms": [g * 1e3 for t in traces for g in m.itl(t)],
+        }
     out["summary"] = m.summarize_runs([r["summary"] for r in out["runs"]])
     return out
 
@@ -297,40 +344,55 @@ def print_runs_summary(summary: dict, n: int, rows: Sequence[tuple], fmt: str = 
         s = summary.get(key)
         if s:
             k = scale[0] if scale else 1
-            print(f"  {label:<18} {s['mean'] * k:12{fmt}}  [{s['min'] * k:{fmt}}, "
-                  f"{s['max'] * k:{fmt}}]")
+            print(
+                f"  {label:<18} {s['mean'] * k:12{fmt}}  [{s['min'] * k:{fmt}}, "
+                f"{s['max'] * k:{fmt}}]"
+            )
 
 
 # print_runs_summary rows of finish(): (summarize_runs key, label[, scale]).
 SUMMARY_ROWS = [
-    ("throughput_tok_s", "end-to-end tok/s"), ("decode_throughput_tok_s", "decode-only tok/s"),
-    ("ttft_ms.p50", "TTFT p50 ms"), ("ttft_ms.p99", "TTFT p99 ms"),
-    ("tpot_ms.p50", "TPOT p50 ms"), ("tpot_ms.p99", "TPOT p99 ms"),
-]  # fmt: skip
+    ("throughput_tok_s", "end-to-end tok/s"),
+    ("decode_throughput_tok_s", "decode-only tok/s"),
+    ("ttft_ms.p50", "TTFT p50 ms"),
+    ("ttft_ms.p99", "TTFT p99 ms"),
+    ("tpot_ms.p50", "TPOT p50 ms"),
+    ("tpot_ms.p99", "TPOT p99 ms"),
+]
 ROOFLINE_ROWS = [
-    ("roofline.mean_batch", "decode mean batch"), ("roofline.step_seconds", "decode step ms", 1e3),
-    ("roofline.flops", "decode GFLOP/step", 1e-9), ("roofline.achieved_gbs", "decode GB/s"),
+    ("roofline.mean_batch", "decode mean batch"),
+    ("roofline.step_seconds", "decode step ms", 1e3),
+    ("roofline.flops", "decode GFLOP/step", 1e-9),
+    ("roofline.achieved_gbs", "decode GB/s"),
     ("roofline.pct_of_bandwidth", "% of bandwidth"),
-]  # fmt: skip
+]
 
 
-def finish(args: argparse.Namespace, engine, result: dict, runs: dict, name: str,
-           extra_rows: Sequence[tuple] = ()) -> int:
+def finish(
+    args: argparse.Namespace,
+    engine,
+    result: dict,
+    runs: dict,
+    name: str,
+    extra_rows: Sequence[tuple] = (),
+) -> int:
     """Put run_repeated's `runs` into `result`, print the summary over the timed runs
     (SUMMARY_ROWS, extra_rows, ROOFLINE_ROWS), write the JSON (--json) and the TTFT / ITL plot
     (--plot, titled 'rosejax <name>: ...'). Returns 0 (the exit status)."""
     series = runs.pop("series")
     result.update(runs)
     result["engine"]["num_compiles_at_end"] = engine.num_compiles
-    print_runs_summary(result["summary"], len(result["runs"]),
-                       [*SUMMARY_ROWS, *extra_rows, *ROOFLINE_ROWS])
+    print_runs_summary(
+        result["summary"], len(result["runs"]), [*SUMMARY_ROWS, *extra_rows, *ROOFLINE_ROWS]
+    )
     write_json(args.json, result)
     if args.plot:
         plot_distributions(
-            args.plot, series,
+            args.plot,
+            series,
             f"rosejax {name}: {args.num_requests} requests, {args.max_new_tokens} new, "
             f"max batch {args.max_batch_size}, {result['environment'].get('device')}",
-        )  # fmt: skip
+        )
     return 0
 
 
@@ -354,8 +416,9 @@ def trace_lists(traces: Sequence[RequestTrace]) -> dict[str, list]:
 
 def _git(*cmd: str) -> str | None:
     try:
-        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
     except Exception:
         return None
 
@@ -375,18 +438,23 @@ def environment(engine=None) -> dict[str, Any]:
         import jax
 
         dev = jax.devices()[0]
-        env.update(jax=jax.__version__, backend=jax.default_backend(),
-                   device=getattr(dev, "device_kind", str(dev)))
+        env.update(
+            jax=jax.__version__,
+            backend=jax.default_backend(),
+            device=getattr(dev, "device_kind", str(dev)),
+        )
     if engine is not None:
         import dataclasses
 
         import numpy as np
 
-        env.update(dtype=np.dtype(engine.dtype).name,
-                   config=dataclasses.asdict(engine.config),
-                   max_batch_size=getattr(engine, "max_batch_size", None),
-                   block_size=getattr(engine, "block_size", None),
-                   decode_steps=getattr(engine, "decode_steps", None))
+        env.update(
+            dtype=np.dtype(engine.dtype).name,
+            config=dataclasses.asdict(engine.config),
+            max_batch_size=getattr(engine, "max_batch_size", None),
+            block_size=getattr(engine, "block_size", None),
+            decode_steps=getattr(engine, "decode_steps", None),
+        )
     return env
 
 
@@ -439,8 +507,13 @@ def plot_distributions(path: str, series: dict[str, dict[str, list]], title: str
     print(f"wrote {path}", file=sys.stderr)
 
 
-def plot_throughput(path: str, batch_sizes: Sequence[int], curves: dict[str, list], title: str,
-                    ylabel: str = "tokens / s") -> None:
+def plot_throughput(
+    path: str,
+    batch_sizes: Sequence[int],
+    curves: dict[str, list],
+    title: str,
+    ylabel: str = "tokens / s",
+) -> None:
     """Throughput vs batch size, one line per engine (None values skipped), log-log."""
     plt = load_pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))

@@ -57,18 +57,26 @@ def variant(text: str) -> Variant:
     return Variant(name, env, options)
 
 
-def build(v: Variant, args: argparse.Namespace,
-          rng: np.random.Generator) -> tuple[LLMEngine, int]:
+def build(v: Variant, args: argparse.Namespace, rng: np.random.Generator) -> tuple[LLMEngine, int]:
     """An engine compiled under v's settings (they are undone once its warm-up run has traced
     every program the timed runs use) -> (engine, its compile count after warm-up)."""
-    bound = {(module, attr): getattr(module, attr)
-             for targets in pd.KERNELS.values() for module, attr in targets}
+    bound = {
+        (module, attr): getattr(module, attr)
+        for targets in pd.KERNELS.values()
+        for module, attr in targets
+    }
     old_env = {key: os.environ.get(key) for key in v.env}
     try:
         os.environ.update(v.env)
         pd.apply_kernel_options(v.kernel_options)
-        engine = pd.make_engine(args.model, args.batch, args.prompt_len, args.new_tokens,
-                                args.block_size, args.decode_steps)
+        engine = pd.make_engine(
+            args.model,
+            args.batch,
+            args.prompt_len,
+            args.new_tokens,
+            args.block_size,
+            args.decode_steps,
+        )
         pd.timed_run(engine, args.batch, args.prompt_len, args.new_tokens, rng, "warm-up")
     finally:
         for (module, attr), kernel in bound.items():
@@ -82,10 +90,16 @@ def build(v: Variant, args: argparse.Namespace,
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("variants", nargs="+", type=variant, metavar="NAME:SETTINGS",
-                   help="a variant; the first is the baseline the others are compared with")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "variants",
+        nargs="+",
+        type=variant,
+        metavar="NAME:SETTINGS",
+        help="a variant; the first is the baseline the others are compared with",
+    )
     p.add_argument("--model", default="random:gpt2", help="model to load (default: %(default)s)")
     p.add_argument("--batch", type=int, default=1, help="concurrent requests (default: 1)")
     p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
@@ -105,23 +119,35 @@ def main(argv: list[str] | None = None) -> dict:
     ms = {name: [] for name in engines}  # ms per decode step of each timed run
     for run in range(args.runs):
         for name, (engine, _) in engines.items():
-            decode_s, _, _ = pd.timed_run(engine, args.batch, args.prompt_len, args.new_tokens,
-                                          rng, f"{name}-{run}")
+            decode_s, _, _ = pd.timed_run(
+                engine, args.batch, args.prompt_len, args.new_tokens, rng, f"{name}-{run}"
+            )
             ms[name].append(decode_s / (args.new_tokens - 1) * 1e3)
     median = {name: statistics.median(xs) for name, xs in ms.items()}
-    rows = [dict(name=var.name, settings=[f"{k}={v}" for k, v in var.env.items()]
-                 + [f"{op}.{param}={n}" for op, param, n in var.kernel_options],
-                 ms_per_step=median[var.name], runs=[round(x, 4) for x in ms[var.name]],
-                 vs_baseline=median[var.name] / median[names[0]],
-                 recompiled=engines[var.name][0].num_compiles != engines[var.name][1])
-            for var in args.variants]
-    print(f"\ncard: {jax.devices()[0].device_kind}, jax {jax.__version__}, batch {args.batch}, "
-          f"{args.runs} interleaved runs each")
+    rows = [
+        dict(
+            name=var.name,
+            settings=[f"{k}={v}" for k, v in var.env.items()]
+            + [f"{op}.{param}={n}" for op, param, n in var.kernel_options],
+            ms_per_step=median[var.name],
+            runs=[round(x, 4) for x in ms[var.name]],
+            vs_baseline=median[var.name] / median[names[0]],
+            recompiled=engines[var.name][0].num_compiles != engines[var.name][1],
+        )
+        for var in args.variants
+    ]
+    print(
+        f"\ncard: {jax.devices()[0].device_kind}, jax {jax.__version__}, batch {args.batch}, "
+        f"{args.runs} interleaved runs each"
+    )
     print(f"{'variant':>14} {'ms/step':>8} {'x base':>7}  ms/step of each run")
     for r in rows:
         note = "  RECOMPILED in timed runs" if r["recompiled"] else ""
-        print(f"{r['name']:>14} {r['ms_per_step']:>8.4f} {r['vs_baseline']:>7.3f}  "
-              + " ".join(f"{x:.3f}" for x in r["runs"]) + note)
+        print(
+            f"{r['name']:>14} {r['ms_per_step']:>8.4f} {r['vs_baseline']:>7.3f}  "
+            + " ".join(f"{x:.3f}" for x in r["runs"])
+            + note
+        )
     result = dict(rows=rows, batch=args.batch, device=jax.devices()[0].device_kind)
     if args.json:
         with open(args.json, "w") as f:

@@ -219,8 +219,13 @@ def summarize_runs(runs: Sequence[Mapping]) -> dict[str, dict[str, float]]:
     out = {}
     for k in keys:
         vals = np.asarray([f[k] for f in flat if k in f])
-        out[k] = {"mean": float(vals.mean()), "median": float(np.median(vals)),
-                  "min": float(vals.min()), "max": float(vals.max()), "n": int(vals.size)}
+        out[k] = {
+            "mean": float(vals.mean()),
+            "median": float(np.median(vals)),
+            "min": float(vals.min()),
+            "max": float(vals.max()),
+            "n": int(vals.size),
+        }
     return out
 
 
@@ -231,8 +236,10 @@ def format_summary(s: Mapping, title: str = "") -> str:
         d = s[name]
         if d["n"] == 0:
             return f"{name[:-3].upper():>5} (ms)  n/a"
-        return (f"{name[:-3].upper():>5} (ms)  p50 {d['p50']:9.2f}  p95 {d['p95']:9.2f}  "
-                f"p99 {d['p99']:9.2f}  mean {d['mean']:9.2f}")
+        return (
+            f"{name[:-3].upper():>5} (ms)  p50 {d['p50']:9.2f}  p95 {d['p95']:9.2f}  "
+            f"p99 {d['p99']:9.2f}  mean {d['mean']:9.2f}"
+        )
 
     def num(v, fmt=",.1f"):
         return "n/a" if v is None else format(v, fmt)
@@ -245,8 +252,9 @@ def format_summary(s: Mapping, title: str = "") -> str:
         f"{num(s['decode_throughput_tok_s'])} tok/s  ({s['steps']})",
         "  " + pct("ttft_ms"),
         "  " + pct("tpot_ms"),
-        "  " + pct("itl_ms") + (f"  (zero gaps {s['itl_zero_fraction']:.0%})"
-                                if s["itl_zero_fraction"] else ""),
+        "  "
+        + pct("itl_ms")
+        + (f"  (zero gaps {s['itl_zero_fraction']:.0%})" if s["itl_zero_fraction"] else ""),
         "  " + pct("e2e_ms"),
     ]
     return "\n".join(lines)
@@ -274,8 +282,9 @@ def weight_bytes(config, dtype_bytes: int = 2) -> int:
     return (config.num_params() - config.n_positions * config.n_embd) * dtype_bytes
 
 
-def decode_step_bytes(config, batch: int, context: float | Sequence[float],
-                      dtype_bytes: int = 2) -> dict[str, float]:
+def decode_step_bytes(
+    config, batch: int, context: float | Sequence[float], dtype_bytes: int = 2
+) -> dict[str, float]:
     """Least bytes one decode step moves: weights + gathered embedding rows + KV read + KV write.
 
     `context`: tokens each row attends to, the new one included (a number, or one per row).
@@ -308,8 +317,14 @@ def mean_decode_context(prompt_len: int, new_tokens: int) -> float:
     return prompt_len + new_tokens / 2
 
 
-def roofline(config, batch: int, context: float | Sequence[float], step_seconds: float,
-             bandwidth_gbs: float | None = None, dtype_bytes: int = 2) -> dict[str, float | None]:
+def roofline(
+    config,
+    batch: int,
+    context: float | Sequence[float],
+    step_seconds: float,
+    bandwidth_gbs: float | None = None,
+    dtype_bytes: int = 2,
+) -> dict[str, float | None]:
     """A decode step of `step_seconds` against the memory floor: achieved GB/s and TFLOP/s, and
     (given the card's bandwidth in GB/s) the % of it, the floor time and the tokens/s ceiling."""
     nbytes = decode_step_bytes(config, batch, context, dtype_bytes)["total"]
@@ -329,14 +344,21 @@ def roofline(config, batch: int, context: float | Sequence[float], step_seconds:
     }
     if bandwidth_gbs:
         floor = nbytes / (bandwidth_gbs * 1e9)
-        out.update(pct_of_bandwidth=100.0 * out["achieved_gbs"] / bandwidth_gbs,
-                   floor_seconds=floor, tokens_per_s_ceiling=batch / floor)
+        out.update(
+            pct_of_bandwidth=100.0 * out["achieved_gbs"] / bandwidth_gbs,
+            floor_seconds=floor,
+            tokens_per_s_ceiling=batch / floor,
+        )
     return out
 
 
-def traced_decode_roofline(config, traces: Sequence[RequestTrace], steps: Sequence[StepRecord],
-                           bandwidth_gbs: float | None = None,
-                           dtype_bytes: int = 2) -> dict[str, float | None] | None:
+def traced_decode_roofline(
+    config,
+    traces: Sequence[RequestTrace],
+    steps: Sequence[StepRecord],
+    bandwidth_gbs: float | None = None,
+    dtype_bytes: int = 2,
+) -> dict[str, float | None] | None:
     """The decode roofline of any run (several waves, arrivals over time, mixed prompt lengths),
     from its traces: which rows each decode step advanced and at what context. None if no step
     decoded. Adds 'decode_steps' (device iterations), 'mean_batch' and 'mean_context'."""
@@ -363,8 +385,9 @@ def traced_decode_roofline(config, traces: Sequence[RequestTrace], steps: Sequen
     # row (multi-step decode) counts as k iterations; rows that finished inside it count only
     # for their tokens, and padding rows of a batch bucket not at all.
     mean_batch, mean_context = rows / iterations, context / rows
-    out = roofline(config, mean_batch, mean_context, decode_seconds / iterations, bandwidth_gbs,
-                   dtype_bytes)
+    out = roofline(
+        config, mean_batch, mean_context, decode_seconds / iterations, bandwidth_gbs, dtype_bytes
+    )
     out.update(decode_steps=iterations, mean_batch=mean_batch, mean_context=mean_context)
     return out
 
@@ -372,11 +395,15 @@ def traced_decode_roofline(config, traces: Sequence[RequestTrace], steps: Sequen
 def format_roofline(r: Mapping) -> str:
     """One line for a roofline() dict with 'decode_steps' and 'mean_context' (and 'mean_batch')."""
     batch = f"mean batch {r['mean_batch']:.1f}, " if "mean_batch" in r else ""
-    line = (f"  decode roofline: {r['decode_steps']} steps of {r['step_seconds'] * 1e3:.3f} ms, "
-            f"{batch}{r['bytes'] / 1e9:.3f} GB and {r['flops'] / 1e9:.3g} GFLOP/step at mean "
-            f"context {r['mean_context']:.0f} -> {r['achieved_gbs']:,.0f} GB/s, "
-            f"{r['achieved_tflops']:.2f} TFLOP/s, {r['tokens_per_s']:,.0f} tok/s")
+    line = (
+        f"  decode roofline: {r['decode_steps']} steps of {r['step_seconds'] * 1e3:.3f} ms, "
+        f"{batch}{r['bytes'] / 1e9:.3f} GB and {r['flops'] / 1e9:.3g} GFLOP/step at mean "
+        f"context {r['mean_context']:.0f} -> {r['achieved_gbs']:,.0f} GB/s, "
+        f"{r['achieved_tflops']:.2f} TFLOP/s, {r['tokens_per_s']:,.0f} tok/s"
+    )
     if r.get("pct_of_bandwidth") is not None:
-        line += (f" ({r['pct_of_bandwidth']:.0f}% of {r['bandwidth_gbs']:,.0f} GB/s; floor "
-                 f"{r['floor_seconds'] * 1e3:.3f} ms/step, {r['tokens_per_s_ceiling']:,.0f} tok/s)")
+        line += (
+            f" ({r['pct_of_bandwidth']:.0f}% of {r['bandwidth_gbs']:,.0f} GB/s; floor "
+            f"{r['floor_seconds'] * 1e3:.3f} ms/step, {r['tokens_per_s_ceiling']:,.0f} tok/s)"
+        )
     return line

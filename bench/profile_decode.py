@@ -38,8 +38,10 @@ from rosejax import LLMEngine, SamplingParams, attention, layers  # noqa: E402
 KERNELS = {
     "layer_norm": [(layers, "layer_norm"), (layers, "add_layer_norm")],
     "linear": [(layers, "linear"), (layers, "linear_partial_sums")],
-    "attention": [(attention, "paged_decode_attention"),
-                  (attention, "paged_decode_attention_append")],
+    "attention": [
+        (attention, "paged_decode_attention"),
+        (attention, "paged_decode_attention_append"),
+    ],
 }
 
 
@@ -67,18 +69,29 @@ def apply_kernel_options(options: list[tuple[str, str, int]]) -> None:
             setattr(module, attr, functools.partial(getattr(module, attr), **{param: n}))
 
 
-def make_engine(model: str, batch: int, prompt_len: int, new_tokens: int, block_size: int,
-                decode_steps: int) -> LLMEngine:
+def make_engine(
+    model: str, batch: int, prompt_len: int, new_tokens: int, block_size: int, decode_steps: int
+) -> LLMEngine:
     """An fp16 engine for `batch` concurrent requests of this shape (KV for all of them)."""
     return LLMEngine(
-        model, dtype="float16", max_batch_size=batch, block_size=block_size,
+        model,
+        dtype="float16",
+        max_batch_size=batch,
+        block_size=block_size,
         kv_cache_tokens=batch * (prompt_len + new_tokens + 2 * block_size),
-        decode_steps=decode_steps, warmup=False,
-    )  # fmt: skip
+        decode_steps=decode_steps,
+        warmup=False,
+    )
 
 
-def timed_run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
-              rng: np.random.Generator, tag: object) -> tuple[float, float, int]:
+def timed_run(
+    engine: LLMEngine,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    rng: np.random.Generator,
+    tag: object,
+) -> tuple[float, float, int]:
     """`batch` requests of random `prompt_len`-token prompts, `new_tokens` greedy tokens each,
     all at once -> (decode seconds: from every request holding its first token to the end,
     end-to-end seconds, tokens)."""
@@ -99,22 +112,34 @@ def timed_run(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="random:gpt2", help="model to load (default: %(default)s)")
     p.add_argument("--batch", type=int, default=256, help="concurrent requests")
     p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
     p.add_argument("--decode-steps", default="1,8,32", help="comma list of steps per device call")
     p.add_argument("--block-size", type=int, default=64, help="KV block size")
-    p.add_argument("--timed-runs", type=int, default=3,
-                   help="timed runs after the compiling one; the median is reported (a card's "
-                        "step time wanders by several %% between runs)")
-    p.add_argument("--trace-dir", default=None, help="write a jax.profiler trace of the first "
-                   "timed run here")
-    p.add_argument("--kernel-option", type=kernel_option, action="append", default=[],
-                   metavar="OP.PARAM=N", help=f"a keyword for every call of kernel OP (one of "
-                   f"{', '.join(KERNELS)}), e.g. linear.num_warps=2; repeatable")
+    p.add_argument(
+        "--timed-runs",
+        type=int,
+        default=3,
+        help="timed runs after the compiling one; the median is reported (a card's "
+        "step time wanders by several %% between runs)",
+    )
+    p.add_argument(
+        "--trace-dir", default=None, help="write a jax.profiler trace of the first timed run here"
+    )
+    p.add_argument(
+        "--kernel-option",
+        type=kernel_option,
+        action="append",
+        default=[],
+        metavar="OP.PARAM=N",
+        help=f"a keyword for every call of kernel OP (one of "
+        f"{', '.join(KERNELS)}), e.g. linear.num_warps=2; repeatable",
+    )
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)
     apply_kernel_options(args.kernel_option)
@@ -122,8 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     rng = np.random.default_rng(0)
     for k in [int(s) for s in args.decode_steps.split(",")]:
-        engine = make_engine(args.model, args.batch, args.prompt_len, args.new_tokens,
-                             args.block_size, k)
+        engine = make_engine(
+            args.model, args.batch, args.prompt_len, args.new_tokens, args.block_size, k
+        )
         runs = []  # (decode seconds, end-to-end seconds, tokens) of each timed run
         for run in range(1 + args.timed_runs):  # the first run compiles what it meets
             if run == 1:
@@ -161,8 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\ncard: {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth {bw:.0f} GB/s"
     )
-    print(f"{'K':>4} {'ms/step':>9} {'decode tok/s':>13} {'e2e tok/s':>10} {'GB/s':>7} {'%bw':>5}"
-          "  ms/step of each run")
+    print(
+        f"{'K':>4} {'ms/step':>9} {'decode tok/s':>13} {'e2e tok/s':>10} {'GB/s':>7} {'%bw':>5}"
+        "  ms/step of each run"
+    )
     for r in rows:
         print(
             f"{r['decode_steps']:>4} {r['decode_ms_per_step']:>9.3f} {r['decode_tok_s']:>13.0f} "
@@ -171,8 +199,15 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(rows=rows, copy_gbs=bw, device=jax.devices()[0].device_kind,
-                           kernel_options=[f"{o}.{p}={n}" for o, p, n in args.kernel_option]), f)
+            json.dump(
+                dict(
+                    rows=rows,
+                    copy_gbs=bw,
+                    device=jax.devices()[0].device_kind,
+                    kernel_options=[f"{o}.{p}={n}" for o, p, n in args.kernel_option],
+                ),
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Summarise a jax.profiler perfetto trace: device time per kernel name, largest first.
 
-    python bench/trace_summary.py TRACE_DIR [--top 25]
+python bench/trace_summary.py TRACE_DIR [--top 25]
 """
 
 from __future__ import annotations

@@ -84,8 +84,9 @@ def _tile_indices(num_rows: int, num_heads: int, block_b: int, block_h: int):
     return rows, heads
 
 
-def _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, src, heads, blocks, positions,
-               head_offsets):
+def _copy_tile(
+    k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, src, heads, blocks, positions, head_offsets
+):
     """Load [block_b, block_h, D] of K and V from rows src (heads shifted by head_offsets in
     k_new / v_new), store them at (blocks, positions)."""
     src = src[:, None]  # [block_b, 1]
@@ -120,8 +121,9 @@ def kv_append_generic_kernel(
     src = batch_idx_ref[rows]  # [block_b]
     blocks = block_idx_ref[rows]  # [block_b]
     positions = pos_ref[rows]  # [block_b]
-    _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, src, heads, blocks, positions,
-               head_offsets)
+    _copy_tile(
+        k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, src, heads, blocks, positions, head_offsets
+    )
 
 
 def kv_append_identity_pos_kernel(
@@ -143,8 +145,9 @@ def kv_append_identity_pos_kernel(
     rows, heads = _tile_indices(block_idx_ref.shape[0], num_heads, block_b, block_h)
     blocks = block_idx_ref[rows]  # [block_b]
     positions = pos_ref[rows]  # [block_b]
-    _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, rows, heads, blocks, positions,
-               head_offsets)
+    _copy_tile(
+        k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, rows, heads, blocks, positions, head_offsets
+    )
 
 
 def kv_append_full_batch_kernel(
@@ -166,8 +169,9 @@ def kv_append_full_batch_kernel(
     rows, heads = _tile_indices(block_idx_ref.shape[0], num_heads, block_b, block_h)
     blocks = block_idx_ref[rows]  # [block_b]
     positions = jnp.broadcast_to(pos_ref[0], (block_b,))  # [block_b]
-    _copy_tile(k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, rows, heads, blocks, positions,
-               head_offsets)
+    _copy_tile(
+        k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, rows, heads, blocks, positions, head_offsets
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,8 +269,7 @@ def _launch(
     cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
     num_inputs = 2 + len(index_arrays)
     return pl.pallas_call(
-        functools.partial(kernel, block_b=block_b, block_h=block_h,
-                          head_offsets=head_offsets),
+        functools.partial(kernel, block_b=block_b, block_h=block_h, head_offsets=head_offsets),
         grid=grid,
         out_shape=(cache_shape, cache_shape),
         # The caches are inputs num_inputs, num_inputs + 1: written in place.
@@ -313,9 +316,19 @@ def kv_append_generic(
     _check_int32_vector("batch_idx", batch_idx, n)
     _check_int32_vector("pos", pos, n)
     return _launch(
-        kv_append_generic_kernel, "kv_append_generic", k_cache, v_cache, k_new, v_new,
-        (batch_idx, block_idx, pos), n, block_b=block_b, block_h=block_h,
-        head_offsets=new_head_offsets, num_warps=num_warps, num_stages=num_stages,
+        kv_append_generic_kernel,
+        "kv_append_generic",
+        k_cache,
+        v_cache,
+        k_new,
+        v_new,
+        (batch_idx, block_idx, pos),
+        n,
+        block_b=block_b,
+        block_h=block_h,
+        head_offsets=new_head_offsets,
+        num_warps=num_warps,
+        num_stages=num_stages,
         interpret=interpret,
     )
 
@@ -341,9 +354,19 @@ def kv_append_identity_pos(
     n = _check_int32_vector("block_idx", block_idx, k_new.shape[0])
     _check_int32_vector("pos", pos, n)
     return _launch(
-        kv_append_identity_pos_kernel, "kv_append_identity_pos", k_cache, v_cache, k_new,
-        v_new, (block_idx, pos), n, block_b=block_b, block_h=block_h,
-        head_offsets=new_head_offsets, num_warps=num_warps, num_stages=num_stages,
+        kv_append_identity_pos_kernel,
+        "kv_append_identity_pos",
+        k_cache,
+        v_cache,
+        k_new,
+        v_new,
+        (block_idx, pos),
+        n,
+        block_b=block_b,
+        block_h=block_h,
+        head_offsets=new_head_offsets,
+        num_warps=num_warps,
+        num_stages=num_stages,
         interpret=interpret,
     )
 
@@ -370,9 +393,19 @@ def kv_append_full_batch(
     n = _check_int32_vector("block_idx", block_idx, k_new.shape[0])
     _check_scalar_pos(pos)
     return _launch(
-        kv_append_full_batch_kernel, "kv_append_full_batch", k_cache, v_cache, k_new, v_new,
-        (block_idx, pos.reshape(1)), n, block_b=block_b, block_h=block_h,
-        head_offsets=new_head_offsets, num_warps=num_warps, num_stages=num_stages,
+        kv_append_full_batch_kernel,
+        "kv_append_full_batch",
+        k_cache,
+        v_cache,
+        k_new,
+        v_new,
+        (block_idx, pos.reshape(1)),
+        n,
+        block_b=block_b,
+        block_h=block_h,
+        head_offsets=new_head_offsets,
+        num_warps=num_warps,
+        num_stages=num_stages,
         interpret=interpret,
     )
 
@@ -411,8 +444,8 @@ def kv_append_reference(
     """
     _check_caches(k_cache, v_cache, k_new, v_new, new_head_offsets)
     num_heads = k_cache.shape[0]
-    k_new = k_new[:, new_head_offsets[0]:new_head_offsets[0] + num_heads]  # [B, H, D]
-    v_new = v_new[:, new_head_offsets[1]:new_head_offsets[1] + num_heads]  # [B, H, D]
+    k_new = k_new[:, new_head_offsets[0] : new_head_offsets[0] + num_heads]  # [B, H, D]
+    v_new = v_new[:, new_head_offsets[1] : new_head_offsets[1] + num_heads]  # [B, H, D]
     if batch_idx is None:
         n = _check_int32_vector("block_idx", block_idx, k_new.shape[0])
     else:
@@ -480,21 +513,48 @@ def kv_append(
         scalar_pos=pos.ndim == 0,
     )
     if variant == "xla":
-        return kv_append_reference(k_cache, v_cache, k_new, v_new, block_idx, pos, batch_idx,
-                                   new_head_offsets=new_head_offsets)
+        return kv_append_reference(
+            k_cache,
+            v_cache,
+            k_new,
+            v_new,
+            block_idx,
+            pos,
+            batch_idx,
+            new_head_offsets=new_head_offsets,
+        )
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     if variant == "full_batch":
         return kv_append_full_batch(
-            k_cache, v_cache, k_new, v_new, block_idx, pos, new_head_offsets=new_head_offsets,
+            k_cache,
+            v_cache,
+            k_new,
+            v_new,
+            block_idx,
+            pos,
+            new_head_offsets=new_head_offsets,
             interpret=interpret,
         )
     if variant == "identity_pos":
         return kv_append_identity_pos(
-            k_cache, v_cache, k_new, v_new, block_idx, pos, new_head_offsets=new_head_offsets,
+            k_cache,
+            v_cache,
+            k_new,
+            v_new,
+            block_idx,
+            pos,
+            new_head_offsets=new_head_offsets,
             interpret=interpret,
         )
     return kv_append_generic(
-        k_cache, v_cache, k_new, v_new, batch_idx, block_idx, pos,
-        new_head_offsets=new_head_offsets, interpret=interpret,
+        k_cache,
+        v_cache,
+        k_new,
+        v_new,
+        batch_idx,
+        block_idx,
+        pos,
+        new_head_offsets=new_head_offsets,
+        interpret=interpret,
     )

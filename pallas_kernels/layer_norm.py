@@ -97,8 +97,9 @@ def add_layer_norm_kernel(
     acc = plgpu.load(partials_ref.at[(jnp.int32(0), *tile)], mask=mask, other=0.0)
     for s in range(1, splits):
         acc += plgpu.load(partials_ref.at[(jnp.int32(s), *tile)], mask=mask, other=0.0)
-    acc += plgpu.load(linear_bias_ref.at[tile[1]], mask=col_ok, other=0.0).astype(
-        jnp.float32)[None, :]
+    acc += plgpu.load(linear_bias_ref.at[tile[1]], mask=col_ok, other=0.0).astype(jnp.float32)[
+        None, :
+    ]
     acc += plgpu.load(residual_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
     # Rounded to the residual stream's dtype first, as the unfused layers store and reload it.
     h = acc.astype(h_ref.dtype)  # [R, C]
@@ -120,15 +121,35 @@ def layer_norm(
 ) -> jax.Array:  # [N, E], x's dtype
     """(x - mean) / sqrt(var + eps) * scale + bias over each row of x."""
     if x.ndim != 2 or scale.shape != (x.shape[1],) or bias.shape != (x.shape[1],):
-        raise ValueError(f"need x [N, E], scale and bias [E], got {x.shape}, {scale.shape}, "
-                         f"{bias.shape}")
-    (y,) = _row_call(layer_norm_kernel, (x, scale, bias), 1, x, "layer_norm", eps=eps,
-                     block_rows=block_rows, num_warps=num_warps, interpret=interpret)
+        raise ValueError(
+            f"need x [N, E], scale and bias [E], got {x.shape}, {scale.shape}, {bias.shape}"
+        )
+    (y,) = _row_call(
+        layer_norm_kernel,
+        (x, scale, bias),
+        1,
+        x,
+        "layer_norm",
+        eps=eps,
+        block_rows=block_rows,
+        num_warps=num_warps,
+        interpret=interpret,
+    )
     return y
 
 
-def _row_call(kernel, operands, num_outputs: int, like: jax.Array, name: str, *, eps: float,
-              block_rows: int, num_warps: int, interpret: bool) -> tuple[jax.Array, ...]:
+def _row_call(
+    kernel,
+    operands,
+    num_outputs: int,
+    like: jax.Array,
+    name: str,
+    *,
+    eps: float,
+    block_rows: int,
+    num_warps: int,
+    interpret: bool,
+) -> tuple[jax.Array, ...]:
     """A kernel over row tiles of [N, E] arrays: `num_outputs` outputs shaped like `like`."""
     if not is_power_of_2(block_rows):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
@@ -173,18 +194,31 @@ def add_layer_norm(
     """h = residual + sum(partials) + linear_bias (rounded to residual's dtype) and its layer
     norm, in one kernel."""
     _check_add_layer_norm(partials, linear_bias, residual, scale, bias)
-    return _row_call(add_layer_norm_kernel, (partials, linear_bias, residual, scale, bias), 2,
-                     residual, "add_layer_norm", eps=eps, block_rows=block_rows,
-                     num_warps=num_warps, interpret=interpret)
+    return _row_call(
+        add_layer_norm_kernel,
+        (partials, linear_bias, residual, scale, bias),
+        2,
+        residual,
+        "add_layer_norm",
+        eps=eps,
+        block_rows=block_rows,
+        num_warps=num_warps,
+        interpret=interpret,
+    )
 
 
 def _check_add_layer_norm(partials, linear_bias, residual, scale, bias) -> None:
-    if (partials.ndim != 3 or partials.dtype != jnp.float32 or residual.shape != partials.shape[1:]
-            or any(a.shape != (residual.shape[1],) for a in (linear_bias, scale, bias))):
+    if (
+        partials.ndim != 3
+        or partials.dtype != jnp.float32
+        or residual.shape != partials.shape[1:]
+        or any(a.shape != (residual.shape[1],) for a in (linear_bias, scale, bias))
+    ):
         raise ValueError(
             f"need float32 partials [S, N, E], residual [N, E], linear_bias, scale and bias [E], "
             f"got {partials.dtype}{list(partials.shape)}, {residual.shape}, {linear_bias.shape}, "
-            f"{scale.shape}, {bias.shape}")
+            f"{scale.shape}, {bias.shape}"
+        )
 
 
 def add_layer_norm_reference(

@@ -48,8 +48,9 @@ DEFAULT_NUM_STAGES = 4
 DEFAULT_MAX_K_STEPS = 4
 
 
-def linear_supported(k: int, n: int, block_k: int = DEFAULT_BLOCK_K,
-                     block_n: int = DEFAULT_BLOCK_N) -> bool:
+def linear_supported(
+    k: int, n: int, block_k: int = DEFAULT_BLOCK_K, block_n: int = DEFAULT_BLOCK_N
+) -> bool:
     """Whether K and N tile: each needs a power-of-two divisor >= 16 (the matrix units' least)
     within the block size. A dispatcher sends other shapes to `linear_reference`."""
     return min(math.gcd(block_k, k), math.gcd(block_n, n)) >= 16
@@ -65,25 +66,34 @@ def split_count(k_steps: int, max_k_steps: int) -> int:
     return -(-k_steps // per_split)
 
 
-def _tiles(m: int, k: int, n: int, block_m: int, block_n: int, block_k: int,
-           max_k_steps: int) -> dict:
+def _tiles(
+    m: int, k: int, n: int, block_m: int, block_n: int, block_k: int, max_k_steps: int
+) -> dict:
     """The kernel's static tiling of an [M, K] @ [K, N] call, checked."""
     if not (is_power_of_2(block_n) and is_power_of_2(block_k)):
         raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
     if not (is_power_of_2(block_m) and block_m >= 16):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     if not linear_supported(k, n, block_k, block_n):
-        raise ValueError(f"N={n} and K={k} need a power-of-two divisor >= 16 for the tiles "
-                         f"(the matrix units' least) within {block_n}, {block_k}")
+        raise ValueError(
+            f"N={n} and K={k} need a power-of-two divisor >= 16 for the tiles "
+            f"(the matrix units' least) within {block_n}, {block_k}"
+        )
     # Tiles must divide the matrix; shrink them to the largest power of two that does.
     block_n, block_k = math.gcd(block_n, n), math.gcd(block_k, k)
     k_steps = k // block_k
     splits = split_count(k_steps, max_k_steps)
     # Never more rows than M rounds up to; the matrix units' least M is 16.
     block_m = min(block_m, max(16, next_power_of_2(m)))
-    return dict(block_m=block_m, m_tiles=-(-m // block_m),
-                block_n=block_n, block_k=block_k, k_steps=k_steps, splits=splits,
-                steps_per_split=-(-k_steps // splits))
+    return dict(
+        block_m=block_m,
+        m_tiles=-(-m // block_m),
+        block_n=block_n,
+        block_k=block_k,
+        k_steps=k_steps,
+        splits=splits,
+        steps_per_split=-(-k_steps // splits),
+    )
 
 
 def _epilogue(y, bias, residual, activation: str | None):
@@ -130,8 +140,9 @@ def linear_kernel(
     row_ok = (first_row + jnp.arange(block_m) < m)[:, None]  # [BM, 1]: rows past M are padding
 
     def body(i, acc):  # acc [BM, BN] float32
-        x = plgpu.load(x_ref.at[rows, pl.ds(i * block_k, block_k)], mask=row_ok,
-                       other=0.0)  # [BM, BK]
+        x = plgpu.load(
+            x_ref.at[rows, pl.ds(i * block_k, block_k)], mask=row_ok, other=0.0
+        )  # [BM, BK]
         w = w_ref[pl.ds(i * block_k, block_k), cols]  # [BK, BN]
         # float32 weights: full precision, not TF32 (a float32 model is there to match HF).
         precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
@@ -139,8 +150,11 @@ def linear_kernel(
 
     first = pl.program_id(2) * steps_per_split
     # A static trip count where the splits are even (what the compiler pipelines best).
-    last = (first + steps_per_split if k_steps % steps_per_split == 0
-            else jnp.minimum(first + steps_per_split, k_steps))
+    last = (
+        first + steps_per_split
+        if k_steps % steps_per_split == 0
+        else jnp.minimum(first + steps_per_split, k_steps)
+    )
     acc = jax.lax.fori_loop(first, last, body, jnp.zeros((block_m, block_n), jnp.float32))
     if partial_sums:
         plgpu.store(o_ref.at[pl.program_id(2), rows, cols], acc, mask=row_ok)
@@ -153,8 +167,15 @@ def linear_kernel(
     plgpu.store(o_ref.at[rows, cols], y.astype(o_ref.dtype), mask=row_ok)
 
 
-_STATIC_ARGS = ["block_m", "block_n", "block_k", "num_warps", "num_stages", "max_k_steps",
-                "interpret"]
+_STATIC_ARGS = [
+    "block_m",
+    "block_n",
+    "block_k",
+    "num_warps",
+    "num_stages",
+    "max_k_steps",
+    "interpret",
+]
 
 
 @functools.partial(jax.jit, static_argnames=["activation", *_STATIC_ARGS])
@@ -189,8 +210,9 @@ def linear(
     if tiles["splits"] > 1:
         partials = _pallas_linear(x, w, (), tiles, None, **launch)
         return finish_partial_sums(partials, b, residual, activation=activation, dtype=x.dtype)
-    return _pallas_linear(x, w, (b,) if residual is None else (b, residual), tiles, activation,
-                          **launch)
+    return _pallas_linear(
+        x, w, (b,) if residual is None else (b, residual), tiles, activation, **launch
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC_ARGS)
@@ -211,17 +233,18 @@ def linear_partial_sums(
     (`finish_partial_sums`, `pallas_kernels.layer_norm.add_layer_norm`)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"need x [M, K], w [K, N], got {x.shape}, {w.shape}")
-    tiles = _tiles(x.shape[0], x.shape[1], w.shape[1], block_m, block_n, block_k,
-                   max_k_steps)
-    return _pallas_linear(x, w, (), tiles, None, num_warps=num_warps, num_stages=num_stages,
-                          interpret=interpret)
+    tiles = _tiles(x.shape[0], x.shape[1], w.shape[1], block_m, block_n, block_k, max_k_steps)
+    return _pallas_linear(
+        x, w, (), tiles, None, num_warps=num_warps, num_stages=num_stages, interpret=interpret
+    )
 
 
 _GRID_ONLY = ("m_tiles", "splits")
 
 
-def _pallas_linear(x, w, operands, tiles: dict, activation, *, num_warps: int, num_stages: int,
-                   interpret: bool) -> jax.Array:
+def _pallas_linear(
+    x, w, operands, tiles: dict, activation, *, num_warps: int, num_stages: int, interpret: bool
+) -> jax.Array:
     """The kernel over x, w and `operands`: bias and residual, or none for partial sums."""
     (m, _), n = x.shape, w.shape[1]
     partial_sums = not operands
@@ -234,8 +257,12 @@ def _pallas_linear(x, w, operands, tiles: dict, activation, *, num_warps: int, n
     if not interpret:
         filter_triton_deprecation()
     return pl.pallas_call(
-        functools.partial(linear_kernel, activation=activation, partial_sums=partial_sums,
-                          **{k: v for k, v in tiles.items() if k not in _GRID_ONLY}),
+        functools.partial(
+            linear_kernel,
+            activation=activation,
+            partial_sums=partial_sums,
+            **{k: v for k, v in tiles.items() if k not in _GRID_ONLY},
+        ),
         grid=(n // tiles["block_n"], tiles["m_tiles"], tiles["splits"]),
         out_shape=out,
         interpret=interpret,

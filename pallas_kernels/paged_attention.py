@@ -32,16 +32,16 @@ from pallas_kernels.kv_append import cache_slots
 _NEG_INF = -1e30
 
 
-def _attend_pages(q, k_cache_ref, v_cache_ref, block_tables_ref, b, h, num_tokens,
-                  prefetch_table):
+def _attend_pages(q, k_cache_ref, v_cache_ref, block_tables_ref, b, h, num_tokens, prefetch_table):
     """Online softmax of q [D] (already scaled) over the row's first `num_tokens` cached keys
     of head h -> (running max, softmax denominator, numerator [D]), all float32."""
     block_size, head_dim = k_cache_ref.shape[2], k_cache_ref.shape[3]
     max_blocks = block_tables_ref.shape[1]
     if prefetch_table:
         slots = jnp.arange(next_power_of_2(max_blocks), dtype=jnp.int32)
-        table = plgpu.load(block_tables_ref.at[b, pl.ds(0, slots.shape[0])],
-                           mask=slots < max_blocks, other=0)  # [MB']
+        table = plgpu.load(
+            block_tables_ref.at[b, pl.ds(0, slots.shape[0])], mask=slots < max_blocks, other=0
+        )  # [MB']
 
     def body(i, carry):
         m, denom, acc = carry
@@ -80,8 +80,9 @@ def paged_decode_attention_kernel(
 ):
     b, h = pl.program_id(0), pl.program_id(1)
     q = q_ref[b, h, :].astype(jnp.float32) * sm_scale  # [D]
-    _, denom, acc = _attend_pages(q, k_cache_ref, v_cache_ref, block_tables_ref, b, h,
-                                  lengths_ref[b], prefetch_table)
+    _, denom, acc = _attend_pages(
+        q, k_cache_ref, v_cache_ref, block_tables_ref, b, h, lengths_ref[b], prefetch_table
+    )
     # A padded row (length 0) has denom = 0: write zeros, not NaN.
     o_ref[b, h, :] = (acc / jnp.maximum(denom, 1e-30)).astype(o_ref.dtype)
 
@@ -106,8 +107,9 @@ def paged_decode_attention_append_kernel(
     # slot that this launch writes (a row's write slot is private to it: shared blocks are full,
     # and a shared partial block is copied before anyone writes into it).
     q = qkv_ref[b, h, :].astype(jnp.float32) * sm_scale  # [D]
-    m, denom, acc = _attend_pages(q, k_cache_in_ref, v_cache_in_ref, block_tables_ref, b, h,
-                                  length - 1, prefetch_table)
+    m, denom, acc = _attend_pages(
+        q, k_cache_in_ref, v_cache_in_ref, block_tables_ref, b, h, length - 1, prefetch_table
+    )
     k_new = qkv_ref[b, num_heads + h, :]  # [D]
     v_new = qkv_ref[b, 2 * num_heads + h, :]  # [D]
     s = jnp.sum(q * k_new.astype(jnp.float32))
@@ -129,20 +131,27 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, lengths, append: bool)
     """Static checks shared by both decode ops. q needs >= H heads, or exactly 3H of the cache's
     dtype to `append` (its K/V are stored in the cache)."""
     if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"need q [B, H, D] and caches [H, NB, BS, D], got {q.shape}, "
-                         f"{k_cache.shape}, {v_cache.shape}")
+        raise ValueError(
+            f"need q [B, H, D] and caches [H, NB, BS, D], got {q.shape}, "
+            f"{k_cache.shape}, {v_cache.shape}"
+        )
     b, _, d = q.shape
     h = k_cache.shape[0]
     need = "3H" if append else ">= H"
     if (q.shape[1] != 3 * h if append else q.shape[1] < h) or k_cache.shape[3] != d:
-        raise ValueError(f"q heads/dim {q.shape[1:]} do not cover the cache's "
-                         f"{(h, k_cache.shape[3])} (need {need} heads)")
+        raise ValueError(
+            f"q heads/dim {q.shape[1:]} do not cover the cache's "
+            f"{(h, k_cache.shape[3])} (need {need} heads)"
+        )
     if append and (q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype):
-        raise ValueError(f"qkv and the caches must share a dtype to append, got {q.dtype}, "
-                         f"{k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(
+            f"qkv and the caches must share a dtype to append, got {q.dtype}, "
+            f"{k_cache.dtype}, {v_cache.dtype}"
+        )
     if block_tables.ndim != 2 or block_tables.shape[0] != b or block_tables.dtype != jnp.int32:
-        raise ValueError(f"block_tables must be int32 [{b}, MB], got {block_tables.dtype} "
-                         f"{block_tables.shape}")
+        raise ValueError(
+            f"block_tables must be int32 [{b}, MB], got {block_tables.dtype} {block_tables.shape}"
+        )
     if lengths.shape != (b,) or lengths.dtype != jnp.int32:
         raise ValueError(f"lengths must be int32 [{b}], got {lengths.dtype} {lengths.shape}")
     bs = k_cache.shape[2]
@@ -165,24 +174,36 @@ PREFETCH_TABLE_MIN_BATCH = 128
 PREFETCH_TABLE_MAX_BLOCKS = 64
 
 
-def _decode_call(kernel, name: str, q, k_cache, v_cache, block_tables, lengths, *,
-                 append: bool, num_warps: int | None, num_stages: int,
-                 prefetch_table: bool | None, interpret: bool):
+def _decode_call(
+    kernel,
+    name: str,
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    lengths,
+    *,
+    append: bool,
+    num_warps: int | None,
+    num_stages: int,
+    prefetch_table: bool | None,
+    interpret: bool,
+):
     """One program per (row, head); with `append` the caches are outputs too, in place."""
     b, d = q.shape[0], q.shape[2]
     h, _, bs, _ = k_cache.shape
     if num_warps is None:
         num_warps = _default_num_warps(bs, d)
     if prefetch_table is None:
-        prefetch_table = (b >= PREFETCH_TABLE_MIN_BATCH
-                          and block_tables.shape[1] <= PREFETCH_TABLE_MAX_BLOCKS)
+        prefetch_table = (
+            b >= PREFETCH_TABLE_MIN_BATCH and block_tables.shape[1] <= PREFETCH_TABLE_MAX_BLOCKS
+        )
     if not interpret:
         filter_triton_deprecation()
     out_shape = jax.ShapeDtypeStruct((b, h, d), q.dtype)
     cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
     return pl.pallas_call(
-        functools.partial(kernel, sm_scale=1.0 / math.sqrt(d),
-                          prefetch_table=bool(prefetch_table)),
+        functools.partial(kernel, sm_scale=1.0 / math.sqrt(d), prefetch_table=bool(prefetch_table)),
         grid=(b, h),
         out_shape=(out_shape, cache_shape, cache_shape) if append else out_shape,
         input_output_aliases={1: 1, 2: 2} if append else {},
@@ -214,10 +235,20 @@ def paged_decode_attention(
     None: a program reads its row's whole block table up front from PREFETCH_TABLE_MIN_BATCH rows
     up, an entry per page below that."""
     _check_decode_args(q, k_cache, v_cache, block_tables, lengths, append=False)
-    return _decode_call(paged_decode_attention_kernel, "paged_decode_attention", q, k_cache,
-                        v_cache, block_tables, lengths, append=False, num_warps=num_warps,
-                        num_stages=num_stages, prefetch_table=prefetch_table,
-                        interpret=interpret)
+    return _decode_call(
+        paged_decode_attention_kernel,
+        "paged_decode_attention",
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        lengths,
+        append=False,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        prefetch_table=prefetch_table,
+        interpret=interpret,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1, 2))
@@ -238,10 +269,20 @@ def paged_decode_attention_append(
     A padded row (length 0) writes scratch block 0 and gives zeros. Updates the caches in place
     (donate them in the calling jit). Tiles as `paged_decode_attention`."""
     _check_decode_args(qkv, k_cache, v_cache, block_tables, lengths, append=True)
-    return _decode_call(paged_decode_attention_append_kernel, "paged_decode_attention_append",
-                        qkv, k_cache, v_cache, block_tables, lengths, append=True,
-                        num_warps=num_warps, num_stages=num_stages,
-                        prefetch_table=prefetch_table, interpret=interpret)
+    return _decode_call(
+        paged_decode_attention_append_kernel,
+        "paged_decode_attention_append",
+        qkv,
+        k_cache,
+        v_cache,
+        block_tables,
+        lengths,
+        append=True,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        prefetch_table=prefetch_table,
+        interpret=interpret,
+    )
 
 
 def paged_attention_xla(
@@ -315,7 +356,7 @@ def paged_decode_attention_append_reference(
     block, offset = cache_slots(block_tables, jnp.maximum(lengths - 1, 0)[:, None], lengths, bs)
     block, offset = block[:, 0], offset[:, 0]  # [B]
     # k_cache[:, block, offset] is [H, B, D]
-    k_cache = k_cache.at[:, block, offset].set(jnp.swapaxes(qkv[:, h:2 * h], 0, 1))
-    v_cache = v_cache.at[:, block, offset].set(jnp.swapaxes(qkv[:, 2 * h:], 0, 1))
+    k_cache = k_cache.at[:, block, offset].set(jnp.swapaxes(qkv[:, h : 2 * h], 0, 1))
+    v_cache = v_cache.at[:, block, offset].set(jnp.swapaxes(qkv[:, 2 * h :], 0, 1))
     out = paged_decode_attention_reference(qkv, k_cache, v_cache, block_tables, lengths)
     return out, k_cache, v_cache

@@ -46,6 +46,7 @@ def decode_compiler_options(batch: int) -> dict[str, bool | str]:
     flags = os.environ.get("XLA_FLAGS", "")
     options = {k: v for k, v in _SCHEDULING.items() if k not in flags}
     if "xla_gpu_enable_triton_gemm" not in flags and batch >= env_int(
-            "ROSEJAX_CUBLAS_MIN_BATCH", 256):
+        "ROSEJAX_CUBLAS_MIN_BATCH", 256
+    ):
         options["xla_gpu_enable_triton_gemm"] = False
     return options

@@ -31,8 +31,13 @@ from pallas_kernels.paged_attention import (
     paged_decode_attention_reference,
 )
 
-__all__ = ["append_kv", "decode_append_fused", "decode_attention", "pallas_attention_enabled",
-           "prefill_attention"]
+__all__ = [
+    "append_kv",
+    "decode_append_fused",
+    "decode_attention",
+    "pallas_attention_enabled",
+    "prefill_attention",
+]
 
 
 def pallas_attention_enabled() -> bool:
@@ -53,8 +58,9 @@ def append_kv(
 ) -> tuple[jax.Array, jax.Array]:
     """Write each token's K/V (heads H..3H of qkv) into its slot -> the caches."""
     h = k_cache.shape[0]
-    return kv_append(k_cache, v_cache, qkv, qkv, write_block, write_offset,
-                     new_head_offsets=(h, 2 * h))
+    return kv_append(
+        k_cache, v_cache, qkv, qkv, write_block, write_offset, new_head_offsets=(h, 2 * h)
+    )
 
 
 def decode_attention(
@@ -70,8 +76,9 @@ def decode_attention(
     if decode_append_fused():  # finds the slots from block_tables and seq_lens itself
         return paged_decode_attention_append(qkv, k_cache, v_cache, block_tables, seq_lens)
     k_cache, v_cache = append_kv(qkv, k_cache, v_cache, write_block, write_offset)
-    attend = (paged_decode_attention if pallas_attention_enabled()
-              else paged_decode_attention_reference)
+    attend = (
+        paged_decode_attention if pallas_attention_enabled() else paged_decode_attention_reference
+    )
     return attend(qkv, k_cache, v_cache, block_tables, seq_lens), k_cache, v_cache
 
 

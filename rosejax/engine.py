@@ -123,9 +123,13 @@ class LLMEngine:
             else:
                 kv_cache_memory_fraction = 0.5
         num_blocks = num_blocks_for(
-            config, block_size, self.dtype, kv_cache_tokens=kv_cache_tokens,
-            memory_fraction=kv_cache_memory_fraction, max_num_seqs=max_batch_size,
-        )  # fmt: skip
+            config,
+            block_size,
+            self.dtype,
+            kv_cache_tokens=kv_cache_tokens,
+            memory_fraction=kv_cache_memory_fraction,
+            max_num_seqs=max_batch_size,
+        )
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         prefill_batch = min(prefill_max_batch_size or max_batch_size, max_batch_size)
         # Prefill buckets grow 4x: each one is a separate GPT-2 compile (seconds on a GPU), and
@@ -136,9 +140,12 @@ class LLMEngine:
             config.n_positions, start=min(8, config.n_positions), factor=4
         )
         self.scheduler = Scheduler(
-            self.allocator, max_batch_size, max(max_prefill_tokens, config.n_positions),
-            prefill_batch, prefill_cost=self._prefill_shape_tokens,
-        )  # fmt: skip
+            self.allocator,
+            max_batch_size,
+            max(max_prefill_tokens, config.n_positions),
+            prefill_batch,
+            prefill_cost=self._prefill_shape_tokens,
+        )
         # A window may add ceil(2K / block_size) + 1 blocks per row: K in flight, K reserved.
         per_row = -(-2 * self.decode_steps // block_size) + 1
         # On a GPU, decode batches of 1-16 rows share one 16-row program: the small-batch matmul
@@ -149,9 +156,13 @@ class LLMEngine:
         min_batch = env_int("ROSEJAX_MIN_DECODE_BATCH", 1 if on_cpu else 16)
         num_slots = max(max_batch_size, min_batch)
         self.runner = ModelRunner(
-            config, params, init_kv_cache(config, num_blocks, block_size, self.dtype),
-            num_slots, self.decode_steps, num_slots * per_row,
-        )  # fmt: skip
+            config,
+            params,
+            init_kv_cache(config, num_blocks, block_size, self.dtype),
+            num_slots,
+            self.decode_steps,
+            num_slots * per_row,
+        )
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
         self.seed = seed
         self._requests: dict[str, Request] = {}
@@ -190,8 +201,12 @@ class LLMEngine:
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """Every (rows, tokens) bucket the scheduler can admit (its own rule, on the buckets)."""
-        return [(b, t) for b in self.prefill_batch_buckets for t in self.prefill_len_buckets
-                if self.scheduler.prefill_fits(b, t)]
+        return [
+            (b, t)
+            for b in self.prefill_batch_buckets
+            for t in self.prefill_len_buckets
+            if self.scheduler.prefill_fits(b, t)
+        ]
 
     def warmup(self) -> float:
         """Compile every bucket once (padded rows only touch the scratch block); seconds taken."""
@@ -223,9 +238,14 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
         seed = params.seed if params.seed is not None else hash((self.seed, self._arrivals))
         request = Request(
-            request_id, ids, params, seed & 0xFFFFFFFF, IncrementalDetokenizer(self.tokenizer),
-            self.config.eos_token_id, n_pos,
-        )  # fmt: skip
+            request_id,
+            ids,
+            params,
+            seed & 0xFFFFFFFF,
+            IncrementalDetokenizer(self.tokenizer),
+            self.config.eos_token_id,
+            n_pos,
+        )
         need = -(-(len(ids) + request.max_output) // self.block_size)
         if need > self.allocator.num_blocks - 1:
             raise ValueError(
@@ -287,7 +307,9 @@ class LLMEngine:
         self.prefill_tokens_computed += sum(suffix)
         b, t = self._prefill_shape(len(requests), max(suffix))
         first = self.runner.prefill(self._prefill_batch(requests, plan.num_cached, suffix, b, t))
-        self._pending.append(("prefill", first, [(r, r.epoch, i) for i, r in enumerate(requests)], 0))
+        self._pending.append(
+            ("prefill", first, [(r, r.epoch, i) for i, r in enumerate(requests)], 0)
+        )
         return True
 
     def _prefill_batch(self, requests, cached, suffix, b: int, t: int) -> dict[str, np.ndarray]:
@@ -295,14 +317,18 @@ class LLMEngine:
         batch = dict(
             tokens=np.zeros((b, t), np.int32),
             positions=np.tile(np.arange(t, dtype=np.int32), (b, 1)),
-            seq_lens=np.zeros(b, np.int32), last=np.zeros(b, np.int32),
+            seq_lens=np.zeros(b, np.int32),
+            last=np.zeros(b, np.int32),
             tables=np.zeros((b, self.runner.max_blocks), np.int32),
             slots=np.full(b, self.runner.num_slots, np.int32),  # padded rows: dropped
-            temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
-            top_p=np.ones(b, np.float32), seed=np.zeros(b, np.uint32),
-            steps=np.zeros(b, np.int32), limit=np.zeros(b, np.int32),
+            temperature=np.zeros(b, np.float32),
+            top_k=np.zeros(b, np.int32),
+            top_p=np.ones(b, np.float32),
+            seed=np.zeros(b, np.uint32),
+            steps=np.zeros(b, np.int32),
+            limit=np.zeros(b, np.int32),
             stop_ids=np.full((b, NUM_STOP_IDS), -1, np.int32),
-        )  # fmt: skip
+        )
         # One array assignment per field, not one numpy write per request and field: all
         # requests of a batch arrive together in offline serving.
         uncached = [r.all_token_ids()[c:] for r, c in zip(requests, cached, strict=True)]

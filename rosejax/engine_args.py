@@ -17,70 +17,137 @@ def add_engine_args(
     max_batch_size: int = 64,
 ) -> None:
     """Flags for every `LLMEngine` argument but the seed (whose meaning differs per program)."""
-    p.add_argument("--model", *model_aliases, dest="model", default=model_default,
-                   help="hub id (gpt2, gpt2-medium, ...), local save_pretrained directory, or "
-                        "random:<preset> for random weights of a GPT-2 shape (random:gpt2, "
-                        "random:gpt2-xl, random:tiny); default: %(default)s"
-                        + ("".join(f"; {a} is an alias" for a in model_aliases)))
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory or hub id, for a checkpoint without tokenizer files "
-                        "(random:* models use the packaged GPT-2 tokenizer)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV cache dtype; auto = float16 on GPU, float32 on CPU")
-    p.add_argument("--max-batch-size", type=int, default=max_batch_size,
-                   help="most requests decoded together; default: %(default)s")
-    p.add_argument("--prefill-max-batch-size", type=int, default=None,
-                   help="most requests prefilled together; default: --max-batch-size")
-    p.add_argument("--max-prefill-tokens", type=int, default=4096,
-                   help="prompt tokens per prefill step at most; default: %(default)s")
-    p.add_argument("--block-size", type=int, default=64,
-                   help="tokens per KV cache block; default: %(default)s")
-    p.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="KV cache size in tokens; default: half the free GPU memory "
-                        "(CPU: max batch x context)")
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
-                   help="KV cache size as a fraction of free accelerator memory (instead of "
-                        "--kv-cache-tokens)")
-    p.add_argument("--decode-steps", type=parse_decode_steps, default="auto",
-                   help=DECODE_STEPS_HELP)
-    p.add_argument("--no-prefix-cache", action="store_true",
-                   help="turn off prefix caching (sharing KV blocks of equal prompt prefixes)")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="compile buckets on first use instead of all at start (always so on a "
-                        "CPU)")
-    p.add_argument("--compilation-cache-dir", default=None,
-                   help="jax's persistent compilation cache directory; default: "
-                        "$ROSEJAX_COMPILATION_CACHE_DIR or ~/.cache/rosejax/jax")
+    p.add_argument(
+        "--model",
+        *model_aliases,
+        dest="model",
+        default=model_default,
+        help="hub id (gpt2, gpt2-medium, ...), local save_pretrained directory, or "
+        "random:<preset> for random weights of a GPT-2 shape (random:gpt2, "
+        "random:gpt2-xl, random:tiny); default: %(default)s"
+        + ("".join(f"; {a} is an alias" for a in model_aliases)),
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory or hub id, for a checkpoint without tokenizer files "
+        "(random:* models use the packaged GPT-2 tokenizer)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV cache dtype; auto = float16 on GPU, float32 on CPU",
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=max_batch_size,
+        help="most requests decoded together; default: %(default)s",
+    )
+    p.add_argument(
+        "--prefill-max-batch-size",
+        type=int,
+        default=None,
+        help="most requests prefilled together; default: --max-batch-size",
+    )
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=4096,
+        help="prompt tokens per prefill step at most; default: %(default)s",
+    )
+    p.add_argument(
+        "--block-size", type=int, default=64, help="tokens per KV cache block; default: %(default)s"
+    )
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="KV cache size in tokens; default: half the free GPU memory "
+        "(CPU: max batch x context)",
+    )
+    p.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=None,
+        help="KV cache size as a fraction of free accelerator memory (instead of "
+        "--kv-cache-tokens)",
+    )
+    p.add_argument(
+        "--decode-steps", type=parse_decode_steps, default="auto", help=DECODE_STEPS_HELP
+    )
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn off prefix caching (sharing KV blocks of equal prompt prefixes)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="compile buckets on first use instead of all at start (always so on a CPU)",
+    )
+    p.add_argument(
+        "--compilation-cache-dir",
+        default=None,
+        help="jax's persistent compilation cache directory; default: "
+        "$ROSEJAX_COMPILATION_CACHE_DIR or ~/.cache/rosejax/jax",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`LLMEngine` keyword arguments from the flags of `add_engine_args` (model and seed aside)."""
     return dict(
-        tokenizer=args.tokenizer, dtype=args.dtype, max_batch_size=args.max_batch_size,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
         prefill_max_batch_size=args.prefill_max_batch_size,
-        max_prefill_tokens=args.max_prefill_tokens, block_size=args.block_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        block_size=args.block_size,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        decode_steps=args.decode_steps, enable_prefix_caching=not args.no_prefix_cache,
+        decode_steps=args.decode_steps,
+        enable_prefix_caching=not args.no_prefix_cache,
         warmup=False if args.no_warmup else None,
         compilation_cache_dir=args.compilation_cache_dir,
-    )  # fmt: skip
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
     """--max-new-tokens, --temperature, --top-k, --top-p and --ignore-eos (alias
     --no-stop-on-eos): one request's SamplingParams; see `sampling_params`."""
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
-                   help="tokens to generate per prompt at most (exactly, with --ignore-eos); "
-                        "default: %(default)s")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sampling temperature, 0 = greedy; default: %(default)s")
-    p.add_argument("--top-k", type=int, default=0,
-                   help="keep the k most likely tokens, 0 = off; default: %(default)s")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling mass in (0, 1], 1 = off; default: %(default)s")
-    p.add_argument("--ignore-eos", "--no-stop-on-eos", dest="ignore_eos", action="store_true",
-                   help="keep generating past the end-of-text token")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=max_new_tokens,
+        help="tokens to generate per prompt at most (exactly, with --ignore-eos); "
+        "default: %(default)s",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature, 0 = greedy; default: %(default)s",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="keep the k most likely tokens, 0 = off; default: %(default)s",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling mass in (0, 1], 1 = off; default: %(default)s",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        "--no-stop-on-eos",
+        dest="ignore_eos",
+        action="store_true",
+        help="keep generating past the end-of-text token",
+    )
 
 
 def sampling_params(args: argparse.Namespace, **extra: Any):
@@ -88,6 +155,10 @@ def sampling_params(args: argparse.Namespace, **extra: Any):
     from rosejax.sampling import SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, ignore_eos=args.ignore_eos, **extra,
-    )  # fmt: skip
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        ignore_eos=args.ignore_eos,
+        **extra,
+    )

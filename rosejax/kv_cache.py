@@ -42,8 +42,10 @@ class KVCache:
 def init_kv_cache(config: GPT2Config, num_blocks: int, block_size: int, dtype) -> KVCache:
     """Zero-filled pages for every layer; `num_blocks` counts the scratch block."""
     if num_blocks < 2 or block_size < 1:
-        raise ValueError(f"need num_blocks >= 2 (scratch + 1) and block_size >= 1, "
-                         f"got {num_blocks}, {block_size}")
+        raise ValueError(
+            f"need num_blocks >= 2 (scratch + 1) and block_size >= 1, "
+            f"got {num_blocks}, {block_size}"
+        )
     shape = (config.n_head, num_blocks, block_size, config.head_dim)
     k = [jnp.zeros(shape, dtype) for _ in range(config.n_layer)]
     v = [jnp.zeros(shape, dtype) for _ in range(config.n_layer)]
@@ -64,9 +66,15 @@ def _device_free_bytes() -> int | None:
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
-def num_blocks_for(config: GPT2Config, block_size: int, dtype, *,
-                   kv_cache_tokens: int | None = None, memory_fraction: float | None = None,
-                   max_num_seqs: int = 1) -> int:
+def num_blocks_for(
+    config: GPT2Config,
+    block_size: int,
+    dtype,
+    *,
+    kv_cache_tokens: int | None = None,
+    memory_fraction: float | None = None,
+    max_num_seqs: int = 1,
+) -> int:
     """Total blocks (scratch included) from a token budget or a fraction of free device memory.
 
     A token budget is guaranteed to fit however it is split over `max_num_seqs` sequences: each
@@ -75,8 +83,9 @@ def num_blocks_for(config: GPT2Config, block_size: int, dtype, *,
     must leave at least one block per sequence.
     """
     if block_size < 1 or max_num_seqs < 1:
-        raise ValueError(f"block_size and max_num_seqs must be >= 1, got {block_size}, "
-                         f"{max_num_seqs}")
+        raise ValueError(
+            f"block_size and max_num_seqs must be >= 1, got {block_size}, {max_num_seqs}"
+        )
     if (kv_cache_tokens is None) == (memory_fraction is None):
         raise ValueError("give exactly one of kv_cache_tokens or memory_fraction")
     if kv_cache_tokens is not None:
@@ -87,13 +96,17 @@ def num_blocks_for(config: GPT2Config, block_size: int, dtype, *,
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     free = _device_free_bytes()
     if free is None:
-        raise ValueError(f"{jax.local_devices()[0]} reports no memory stats (CPU?): size the KV "
-                         "cache with kv_cache_tokens instead of memory_fraction")
+        raise ValueError(
+            f"{jax.local_devices()[0]} reports no memory stats (CPU?): size the KV "
+            "cache with kv_cache_tokens instead of memory_fraction"
+        )
     per_block = kv_cache_bytes_per_block(config, block_size, dtype)
     num_blocks = int(free * memory_fraction) // per_block
     if num_blocks - 1 < max_num_seqs:
-        raise ValueError(f"{memory_fraction} of {free} free bytes holds {num_blocks} blocks of "
-                         f"{per_block} bytes: not enough for scratch + {max_num_seqs} sequences")
+        raise ValueError(
+            f"{memory_fraction} of {free} free bytes holds {num_blocks} blocks of "
+            f"{per_block} bytes: not enough for scratch + {max_num_seqs} sequences"
+        )
     return num_blocks
 
 
@@ -157,8 +170,9 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 2 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 2 and block_size >= 1, got {num_blocks}, "
-                             f"{block_size}")
+            raise ValueError(
+                f"need num_blocks >= 2 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -185,14 +199,14 @@ class BlockAllocator:
         """Chained hashes of the full blocks of `tokens`."""
         bs, h, out = self.block_size, _ROOT, []
         for i in range(len(tokens) // bs):
-            h = _chain_hash(h, tuple(tokens[i * bs:(i + 1) * bs]))
+            h = _chain_hash(h, tuple(tokens[i * bs : (i + 1) * bs]))
             out.append(h)
         return out
 
     def _match(self, tokens: list[int], hashes: list[int]) -> list[int]:
         """Cached blocks for the leading full blocks, leaving the last token to compute."""
         hits = []
-        for h in hashes[:(len(tokens) - 1) // self.block_size]:
+        for h in hashes[: (len(tokens) - 1) // self.block_size]:
             b = self._cached.get(h)
             if b is None:
                 break
@@ -219,16 +233,19 @@ class BlockAllocator:
     def can_allocate(self, token_ids: Sequence[int]) -> bool:
         return self.fits(self.probe(token_ids))
 
-    def allocate(self, token_ids: Sequence[int],
-                 plan: PromptPlan | None = None) -> tuple[BlockTable, int]:
+    def allocate(
+        self, token_ids: Sequence[int], plan: PromptPlan | None = None
+    ) -> tuple[BlockTable, int]:
         """Blocks for a prompt -> (table, number of leading tokens whose KV is already cached).
         `plan`: this prompt's `probe`, taken with no allocation or free since (saves hashing
         the prompt again)."""
         plan = plan or self.probe(token_ids)
         tokens, hashes, hits = plan.tokens, plan.hashes, plan.hits
         if not self.fits(plan):
-            raise NoFreeBlocksError(f"prompt of {len(tokens)} tokens needs {plan.need} free "
-                                    f"blocks, {len(self._free)} left")
+            raise NoFreeBlocksError(
+                f"prompt of {len(tokens)} tokens needs {plan.need} free "
+                f"blocks, {len(self._free)} left"
+            )
         for b in hits:
             if self._ref[b] == 0:
                 del self._free[b]
@@ -238,7 +255,7 @@ class BlockAllocator:
         for i in range(len(hits), len(hashes)):
             self._register(blocks[i], hashes[i])
         bs, num_full = self.block_size, len(tokens) // self.block_size
-        partial = tokens[num_full * bs:] if self.enable_prefix_caching else []
+        partial = tokens[num_full * bs :] if self.enable_prefix_caching else []
         table = BlockTable(blocks, len(tokens), hashes[-1] if hashes else _ROOT, partial)
         self.prefix_hits += len(hits)
         self.prefix_hit_tokens += len(hits) * bs
@@ -284,8 +301,9 @@ class BlockAllocator:
         """
         need, cow = self._blocks_needed(table, n)
         if need > len(self._free):
-            raise NoFreeBlocksError(f"{n} more tokens need {need} free blocks, "
-                                    f"{len(self._free)} left")
+            raise NoFreeBlocksError(
+                f"{n} more tokens need {need} free blocks, {len(self._free)} left"
+            )
         src = dst = -1
         if cow:
             idx = table.num_tokens // self.block_size
@@ -351,7 +369,7 @@ class BlockAllocator:
         """A child sharing every block that holds tokens (not blocks merely reserved)."""
         if table.num_tokens < 0:
             raise ValueError("table was freed")
-        blocks = table.blocks[:_cdiv(table.num_tokens, self.block_size)]
+        blocks = table.blocks[: _cdiv(table.num_tokens, self.block_size)]
         for b in blocks:
             self._ref[b] += 1
         return BlockTable(blocks, table.num_tokens, table.last_hash, list(table.partial))

@@ -49,8 +49,9 @@ def pallas_layer_norm_enabled() -> bool:
 def pallas_linear_enabled(rows: int, k: int, n: int) -> bool:
     """For an [rows, k] @ [k, n] call: few rows, a shape the kernel tiles, and not switched off."""
     max_rows = env_int("ROSEJAX_PALLAS_LINEAR_MAX_ROWS", DEFAULT_LINEAR_MAX_ROWS)
-    return (rows <= max_rows and linear_supported(k, n)
-            and gpu_kernel_enabled("ROSEJAX_PALLAS_LINEAR"))
+    return (
+        rows <= max_rows and linear_supported(k, n) and gpu_kernel_enabled("ROSEJAX_PALLAS_LINEAR")
+    )
 
 
 @flax.struct.dataclass
@@ -84,8 +85,9 @@ class LayerNorm(nn.Module):
         bias = self.param("bias", nn.initializers.zeros, (e,))
         kernel = pallas_layer_norm_enabled()
         if pending and kernel:
-            h, y = add_layer_norm(x.partials, x.bias, x.residual_rows(), scale, bias,
-                                  eps=self.epsilon)
+            h, y = add_layer_norm(
+                x.partials, x.bias, x.residual_rows(), scale, bias, eps=self.epsilon
+            )
             return h.reshape(shape), y.reshape(shape)
         x = x.value() if pending else x
         norm = layer_norm if kernel else layer_norm_reference

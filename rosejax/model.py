@@ -40,8 +40,9 @@ class CausalSelfAttention(nn.Module):
     config: GPT2Config
 
     @nn.compact
-    def __call__(self, x, residual, k_cache, v_cache, meta: ForwardMetadata, write_block,
-                 write_offset, fresh):
+    def __call__(
+        self, x, residual, k_cache, v_cache, meta: ForwardMetadata, write_block, write_offset, fresh
+    ):
         """residual + attention over x (the layer-normed residual) -> [B, T, E] or its
         `PendingSum`, the caches."""
         b, t, e = x.shape
@@ -53,14 +54,20 @@ class CausalSelfAttention(nn.Module):
         write_block, write_offset = write_block.reshape(-1), write_offset.reshape(-1)
         if t == 1:
             out, k_cache, v_cache = decode_attention(
-                fused, k_cache, v_cache, meta.block_tables, meta.seq_lens, write_block,
+                fused,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                write_block,
                 write_offset,
-            )  # fmt: skip
+            )
         else:
             k_cache, v_cache = append_kv(fused, k_cache, v_cache, write_block, write_offset)
             q, k, v = (a.reshape(b, t, h, d) for a in jnp.split(qkv, 3, axis=-1))
-            out = prefill_attention(q, k, v, k_cache, v_cache, meta.block_tables, meta.positions,
-                                    fresh)
+            out = prefill_attention(
+                q, k, v, k_cache, v_cache, meta.block_tables, meta.positions, fresh
+            )
         # residual + projection, summed by the next layer norm
         y = Linear(e, name="c_proj")(out.reshape(b, t, e), residual, defer=True)
         return y, k_cache, v_cache
@@ -104,8 +111,9 @@ class GPT2(nn.Module):
         x = wte(tokens) + wpe(positions)  # [B, T, E]
 
         # The cache slot each token writes, computed once for every layer.
-        write_block, write_offset = cache_slots(meta.block_tables, meta.positions, meta.seq_lens,
-                                                cache.block_size)  # [B, T] each
+        write_block, write_offset = cache_slots(
+            meta.block_tables, meta.positions, meta.seq_lens, cache.block_size
+        )  # [B, T] each
         fresh = jnp.all(meta.positions[:, 0] == 0)  # no row continues a cached prefix
 
         ks, vs = [], []

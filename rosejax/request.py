@@ -32,11 +32,26 @@ class RequestOutput:
 
 class Request:
     __slots__ = (
-        "request_id", "prompt_token_ids", "output_token_ids", "params", "seed", "status",
-        "table", "detokenizer", "text", "emitted", "finish_reason", "max_output",
-        "_stop_ids", "_new_from", "device_stop_ids", "slot", "epoch", "blocks_on_device",
+        "request_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "params",
+        "seed",
+        "status",
+        "table",
+        "detokenizer",
+        "text",
+        "emitted",
+        "finish_reason",
+        "max_output",
+        "_stop_ids",
+        "_new_from",
+        "device_stop_ids",
+        "slot",
+        "epoch",
+        "blocks_on_device",
         "inflight",
-    )  # fmt: skip
+    )
 
     def __init__(
         self,

@@ -48,12 +48,18 @@ def empty_slot_state(num_slots: int, max_blocks: int) -> SlotState:
         return jnp.zeros((num_slots,), jnp.int32)
 
     return SlotState(
-        tokens=z(), positions=z(), alive=jnp.zeros((num_slots,), bool), steps=z(), limit=z(),
-        temperature=jnp.zeros((num_slots,), jnp.float32), top_k=z(),
-        top_p=jnp.ones((num_slots,), jnp.float32), seed=jnp.zeros((num_slots,), jnp.uint32),
+        tokens=z(),
+        positions=z(),
+        alive=jnp.zeros((num_slots,), bool),
+        steps=z(),
+        limit=z(),
+        temperature=jnp.zeros((num_slots,), jnp.float32),
+        top_k=z(),
+        top_p=jnp.ones((num_slots,), jnp.float32),
+        seed=jnp.zeros((num_slots,), jnp.uint32),
         stop_ids=jnp.full((num_slots, NUM_STOP_IDS), -1, jnp.int32),
         block_tables=jnp.zeros((num_slots, max_blocks), jnp.int32),
-    )  # fmt: skip
+    )
 
 
 def _stopped(tokens, stop_ids, steps, limit):
@@ -63,8 +69,15 @@ def _stopped(tokens, stop_ids, steps, limit):
 class ModelRunner:
     """Owns params, KV cache and slot state on the device, and the programs that advance them."""
 
-    def __init__(self, config: GPT2Config, params: dict, cache: KVCache, num_slots: int,
-                 max_decode_steps: int, max_table_updates: int):
+    def __init__(
+        self,
+        config: GPT2Config,
+        params: dict,
+        cache: KVCache,
+        num_slots: int,
+        max_decode_steps: int,
+        max_table_updates: int,
+    ):
         self.config = config
         self.params = params
         self.cache = cache
@@ -88,24 +101,49 @@ class ModelRunner:
         self.num_compiles += 1  # runs only while tracing
         meta = ForwardMetadata(batch["positions"], batch["seq_lens"], batch["tables"])
         logits, cache = forward(params, self.config, batch["tokens"], cache, meta, batch["last"])
-        first = sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
-                       batch["seed"], batch["steps"])  # [Bp]
+        first = sample(
+            logits,
+            batch["temperature"],
+            batch["top_k"],
+            batch["top_p"],
+            batch["seed"],
+            batch["steps"],
+        )  # [Bp]
         steps = batch["steps"] + 1
         alive = ~_stopped(first, batch["stop_ids"], steps, batch["limit"])
         rows = dict(
-            tokens=first, positions=batch["seq_lens"], alive=alive, steps=steps,
-            limit=batch["limit"], temperature=batch["temperature"], top_k=batch["top_k"],
-            top_p=batch["top_p"], seed=batch["seed"], stop_ids=batch["stop_ids"],
+            tokens=first,
+            positions=batch["seq_lens"],
+            alive=alive,
+            steps=steps,
+            limit=batch["limit"],
+            temperature=batch["temperature"],
+            top_k=batch["top_k"],
+            top_p=batch["top_p"],
+            seed=batch["seed"],
+            stop_ids=batch["stop_ids"],
             block_tables=batch["tables"],
-        )  # fmt: skip
+        )
         slots = batch["slots"]
         state = state.replace(
             **{k: getattr(state, k).at[slots].set(v, mode="drop") for k, v in rows.items()}
         )
         return first, cache, state
 
-    def _decode_fn(self, params, cache, state, kill, upd_slot, upd_index, upd_block, n_steps, *,
-                   batch: int, greedy: bool):
+    def _decode_fn(
+        self,
+        params,
+        cache,
+        state,
+        kill,
+        upd_slot,
+        upd_index,
+        upd_block,
+        n_steps,
+        *,
+        batch: int,
+        greedy: bool,
+    ):
         """Up to `n_steps` decode steps over slots [0, batch). Returns tokens [K, batch] (-1 where a
         row produced nothing), the cache and the state."""
         self.num_compiles += 1
@@ -132,9 +170,11 @@ class ModelRunner:
             live = r.alive
             steps = r.steps + live
             r = r.replace(
-                tokens=jnp.where(live, nxt, r.tokens), positions=r.positions + live, steps=steps,
+                tokens=jnp.where(live, nxt, r.tokens),
+                positions=r.positions + live,
+                steps=steps,
                 alive=live & ~_stopped(nxt, r.stop_ids, steps, r.limit),
-            )  # fmt: skip
+            )
             return k + 1, cache, r, out.at[k].set(jnp.where(live, nxt, -1))
 
         _, cache, rows, out = jax.lax.while_loop(cond, body, (0, cache, rows, out))
@@ -163,8 +203,14 @@ class ModelRunner:
         )
         return first
 
-    def decode(self, batch: int, n_steps: int, greedy: bool, kill: np.ndarray,
-               updates: list[tuple[int, int, int]]) -> jax.Array:
+    def decode(
+        self,
+        batch: int,
+        n_steps: int,
+        greedy: bool,
+        kill: np.ndarray,
+        updates: list[tuple[int, int, int]],
+    ) -> jax.Array:
         """Dispatch a decode window (asynchronously); `updates` are (slot, index, block) entries
         of the block tables that changed since the last window."""
         u = np.full((3, self.max_table_updates), self.num_slots, np.int32)
@@ -173,11 +219,22 @@ class ModelRunner:
         program = self._decode_programs.get(batch)
         if program is None:
             program = self._decode_programs[batch] = jax.jit(
-                self._decode_fn, donate_argnums=(1, 2), static_argnames=("batch", "greedy"),
+                self._decode_fn,
+                donate_argnums=(1, 2),
+                static_argnames=("batch", "greedy"),
                 compiler_options=decode_compiler_options(batch) or None,
-            )  # fmt: skip
+            )
         out, self.cache, self.state = self._call(
-            program, self.params, self.cache, self.state, kill, u[0], u[1], u[2],
-            np.int32(n_steps), batch=batch, greedy=greedy,
-        )  # fmt: skip
+            program,
+            self.params,
+            self.cache,
+            self.state,
+            kill,
+            u[0],
+            u[1],
+            u[2],
+            np.int32(n_steps),
+            batch=batch,
+            greedy=greedy,
+        )
         return out

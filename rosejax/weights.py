@@ -51,13 +51,19 @@ def param_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
     for i in range(config.n_layer):
         p = f"h.{i}."
         shapes |= {
-            p + "ln_1.weight": (e,), p + "ln_1.bias": (e,),
-            p + "attn.c_attn.weight": (e, 3 * e), p + "attn.c_attn.bias": (3 * e,),
-            p + "attn.c_proj.weight": (e, e), p + "attn.c_proj.bias": (e,),
-            p + "ln_2.weight": (e,), p + "ln_2.bias": (e,),
-            p + "mlp.c_fc.weight": (e, f), p + "mlp.c_fc.bias": (f,),
-            p + "mlp.c_proj.weight": (f, e), p + "mlp.c_proj.bias": (e,),
-        }  # fmt: skip
+            p + "ln_1.weight": (e,),
+            p + "ln_1.bias": (e,),
+            p + "attn.c_attn.weight": (e, 3 * e),
+            p + "attn.c_attn.bias": (3 * e,),
+            p + "attn.c_proj.weight": (e, e),
+            p + "attn.c_proj.bias": (e,),
+            p + "ln_2.weight": (e,),
+            p + "ln_2.bias": (e,),
+            p + "mlp.c_fc.weight": (e, f),
+            p + "mlp.c_fc.bias": (f,),
+            p + "mlp.c_proj.weight": (f, e),
+            p + "mlp.c_proj.bias": (e,),
+        }
     return shapes | {"ln_f.weight": (e,), "ln_f.bias": (e,)}
 
 

@@ -42,9 +42,13 @@ def hf_greedy(model, prompt, n: int) -> list[int]:
 
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-        )  # fmt: skip
+            torch.tensor([list(prompt)]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
     return out[0, len(prompt) :].tolist()
 
 
@@ -54,6 +58,7 @@ def hf_checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = make_hf_checkpoint(path, seed=len(request.param), **HF_SHAPES[request.param])
     return str(path), model
+
 
 # Parity with the fp32 reference needs true fp32 matmuls; GPUs default to TF32 for them.
 jax.config.update("jax_default_matmul_precision", "highest")

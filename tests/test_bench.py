@@ -89,8 +89,12 @@ def test_summarize_hand_values():
     a.finish_reason = "length"
     b = _trace(0.0, [0.2, 0.4], prompt=5)
     b.finish_reason = "length"
-    steps = [m.StepRecord(0.0, 0.1, 1, "prefill"), m.StepRecord(0.1, 0.2, 1, "prefill"),
-             m.StepRecord(0.2, 0.3, 2, "decode"), m.StepRecord(0.3, 0.4, 1, "decode")]
+    steps = [
+        m.StepRecord(0.0, 0.1, 1, "prefill"),
+        m.StepRecord(0.1, 0.2, 1, "prefill"),
+        m.StepRecord(0.2, 0.3, 2, "decode"),
+        m.StepRecord(0.3, 0.4, 1, "decode"),
+    ]
     s = m.summarize([a, b], steps)
     assert s["num_requests"] == 2 and s["num_finished"] == 2
     assert s["prompt_tokens"] == 7 and s["completion_tokens"] == 5
@@ -179,16 +183,24 @@ def test_traced_decode_roofline_waves_and_windows_by_hand():
     a = _trace(0.0, [1.0, 2.0, 2.0, 2.0], prompt=4)  # a 3-token window: contexts 5, 6, 7
     b = _trace(0.0, [1.0, 2.0], prompt=2)  # finished inside the window: context 3
     c = _trace(2.5, [3.0, 4.0, 4.0], prompt=6)  # a later wave: contexts 7, 8
-    steps = [m.StepRecord(0.5, 1.0, 2, "prefill"), m.StepRecord(1.5, 2.0, 4, "decode"),
-             m.StepRecord(2.8, 3.0, 1, "prefill"), m.StepRecord(3.5, 4.0, 2, "decode")]
+    steps = [
+        m.StepRecord(0.5, 1.0, 2, "prefill"),
+        m.StepRecord(1.5, 2.0, 4, "decode"),
+        m.StepRecord(2.8, 3.0, 1, "prefill"),
+        m.StepRecord(3.5, 4.0, 2, "decode"),
+    ]
     r = m.traced_decode_roofline(cfg, [a, b, c], steps, dtype_bytes=4)
     iterations, rows, context = 3 + 2, 3 + 1 + 2, 18 + 3 + 15
     assert r["decode_steps"] == iterations
     assert r["mean_batch"] == pytest.approx(rows / iterations)
     assert r["mean_context"] == pytest.approx(context / rows)
     per_tok = m.kv_bytes_per_token(cfg, 4)
-    total = (iterations * m.weight_bytes(cfg, 4) + context * per_tok + rows * per_tok
-             + rows * 2 * cfg.n_embd * 4)
+    total = (
+        iterations * m.weight_bytes(cfg, 4)
+        + context * per_tok
+        + rows * per_tok
+        + rows * 2 * cfg.n_embd * 4
+    )
     assert r["bytes"] * iterations == pytest.approx(total)
     flops = sum(m.decode_step_flops(cfg, 1, x) for x in (5, 6, 7, 3, 7, 8))
     assert r["flops"] * iterations == pytest.approx(flops)
@@ -215,11 +227,29 @@ def test_streaming_end_to_end(tmp_path):
     from bench import benchmark_streaming
 
     path = tmp_path / "s.json"
-    assert benchmark_streaming.main([
-        *TINY, "--num-requests", "4", "--max-new-tokens", "6", "--max-batch-size", "4",
-        "--prompt-repeats", "1,3", "--no-stop-on-eos", "--warmup-runs", "1",
-        "--repeat-runs", "2", "--json", str(path),
-    ]) == 0  # fmt: skip
+    assert (
+        benchmark_streaming.main(
+            [
+                *TINY,
+                "--num-requests",
+                "4",
+                "--max-new-tokens",
+                "6",
+                "--max-batch-size",
+                "4",
+                "--prompt-repeats",
+                "1,3",
+                "--no-stop-on-eos",
+                "--warmup-runs",
+                "1",
+                "--repeat-runs",
+                "2",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     data = _load(path)
     assert data["benchmark"] == "streaming" and len(data["runs"]) == 2
     assert len(data["warmup_runs"]) == 1
@@ -247,12 +277,38 @@ def test_streaming_schedule_pretok_unique_decode_steps(tmp_path):
     from bench import benchmark_streaming
 
     path = tmp_path / "s.json"
-    assert benchmark_streaming.main([
-        *TINY, "--num-requests", "3", "--max-new-tokens", "5", "--submit-interval-ms", "20",
-        "--pretok", "--unique-prompts", "--decode-steps", "2", "--no-stop-on-eos",
-        "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--no-prefix-cache",
-        "--warmup-runs", "0", "--repeat-runs", "1", "--json", str(path),
-    ]) == 0  # fmt: skip
+    assert (
+        benchmark_streaming.main(
+            [
+                *TINY,
+                "--num-requests",
+                "3",
+                "--max-new-tokens",
+                "5",
+                "--submit-interval-ms",
+                "20",
+                "--pretok",
+                "--unique-prompts",
+                "--decode-steps",
+                "2",
+                "--no-stop-on-eos",
+                "--temperature",
+                "0.8",
+                "--top-k",
+                "20",
+                "--top-p",
+                "0.9",
+                "--no-prefix-cache",
+                "--warmup-runs",
+                "0",
+                "--repeat-runs",
+                "1",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     data = _load(path)
     s = data["runs"][0]["summary"]
     assert s["completion_tokens"] == 15 and s["num_finished"] == 3
@@ -265,11 +321,31 @@ def test_scheduler_offline_and_online(tmp_path):
     from bench import benchmark_scheduler
 
     path = tmp_path / "off.json"
-    assert benchmark_scheduler.main([
-        *TINY, "--num-requests", "3", "--input-len", "5", "--max-new-tokens", "4",
-        "--max-batch-size", "4", "--no-stop-on-eos", "--warmup-runs", "1", "--repeat-runs", "1",
-        "--bandwidth-gbs", "100", "--json", str(path),
-    ]) == 0  # fmt: skip
+    assert (
+        benchmark_scheduler.main(
+            [
+                *TINY,
+                "--num-requests",
+                "3",
+                "--input-len",
+                "5",
+                "--max-new-tokens",
+                "4",
+                "--max-batch-size",
+                "4",
+                "--no-stop-on-eos",
+                "--warmup-runs",
+                "1",
+                "--repeat-runs",
+                "1",
+                "--bandwidth-gbs",
+                "100",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     data = _load(path)
     s = data["runs"][0]["summary"]
     assert data["mode"] == "offline"
@@ -280,11 +356,31 @@ def test_scheduler_offline_and_online(tmp_path):
     assert _positive(roof["achieved_gbs"]) and _positive(roof["pct_of_bandwidth"])
 
     path = tmp_path / "on.json"
-    assert benchmark_scheduler.main([
-        *TINY, "--mode", "online", "--request-rate", "100", "--num-requests", "3",
-        "--max-new-tokens", "3", "--no-stop-on-eos", "--warmup-runs", "0", "--repeat-runs", "1",
-        "--prompt", "Hello there", "--json", str(path),
-    ]) == 0  # fmt: skip
+    assert (
+        benchmark_scheduler.main(
+            [
+                *TINY,
+                "--mode",
+                "online",
+                "--request-rate",
+                "100",
+                "--num-requests",
+                "3",
+                "--max-new-tokens",
+                "3",
+                "--no-stop-on-eos",
+                "--warmup-runs",
+                "0",
+                "--repeat-runs",
+                "1",
+                "--prompt",
+                "Hello there",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     s = _load(path)["runs"][0]["summary"]
     assert s["completion_tokens"] == 9 and s["prompt_tokens"] == 6
     # Online runs get the roofline too, from their traces: decode tokens 2 and 3 of each
@@ -307,10 +403,25 @@ def test_compare_hf_end_to_end(tmp_path):
     from bench import compare_hf
 
     path = tmp_path / "c.json"
-    assert compare_hf.main([
-        *TINY, "--batch-sizes", "1,2", "--max-new-tokens", "4", "--skip-hf-static",
-        "--warmup-runs", "1", "--repeat-runs", "1", "--json", str(path),
-    ]) == 0  # fmt: skip
+    assert (
+        compare_hf.main(
+            [
+                *TINY,
+                "--batch-sizes",
+                "1,2",
+                "--max-new-tokens",
+                "4",
+                "--skip-hf-static",
+                "--warmup-runs",
+                "1",
+                "--repeat-runs",
+                "1",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     data = _load(path)
     assert [r["batch_size"] for r in data["table"]] == [1, 2]
     hf = data["hf"]["results"]
@@ -337,9 +448,26 @@ def test_profile_decode_kernel_options(tmp_path, monkeypatch):
         with pytest.raises(argparse.ArgumentTypeError):
             pd.kernel_option(bad)
     path = tmp_path / "p.json"
-    pd.main(["--model", "random:tiny", "--batch", "2", "--new-tokens", "4", "--decode-steps",
-             "2", "--timed-runs", "1", "--kernel-option", "linear.num_warps=2",
-             "--kernel-option", "layer_norm.block_rows=2", "--json", str(path)])
+    pd.main(
+        [
+            "--model",
+            "random:tiny",
+            "--batch",
+            "2",
+            "--new-tokens",
+            "4",
+            "--decode-steps",
+            "2",
+            "--timed-runs",
+            "1",
+            "--kernel-option",
+            "linear.num_warps=2",
+            "--kernel-option",
+            "layer_norm.block_rows=2",
+            "--json",
+            str(path),
+        ]
+    )
     from rosejax import layers
 
     assert layers.linear.keywords == {"num_warps": 2}
@@ -370,8 +498,9 @@ def test_compare_variants(tmp_path, monkeypatch):
     make = pd.make_engine
 
     def spy(*args):
-        built.append((os.environ.get("ROSEJAX_FUSED_KV_APPEND"),
-                      getattr(layers.linear, "keywords", None)))
+        built.append(
+            (os.environ.get("ROSEJAX_FUSED_KV_APPEND"), getattr(layers.linear, "keywords", None))
+        )
         return make(*args)
 
     monkeypatch.setattr(pd, "make_engine", spy)
@@ -384,9 +513,24 @@ def test_compare_variants(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pd, "timed_run", spy_run)
     path = tmp_path / "v.json"
-    data = cv.main(["base:", "both:ROSEJAX_FUSED_KV_APPEND=0,linear.num_warps=2", "--model",
-                    "random:tiny", "--batch", "2", "--new-tokens", "4", "--decode-steps", "2",
-                    "--runs", "2", "--json", str(path)])
+    data = cv.main(
+        [
+            "base:",
+            "both:ROSEJAX_FUSED_KV_APPEND=0,linear.num_warps=2",
+            "--model",
+            "random:tiny",
+            "--batch",
+            "2",
+            "--new-tokens",
+            "4",
+            "--decode-steps",
+            "2",
+            "--runs",
+            "2",
+            "--json",
+            str(path),
+        ]
+    )
     assert built == [(None, None), ("0", {"num_warps": 2})]
     assert tags == ["warm-up", "warm-up", "base-0", "both-0", "base-1", "both-1"]
     assert "ROSEJAX_FUSED_KV_APPEND" not in os.environ and layers.linear is unbound
@@ -404,19 +548,33 @@ def test_plots(tmp_path):
     pytest.importorskip("matplotlib")
     from bench import common
 
-    common.plot_distributions(str(tmp_path / "d.png"),
-                              {"run0": {"ttft_ms": [1.0, 2.0, 5.0], "itl_ms": [0.0, 1.0]}}, "t")
-    common.plot_throughput(str(tmp_path / "t.png"), [1, 16], {"a": [10.0, 100.0], "b": [None, 5]},
-                           "t")
+    common.plot_distributions(
+        str(tmp_path / "d.png"), {"run0": {"ttft_ms": [1.0, 2.0, 5.0], "itl_ms": [0.0, 1.0]}}, "t"
+    )
+    common.plot_throughput(
+        str(tmp_path / "t.png"), [1, 16], {"a": [10.0, 100.0], "b": [None, 5]}, "t"
+    )
     assert (tmp_path / "d.png").stat().st_size > 1000 and (tmp_path / "t.png").stat().st_size > 1000
 
 
 @pytest.mark.parametrize(
     "script,flags",
     [
-        ("benchmark_streaming", ["--prompt-repeats", "--unique-prompts", "--pretok",
-                                 "--submit-interval-ms", "--no-stop-on-eos", "--decode-steps",
-                                 "--hf-model-id", "--warmup-runs", "--repeat-runs", "--plot"]),
+        (
+            "benchmark_streaming",
+            [
+                "--prompt-repeats",
+                "--unique-prompts",
+                "--pretok",
+                "--submit-interval-ms",
+                "--no-stop-on-eos",
+                "--decode-steps",
+                "--hf-model-id",
+                "--warmup-runs",
+                "--repeat-runs",
+                "--plot",
+            ],
+        ),
         ("benchmark_scheduler", ["--mode", "--request-rate", "--input-len", "--json"]),
         ("compare_hf", ["--batch-sizes", "--skip-hf-static", "--hf-in-process", "--plot"]),
         ("profile_decode", ["--kernel-option", "--trace-dir", "--decode-steps", "--timed-runs"]),
@@ -425,8 +583,13 @@ def test_plots(tmp_path):
 )
 def test_help_as_a_file(script, flags):
     """`python bench/<script>.py --help` works from anywhere and names every flag."""
-    out = subprocess.run([sys.executable, f"bench/{script}.py", "--help"], capture_output=True,
-                         text=True, check=True, cwd=str(_repo()))
+    out = subprocess.run(
+        [sys.executable, f"bench/{script}.py", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=str(_repo()),
+    )
     for flag in flags:
         assert flag in out.stdout
 
@@ -442,8 +605,11 @@ def test_kernel_microbench_quick(tmp_path, script):
     """The kernel microbenches run end to end (interpret mode) and every kernel agrees with its
     XLA reference."""
     path = tmp_path / "k.json"
-    subprocess.run([sys.executable, f"bench/{script}.py", "--quick", "--json", str(path)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, f"bench/{script}.py", "--quick", "--json", str(path)],
+        check=True,
+        capture_output=True,
+    )
     data = _load(path)
     assert data["device"] and len(data["rows"]) >= 3
     for row in data["rows"]:

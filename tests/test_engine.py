@@ -28,8 +28,13 @@ _hf_greedy = functools.cache(hf_greedy)  # prompts as tuples: several tests reus
 
 def make_llm(checkpoint, **kw) -> LLM:
     # fp32 everywhere: "auto" would pick fp16 on a GPU, which HF's fp32 greedy path outdrifts.
-    kw = {"tokenizer": TOK, "block_size": 8, "max_batch_size": 4, "warmup": False,
-          "dtype": "float32"} | kw
+    kw = {
+        "tokenizer": TOK,
+        "block_size": 8,
+        "max_batch_size": 4,
+        "warmup": False,
+        "dtype": "float32",
+    } | kw
     return LLM(checkpoint[0], **kw)
 
 
@@ -74,10 +79,14 @@ def test_multi_step_windows_equal_single_steps(checkpoint, temperature):
     prompts = random_prompts(5)
     params = SamplingParams(max_tokens=20, temperature=temperature, seed=11)
     outs = {
-        k: [o.token_ids for o in make_llm(checkpoint, decode_steps=k, max_batch_size=3).generate(
-            prompts, params, use_tqdm=False)]
+        k: [
+            o.token_ids
+            for o in make_llm(checkpoint, decode_steps=k, max_batch_size=3).generate(
+                prompts, params, use_tqdm=False
+            )
+        ]
         for k in (1, 7)
-    }  # fmt: skip
+    }
     assert outs[1] == outs[7]
 
 
@@ -88,7 +97,9 @@ def test_auto_window_length(checkpoint):
 
     engine = make_llm(checkpoint, max_batch_size=2).engine
     for i, n in enumerate((20, 9, 30)):
-        engine.add_request(f"r{i}", random_prompts(1)[0], SamplingParams(max_tokens=n, temperature=0))
+        engine.add_request(
+            f"r{i}", random_prompts(1)[0], SamplingParams(max_tokens=n, temperature=0)
+        )
     running = engine.scheduler.running
     assert engine._window(running) == AUTO_OPEN_STEPS  # nothing admitted yet: slots free
     engine.step()  # admits r0 and r1; r2 waits for a slot
@@ -186,8 +197,9 @@ def test_seed_reproduces_and_temperature_zero_is_greedy(checkpoint):
     )[0]
     assert a.token_ids == b.token_ids != c.token_ids
     # Seeds are taken mod 2**32: 2**32 + 99 is seed 99.
-    wrapped = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.2, seed=2**32 + 99),
-                           use_tqdm=False)[0]
+    wrapped = llm.generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=1.2, seed=2**32 + 99), use_tqdm=False
+    )[0]
     assert wrapped.token_ids == a.token_ids
     g = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0]
     assert g.token_ids == _hf_greedy(checkpoint[1], tuple(prompt), 16)
@@ -350,8 +362,9 @@ def test_cublas_threshold_keeps_outputs(checkpoint, monkeypatch):
     for threshold in ("1", "100000"):
         monkeypatch.setenv("ROSEJAX_CUBLAS_MIN_BATCH", threshold)
         llm = make_llm(checkpoint)
-        res = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, temperature=0.0,
-                                                               ignore_eos=True))
+        res = llm.generate(
+            [[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        )
         outs.append([r.token_ids for r in res])
     assert outs[0] == outs[1] and all(len(t) == 6 for t in outs[0])
 
@@ -364,8 +377,9 @@ def test_prefills_run_only_in_warmup_shapes(checkpoint, monkeypatch):
     engine = llm.engine
     used = []
     prefill = engine.runner.prefill
-    monkeypatch.setattr(engine.runner, "prefill",
-                        lambda batch: used.append(batch["tokens"].shape) or prefill(batch))
+    monkeypatch.setattr(
+        engine.runner, "prefill", lambda batch: used.append(batch["tokens"].shape) or prefill(batch)
+    )
     rng = np.random.default_rng()
     prompts = [rng.integers(1, 1000, 70).tolist()] + [rng.integers(1, 1000, 2).tolist()] * 12
     outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
@@ -382,8 +396,9 @@ def test_auto_window_stops_at_the_context_limit(checkpoint, monkeypatch):
     engine = llm.engine
     windows = []
     decode = engine.runner.decode
-    monkeypatch.setattr(engine.runner, "decode",
-                        lambda b, k, *a: windows.append(k) or decode(b, k, *a))
+    monkeypatch.setattr(
+        engine.runner, "decode", lambda b, k, *a: windows.append(k) or decode(b, k, *a)
+    )
     rng = np.random.default_rng()
     prompts = [rng.integers(1, 1000, 120).tolist(), [5, 6]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
@@ -405,20 +420,26 @@ def test_layer_kernels_forced_match_hf(checkpoint, monkeypatch, pallas_layer_nor
     from pallas_kernels.linear import linear, linear_partial_sums
     from rosejax import layers
 
-    monkeypatch.setattr(layers, "gpu_kernel_enabled",  # the real row gate
-                        lambda switch: pallas_layer_norm or switch != "ROSEJAX_PALLAS_LAYER_NORM")
+    monkeypatch.setattr(
+        layers,
+        "gpu_kernel_enabled",  # the real row gate
+        lambda switch: pallas_layer_norm or switch != "ROSEJAX_PALLAS_LAYER_NORM",
+    )
     kernel_rows = []  # (kernel, rows) of each traced call
 
     def interpreted(name, kernel):
         def call(x, *args, **kwargs):
             kernel_rows.append((name, x.shape[-2]))
             return kernel(x, *args, interpret=True, **kwargs)
+
         monkeypatch.setattr(layers, name, call)
 
-    for name, kernel in [("layer_norm", layer_norm), ("linear", linear),
-                         ("linear_partial_sums", functools.partial(linear_partial_sums,
-                                                                   block_k=16, max_k_steps=1)),
-                         ("add_layer_norm", add_layer_norm)]:
+    for name, kernel in [
+        ("layer_norm", layer_norm),
+        ("linear", linear),
+        ("linear_partial_sums", functools.partial(linear_partial_sums, block_k=16, max_k_steps=1)),
+        ("add_layer_norm", add_layer_norm),
+    ]:
         interpreted(name, kernel)
     llm = make_llm(checkpoint)
     prompts = random_prompts(3)
@@ -451,6 +472,7 @@ def test_attention_kernels_forced_match_hf(checkpoint, monkeypatch, fused):
         def call(*args, **kwargs):
             ran.append(kernel.__name__)
             return kernel(*args, interpret=True, **kwargs)
+
         monkeypatch.setattr(attention, kernel.__name__, call)
 
     interpreted(paged_decode_attention)

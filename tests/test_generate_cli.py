@@ -20,7 +20,9 @@ def test_generates_and_summarises(capsys):
 
 
 def test_stream_prints_text_and_ttft(capsys):
-    assert main([*ARGS, "--prompt", "Hello", "--stream", "--temperature", "0.8", "--seed", "1"]) == 0
+    assert (
+        main([*ARGS, "--prompt", "Hello", "--stream", "--temperature", "0.8", "--seed", "1"]) == 0
+    )
     _, err = capsys.readouterr()
     assert "TTFT" in err and "n/a" not in err
 
@@ -40,9 +42,19 @@ def test_bad_values_exit_2_with_message(capsys, extra, message):
 
 def test_missing_checkpoint_says_what_to_pass(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "rosejax.generate", "--model", str(tmp_path / "none"), "--prompt", "x"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rosejax.generate",
+            "--model",
+            str(tmp_path / "none"),
+            "--prompt",
+            "x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "does not exist" in proc.stderr
 
 

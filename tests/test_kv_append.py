@@ -100,14 +100,16 @@ def _generic(kc, vc, kn, vn, block_idx, pos, batch_idx=None, **kw):
 
 def _identity(kc, vc, kn, vn, block_idx, pos, batch_idx=None, **kw):
     assert batch_idx is None
-    return kva.kv_append_identity_pos(kc, vc, kn, vn, block_idx, pos,
-                                      interpret=_auto_interpret(), **kw)
+    return kva.kv_append_identity_pos(
+        kc, vc, kn, vn, block_idx, pos, interpret=_auto_interpret(), **kw
+    )
 
 
 def _full(kc, vc, kn, vn, block_idx, pos, batch_idx=None, **kw):
     assert batch_idx is None
-    return kva.kv_append_full_batch(kc, vc, kn, vn, block_idx, pos,
-                                    interpret=_auto_interpret(), **kw)
+    return kva.kv_append_full_batch(
+        kc, vc, kn, vn, block_idx, pos, interpret=_auto_interpret(), **kw
+    )
 
 
 def _dispatch(kc, vc, kn, vn, block_idx, pos, batch_idx=None, **kw):
@@ -132,8 +134,13 @@ IMPLEMENTATIONS = [
 
 def make_inputs(shape: KVAppendShape, form: str, rng: np.random.Generator) -> dict:
     """Random caches (poison), new rows and duplicate-free targets, as numpy arrays."""
-    h, nb, bs, d, b = (shape.num_heads, shape.num_blocks, shape.block_size, shape.head_dim,
-                       shape.batch)
+    h, nb, bs, d, b = (
+        shape.num_heads,
+        shape.num_blocks,
+        shape.block_size,
+        shape.head_dim,
+        shape.batch,
+    )
     dtype = jnp.dtype(shape.dtype)
     cache_shape = (h, nb, bs, d)
     # Poison far from the N(0, 1) new values, different in every slot.
@@ -153,8 +160,15 @@ def make_inputs(shape: KVAppendShape, form: str, rng: np.random.Generator) -> di
         slots = rng.choice(nb * bs, size=rows, replace=False)
         block_idx = (slots // bs).astype(np.int32)
         pos = (slots % bs).astype(np.int32)
-    return dict(k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new,
-                block_idx=block_idx, pos=pos, batch_idx=batch_idx)
+    return dict(
+        k_cache=k_cache,
+        v_cache=v_cache,
+        k_new=k_new,
+        v_new=v_new,
+        block_idx=block_idx,
+        pos=pos,
+        batch_idx=batch_idx,
+    )
 
 
 def oracle(inputs: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -178,15 +192,24 @@ def _run(impl: Impl, inputs: dict, monkeypatch: pytest.MonkeyPatch, **kw):
     for key, value in impl.env:
         monkeypatch.setenv(key, value)
     x = _to_device(inputs)
-    return impl.fn(x["k_cache"], x["v_cache"], x["k_new"], x["v_new"], x["block_idx"],
-                   x["pos"], x["batch_idx"], **kw)
+    return impl.fn(
+        x["k_cache"],
+        x["v_cache"],
+        x["k_new"],
+        x["v_new"],
+        x["block_idx"],
+        x["pos"],
+        x["batch_idx"],
+        **kw,
+    )
 
 
 def _assert_bits_equal(actual, expected, what: str) -> None:
     actual = np.asarray(actual)
     assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
     same = actual.view(np.uint8).reshape(actual.shape + (-1,)) == expected.view(np.uint8).reshape(
-        expected.shape + (-1,))
+        expected.shape + (-1,)
+    )
     bad = np.argwhere(~same.all(-1))
     assert bad.size == 0, f"{what}: {len(bad)} slots differ, first at {bad[:3].tolist()}"
 
@@ -225,8 +248,9 @@ def test_append_from_fused_qkv(impl: Impl, form: str, monkeypatch):
     q = rng.standard_normal(inputs["k_new"].shape).astype(inputs["k_new"].dtype)
     fused = np.concatenate([q, inputs["k_new"], inputs["v_new"]], axis=1)  # [B, 3H, D]
     h = shape.num_heads
-    k_out, v_out = _run(impl, inputs | {"k_new": fused, "v_new": fused}, monkeypatch,
-                        new_head_offsets=(h, 2 * h))
+    k_out, v_out = _run(
+        impl, inputs | {"k_new": fused, "v_new": fused}, monkeypatch, new_head_offsets=(h, 2 * h)
+    )
     _assert_bits_equal(k_out, k_expected, "k_cache")
     _assert_bits_equal(v_out, v_expected, "v_cache")
 
@@ -246,14 +270,18 @@ def test_append_inside_donating_jit(impl: Impl, monkeypatch):
     @jax.jit
     def step(caches, a, b):
         for x in (a, b):
-            caches = impl.fn(*caches, x["k_new"], x["v_new"], x["block_idx"], x["pos"],
-                             x["batch_idx"])
+            caches = impl.fn(
+                *caches, x["k_new"], x["v_new"], x["block_idx"], x["pos"], x["batch_idx"]
+            )
         return caches
 
     step = jax.jit(step, donate_argnums=(0,))
     a, b = _to_device(first), _to_device(second)
-    k_out, v_out = step((a.pop("k_cache"), a.pop("v_cache")), a,
-                        {k: x for k, x in b.items() if k not in ("k_cache", "v_cache")})
+    k_out, v_out = step(
+        (a.pop("k_cache"), a.pop("v_cache")),
+        a,
+        {k: x for k, x in b.items() if k not in ("k_cache", "v_cache")},
+    )
     _assert_bits_equal(k_out, k_expected, "k_cache")
     _assert_bits_equal(v_out, v_expected, "v_cache")
 
@@ -304,15 +332,31 @@ def _bad_inputs(kind: str, form: str) -> dict:
     return inputs
 
 
-BAD = ["new_dtype", "v_cache_dtype", "cache_rank", "new_rank", "heads", "head_dim", "kv_shape",
-       "block_idx_dtype", "pos_dtype", "block_idx_length", "pos_length", "batch_idx_dtype",
-       "batch_idx_length"]
+BAD = [
+    "new_dtype",
+    "v_cache_dtype",
+    "cache_rank",
+    "new_rank",
+    "heads",
+    "head_dim",
+    "kv_shape",
+    "block_idx_dtype",
+    "pos_dtype",
+    "block_idx_length",
+    "pos_length",
+    "batch_idx_dtype",
+    "batch_idx_length",
+]
 
 
 @pytest.mark.parametrize(
     "impl,kind",
-    [(i, k) for i in IMPLEMENTATIONS for k in BAD
-     if not k.startswith("batch_idx") or "generic" in i.forms],
+    [
+        (i, k)
+        for i in IMPLEMENTATIONS
+        for k in BAD
+        if not k.startswith("batch_idx") or "generic" in i.forms
+    ],
     ids=lambda x: x.name if isinstance(x, Impl) else x,
 )
 def test_bad_inputs_raise(impl: Impl, kind: str, monkeypatch):
@@ -325,17 +369,20 @@ def test_bad_inputs_raise(impl: Impl, kind: str, monkeypatch):
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=lambda i: i.name)
 @pytest.mark.parametrize("offsets", [(1, 0), (0, -1)])
 def test_head_offsets_past_the_heads_raise(impl: Impl, offsets, monkeypatch):
-    inputs = make_inputs(KVAppendShape(4, 6, 4, 16, 3, "float32"), impl.forms[-1],
-                         np.random.default_rng())
+    inputs = make_inputs(
+        KVAppendShape(4, 6, 4, 16, 3, "float32"), impl.forms[-1], np.random.default_rng()
+    )
     with pytest.raises(ValueError, match="has no heads"):
         _run(impl, inputs, monkeypatch, new_head_offsets=offsets)
 
 
-@pytest.mark.parametrize("op", [kva.kv_append_generic, kva.kv_append_identity_pos,
-                                kva.kv_append_full_batch])
+@pytest.mark.parametrize(
+    "op", [kva.kv_append_generic, kva.kv_append_identity_pos, kva.kv_append_full_batch]
+)
 def test_kernels_refuse_non_power_of_two_head_dim(op):
-    inputs = _to_device(make_inputs(KVAppendShape(4, 6, 4, 24, 2, "float32"), "full",
-                                    np.random.default_rng()))
+    inputs = _to_device(
+        make_inputs(KVAppendShape(4, 6, 4, 24, 2, "float32"), "full", np.random.default_rng())
+    )
     args = [inputs["k_cache"], inputs["v_cache"], inputs["k_new"], inputs["v_new"]]
     if op is kva.kv_append_generic:
         args += [jnp.arange(2, dtype=jnp.int32), inputs["block_idx"], jnp.zeros(2, jnp.int32)]
@@ -372,8 +419,9 @@ def test_select_variant(env, rows, head_dim, has_batch_idx, scalar_pos, expected
     monkeypatch.delenv(kva.ENV_MIN_BATCH, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    got = kva.select_kv_append_variant(rows, head_dim, has_batch_idx=has_batch_idx,
-                                       scalar_pos=scalar_pos)
+    got = kva.select_kv_append_variant(
+        rows, head_dim, has_batch_idx=has_batch_idx, scalar_pos=scalar_pos
+    )
     assert got == expected
 
 
@@ -382,10 +430,15 @@ def test_default_min_batch_gate(monkeypatch):
     monkeypatch.delenv(kva.ENV_MIN_BATCH, raising=False)
     below = kva.DEFAULT_MIN_BATCH - 1
     if below >= 1:
-        assert kva.select_kv_append_variant(below, 64, has_batch_idx=False,
-                                            scalar_pos=False) == "xla"
-    assert kva.select_kv_append_variant(kva.DEFAULT_MIN_BATCH, 64, has_batch_idx=False,
-                                        scalar_pos=False) == "identity_pos"
+        assert (
+            kva.select_kv_append_variant(below, 64, has_batch_idx=False, scalar_pos=False) == "xla"
+        )
+    assert (
+        kva.select_kv_append_variant(
+            kva.DEFAULT_MIN_BATCH, 64, has_batch_idx=False, scalar_pos=False
+        )
+        == "identity_pos"
+    )
 
 
 def test_select_variant_bad_env(monkeypatch):

@@ -33,8 +33,15 @@ VOCAB = 2  # a tiny vocabulary makes equal prefixes, hence prefix-cache hits, co
 
 def _state(alloc: BlockAllocator) -> tuple:
     """Everything allocation may change, to check that a failed call changed nothing."""
-    return (list(alloc._ref), list(alloc._free), dict(alloc._cached), list(alloc._block_hash),
-            alloc.prefix_hits, alloc.prefix_hit_tokens, alloc.prompt_tokens)
+    return (
+        list(alloc._ref),
+        list(alloc._free),
+        dict(alloc._cached),
+        list(alloc._block_hash),
+        alloc.prefix_hits,
+        alloc.prefix_hit_tokens,
+        alloc.prompt_tokens,
+    )
 
 
 def _table_state(table) -> tuple:
@@ -47,8 +54,9 @@ class AllocatorMachine(RuleBasedStateMachine):
     through its block table, which catches a wrong prefix hit, a missed copy-on-write or a write
     into a block someone else still reads."""
 
-    @initialize(num_blocks=st.integers(2, 24), block_size=st.integers(1, 4),
-                prefix_caching=st.booleans())
+    @initialize(
+        num_blocks=st.integers(2, 24), block_size=st.integers(1, 4), prefix_caching=st.booleans()
+    )
     def setup(self, num_blocks, block_size, prefix_caching):
         self.alloc = BlockAllocator(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         self.bs = block_size
@@ -118,8 +126,11 @@ class AllocatorMachine(RuleBasedStateMachine):
     def reserve(self, data, n):
         sid = data.draw(st.sampled_from(sorted(self.seqs)))
         table, _ = self.seqs[sid]
-        can, before, tbefore = self.alloc.can_append(table, n), _state(self.alloc), \
-            _table_state(table)
+        can, before, tbefore = (
+            self.alloc.can_append(table, n),
+            _state(self.alloc),
+            _table_state(table),
+        )
         try:
             src, dst = self.alloc.reserve(table, n)
         except NoFreeBlocksError:
@@ -163,7 +174,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(sorted(self.seqs)))
         table, tokens = self.seqs[sid]
         child = self.alloc.fork(table)
-        assert child.blocks == table.blocks[:len(child.blocks)]
+        assert child.blocks == table.blocks[: len(child.blocks)]
         self.reserved[sid] = 0  # the parent's next slot may be shared now
         self._add(child, list(tokens))
 
@@ -185,8 +196,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         for table, tokens in self.seqs.values():
             assert kv_cache.SCRATCH_BLOCK not in table.blocks and table.num_tokens == len(tokens)
             bs = self.bs
-            assert [self.content[table.blocks[i // bs]][i % bs] for i in range(len(tokens))] \
-                == tokens
+            assert [
+                self.content[table.blocks[i // bs]][i % bs] for i in range(len(tokens))
+            ] == tokens
 
     def teardown(self):
         if not hasattr(self, "alloc"):
@@ -205,8 +217,12 @@ TestAllocatorMachine.settings = settings(max_examples=100, stateful_step_count=4
 # ---------------------------------------------------------------------------- allocator, targeted
 
 
-@given(bs=st.integers(1, 8), length=st.integers(1, 30), prefix_caching=st.booleans(),
-       via_reserve=st.booleans())
+@given(
+    bs=st.integers(1, 8),
+    length=st.integers(1, 30),
+    prefix_caching=st.booleans(),
+    via_reserve=st.booleans(),
+)
 def test_cow_exactly_when_shared_block_is_partial(bs, length, prefix_caching, via_reserve):
     alloc = BlockAllocator(64, bs, enable_prefix_caching=prefix_caching)
     parent, _ = alloc.allocate([7] * length)
@@ -230,8 +246,9 @@ def test_cow_exactly_when_shared_block_is_partial(bs, length, prefix_caching, vi
 @given(bs=st.integers(1, 4), full=st.integers(1, 4), data=st.data(), prefix_caching=st.booleans())
 def test_equal_prefixes_share_blocks_changed_ones_do_not(bs, full, data, prefix_caching):
     extra = data.draw(st.integers(1, bs))  # >= 1 token past the full blocks: all may be cached
-    tokens = data.draw(st.lists(st.integers(0, 1000), min_size=full * bs + extra,
-                                max_size=full * bs + extra))
+    tokens = data.draw(
+        st.lists(st.integers(0, 1000), min_size=full * bs + extra, max_size=full * bs + extra)
+    )
     change = data.draw(st.none() | st.integers(0, len(tokens) - 1))
     other = list(tokens)
     if change is not None:
@@ -250,10 +267,14 @@ def test_equal_prefixes_share_blocks_changed_ones_do_not(bs, full, data, prefix_
     alloc.check_invariants([a, b])
 
 
-@given(bs=st.integers(1, 8), prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
-       windows=st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), max_size=12),
-                                  st.integers(0, 4)), max_size=6),
-       prefix_caching=st.booleans())
+@given(
+    bs=st.integers(1, 8),
+    prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
+    windows=st.lists(
+        st.tuples(st.lists(st.integers(0, VOCAB - 1), max_size=12), st.integers(0, 4)), max_size=6
+    ),
+    prefix_caching=st.booleans(),
+)
 def test_extend_is_append_per_token(bs, prompt, windows, prefix_caching):
     # Two allocators fed the same: one extends by windows, one appends token by token. Each
     # holds two tables of the same prompt, so equal blocks fill twice (the second stays
@@ -360,8 +381,12 @@ def test_freed_table_is_dead():
     alloc = BlockAllocator(4, 2)
     a, _ = alloc.allocate([1])
     alloc.free(a)
-    for call in (alloc.free, alloc.fork, lambda t: alloc.append(t, 1),
-                 lambda t: alloc.reserve(t, 1)):
+    for call in (
+        alloc.free,
+        alloc.fork,
+        lambda t: alloc.append(t, 1),
+        lambda t: alloc.reserve(t, 1),
+    ):
         with pytest.raises(ValueError):
             call(a)
 
@@ -408,10 +433,10 @@ _copy_blocks_jit = jax.jit(copy_blocks)
 @settings(max_examples=15, deadline=None)
 @given(num_blocks=st.integers(2, 8), data=st.data(), seed=st.integers(0, 2**31 - 1))
 def test_copy_blocks_copies_exactly_the_named_blocks(num_blocks, data, seed):
-    dst = data.draw(st.lists(st.integers(0, num_blocks - 1), min_size=1, max_size=num_blocks,
-                             unique=True))
-    src = data.draw(st.lists(st.integers(0, num_blocks - 1), min_size=len(dst),
-                             max_size=len(dst)))
+    dst = data.draw(
+        st.lists(st.integers(0, num_blocks - 1), min_size=1, max_size=num_blocks, unique=True)
+    )
+    src = data.draw(st.lists(st.integers(0, num_blocks - 1), min_size=len(dst), max_size=len(dst)))
     rng = np.random.default_rng(seed)
     shape = (2, num_blocks, 3, 4)  # [H, NB, BS, D]
     k = [rng.standard_normal(shape, np.float32) for _ in range(2)]
@@ -429,14 +454,11 @@ def test_kv_cache_bytes_per_block_gpt2():
     assert kv_cache_bytes_per_block(preset("gpt2"), 64, jnp.float16) == 2 * 12 * 768 * 64 * 2
 
 
-@given(tokens=st.integers(1, 5000), bs=st.integers(1, 128), seqs=st.integers(1, 64),
-       data=st.data())
+@given(tokens=st.integers(1, 5000), bs=st.integers(1, 128), seqs=st.integers(1, 64), data=st.data())
 def test_num_blocks_for_token_budget_fits_any_split(tokens, bs, seqs, data):
-    n = num_blocks_for(preset("tiny"), bs, jnp.float16, kv_cache_tokens=tokens,
-                       max_num_seqs=seqs)
+    n = num_blocks_for(preset("tiny"), bs, jnp.float16, kv_cache_tokens=tokens, max_num_seqs=seqs)
     assert n == -(-tokens // bs) + seqs  # seqs - 1 partial blocks of slack, + scratch
-    cuts = sorted(data.draw(st.lists(st.integers(0, tokens), min_size=seqs - 1,
-                                     max_size=seqs - 1)))
+    cuts = sorted(data.draw(st.lists(st.integers(0, tokens), min_size=seqs - 1, max_size=seqs - 1)))
     parts = np.diff([0, *cuts, tokens])
     assert sum(-(-int(p) // bs) for p in parts) <= n - 1
 
@@ -474,14 +496,17 @@ def test_num_blocks_for_memory_fraction(monkeypatch):
         num_blocks_for(config, 16, jnp.float32, memory_fraction=0.9)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {},
-    {"kv_cache_tokens": 100, "memory_fraction": 0.5},
-    {"kv_cache_tokens": 0},
-    {"memory_fraction": 0.0},
-    {"memory_fraction": 1.5},
-    {"kv_cache_tokens": 100, "max_num_seqs": 0},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"kv_cache_tokens": 100, "memory_fraction": 0.5},
+        {"kv_cache_tokens": 0},
+        {"memory_fraction": 0.0},
+        {"memory_fraction": 1.5},
+        {"kv_cache_tokens": 100, "max_num_seqs": 0},
+    ],
+)
 def test_num_blocks_for_rejects_nonsense(kwargs):
     with pytest.raises(ValueError):
         num_blocks_for(preset("tiny"), 16, jnp.float32, **kwargs)

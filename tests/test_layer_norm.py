@@ -23,7 +23,8 @@ EPS = 1e-5
 
 def flax_layer_norm(x, scale, bias, *, eps):
     return nn.LayerNorm(epsilon=eps, dtype=x.dtype).apply(
-        {"params": {"scale": scale, "bias": bias}}, x)
+        {"params": {"scale": scale, "bias": bias}}, x
+    )
 
 
 def rosejax_module(x, scale, bias, *, eps):
@@ -49,7 +50,8 @@ def oracle(x, scale, bias):
     mean = x.mean(axis=-1, keepdims=True)
     var = x.var(axis=-1, keepdims=True)
     return (x - mean) / np.sqrt(var + EPS) * np.asarray(scale, np.float64) + np.asarray(
-        bias, np.float64)
+        bias, np.float64
+    )
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
@@ -65,8 +67,9 @@ def test_layer_norm_matches_numpy(impl, shape, dtype):
     got = IMPLS[impl](x, scale, bias, eps=EPS)
     assert got.shape == x.shape and got.dtype == x.dtype
     want = oracle(x, scale, bias)
-    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=TOL[dtype] * 8,
-                               rtol=TOL[dtype])
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), want, atol=TOL[dtype] * 8, rtol=TOL[dtype]
+    )
 
 
 def test_module_keeps_leading_axes():
@@ -74,8 +77,9 @@ def test_module_keeps_leading_axes():
     x = jnp.asarray(rng.normal(size=(3, 5, 48)), jnp.float32)
     scale, bias = jnp.asarray(rng.normal(size=48)), jnp.asarray(rng.normal(size=48))
     got = rosejax_module(x, scale, bias, eps=EPS)
-    np.testing.assert_allclose(got.reshape(15, 48), oracle(x.reshape(15, 48), scale, bias),
-                               atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(
+        got.reshape(15, 48), oracle(x.reshape(15, 48), scale, bias), atol=1e-4, rtol=1e-5
+    )
 
 
 def test_bad_shapes():
@@ -90,15 +94,17 @@ def test_bad_shapes():
 
 def pending_module(partials, linear_bias, residual, scale, bias, *, eps):
     """The model's module fed a `PendingSum`, whichever implementation it dispatches to."""
-    return LayerNorm(eps).apply({"params": {"scale": scale, "bias": bias}},
-                                PendingSum(partials, linear_bias, residual))
+    return LayerNorm(eps).apply(
+        {"params": {"scale": scale, "bias": bias}}, PendingSum(partials, linear_bias, residual)
+    )
 
 
 ADD_IMPLS = {
     "pallas": functools.partial(add_layer_norm, interpret=INTERPRET),  # the model's defaults
     "pallas_r4": functools.partial(add_layer_norm, block_rows=4, interpret=INTERPRET),
-    "pallas_r2_w1": functools.partial(add_layer_norm, block_rows=2, num_warps=1,
-                                      interpret=INTERPRET),
+    "pallas_r2_w1": functools.partial(
+        add_layer_norm, block_rows=2, num_warps=1, interpret=INTERPRET
+    ),
     "reference": add_layer_norm_reference,
     "module": pending_module,
 }
@@ -114,23 +120,33 @@ def test_add_layer_norm_matches_numpy(impl, splits, shape, dtype):
     partials = jnp.asarray(rng.normal(size=(splits, n, e)) * 2, jnp.float32)
     residual = rng.normal(size=(n, e)) * rng.uniform(0.5, 4, (n, 1)) + rng.uniform(-8, 8, (n, 1))
     linear_bias, scale, bias = (rng.normal(size=e) for _ in range(3))
-    residual, linear_bias, scale, bias = (jnp.asarray(a, dtype)
-                                          for a in (residual, linear_bias, scale, bias))
+    residual, linear_bias, scale, bias = (
+        jnp.asarray(a, dtype) for a in (residual, linear_bias, scale, bias)
+    )
     h, y = ADD_IMPLS[impl](partials, linear_bias, residual, scale, bias, eps=EPS)
     assert h.shape == y.shape == (n, e) and h.dtype == y.dtype == jnp.dtype(dtype)
-    want_h = (np.asarray(partials, np.float64).sum(0) + np.asarray(linear_bias, np.float64)
-              + np.asarray(residual, np.float64))
+    want_h = (
+        np.asarray(partials, np.float64).sum(0)
+        + np.asarray(linear_bias, np.float64)
+        + np.asarray(residual, np.float64)
+    )
     tol = TOL[dtype]
     np.testing.assert_allclose(np.asarray(h, np.float64), want_h, atol=tol * 8, rtol=tol)
     # The norm is of h as stored (rounded to the stream's dtype), as the unfused layers take it.
-    np.testing.assert_allclose(np.asarray(y, np.float64), oracle(h, scale, bias),
-                               atol=tol * 8, rtol=tol)
+    np.testing.assert_allclose(
+        np.asarray(y, np.float64), oracle(h, scale, bias), atol=tol * 8, rtol=tol
+    )
 
 
 def test_add_layer_norm_bad_shapes():
     p, r, v = jnp.zeros((2, 4, 8)), jnp.zeros((4, 8)), jnp.zeros(8)
-    for args in [(p.astype(jnp.float16), v, r, v, v), (p[0], v, r, v, v), (p, v, r[:3], v, v),
-                 (p, v[:7], r, v, v), (p, v, r, v, v[:7])]:
+    for args in [
+        (p.astype(jnp.float16), v, r, v, v),
+        (p[0], v, r, v, v),
+        (p, v, r[:3], v, v),
+        (p, v[:7], r, v, v),
+        (p, v, r, v, v[:7]),
+    ]:
         with pytest.raises(ValueError, match="need float32 partials"):
             add_layer_norm(*args, interpret=True)
 
@@ -155,8 +171,12 @@ def test_module_takes_a_pending_sum_with_leading_axes():
     lb, scale, bias = (jnp.asarray(rng.normal(size=48), jnp.float32) for _ in range(3))
     h, y = pending_module(partials, lb, residual, scale, bias, eps=EPS)
     assert h.shape == y.shape == (3, 5, 48)
-    want_h = np.asarray(partials, np.float64).sum(0) + np.asarray(lb) + np.asarray(
-        residual).reshape(15, 48)
+    want_h = (
+        np.asarray(partials, np.float64).sum(0)
+        + np.asarray(lb)
+        + np.asarray(residual).reshape(15, 48)
+    )
     np.testing.assert_allclose(np.asarray(h).reshape(15, 48), want_h, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(y).reshape(15, 48), oracle(want_h, scale, bias),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(y).reshape(15, 48), oracle(want_h, scale, bias), rtol=1e-4, atol=1e-4
+    )

@@ -27,17 +27,20 @@ def module(x, w, b, residual=None, *, activation=None):
 
 IMPLS = {
     "pallas": functools.partial(linear, interpret=INTERPRET),
-    "pallas_n16_k32_w2": functools.partial(linear, block_n=16, block_k=32, num_warps=2,
-                                           interpret=INTERPRET),
+    "pallas_n16_k32_w2": functools.partial(
+        linear, block_n=16, block_k=32, num_warps=2, interpret=INTERPRET
+    ),
     # K split over 2-8 programs (one 32-deep tile each), the epilogue after their sum.
     "pallas_split_k": functools.partial(linear, block_k=32, max_k_steps=1, interpret=INTERPRET),
     # Uneven splits: 16 tiles of K=256 in 6 programs, 3 tiles each but the last's one.
-    "pallas_split_uneven": functools.partial(linear, block_k=16, max_k_steps=3,
-                                             interpret=INTERPRET),
+    "pallas_split_uneven": functools.partial(
+        linear, block_k=16, max_k_steps=3, interpret=INTERPRET
+    ),
     # Rows in 16-row tiles over a second grid axis (the 33-row shape: 3 tiles, the last of 1 row).
     "pallas_m16": functools.partial(linear, block_m=16, interpret=INTERPRET),
-    "pallas_m16_split_k": functools.partial(linear, block_m=16, block_k=32, max_k_steps=1,
-                                            interpret=INTERPRET),
+    "pallas_m16_split_k": functools.partial(
+        linear, block_m=16, block_k=32, max_k_steps=1, interpret=INTERPRET
+    ),
     "reference": linear_reference,
     "module": module,
 }
@@ -57,8 +60,11 @@ def oracle(x, w, b, residual, activation):
 
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("epilogue", [(None, False), ("gelu_tanh", False), (None, True)],
-                         ids=["bias", "gelu", "residual"])
+@pytest.mark.parametrize(
+    "epilogue",
+    [(None, False), ("gelu_tanh", False), (None, True)],
+    ids=["bias", "gelu", "residual"],
+)
 @pytest.mark.parametrize("dtype", list(TOL))
 def test_linear_matches_numpy(impl, shape, epilogue, dtype):
     rng = np.random.default_rng()
@@ -71,8 +77,9 @@ def test_linear_matches_numpy(impl, shape, epilogue, dtype):
     got = IMPLS[impl](cast(x), cast(w), cast(b), cast(residual), activation=activation)
     assert got.shape == (m, n) and got.dtype == jnp.dtype(dtype)
     want = oracle(cast(x), cast(w), cast(b), cast(residual), activation)
-    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=TOL[dtype],
-                               atol=TOL[dtype] * 4)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * 4
+    )
 
 
 def test_module_keeps_leading_axes():
@@ -108,12 +115,15 @@ def test_bad_inputs(kwargs, match):
 
 PARTIAL_IMPLS = {
     "pallas": functools.partial(linear_partial_sums, interpret=INTERPRET),
-    "pallas_split_k": functools.partial(linear_partial_sums, block_k=32, max_k_steps=1,
-                                        interpret=INTERPRET),
-    "pallas_split_uneven": functools.partial(linear_partial_sums, block_k=16, max_k_steps=3,
-                                             interpret=INTERPRET),
-    "pallas_m16_split_k": functools.partial(linear_partial_sums, block_m=16, block_k=32,
-                                            max_k_steps=1, interpret=INTERPRET),
+    "pallas_split_k": functools.partial(
+        linear_partial_sums, block_k=32, max_k_steps=1, interpret=INTERPRET
+    ),
+    "pallas_split_uneven": functools.partial(
+        linear_partial_sums, block_k=16, max_k_steps=3, interpret=INTERPRET
+    ),
+    "pallas_m16_split_k": functools.partial(
+        linear_partial_sums, block_m=16, block_k=32, max_k_steps=1, interpret=INTERPRET
+    ),
     "reference": linear_partial_sums_reference,
 }
 
@@ -136,36 +146,45 @@ def test_partial_sums_bad_shapes():
     with pytest.raises(ValueError, match="need x"):
         linear_partial_sums(jnp.zeros((2, 64)), jnp.zeros((32, 64)), interpret=True)
     with pytest.raises(ValueError, match="max_k_steps"):
-        linear_partial_sums(jnp.zeros((2, 64)), jnp.zeros((64, 32)), max_k_steps=0,
-                            interpret=True)
+        linear_partial_sums(jnp.zeros((2, 64)), jnp.zeros((64, 32)), max_k_steps=0, interpret=True)
 
 
-@pytest.mark.parametrize("k_steps,max_k_steps,want", [
-    (12, 4, 3),  # GPT-2's MLP down-projection at block_k 256: 3 programs of 4 tiles
-    (12, 5, 3),  # 4 tiles each beats 5 + 5 + 2
-    (3, 4, 1),   # short enough: no split
-    (7, 2, 4),   # 2 + 2 + 2 + 1
-    (25, 4, 7),  # gpt2-xl's K=1600 in 64-deep tiles: not 25 splits of one
-    (8, 1, 8),
-])
+@pytest.mark.parametrize(
+    "k_steps,max_k_steps,want",
+    [
+        (12, 4, 3),  # GPT-2's MLP down-projection at block_k 256: 3 programs of 4 tiles
+        (12, 5, 3),  # 4 tiles each beats 5 + 5 + 2
+        (3, 4, 1),  # short enough: no split
+        (7, 2, 4),  # 2 + 2 + 2 + 1
+        (25, 4, 7),  # gpt2-xl's K=1600 in 64-deep tiles: not 25 splits of one
+        (8, 1, 8),
+    ],
+)
 def test_split_count(k_steps, max_k_steps, want):
     assert split_count(k_steps, max_k_steps) == want
     with pytest.raises(ValueError, match="max_k_steps"):
         split_count(k_steps, 0)
 
 
-@pytest.mark.parametrize("rows,residual,activation,pending", [
-    (4, True, None, True), (4, False, None, False), (4, True, "gelu_tanh", False),
-    (33, True, None, False),  # more rows than the kernel takes: XLA, an array
-])
-def test_deferred_linear_returns_pending_sum_only_for_the_kernel(monkeypatch, rows, residual,
-                                                                  activation, pending):
+@pytest.mark.parametrize(
+    "rows,residual,activation,pending",
+    [
+        (4, True, None, True),
+        (4, False, None, False),
+        (4, True, "gelu_tanh", False),
+        (33, True, None, False),  # more rows than the kernel takes: XLA, an array
+    ],
+)
+def test_deferred_linear_returns_pending_sum_only_for_the_kernel(
+    monkeypatch, rows, residual, activation, pending
+):
     from rosejax import layers
 
     monkeypatch.setattr(layers, "gpu_kernel_enabled", lambda switch: True)
     monkeypatch.setattr(layers, "linear", functools.partial(linear, interpret=True))
-    monkeypatch.setattr(layers, "linear_partial_sums",
-                        functools.partial(linear_partial_sums, interpret=True))
+    monkeypatch.setattr(
+        layers, "linear_partial_sums", functools.partial(linear_partial_sums, interpret=True)
+    )
     rng = np.random.default_rng()
     x = jnp.asarray(rng.normal(size=(rows, 128)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(128, 64)) / 11, jnp.float32)
@@ -174,8 +193,9 @@ def test_deferred_linear_returns_pending_sum_only_for_the_kernel(monkeypatch, ro
     got = Linear(64, activation).apply({"params": {"kernel": w, "bias": b}}, x, r, defer=True)
     assert isinstance(got, layers.PendingSum) == pending
     value = got.value() if pending else got
-    np.testing.assert_allclose(np.asarray(value), oracle(x, w, b, r, activation), rtol=1e-4,
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(value), oracle(x, w, b, r, activation), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_untileable_shapes_fall_back_to_xla(monkeypatch):
@@ -187,5 +207,6 @@ def test_untileable_shapes_fall_back_to_xla(monkeypatch):
     rng = np.random.default_rng()
     x = jnp.asarray(rng.normal(size=(4, 40)), jnp.float32)
     w, b = jnp.asarray(rng.normal(size=(40, 32)) / 6), jnp.asarray(rng.normal(size=32))
-    np.testing.assert_allclose(np.asarray(module(x, w, b)), oracle(x, w, b, None, None),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(module(x, w, b)), oracle(x, w, b, None, None), rtol=1e-5, atol=1e-5
+    )

@@ -21,14 +21,16 @@ from tests.conftest import INTERPRET
 
 IMPLS = {
     "pallas": functools.partial(paged_decode_attention, interpret=INTERPRET),
-    "pallas_prefetch": functools.partial(paged_decode_attention, prefetch_table=True,
-                                         interpret=INTERPRET),
+    "pallas_prefetch": functools.partial(
+        paged_decode_attention, prefetch_table=True, interpret=INTERPRET
+    ),
     "reference": jax.jit(paged_decode_attention_reference),
 }
 APPEND_IMPLS = {
     "pallas": functools.partial(paged_decode_attention_append, interpret=INTERPRET),
-    "pallas_prefetch": functools.partial(paged_decode_attention_append, prefetch_table=True,
-                                         interpret=INTERPRET),
+    "pallas_prefetch": functools.partial(
+        paged_decode_attention_append, prefetch_table=True, interpret=INTERPRET
+    ),
     "reference": jax.jit(paged_decode_attention_append_reference, donate_argnums=(1, 2)),
 }
 # (B, H, D, block_size, blocks per row): GPT-2's heads, a head dim other than 64, B = 1, odd B.
@@ -171,7 +173,8 @@ def test_append_padded_rows_write_scratch(impl):
     """A padded row (length 0) gives zeros and writes only scratch block 0, slot 0."""
     rng = np.random.default_rng()
     (qkv, k, v, tables, lengths), (want_k, want_v) = make_append_case(
-        rng, (3, 4, 32, 8, 2), "float32", padded_rows=[1])
+        rng, (3, 4, 32, 8, 2), "float32", padded_rows=[1]
+    )
     out, k_out, v_out = APPEND_IMPLS[impl](qkv, k, v, tables, lengths)
     out = np.asarray(out)
     assert np.all(np.isfinite(out)) and np.all(out[1] == 0)
@@ -187,8 +190,12 @@ def test_append_edge_rows(impl):
     rng = np.random.default_rng()
     bs = 8
     (qkv, k, v, tables, lengths), (want_k, want_v) = make_append_case(
-        rng, (6, 4, 32, bs, 3), "float32", lengths=[1, bs + 1, 3 * bs, 0, 0, 2 * bs + 3],
-        shared_first_block=[(2, 5)])
+        rng,
+        (6, 4, 32, bs, 3),
+        "float32",
+        lengths=[1, bs + 1, 3 * bs, 0, 0, 2 * bs + 3],
+        shared_first_block=[(2, 5)],
+    )
     out, k_out, v_out = APPEND_IMPLS[impl](qkv, k, v, tables, lengths)
     h = want_k.shape[0]
     for got, want, first_head in ((k_out, want_k, h), (v_out, want_v, 2 * h)):
@@ -196,15 +203,16 @@ def test_append_edge_rows(impl):
         # Both padded rows write scratch slot (block 0, offset 0), in no set order on a GPU: each
         # head's slot must hold one of their values, and every other element the expected one.
         for head in range(h):
-            assert any(np.array_equal(got[head, 0, 0], np.asarray(qkv[row, first_head + head]))
-                       for row in (3, 4))
+            assert any(
+                np.array_equal(got[head, 0, 0], np.asarray(qkv[row, first_head + head]))
+                for row in (3, 4)
+            )
         got[:, 0, 0] = want[:, 0, 0]
         np.testing.assert_array_equal(got, want)
     out = np.asarray(out)
     assert np.all(out[3:5] == 0)
     real = [0, 1, 2, 5]
-    ref = oracle(qkv[real, :h], want_k, want_v, np.asarray(tables)[real],
-                 np.asarray(lengths)[real])
+    ref = oracle(qkv[real, :h], want_k, want_v, np.asarray(tables)[real], np.asarray(lengths)[real])
     np.testing.assert_allclose(out[real], ref, rtol=1e-4, atol=1e-5)
 
 
@@ -212,12 +220,14 @@ def test_append_needs_the_caches_dtype():
     rng = np.random.default_rng()
     (qkv, k, v, tables, lengths), _ = make_append_case(rng, (2, 4, 32, 8, 2), "float16")
     with pytest.raises(ValueError, match="share a dtype"):
-        paged_decode_attention_append(qkv.astype(jnp.float32), k, v, tables, lengths,
-                                      interpret=INTERPRET)
+        paged_decode_attention_append(
+            qkv.astype(jnp.float32), k, v, tables, lengths, interpret=INTERPRET
+        )
 
 
-@pytest.mark.parametrize("change", [lambda a: a[:, :8], lambda a: jnp.concatenate([a, a], 1)],
-                         ids=["2H", "6H"])
+@pytest.mark.parametrize(
+    "change", [lambda a: a[:, :8], lambda a: jnp.concatenate([a, a], 1)], ids=["2H", "6H"]
+)
 def test_append_needs_exactly_3h_heads(change):
     """q/k/v are found at heads 0, H and 2H: any other head count is a caller's mistake."""
     rng = np.random.default_rng()
@@ -257,13 +267,15 @@ def test_prefill_attention_matches_oracle(cached):
     new = [int(n) for n in rng.integers(1, 12, len(cached))]
     q, k, v, k_cache, v_cache, tables, positions = make_prefill_case(rng, cached, new)
     fresh = not any(cached)
-    out = np.asarray(jax.jit(prefill_attention)(q, k, v, k_cache, v_cache, tables, positions,
-                                                fresh))
+    out = np.asarray(
+        jax.jit(prefill_attention)(q, k, v, k_cache, v_cache, tables, positions, fresh)
+    )
     for row, (c, n) in enumerate(zip(cached, new, strict=True)):
         for t in range(n):  # a query at position c + t sees keys 0..c + t
             got = out[row, t][None]  # [1, H, D]
-            want = oracle(q[row, t][None], k_cache, v_cache, tables[row][None],
-                          np.array([c + t + 1]))
+            want = oracle(
+                q[row, t][None], k_cache, v_cache, tables[row][None], np.array([c + t + 1])
+            )
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     if not any(cached):  # the gather-free path on its own, on every real query
         dense = np.asarray(causal_attention_xla(q, k, v, positions))

@@ -21,8 +21,9 @@ def tok():
 
 
 def _request(tok, params: SamplingParams, prompt_len: int = 3, max_context: int = 64) -> Request:
-    return Request("r", [464] * prompt_len, params, 0, IncrementalDetokenizer(tok), EOS,
-                   max_context)
+    return Request(
+        "r", [464] * prompt_len, params, 0, IncrementalDetokenizer(tok), EOS, max_context
+    )
 
 
 def _feed(request: Request, tokens: list[int], cuts: list[int]) -> list[int]:
@@ -38,10 +39,14 @@ def _feed(request: Request, tokens: list[int], cuts: list[int]) -> list[int]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(tokens=st.lists(st.sampled_from(IDS), max_size=40),
-       cuts=st.lists(st.integers(0, 40), max_size=6), max_tokens=st.integers(1, 30),
-       stop_ids=st.lists(st.sampled_from(IDS), max_size=2), ignore_eos=st.booleans(),
-       prompt_len=st.integers(1, 64))
+@given(
+    tokens=st.lists(st.sampled_from(IDS), max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=6),
+    max_tokens=st.integers(1, 30),
+    stop_ids=st.lists(st.sampled_from(IDS), max_size=2),
+    ignore_eos=st.booleans(),
+    prompt_len=st.integers(1, 64),
+)
 def test_windows_record_the_spec(tok, tokens, cuts, max_tokens, stop_ids, ignore_eos, prompt_len):
     params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
     request = _request(tok, params, prompt_len)
@@ -67,9 +72,11 @@ def test_windows_record_the_spec(tok, tokens, cuts, max_tokens, stop_ids, ignore
 
 
 @settings(max_examples=100, deadline=None)
-@given(tokens=st.lists(st.sampled_from(IDS[:5]), max_size=30),
-       cuts=st.lists(st.integers(0, 30), max_size=5),
-       stop=st.sampled_from([[","], ["!"], ["Hello,"], [" the the", "."], ["xyz"]]))
+@given(
+    tokens=st.lists(st.sampled_from(IDS[:5]), max_size=30),
+    cuts=st.lists(st.integers(0, 30), max_size=5),
+    stop=st.sampled_from([[","], ["!"], ["Hello,"], [" the the", "."], ["xyz"]]),
+)
 def test_stop_strings_end_at_the_token_that_completes_one(tok, tokens, cuts, stop):
     # ASCII tokens only, so the text after each token is decode() of the tokens so far.
     ids, text, reason = tokens, tok.decode(tokens), "length" if len(tokens) == 30 else None

@@ -124,10 +124,13 @@ def test_row_independent_of_batch(seed):
     seeds, steps = rng.integers(0, 2**32, n), rng.integers(0, 10**6, n)
     zeros = np.zeros(B - n)  # greedy neighbours
     alone = run(
-        np.concatenate([logits, np.zeros((B - n, V))]), np.concatenate([t, zeros]),
-        np.concatenate([k, zeros]), np.concatenate([p, zeros + 1]),
-        np.concatenate([seeds, zeros]), np.concatenate([steps, zeros]),
-    )[:n]  # fmt: skip
+        np.concatenate([logits, np.zeros((B - n, V))]),
+        np.concatenate([t, zeros]),
+        np.concatenate([k, zeros]),
+        np.concatenate([p, zeros + 1]),
+        np.concatenate([seeds, zeros]),
+        np.concatenate([steps, zeros]),
+    )[:n]
     for size, filters in ((B, True), (B, False), (64, True)):
         others = size - n
         ol = rng.standard_normal((others, V)).astype(np.float32)
@@ -137,11 +140,13 @@ def test_row_independent_of_batch(seed):
         perm = rng.permutation(size)  # probe i sits at row perm[i]
         inv = np.argsort(perm)
         out = run(
-            np.concatenate([logits, ol])[inv], np.concatenate([t, ot])[inv],
-            np.concatenate([k, ok])[inv], np.concatenate([p, op])[inv],
+            np.concatenate([logits, ol])[inv],
+            np.concatenate([t, ot])[inv],
+            np.concatenate([k, ok])[inv],
+            np.concatenate([p, op])[inv],
             np.concatenate([seeds, rng.integers(0, 2**32, others)])[inv],
             np.concatenate([steps, rng.integers(0, 99, others)])[inv],
-        )  # fmt: skip
+        )
         np.testing.assert_array_equal(out[perm[:n]], alone)
 
 
@@ -159,11 +164,17 @@ def test_seeds_and_steps_vary_draws():
 @pytest.mark.parametrize(
     "t, k, p, v",
     [
-        (1.0, 0, 1.0, 8), (0.7, 0, 1.0, 8), (1.0, 3, 1.0, 8), (1.3, 0, 0.6, 8), (1.0, 4, 0.8, 8),
+        (1.0, 0, 1.0, 8),
+        (0.7, 0, 1.0, 8),
+        (1.0, 3, 1.0, 8),
+        (1.3, 0, 0.6, 8),
+        (1.0, 4, 0.8, 8),
         # Wide kept sets (many tokens survive the filters).
-        (1.0, 12, 1.0, 16), (2.0, 0, 0.95, 16), (1.0, 14, 0.97, 16),
+        (1.0, 12, 1.0, 16),
+        (2.0, 0, 0.95, 16),
+        (1.0, 14, 0.97, 16),
     ],
-)  # fmt: skip
+)
 def test_frequencies_match_softmax(t, k, p, v):
     steps = 16  # B * steps = 4096 draws over the first v tokens; the rest are -inf
     rng = np.random.default_rng()
@@ -188,9 +199,14 @@ def test_new_values_do_not_recompile():
     logits = jnp.asarray(rng.standard_normal((B, V)), jnp.float32)
 
     def draw(temperature, top_k, top_p, seed, step):
-        rows = [jnp.full(B, x, d) for x, d in zip(
-            (temperature, top_k, top_p, seed, step),
-            (jnp.float32, jnp.int32, jnp.float32, jnp.uint32, jnp.int32), strict=True)]
+        rows = [
+            jnp.full(B, x, d)
+            for x, d in zip(
+                (temperature, top_k, top_p, seed, step),
+                (jnp.float32, jnp.int32, jnp.float32, jnp.uint32, jnp.int32),
+                strict=True,
+            )
+        ]
         out = sample(logits, *rows)
         assert out.shape == (B,) and out.dtype == jnp.int32
         return out
@@ -205,13 +221,27 @@ def test_new_values_do_not_recompile():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"max_tokens": 0}, {"max_tokens": -3}, {"max_tokens": 2.0}, {"max_tokens": True},
-        {"temperature": -0.1}, {"temperature": float("nan")}, {"temperature": "1"},
-        {"top_k": -1}, {"top_k": 2.5}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": None},
-        {"seed": 1.5}, {"stop": 3}, {"stop": [""]}, {"stop": ["a", 1]},
-        {"stop_token_ids": [-1]}, {"stop_token_ids": 5}, {"ignore_eos": "yes"},
+        {"max_tokens": 0},
+        {"max_tokens": -3},
+        {"max_tokens": 2.0},
+        {"max_tokens": True},
+        {"temperature": -0.1},
+        {"temperature": float("nan")},
+        {"temperature": "1"},
+        {"top_k": -1},
+        {"top_k": 2.5},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_p": None},
+        {"seed": 1.5},
+        {"stop": 3},
+        {"stop": [""]},
+        {"stop": ["a", 1]},
+        {"stop_token_ids": [-1]},
+        {"stop_token_ids": 5},
+        {"ignore_eos": "yes"},
     ],
-)  # fmt: skip
+)
 def test_params_validation(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)

@@ -37,8 +37,10 @@ ENGINE = dict(seed=SEED, warmup=False, max_batch_size=8, block_size=16, kv_cache
 # With --max-batch-size 2 this gives the same number of KV blocks (tokens/16 + batch), hence the
 # same cache shape, so the subprocess finds the programs in the persistent compilation cache.
 CLI_ARGS = ["--block-size", "16", "--kv-cache-tokens", "1120", "--max-batch-size", "2"]
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")  # fmt: skip
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 WORDS = "the a of cat dog runs quickly over lazy river mountain blue green light time".split()
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=0.9, top_p=0.9, top_k=50, seed=1234)
@@ -97,14 +99,22 @@ def served():
     llm = LLM(MODEL, **ENGINE)
     tok = llm.engine.tokenizer
     tok.chat_template = TEMPLATE
-    prompts = dict(CASES, chat=([tok.apply_chat_template(CHAT, tokenize=False,
-                                                         add_generation_prompt=True)],
-                                CASES["chat"][1]))  # fmt: skip
-    expected = {name: llm.generate(p, SamplingParams(**kw), use_tqdm=False)
-                for name, (p, kw) in prompts.items()}  # fmt: skip
-    concurrent = llm.generate([p for p, _ in CONCURRENT],
-                              [SamplingParams(max_tokens=n, **GREEDY) for _, n in CONCURRENT],
-                              use_tqdm=False)  # fmt: skip
+    prompts = dict(
+        CASES,
+        chat=(
+            [tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)],
+            CASES["chat"][1],
+        ),
+    )
+    expected = {
+        name: llm.generate(p, SamplingParams(**kw), use_tqdm=False)
+        for name, (p, kw) in prompts.items()
+    }
+    concurrent = llm.generate(
+        [p for p, _ in CONCURRENT],
+        [SamplingParams(max_tokens=n, **GREEDY) for _, n in CONCURRENT],
+        use_tqdm=False,
+    )
     with ServerThread(create_app(llm.engine, served_model_name=NAME)) as server:
         yield server.url, expected, concurrent
 
@@ -170,8 +180,11 @@ def test_completions_equal_llm_generate(served, client, case):
     assert resp.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
     assert resp.usage.completion_tokens == sum(len(r.token_ids) for r in refs)
 
-    chunks = list(client.completions.create(model=NAME, prompt=prompt, stream=True,
-                                            stream_options={"include_usage": True}, **kw))
+    chunks = list(
+        client.completions.create(
+            model=NAME, prompt=prompt, stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
     texts, finish, usage = stream_texts(chunks)
     for i, ref in enumerate(refs):
         check_choice(texts[i], finish[i], ref, f"{case} streamed choice {i}")
@@ -184,8 +197,9 @@ def test_stop_string_cuts_the_text(served, client):
     if len(ref.text) < 4:
         pytest.skip(f"greedy text too short to cut: {ref.text!r} (seed {SEED})")
     stop = ref.text[1:4]
-    resp = client.completions.create(model=NAME, prompt=CASES["text"][0][0], stop=[stop],
-                                     **CASES["text"][1])  # fmt: skip
+    resp = client.completions.create(
+        model=NAME, prompt=CASES["text"][0][0], stop=[stop], **CASES["text"][1]
+    )
     choice = resp.choices[0]
     assert (choice.text, choice.finish_reason) == (ref.text[: ref.text.find(stop)], "stop")
 
@@ -197,8 +211,9 @@ def test_chat_completions_with_a_template(served, client):
     assert msg.role == "assistant"
     check_choice(msg.content, resp.choices[0].finish_reason, ref, "chat")
     assert resp.usage.completion_tokens == len(ref.token_ids)
-    chunks = list(client.chat.completions.create(model=NAME, messages=CHAT, stream=True,
-                                                 **CASES["chat"][1]))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(model=NAME, messages=CHAT, stream=True, **CASES["chat"][1])
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     check_choice(text, chunks[-1].choices[0].finish_reason, ref, "chat streamed")
@@ -210,9 +225,14 @@ def test_64_concurrent_streams_with_bad_and_vanishing_clients(served):
     url, _, expected = served
 
     async def one(c: openai.AsyncOpenAI, prompt, max_tokens: int, ref) -> None:
-        stream = await c.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens,
-                                            stream=True, stream_options={"include_usage": True},
-                                            temperature=0)  # fmt: skip
+        stream = await c.completions.create(
+            model=NAME,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=0,
+        )
         texts, finish, usage = stream_texts([chunk async for chunk in stream])
         check_choice(texts.get(0, ""), finish[0], ref, f"concurrent {prompt!r}")
         assert usage.completion_tokens == len(ref.token_ids)
@@ -244,7 +264,7 @@ def test_64_concurrent_streams_with_bad_and_vanishing_clients(served):
 
 def test_client_cut_off_mid_stream_is_aborted_and_frees_blocks(served):
     url = served[0]
-    before = metrics(url).get('rosejax_requests_finished_total{reason=abort}', 0)
+    before = metrics(url).get("rosejax_requests_finished_total{reason=abort}", 0)
     body = {"prompt": [7, 8, 9], "max_tokens": 120, "ignore_eos": True, "temperature": 0}
     with httpx.Client(base_url=url, timeout=30) as h:
         for _ in range(3):
@@ -258,22 +278,32 @@ def test_client_cut_off_mid_stream_is_aborted_and_frees_blocks(served):
     m = wait_idle(url)
     assert m["rosejax_kv_blocks_used"] == 0, m
     assert m["rosejax_requests_running"] == m["rosejax_requests_waiting"] == 0
-    assert m['rosejax_requests_finished_total{reason=abort}'] >= before + 1
+    assert m["rosejax_requests_finished_total{reason=abort}"] >= before + 1
 
 
 BAD = [  # (body, param the error must name, or None)
-    (b"{not json", None), (b"[1, 2]", None), (b"", None), ({}, "prompt"),
-    ({"prompt": 5}, "prompt"), ({"prompt": ["a", 5]}, "prompt"), ({"prompt": ""}, "prompt"),
-    ({"prompt": []}, "prompt"), ({"prompt": [-1]}, "prompt"), ({"prompt": [50257]}, "prompt"),
-    ({"prompt": [1] * 129}, "prompt"), ({"prompt": "the " * 200}, "prompt"),
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    (b"", None),
+    ({}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": ["a", 5]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [50257]}, "prompt"),
+    ({"prompt": [1] * 129}, "prompt"),
+    ({"prompt": "the " * 200}, "prompt"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": -5}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "temperature": "hot"}, "temperature"),
-    ({"prompt": "hi", "top_p": 0}, "top_p"), ({"prompt": "hi", "top_k": -1}, "top_k"),
-    ({"prompt": "hi", "seed": "x"}, "seed"), ({"prompt": "hi", "stop": [1]}, "stop"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "top_k": -1}, "top_k"),
+    ({"prompt": "hi", "seed": "x"}, "seed"),
+    ({"prompt": "hi", "stop": [1]}, "stop"),
     ({"prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
@@ -295,26 +325,45 @@ def test_bad_requests_get_400_and_the_server_keeps_answering(served, client, bod
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize("field, value", [
-    ("n", 2), ("logprobs", 1), ("best_of", 2), ("echo", True), ("suffix", "x"),
-    ("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("logit_bias", {"50256": -100}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 2),
+        ("logprobs", 1),
+        ("best_of", 2),
+        ("echo", True),
+        ("suffix", "x"),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1.0),
+        ("logit_bias", {"50256": -100}),
+    ],
+)
 def test_unsupported_fields_are_refused_by_name(client, field, value):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt="hi", max_tokens=2, **{field: value})
     assert f"'{field}'" in e.value.message and e.value.body["param"] == field
     # the neutral value is not a request for the feature: accepted
-    neutral = {"n": 1, "logprobs": None, "best_of": 1, "echo": False, "suffix": None,
-               "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}[field]
-    client.completions.create(model=NAME, prompt="hi", max_tokens=2, temperature=0,
-                              **{field: neutral})  # fmt: skip
+    neutral = {
+        "n": 1,
+        "logprobs": None,
+        "best_of": 1,
+        "echo": False,
+        "suffix": None,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+    }[field]
+    client.completions.create(
+        model=NAME, prompt="hi", max_tokens=2, temperature=0, **{field: neutral}
+    )
 
 
 def test_extreme_but_valid_values_are_served(client):
     """Values the engine must clamp or wrap, not fail on (a failed step would fail everyone)."""
     for kw in (dict(top_k=10**12), dict(seed=-5), dict(seed=2**70), dict(max_tokens=10**9)):
-        resp = client.completions.create(model=NAME, prompt="the cat", temperature=1.0,
-                                         **oai({"max_tokens": 3, **kw}))  # fmt: skip
+        resp = client.completions.create(
+            model=NAME, prompt="the cat", temperature=1.0, **oai({"max_tokens": 3, **kw})
+        )
         assert resp.choices[0].finish_reason in ("stop", "length"), kw
 
 
@@ -324,10 +373,15 @@ def test_models_health_and_metrics(served, client):
     assert httpx.get(url + "/health").status_code == 200
     client.completions.create(model=NAME, prompt="the dog", max_tokens=3, temperature=0)
     m = wait_idle(url)
-    for name in ("rosejax_requests_running", "rosejax_requests_waiting", "rosejax_kv_blocks_used",
-                 "rosejax_prefix_cache_hit_blocks_total", "rosejax_generation_tokens_total",
-                 "rosejax_time_to_first_token_seconds_count",
-                 "rosejax_inter_token_latency_seconds_count"):  # fmt: skip
+    for name in (
+        "rosejax_requests_running",
+        "rosejax_requests_waiting",
+        "rosejax_kv_blocks_used",
+        "rosejax_prefix_cache_hit_blocks_total",
+        "rosejax_generation_tokens_total",
+        "rosejax_time_to_first_token_seconds_count",
+        "rosejax_inter_token_latency_seconds_count",
+    ):
         assert name in m, sorted(m)
     assert m["rosejax_generation_tokens_total"] >= 3
     assert m["rosejax_time_to_first_token_seconds_count"] >= 1
@@ -342,11 +396,28 @@ def start_cli(tmp_path, *args: str) -> tuple[subprocess.Popen, str, object]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "server.log", "w+")  # closed by stop_cli
-    cmd = [sys.executable, "-m", "rosejax.serve", "--model", MODEL, "--served-model-name", NAME,
-           "--seed", str(SEED), "--no-warmup", "--port", str(port), "--log-level", "warning",
-           "--no-access-log", *CLI_ARGS, *args]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "rosejax.serve",
+        "--model",
+        MODEL,
+        "--served-model-name",
+        NAME,
+        "--seed",
+        str(SEED),
+        "--no-warmup",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--no-access-log",
+        *CLI_ARGS,
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"}
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -379,11 +450,19 @@ def stop_cli(proc: subprocess.Popen, log, sig: int, send: bool = True) -> None:
 def test_cli_overload_429_no_chat_template_and_sigterm(tmp_path):
     proc, url, log = start_cli(tmp_path, "--max-waiting", "0")
     try:
-        body = {"model": NAME, "prompt": "the river", "max_tokens": 100, "ignore_eos": True,
-                "temperature": 0}  # fmt: skip
+        body = {
+            "model": NAME,
+            "prompt": "the river",
+            "max_tokens": 100,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
         with ThreadPoolExecutor(12) as pool:  # 12 at once; 2 fit the batch, 0 may wait
-            rs = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body,
-                                                    timeout=60), range(12)))  # fmt: skip
+            rs = list(
+                pool.map(
+                    lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(12)
+                )
+            )
         codes = sorted(r.status_code for r in rs)
         assert 200 in codes and 429 in codes and set(codes) == {200, 429}, codes
         err = next(r for r in rs if r.status_code == 429).json()["error"]
@@ -395,7 +474,7 @@ def test_cli_overload_429_no_chat_template_and_sigterm(tmp_path):
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == NAME
         m = wait_idle(url)
         assert m["rosejax_kv_blocks_used"] == 0
-        assert m['rosejax_requests_rejected_total{reason=overloaded}'] == codes.count(429)
+        assert m["rosejax_requests_rejected_total{reason=overloaded}"] == codes.count(429)
     except BaseException:
         proc.kill()
         raise

@@ -63,7 +63,9 @@ def test_hub_naming_loads_identical_params(saved, tmp_path):
     )
     # wte: the checkpoint's rows, then zero rows up to the padded vocabulary.
     wte, v = np.asarray(a["wte"]["embedding"]), SHAPE["vocab_size"]
-    assert wte.shape == (GPT2Config(**SHAPE).padded_vocab_size, SHAPE["n_embd"]) and wte.shape[0] > v
+    assert (
+        wte.shape == (GPT2Config(**SHAPE).padded_vocab_size, SHAPE["n_embd"]) and wte.shape[0] > v
+    )
     np.testing.assert_array_equal(wte[:v], raw["transformer.wte.weight"])
     assert not wte[v:].any()
 

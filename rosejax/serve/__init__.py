@@ -12,5 +12,11 @@ except ModuleNotFoundError as e:  # say how to get them rather than only which o
         f"{e}: the server needs the serve extra, pip install -e '.[serve]'", name=e.name
     ) from e
 
-__all__ = ["AsyncEngine", "EngineError", "Overloaded", "RequestStream", "ServerMetrics",
-           "create_app"]
+__all__ = [
+    "AsyncEngine",
+    "EngineError",
+    "Overloaded",
+    "RequestStream",
+    "ServerMetrics",
+    "create_app",
+]

@@ -25,7 +25,7 @@ from rosejax.serve.protocol import (
     CompletionRequest,
     parse,
     parse_json,
-)  # fmt: skip
+)
 from rosejax.serve.responses import Formatter, sse
 
 
@@ -58,8 +58,12 @@ async def _collect(request: Request, stream: RequestStream) -> list[RequestOutpu
         stream.abort()
 
 
-def create_app(engine: Any, served_model_name: str = "rosejax", max_waiting: int | None = 512,
-               metrics: ServerMetrics | None = None) -> FastAPI:  # fmt: skip
+def create_app(
+    engine: Any,
+    served_model_name: str = "rosejax",
+    max_waiting: int | None = 512,
+    metrics: ServerMetrics | None = None,
+) -> FastAPI:
     """The app for a built `LLMEngine`; its lifespan starts and stops the engine thread."""
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
     metrics = async_engine.metrics
@@ -87,8 +91,9 @@ def create_app(engine: Any, served_model_name: str = "rosejax", max_waiting: int
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(str(e.detail), e.status_code, type=kind).body(),
-                            status_code=e.status_code)  # fmt: skip
+        return JSONResponse(
+            APIError(str(e.detail), e.status_code, type=kind).body(), status_code=e.status_code
+        )
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(_: Request, e: ClientDisconnect) -> Response:
@@ -96,15 +101,21 @@ def create_app(engine: Any, served_model_name: str = "rosejax", max_waiting: int
 
     @app.exception_handler(Exception)
     async def server_error(_: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(APIError(f"internal error: {e}", 500, type="server_error").body(),
-                            status_code=500)  # fmt: skip
+        return JSONResponse(
+            APIError(f"internal error: {e}", 500, type="server_error").body(), status_code=500
+        )
 
-    async def run(request: Request, req: CompletionRequest | ChatRequest, prompts: list,
-                  fmt: Formatter) -> Response:  # fmt: skip
+    async def run(
+        request: Request, req: CompletionRequest | ChatRequest, prompts: list, fmt: Formatter
+    ) -> Response:
         if req.model is not None and req.model != served_model_name:
-            raise APIError(f"the model '{req.model}' does not exist; this server serves "
-                           f"'{served_model_name}'", 404, "model", "invalid_request_error",
-                           "model_not_found")  # fmt: skip
+            raise APIError(
+                f"the model '{req.model}' does not exist; this server serves '{served_model_name}'",
+                404,
+                "model",
+                "invalid_request_error",
+                "model_not_found",
+            )
         params = req.sampling_params()
         try:
             stream = await async_engine.submit(prompts, params, fmt.id)
@@ -116,9 +127,11 @@ def create_app(engine: Any, served_model_name: str = "rosejax", max_waiting: int
             raise APIError(str(e), param="prompt" if "prompt" in str(e) else None) from e
         if req.stream:
             return StreamingResponse(
-                sse(stream, fmt, req.include_usage), media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"}, background=BackgroundTask(stream.abort),
-            )  # fmt: skip
+                sse(stream, fmt, req.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+                background=BackgroundTask(stream.abort),
+            )
         try:
             finals = await _collect(request, stream)
         except EngineError as e:
@@ -140,24 +153,33 @@ def create_app(engine: Any, served_model_name: str = "rosejax", max_waiting: int
         req = parse(body, ChatRequest, CHAT_UNSUPPORTED)
         tokenizer = engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise APIError(f"the model '{served_model_name}' has no chat template (GPT-2 has "
-                           "none), so /v1/chat/completions is unavailable: use /v1/completions, "
-                           "or start the server with --chat-template FILE", param="messages",
-                           code="no_chat_template")  # fmt: skip
+            raise APIError(
+                f"the model '{served_model_name}' has no chat template (GPT-2 has "
+                "none), so /v1/chat/completions is unavailable: use /v1/completions, "
+                "or start the server with --chat-template FILE",
+                param="messages",
+                code="no_chat_template",
+            )
         try:
             prompt = tokenizer.apply_chat_template(
                 [m.as_dict() for m in req.messages], tokenize=False, add_generation_prompt=True
             )
         except Exception as e:  # jinja errors, e.g. a template that refuses a role order
-            raise APIError(f"the chat template failed on these messages: {e}",
-                           param="messages") from e
+            raise APIError(
+                f"the chat template failed on these messages: {e}", param="messages"
+            ) from e
         fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", served_model_name, chat=True)
         return await run(request, req, [prompt], fmt)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": served_model_name, "object": "model", "created": created,
-                "owned_by": "rosejax", "max_model_len": engine.config.n_positions}  # fmt: skip
+        card = {
+            "id": served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "rosejax",
+            "max_model_len": engine.config.n_positions,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

@@ -85,8 +85,13 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, max_waiting: int | None = None,
-                 metrics: ServerMetrics | None = None, poll_s: float = 0.05):  # fmt: skip
+    def __init__(
+        self,
+        engine: Any,
+        max_waiting: int | None = None,
+        metrics: ServerMetrics | None = None,
+        poll_s: float = 0.05,
+    ):
         self.engine = engine
         # In flight past a full batch counts as waiting; more than max_waiting of those -> 429.
         self.max_waiting = max_waiting
@@ -116,8 +121,9 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
-    async def submit(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams,
-                     request_id: str) -> RequestStream:  # fmt: skip
+    async def submit(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, request_id: str
+    ) -> RequestStream:
         """Queue one request per prompt (all or none). ValueError: bad input; Overloaded."""
         if not self.alive:
             raise EngineError("the engine is not running")
@@ -180,10 +186,13 @@ class AsyncEngine:
         scheduler = self.engine.scheduler
         in_flight = len(scheduler.running) + len(scheduler.waiting)
         if self.max_in_flight is not None and in_flight + len(prompts) > self.max_in_flight:
-            return answer(Overloaded(
-                f"the server is overloaded: {in_flight} requests in flight, at most "
-                f"{self.max_in_flight} (batch {self.engine.max_batch_size} + max waiting "
-                f"{self.max_waiting}); retry later"))  # fmt: skip
+            return answer(
+                Overloaded(
+                    f"the server is overloaded: {in_flight} requests in flight, at most "
+                    f"{self.max_in_flight} (batch {self.engine.max_batch_size} + max waiting "
+                    f"{self.max_waiting}); retry later"
+                )
+            )
         added: list[str] = []
         try:
             for rid, prompt in zip(sink.rids, prompts, strict=True):
@@ -244,7 +253,10 @@ class AsyncEngine:
         """A fresh dict each time, so a scrape from another thread reads one consistent view."""
         alloc, sched = self.engine.allocator, self.engine.scheduler
         self.snapshot = {
-            "running": len(sched.running), "waiting": len(sched.waiting),
-            "kv_blocks_used": alloc.num_used_blocks, "kv_blocks_total": alloc.num_blocks - 1,
-            "prefix_hits": alloc.prefix_hits, "prefix_hit_tokens": alloc.prefix_hit_tokens,
-        }  # fmt: skip
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "kv_blocks_used": alloc.num_used_blocks,
+            "kv_blocks_total": alloc.num_blocks - 1,
+            "prefix_hits": alloc.prefix_hits,
+            "prefix_hit_tokens": alloc.prefix_hit_tokens,
+        }

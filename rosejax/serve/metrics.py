@@ -15,8 +15,28 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
-                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 # snapshot key -> (metric name, help, kind)
 _SNAPSHOT = {
@@ -24,11 +44,17 @@ _SNAPSHOT = {
     "waiting": ("rosejax_requests_waiting", "Requests queued for a batch slot.", "gauge"),
     "kv_blocks_used": ("rosejax_kv_blocks_used", "KV cache blocks held by requests.", "gauge"),
     "kv_blocks_total": ("rosejax_kv_blocks_total", "Allocatable KV cache blocks.", "gauge"),
-    "prefix_hits": ("rosejax_prefix_cache_hit_blocks", "KV blocks served from the prefix cache.",
-                    "counter"),
-    "prefix_hit_tokens": ("rosejax_prefix_cache_hit_tokens",
-                          "Prompt tokens whose KV came from the prefix cache.", "counter"),
-}  # fmt: skip
+    "prefix_hits": (
+        "rosejax_prefix_cache_hit_blocks",
+        "KV blocks served from the prefix cache.",
+        "counter",
+    ),
+    "prefix_hit_tokens": (
+        "rosejax_prefix_cache_hit_tokens",
+        "Prompt tokens whose KV came from the prefix cache.",
+        "counter",
+    ),
+}
 
 
 class _SnapshotCollector(Collector):
@@ -48,26 +74,43 @@ class ServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("rosejax_time_to_first_token_seconds",
-                              "From a request's arrival to its first generated token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.itl = Histogram("rosejax_inter_token_latency_seconds",
-                             "Between consecutive generated tokens of a request.",
-                             buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.e2e = Histogram("rosejax_request_latency_seconds",
-                             "From a request's arrival to its end.",
-                             buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.generation_tokens = Counter("rosejax_generation_tokens", "Tokens generated.",
-                                         registry=r)  # fmt: skip
-        self.prompt_tokens = Counter("rosejax_prompt_tokens", "Prompt tokens of admitted requests.",
-                                     registry=r)  # fmt: skip
-        self.finished = Counter("rosejax_requests_finished",
-                                "Requests (one per prompt) ended, by reason: stop, length, "
-                                "abort (client gone) or error.",
-                                ["reason"], registry=r)  # fmt: skip
-        self.rejected = Counter("rosejax_requests_rejected",
-                                "HTTP requests refused, by reason: invalid (400) or "
-                                "overloaded (429).", ["reason"], registry=r)  # fmt: skip
+        self.ttft = Histogram(
+            "rosejax_time_to_first_token_seconds",
+            "From a request's arrival to its first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "rosejax_inter_token_latency_seconds",
+            "Between consecutive generated tokens of a request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "rosejax_request_latency_seconds",
+            "From a request's arrival to its end.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "rosejax_generation_tokens", "Tokens generated.", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "rosejax_prompt_tokens", "Prompt tokens of admitted requests.", registry=r
+        )
+        self.finished = Counter(
+            "rosejax_requests_finished",
+            "Requests (one per prompt) ended, by reason: stop, length, "
+            "abort (client gone) or error.",
+            ["reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "rosejax_requests_rejected",
+            "HTTP requests refused, by reason: invalid (400) or overloaded (429).",
+            ["reason"],
+            registry=r,
+        )
 
     def watch(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         """Export the engine gauges from `snapshot()` at every scrape."""

@@ -18,15 +18,32 @@ from rosejax.sampling import SamplingParams
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.param, self.type, self.code = (
-            message, status, param, type, code)  # fmt: skip
+            message,
+            status,
+            param,
+            type,
+            code,
+        )
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}  # fmt: skip
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 # field -> (neutral values that are accepted, why it is refused otherwise)
@@ -94,10 +111,13 @@ class _Sampling(_Body):
                 max_tokens=16 if max_tokens is None else max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 # Any top_k >= vocab keeps every token; clamp so it fits the engine's int32.
-                top_k=min(self.top_k or 0, 2**31 - 1), top_p=1.0 if self.top_p is None else self.top_p,
-                seed=self.seed, stop=self.stop or None, stop_token_ids=self.stop_token_ids,
+                top_k=min(self.top_k or 0, 2**31 - 1),
+                top_p=1.0 if self.top_p is None else self.top_p,
+                seed=self.seed,
+                stop=self.stop or None,
+                stop_token_ids=self.stop_token_ids,
                 ignore_eos=bool(self.ignore_eos),
-            )  # fmt: skip
+            )
         except ValueError as e:
             first = str(e).split(" ", 1)[0]
             raise APIError(str(e), param=first if first in type(self).model_fields else None) from e
@@ -124,8 +144,11 @@ class CompletionRequest(_Sampling):
             return list(p)
         if p == [] or (isinstance(p, list) and [] in p):
             raise APIError("prompt is empty", param="prompt")
-        raise APIError("prompt must be a string, a list of token ids (ints), or a list of "
-                       "strings or token id lists (one choice each)", param="prompt")
+        raise APIError(
+            "prompt must be a string, a list of token ids (ints), or a list of "
+            "strings or token id lists (one choice each)",
+            param="prompt",
+        )
 
 
 class TextPart(_Body):
@@ -173,19 +196,28 @@ def parse(body: dict[str, Any], model: type[_Sampling], unsupported: dict) -> _S
         if name in body:
             value = body.pop(name)
             if not _neutral(value, neutral):
-                raise APIError(f"'{name}' is not supported by rosejax: {why}", param=name,
-                               code="unsupported_parameter")  # fmt: skip
+                raise APIError(
+                    f"'{name}' is not supported by rosejax: {why}",
+                    param=name,
+                    code="unsupported_parameter",
+                )
     try:
         req = model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         # Drop union-member tags ("str", "list[str]", "TextPart") from the location.
-        loc = [x for x in err["loc"] if isinstance(x, int) or (x.islower() and "[" not in x
-                                                                and x not in _TYPE_TAGS)]
+        loc = [
+            x
+            for x in err["loc"]
+            if isinstance(x, int) or (x.islower() and "[" not in x and x not in _TYPE_TAGS)
+        ]
         param = ".".join(str(x) for x in loc) or None
         if err["type"] == "extra_forbidden":
-            raise APIError(f"unknown field '{param}': rosejax does not support it", param=param,
-                           code="unsupported_parameter") from None  # fmt: skip
+            raise APIError(
+                f"unknown field '{param}': rosejax does not support it",
+                param=param,
+                code="unsupported_parameter",
+            ) from None
         raise APIError(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed with stream=true", param="stream_options")

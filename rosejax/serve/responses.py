@@ -16,8 +16,11 @@ def usage(finals: Iterable[RequestOutput]) -> dict[str, int]:
     finals = list(finals)
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(o.token_ids) for o in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 class Formatter:
@@ -31,8 +34,13 @@ class Formatter:
         obj = "chat.completion" if self.chat else "text_completion"
         if chunk and self.chat:
             obj += ".chunk"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         """The non-streamed body: one choice per prompt, in prompt order."""
@@ -47,11 +55,15 @@ class Formatter:
             choices.append(choice)
         return {**self._envelope(choices, False), "usage": usage(finals)}
 
-    def chunk(self, index: int, text: str, finish_reason: str | None,
-              role: bool = False) -> dict[str, Any]:  # fmt: skip
+    def chunk(
+        self, index: int, text: str, finish_reason: str | None, role: bool = False
+    ) -> dict[str, Any]:
         if self.chat:
-            delta = {"role": "assistant", "content": text} if role else (
-                {"content": text} if text else {})  # fmt: skip
+            delta = (
+                {"role": "assistant", "content": text}
+                if role
+                else ({"content": text} if text else {})
+            )
             choice = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text}
