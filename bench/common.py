@@ -104,7 +104,7 @@ def add_run_args(p: argparse.ArgumentParser, warmup_runs: int = 1, repeat_runs: 
 
 def make_engine(args: argparse.Namespace, max_batch_size: int | None = None):
     """Build the engine; returns (engine, seconds to build it: load, cache, warm-up compile)."""
-    from rosejax.engine import LLMEngine
+    from rosejax.engine.llm_engine import LLMEngine
 
     start = time.perf_counter()
     kwargs = engine_kwargs(args) | {"seed": args.seed}

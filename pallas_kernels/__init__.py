@@ -1,7 +1,6 @@
 """Pallas kernels for rosejax (Triton-lowered on GPU, interpreted on CPU)."""
 
 from pallas_kernels.kv_append import (
-    cache_slots,
     kv_append,
     kv_append_full_batch,
     kv_append_generic,
@@ -11,7 +10,6 @@ from pallas_kernels.kv_append import (
 )
 
 __all__ = [
-    "cache_slots",
     "kv_append",
     "kv_append_full_batch",
     "kv_append_generic",

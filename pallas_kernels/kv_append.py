@@ -410,21 +410,6 @@ def kv_append_full_batch(
     )
 
 
-def cache_slots(
-    block_tables: jax.Array,  # [B, MB] int32
-    positions: jax.Array,  # [B, T] int32, absolute position of each token
-    seq_lens: jax.Array,  # [B] int32, the row's length once these tokens are in
-    block_size: int,
-) -> tuple[jax.Array, jax.Array]:  # block, offset: int32 [B, T]
-    """The slot each token's K/V goes to. Token (b, t) is real iff positions[b, t] < seq_lens[b];
-    padding tokens and padded rows (seq_lens 0) go to scratch block 0, offset 0."""
-    real = positions < seq_lens[:, None]  # [B, T]
-    logical = jnp.clip(positions // block_size, 0, block_tables.shape[1] - 1)  # padding may overrun
-    physical = jnp.take_along_axis(block_tables, logical, axis=1)  # [B, T]
-    block = jnp.where(real, physical, 0).astype(jnp.int32)
-    return block, jnp.where(real, positions % block_size, 0).astype(jnp.int32)
-
-
 @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=["new_head_offsets"])
 def kv_append_reference(
     k_cache: jax.Array,

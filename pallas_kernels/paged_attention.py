@@ -27,7 +27,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
-from pallas_kernels.kv_append import cache_slots
 
 _NEG_INF = -1e30
 
@@ -285,50 +284,6 @@ def paged_decode_attention_append(
     )
 
 
-def paged_attention_xla(
-    q: jax.Array,  # [B, T, H, D]
-    k_cache: jax.Array,  # [H, NB, BS, D]
-    v_cache: jax.Array,  # [H, NB, BS, D]
-    block_tables: jax.Array,  # [B, MB] int32
-    positions: jax.Array,  # [B, T] int32, absolute position of each query
-) -> jax.Array:  # [B, T, H, D]
-    """Plain XLA, any number of queries per row: query (b, t) sees the row's cached keys at
-    logical positions 0..positions[b, t]. Gathers each row's pages (all MB of them); softmax in
-    float32. rosejax's prefill runs this when a row continues a cached prefix; with one query it
-    is the decode kernel's reference."""
-    b, t, h, d = q.shape
-    context = block_tables.shape[1] * k_cache.shape[2]
-    k = k_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
-    v = v_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
-    visible = jnp.arange(context)[None, None, :] <= positions[:, :, None]  # [B, T, L]
-    return _masked_attention(q, k, v, visible)
-
-
-def causal_attention_xla(
-    q: jax.Array,  # [B, T, H, D]
-    k: jax.Array,  # [B, T, H, D]
-    v: jax.Array,  # [B, T, H, D]
-    positions: jax.Array,  # [B, T] int32, increasing along T
-) -> jax.Array:  # [B, T, H, D]
-    """Causal attention among a chunk's own tokens: what `paged_attention_xla` computes when no
-    row has anything cached before its chunk, without gathering the rows' whole block tables."""
-    visible = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
-    return _masked_attention(q, k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3), visible)
-
-
-def _masked_attention(
-    q: jax.Array,  # [B, T, H, D]
-    k: jax.Array,  # [H, B, L, D]
-    v: jax.Array,  # [H, B, L, D]
-    visible: jax.Array,  # [B, T, L] bool
-) -> jax.Array:  # [B, T, H, D]
-    s = jnp.einsum("bthd,hbld->bhtl", q, k, preferred_element_type=jnp.float32)
-    s = jnp.where(visible[:, None], s / math.sqrt(q.shape[-1]), _NEG_INF)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)  # [B, H, T, L]
-    out = jnp.einsum("bhtl,hbld->bthd", p, v, preferred_element_type=jnp.float32)
-    return out.astype(q.dtype)
-
-
 def paged_decode_attention_reference(
     q: jax.Array,  # [B, H' >= H, D]: the first H heads are the queries
     k_cache: jax.Array,  # [H, NB, BS, D]
@@ -336,10 +291,17 @@ def paged_decode_attention_reference(
     block_tables: jax.Array,  # [B, MB] int32
     lengths: jax.Array,  # [B] int32
 ) -> jax.Array:  # [B, H, D]
-    """The XLA reference of `paged_decode_attention`: a padded row (length 0) gives zeros."""
-    q = q[:, : k_cache.shape[0]]  # [B, H, D]
-    out = paged_attention_xla(q[:, None], k_cache, v_cache, block_tables, (lengths - 1)[:, None])
-    return jnp.where(lengths[:, None, None] > 0, out[:, 0], 0).astype(q.dtype)
+    """The XLA reference of `paged_decode_attention`: gathers each row's pages, softmax in
+    float32; a padded row (length 0) gives zeros."""
+    h, _, bs, d = k_cache.shape
+    b, mb = block_tables.shape
+    k = k_cache[:, block_tables].reshape(h, b, mb * bs, d)  # [H, B, L, D]
+    v = v_cache[:, block_tables].reshape(h, b, mb * bs, d)  # [H, B, L, D]
+    s = jnp.einsum("bhd,hbld->bhl", q[:, :h], k, preferred_element_type=jnp.float32)
+    visible = jnp.arange(mb * bs)[None, None, :] < lengths[:, None, None]  # [B, 1, L]
+    p = jax.nn.softmax(jnp.where(visible, s / math.sqrt(d), _NEG_INF), axis=-1)
+    out = jnp.einsum("bhl,hbld->bhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return jnp.where(lengths[:, None, None] > 0, out, 0).astype(q.dtype)
 
 
 def paged_decode_attention_append_reference(
@@ -352,9 +314,11 @@ def paged_decode_attention_append_reference(
     """The XLA reference of `paged_decode_attention_append`: the append (a scatter), then the
     attention. Returns new caches; the arguments are left as they were."""
     h, _, bs, _ = k_cache.shape
-    # Position lengths - 1, which for a padded row (length 0) clips to 0: not real, scratch.
-    block, offset = cache_slots(block_tables, jnp.maximum(lengths - 1, 0)[:, None], lengths, bs)
-    block, offset = block[:, 0], offset[:, 0]  # [B]
+    # The slot of position lengths - 1; a padded row (length 0) writes to scratch block 0.
+    last = jnp.maximum(lengths - 1, 0)  # [B]
+    real = lengths > 0
+    block = jnp.where(real, jnp.take_along_axis(block_tables, (last // bs)[:, None], 1)[:, 0], 0)
+    offset = jnp.where(real, last % bs, 0)  # [B]
     # k_cache[:, block, offset] is [H, B, D]
     k_cache = k_cache.at[:, block, offset].set(jnp.swapaxes(qkv[:, h : 2 * h], 0, 1))
     v_cache = v_cache.at[:, block, offset].set(jnp.swapaxes(qkv[:, 2 * h :], 0, 1))

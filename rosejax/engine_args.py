@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rosejax.engine import DECODE_STEPS_HELP, parse_decode_steps
+from rosejax.engine.llm_engine import DECODE_STEPS_HELP, parse_decode_steps
 
 
 def add_engine_args(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from rosejax.engine import LLMEngine
-from rosejax.request import RequestOutput
+from rosejax.engine.llm_engine import LLMEngine
+from rosejax.engine.request import RequestOutput
 from rosejax.sampling import SamplingParams
 
 Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]

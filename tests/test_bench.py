@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from bench import metrics as m
-from rosejax.config import PRESETS
+from rosejax.models.gpt2.config import PRESETS
 
 # ------------------------------------------------------------------------------ arithmetic
 
@@ -468,7 +468,7 @@ def test_profile_decode_kernel_options(tmp_path, monkeypatch):
             str(path),
         ]
     )
-    from rosejax import layers
+    from rosejax.layers import linear as layers
 
     assert layers.linear.keywords == {"num_warps": 2}
     assert layers.linear_partial_sums.keywords == {"num_warps": 2}
@@ -484,7 +484,7 @@ def test_compare_variants(tmp_path, monkeypatch):
     the timed runs are interleaved and the first variant is the baseline."""
     from bench import compare_variants as cv
     from bench import profile_decode as pd
-    from rosejax import layers
+    from rosejax.layers import linear as layers
 
     for bad in ("nocolon", ":x=1", "a:linear.bogus=2", "a:NOEQUALS"):
         with pytest.raises(argparse.ArgumentTypeError):

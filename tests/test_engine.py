@@ -93,7 +93,7 @@ def test_multi_step_windows_equal_single_steps(checkpoint, temperature):
 def test_auto_window_length(checkpoint):
     """'auto': short windows while slots are free, long ones when full, cut to the first finish
     while requests wait for a slot."""
-    from rosejax.engine import AUTO_OPEN_STEPS
+    from rosejax.engine.llm_engine import AUTO_OPEN_STEPS
 
     engine = make_llm(checkpoint, max_batch_size=2).engine
     for i, n in enumerate((20, 9, 30)):
@@ -418,7 +418,7 @@ def test_layer_kernels_forced_match_hf(checkpoint, monkeypatch, pallas_layer_nor
     partial sums up instead."""
     from pallas_kernels.layer_norm import add_layer_norm, layer_norm
     from pallas_kernels.linear import linear, linear_partial_sums
-    from rosejax import layers
+    from rosejax.layers import linear as layers
 
     monkeypatch.setattr(
         layers,
@@ -462,7 +462,7 @@ def test_attention_kernels_forced_match_hf(checkpoint, monkeypatch, fused):
         paged_decode_attention,
         paged_decode_attention_append,
     )
-    from rosejax import attention
+    from rosejax.layers import attention
 
     monkeypatch.setenv("ROSEJAX_FUSED_KV_APPEND", "1" if fused else "0")
     monkeypatch.setattr(attention, "gpu_kernel_enabled", lambda switch: True)

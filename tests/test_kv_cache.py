@@ -16,17 +16,15 @@ from hypothesis.stateful import (
     rule,
 )
 
-from rosejax import kv_cache
-from rosejax.config import preset
-from rosejax.kv_cache import (
-    BlockAllocator,
+from rosejax.engine.block_manager import SCRATCH_BLOCK, BlockAllocator, NoFreeBlocksError
+from rosejax.layers.kv_cache import (
     KVCache,
-    NoFreeBlocksError,
     copy_blocks,
     init_kv_cache,
     kv_cache_bytes_per_block,
     num_blocks_for,
 )
+from rosejax.models import preset
 
 VOCAB = 2  # a tiny vocabulary makes equal prefixes, hence prefix-cache hits, common
 
@@ -71,7 +69,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.next_id += 1
 
     def _write(self, block, off, token) -> None:
-        assert block != kv_cache.SCRATCH_BLOCK
+        assert block != SCRATCH_BLOCK
         assert self.alloc._ref[block] == 1, "write into a shared block"
         self.content[block][off] = token
 
@@ -194,7 +192,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.alloc.check_invariants(tables)
         assert self.alloc.num_free_blocks + self.alloc.num_used_blocks == self.alloc.num_blocks - 1
         for table, tokens in self.seqs.values():
-            assert kv_cache.SCRATCH_BLOCK not in table.blocks and table.num_tokens == len(tokens)
+            assert SCRATCH_BLOCK not in table.blocks and table.num_tokens == len(tokens)
             bs = self.bs
             assert [
                 self.content[table.blocks[i // bs]][i % bs] for i in range(len(tokens))

@@ -15,7 +15,8 @@ from pallas_kernels.layer_norm import (
     layer_norm,
     layer_norm_reference,
 )
-from rosejax.layers import LayerNorm, PendingSum
+from rosejax.layers.layer_norm import LayerNorm
+from rosejax.layers.linear import PendingSum
 from tests.conftest import INTERPRET
 
 EPS = 1e-5

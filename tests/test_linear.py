@@ -16,7 +16,7 @@ from pallas_kernels.linear import (
     linear_reference,
     split_count,
 )
-from rosejax.layers import Linear
+from rosejax.layers.linear import Linear
 from tests.conftest import INTERPRET
 
 
@@ -178,7 +178,7 @@ def test_split_count(k_steps, max_k_steps, want):
 def test_deferred_linear_returns_pending_sum_only_for_the_kernel(
     monkeypatch, rows, residual, activation, pending
 ):
-    from rosejax import layers
+    from rosejax.layers import linear as layers
 
     monkeypatch.setattr(layers, "gpu_kernel_enabled", lambda switch: True)
     monkeypatch.setattr(layers, "linear", functools.partial(linear, interpret=True))
@@ -200,7 +200,7 @@ def test_deferred_linear_returns_pending_sum_only_for_the_kernel(
 
 def test_untileable_shapes_fall_back_to_xla(monkeypatch):
     """K = 40 has no power-of-two divisor >= 16: on a GPU the layer must take XLA, not raise."""
-    from rosejax import layers
+    from rosejax.layers import linear as layers
 
     monkeypatch.setattr(layers, "gpu_kernel_enabled", lambda switch: True)
     monkeypatch.setattr(layers, "linear", functools.partial(linear, interpret=True))

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from rosejax.kv_cache import init_kv_cache
-from rosejax.model import ForwardMetadata
-from rosejax.model import forward as _forward
-from rosejax.weights import load_checkpoint
+from rosejax.layers.kv_cache import init_kv_cache
+from rosejax.models.gpt2.model import ForwardMetadata
+from rosejax.models.gpt2.model import forward as _forward
+from rosejax.models.loader import load_checkpoint
 from tests.conftest import hf_greedy
 
 BLOCK_SIZE = 16

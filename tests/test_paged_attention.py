@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import (
-    causal_attention_xla,
     paged_decode_attention,
     paged_decode_attention_append,
     paged_decode_attention_append_reference,
     paged_decode_attention_reference,
 )
+from rosejax.layers.attention import causal_attention_xla, prefill_attention
 from tests.conftest import INTERPRET
 
 IMPLS = {
@@ -261,8 +261,6 @@ def make_prefill_case(rng, cached, new, h=4, d=16, bs=8, mb=5):
 
 @pytest.mark.parametrize("cached", [[0, 0, 0], [0, 13, 5]], ids=["fresh", "prefix"])
 def test_prefill_attention_matches_oracle(cached):
-    from rosejax.attention import prefill_attention
-
     rng = np.random.default_rng()
     new = [int(n) for n in rng.integers(1, 12, len(cached))]
     q, k, v, k_cache, v_cache, tables, positions = make_prefill_case(rng, cached, new)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rosejax.request import Request
+from rosejax.engine.request import Request
 from rosejax.sampling import SamplingParams
 from rosejax.tokenizer import IncrementalDetokenizer, load_tokenizer
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from rosejax.config import PRESETS, GPT2Config
-from rosejax.weights import load_checkpoint, load_model, param_shapes, random_params
+from rosejax.models.gpt2.config import PRESETS, GPT2Config
+from rosejax.models.gpt2.weights import param_shapes, random_params
+from rosejax.models.loader import load_checkpoint, load_model
 from tests.conftest import make_hf_checkpoint
 
 SHAPE = dict(vocab_size=301, n_positions=32, n_embd=48, n_layer=2, n_head=3)
@@ -123,7 +124,7 @@ def test_unknown_paths_and_dtypes(tmp_path):
         load_model(str(tmp_path))
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_model("random:tiny", dtype="int8")
-    with pytest.raises(ValueError, match="unknown GPT-2 preset"):
+    with pytest.raises(ValueError, match="unknown preset"):
         load_model("random:gpt3")
 
 

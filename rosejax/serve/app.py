@@ -14,7 +14,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from rosejax.request import RequestOutput
+from rosejax.engine.request import RequestOutput
 from rosejax.serve.engine_loop import AsyncEngine, EngineError, Overloaded, RequestStream
 from rosejax.serve.metrics import CONTENT_TYPE, ServerMetrics
 from rosejax.serve.protocol import (
@@ -178,7 +178,7 @@ def create_app(
             "object": "model",
             "created": created,
             "owned_by": "rosejax",
-            "max_model_len": engine.config.n_positions,
+            "max_model_len": engine.config.max_model_len,
         }
         return {"object": "list", "data": [card]}
 

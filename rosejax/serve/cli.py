@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     import uvicorn
 
-    from rosejax.engine import LLMEngine
+    from rosejax.engine.llm_engine import LLMEngine
     from rosejax.serve.app import create_app
 
     try:

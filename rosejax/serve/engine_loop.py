@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from rosejax.request import RequestOutput
+from rosejax.engine.request import RequestOutput
 from rosejax.sampling import SamplingParams
 from rosejax.serve.metrics import ServerMetrics
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from rosejax.request import RequestOutput
+from rosejax.engine.request import RequestOutput
 from rosejax.serve.engine_loop import EngineError, RequestStream
 from rosejax.serve.protocol import APIError
 

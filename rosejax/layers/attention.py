@@ -19,25 +19,44 @@ absolute position `p` sees the keys at logical positions `0..p` of its block tab
 
 from __future__ import annotations
 
+import math
+
+import flax.struct
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import kv_append
 from pallas_kernels._common import env_switch, gpu_kernel_enabled
 from pallas_kernels.paged_attention import (
-    causal_attention_xla,
-    paged_attention_xla,
     paged_decode_attention,
     paged_decode_attention_append,
     paged_decode_attention_reference,
 )
 
-__all__ = [
-    "append_kv",
-    "decode_append_fused",
-    "decode_attention",
-    "pallas_attention_enabled",
-    "prefill_attention",
-]
+
+@flax.struct.dataclass
+class ForwardMetadata:
+    """Where each token sits. Token (b, t) is real iff positions[b, t] < seq_lens[b]; padding
+    tokens and padded rows (seq_lens 0) write their K/V to the scratch block 0."""
+
+    positions: jax.Array  # [B, T] int32, absolute position of each token
+    seq_lens: jax.Array  # [B] int32, the row's context length once this forward's tokens are in
+    block_tables: jax.Array  # [B, MB] int32, physical block of each logical block of the row
+
+
+def cache_slots(
+    block_tables: jax.Array,  # [B, MB] int32
+    positions: jax.Array,  # [B, T] int32, absolute position of each token
+    seq_lens: jax.Array,  # [B] int32, the row's length once these tokens are in
+    block_size: int,
+) -> tuple[jax.Array, jax.Array]:  # block, offset: int32 [B, T]
+    """The slot each token's K/V goes to. Token (b, t) is real iff positions[b, t] < seq_lens[b];
+    padding tokens and padded rows (seq_lens 0) go to scratch block 0, offset 0."""
+    real = positions < seq_lens[:, None]  # [B, T]
+    logical = jnp.clip(positions // block_size, 0, block_tables.shape[1] - 1)  # padding may overrun
+    physical = jnp.take_along_axis(block_tables, logical, axis=1)  # [B, T]
+    block = jnp.where(real, physical, 0).astype(jnp.int32)
+    return block, jnp.where(real, positions % block_size, 0).astype(jnp.int32)
 
 
 def pallas_attention_enabled() -> bool:
@@ -99,3 +118,49 @@ def prefill_attention(
         lambda: causal_attention_xla(q, k, v, positions),
         lambda: paged_attention_xla(q, k_cache, v_cache, block_tables, positions),
     )
+
+
+_NEG_INF = -1e30
+
+
+def paged_attention_xla(
+    q: jax.Array,  # [B, T, H, D]
+    k_cache: jax.Array,  # [H, NB, BS, D]
+    v_cache: jax.Array,  # [H, NB, BS, D]
+    block_tables: jax.Array,  # [B, MB] int32
+    positions: jax.Array,  # [B, T] int32, absolute position of each query
+) -> jax.Array:  # [B, T, H, D]
+    """Plain XLA, any number of queries per row: query (b, t) sees the row's cached keys at
+    logical positions 0..positions[b, t]. Gathers each row's pages (all MB of them); softmax in
+    float32. Prefill runs this when a row continues a cached prefix."""
+    b, t, h, d = q.shape
+    context = block_tables.shape[1] * k_cache.shape[2]
+    k = k_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
+    v = v_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
+    visible = jnp.arange(context)[None, None, :] <= positions[:, :, None]  # [B, T, L]
+    return _masked_attention(q, k, v, visible)
+
+
+def causal_attention_xla(
+    q: jax.Array,  # [B, T, H, D]
+    k: jax.Array,  # [B, T, H, D]
+    v: jax.Array,  # [B, T, H, D]
+    positions: jax.Array,  # [B, T] int32, increasing along T
+) -> jax.Array:  # [B, T, H, D]
+    """Causal attention among a chunk's own tokens: what `paged_attention_xla` computes when no
+    row has anything cached before its chunk, without gathering the rows' whole block tables."""
+    visible = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
+    return _masked_attention(q, k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3), visible)
+
+
+def _masked_attention(
+    q: jax.Array,  # [B, T, H, D]
+    k: jax.Array,  # [H, B, L, D]
+    v: jax.Array,  # [H, B, L, D]
+    visible: jax.Array,  # [B, T, L] bool
+) -> jax.Array:  # [B, T, H, D]
+    s = jnp.einsum("bthd,hbld->bhtl", q, k, preferred_element_type=jnp.float32)
+    s = jnp.where(visible[:, None], s / math.sqrt(q.shape[-1]), _NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)  # [B, H, T, L]
+    out = jnp.einsum("bhtl,hbld->bthd", p, v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)

@@ -15,8 +15,8 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable
 
-from rosejax.kv_cache import BlockAllocator
-from rosejax.request import Request, RequestStatus
+from rosejax.engine.block_manager import BlockAllocator
+from rosejax.engine.request import Request, RequestStatus
 
 
 @dataclasses.dataclass

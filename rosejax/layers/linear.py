@@ -27,7 +27,6 @@ import flax.struct
 import jax
 
 from pallas_kernels._common import env_int, gpu_kernel_enabled
-from pallas_kernels.layer_norm import add_layer_norm, layer_norm, layer_norm_reference
 from pallas_kernels.linear import (
     finish_partial_sums,
     linear,
@@ -40,10 +39,6 @@ from pallas_kernels.linear import (
 # the kernel split K) the 16-row decode step (batches of 1-16) took 0.404 ms with it against 0.427
 # without; at 32 and 64 rows XLA's split-K GEMMs won (0.473 vs 0.520, 0.521 vs 0.577).
 DEFAULT_LINEAR_MAX_ROWS = 16
-
-
-def pallas_layer_norm_enabled() -> bool:
-    return gpu_kernel_enabled("ROSEJAX_PALLAS_LAYER_NORM")
 
 
 def pallas_linear_enabled(rows: int, k: int, n: int) -> bool:
@@ -68,30 +63,6 @@ class PendingSum:
     def value(self) -> jax.Array:  # [..., N], the residual's dtype
         h = finish_partial_sums(self.partials, self.bias, self.residual_rows())
         return h.reshape(self.residual.shape)
-
-
-class LayerNorm(nn.Module):
-    """flax's `nn.LayerNorm` (scale, bias; float32 statistics), taking the residual stream as
-    an array or a `PendingSum` and returning (the stream as an array, its layer norm)."""
-
-    epsilon: float
-
-    @nn.compact
-    def __call__(self, x: jax.Array | PendingSum) -> tuple[jax.Array, jax.Array]:  # [..., E] each
-        pending = isinstance(x, PendingSum)
-        shape = x.residual.shape if pending else x.shape
-        e = shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (e,))
-        bias = self.param("bias", nn.initializers.zeros, (e,))
-        kernel = pallas_layer_norm_enabled()
-        if pending and kernel:
-            h, y = add_layer_norm(
-                x.partials, x.bias, x.residual_rows(), scale, bias, eps=self.epsilon
-            )
-            return h.reshape(shape), y.reshape(shape)
-        x = x.value() if pending else x
-        norm = layer_norm if kernel else layer_norm_reference
-        return x, norm(x.reshape(-1, e), scale, bias, eps=self.epsilon).reshape(shape)
 
 
 class Linear(nn.Module):

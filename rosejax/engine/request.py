@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from rosejax.kv_cache import BlockTable
+from rosejax.engine.block_manager import BlockTable
 from rosejax.sampling import SamplingParams
 from rosejax.tokenizer import IncrementalDetokenizer
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import flax.struct
 import jax
@@ -19,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from rosejax._xla_flags import decode_compiler_options
-from rosejax.config import GPT2Config
-from rosejax.kv_cache import KVCache
-from rosejax.model import ForwardMetadata, forward
+from rosejax.layers.attention import ForwardMetadata
+from rosejax.layers.kv_cache import KVCache
+from rosejax.models import family_of
 from rosejax.sampling import sample
 
 NUM_STOP_IDS = 4  # stop ids checked on the device per row; the host checks any beyond these
@@ -71,7 +72,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        config: GPT2Config,
+        config: Any,
         params: dict,
         cache: KVCache,
         num_slots: int,
@@ -79,12 +80,13 @@ class ModelRunner:
         max_table_updates: int,
     ):
         self.config = config
+        self.forward = family_of(config).forward
         self.params = params
         self.cache = cache
         self.num_slots = num_slots
         self.max_decode_steps = max_decode_steps
         self.max_table_updates = max_table_updates
-        self.max_blocks = -(-config.n_positions // cache.block_size)
+        self.max_blocks = -(-config.max_model_len // cache.block_size)
         self.state = empty_slot_state(num_slots, self.max_blocks)
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
         self.compile_seconds = 0.0
@@ -100,7 +102,7 @@ class ModelRunner:
         Padded rows have slot index S, which the scatters drop."""
         self.num_compiles += 1  # runs only while tracing
         meta = ForwardMetadata(batch["positions"], batch["seq_lens"], batch["tables"])
-        logits, cache = forward(params, self.config, batch["tokens"], cache, meta, batch["last"])
+        logits, cache = self.forward(params, self.config, batch["tokens"], cache, meta, batch["last"])
         first = sample(
             logits,
             batch["temperature"],
@@ -161,7 +163,7 @@ class ModelRunner:
             k, cache, r, out = carry
             seq_lens = jnp.where(r.alive, r.positions + 1, 0)  # dead rows write to scratch
             meta = ForwardMetadata(r.positions[:, None], seq_lens, r.block_tables)
-            logits, cache = forward(params, self.config, r.tokens[:, None], cache, meta)
+            logits, cache = self.forward(params, self.config, r.tokens[:, None], cache, meta)
             logits = logits[:, 0]  # [B, V]
             if greedy:
                 nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -15,25 +15,20 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cache_slots
-from rosejax.attention import append_kv, decode_attention, prefill_attention
-from rosejax.config import GPT2Config
-from rosejax.kv_cache import KVCache
-from rosejax.layers import LayerNorm, Linear, PendingSum
-
-
-@flax.struct.dataclass
-class ForwardMetadata:
-    """Where each token sits. Token (b, t) is real iff positions[b, t] < seq_lens[b]; padding
-    tokens and padded rows (seq_lens 0) write their K/V to the scratch block 0."""
-
-    positions: jax.Array  # [B, T] int32, absolute position of each token
-    seq_lens: jax.Array  # [B] int32, the row's context length once this forward's tokens are in
-    block_tables: jax.Array  # [B, MB] int32, physical block of each logical block of the row
+from rosejax.layers.attention import (
+    ForwardMetadata,
+    append_kv,
+    cache_slots,
+    decode_attention,
+    prefill_attention,
+)
+from rosejax.layers.kv_cache import KVCache
+from rosejax.layers.layer_norm import LayerNorm
+from rosejax.layers.linear import Linear, PendingSum
+from rosejax.models.gpt2.config import GPT2Config
 
 
 class CausalSelfAttention(nn.Module):

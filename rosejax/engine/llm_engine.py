@@ -21,14 +21,14 @@ import jax
 import numpy as np
 
 from pallas_kernels._common import env_int
-from rosejax.config import GPT2Config
-from rosejax.kv_cache import BlockAllocator, init_kv_cache, num_blocks_for
-from rosejax.request import Request, RequestOutput, RequestStatus
-from rosejax.runner import NUM_STOP_IDS, ModelRunner
+from rosejax.engine.block_manager import BlockAllocator
+from rosejax.engine.request import Request, RequestOutput, RequestStatus
+from rosejax.engine.scheduler import Scheduler
+from rosejax.layers.kv_cache import init_kv_cache, num_blocks_for
+from rosejax.model_runner import NUM_STOP_IDS, ModelRunner
+from rosejax.models.loader import load_model, resolve_dtype
 from rosejax.sampling import SamplingParams
-from rosejax.scheduler import Scheduler
 from rosejax.tokenizer import IncrementalDetokenizer, load_tokenizer
-from rosejax.weights import load_model, resolve_dtype
 
 AUTO_FULL_STEPS = 32  # "auto" decode window while the batch is full: throughput
 AUTO_OPEN_STEPS = 8  # "auto" decode window while the batch has free slots
@@ -110,7 +110,7 @@ class LLMEngine:
             dtype = "float32" if on_cpu else "float16"
         self.dtype = resolve_dtype(dtype)
         config, params = load_model(model, self.dtype, seed)
-        self.config: GPT2Config = config
+        self.config = config
         self.tokenizer = load_tokenizer(model, tokenizer)
         self.block_size = block_size
         self.max_batch_size = max_batch_size
@@ -119,7 +119,7 @@ class LLMEngine:
         self.decode_steps = AUTO_FULL_STEPS if self.auto_steps else decode_steps
         if kv_cache_tokens is None and kv_cache_memory_fraction is None:
             if on_cpu:
-                kv_cache_tokens = max_batch_size * config.n_positions
+                kv_cache_tokens = max_batch_size * config.max_model_len
             else:
                 kv_cache_memory_fraction = 0.5
         num_blocks = num_blocks_for(
@@ -137,12 +137,12 @@ class LLMEngine:
         # start at 8: short chat-like prompts padded to 16 doubled a 256-row prefill's work.
         self.prefill_batch_buckets = _buckets(prefill_batch, factor=4)
         self.prefill_len_buckets = _buckets(
-            config.n_positions, start=min(8, config.n_positions), factor=4
+            config.max_model_len, start=min(8, config.max_model_len), factor=4
         )
         self.scheduler = Scheduler(
             self.allocator,
             max_batch_size,
-            max(max_prefill_tokens, config.n_positions),
+            max(max_prefill_tokens, config.max_model_len),
             prefill_batch,
             prefill_cost=self._prefill_shape_tokens,
         )
@@ -231,7 +231,7 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(map(int, prompt))
         if not ids:
             raise ValueError("prompt is empty")
-        n_pos = self.config.n_positions
+        n_pos = self.config.max_model_len
         if len(ids) > n_pos:
             raise ValueError(f"prompt has {len(ids)} tokens, more than the context ({n_pos})")
         if min(ids) < 0 or max(ids) >= self.config.vocab_size:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 _GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
+    model_type: ClassVar[str] = "gpt2"
+
     vocab_size: int = 50257
     n_positions: int = 1024
     n_embd: int = 768
@@ -46,6 +48,19 @@ class GPT2Config:
                 f"GPT2Config.activation_function must be GPT-2's tanh GELU {_GPT2_ACTIVATIONS}, "
                 f"got {self.activation_function!r}"
             )
+
+    # The names every family's config gives the engine and the KV cache.
+    @property
+    def num_layers(self) -> int:
+        return self.n_layer
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.n_head
+
+    @property
+    def max_model_len(self) -> int:
+        return self.n_positions
 
     @property
     def head_dim(self) -> int:
@@ -92,10 +107,3 @@ PRESETS: dict[str, GPT2Config] = {
     # Small enough for CPU tests, with the real vocab so the GPT-2 tokenizer fits it.
     "tiny": GPT2Config(n_positions=128, n_embd=64, n_layer=2, n_head=4),
 }
-
-
-def preset(name: str) -> GPT2Config:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown GPT-2 preset {name!r}; known: {', '.join(PRESETS)}") from None

@@ -1,0 +1,98 @@
+"""Checkpoints -> (config, params): a hub id or local directory of safetensors (one file or
+shards), or `random:<preset>`; the family comes from config.json's `model_type`."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from safetensors import safe_open
+
+from rosejax.models import family, preset
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def resolve_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        return jnp.dtype(DTYPES[dtype])
+    dtype = jnp.dtype(dtype)
+    if dtype not in [jnp.dtype(d) for d in DTYPES.values()]:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    return dtype
+
+
+def _safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, s) for s in shards]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise ValueError(
+        f"no model.safetensors (or model.safetensors.index.json) in {model_dir!r}; "
+        "rosejax loads safetensors checkpoints only"
+    )
+
+
+def _iter_tensors(
+    files: list[str], dtype: jnp.dtype, skip: Callable[[str], bool]
+) -> Iterator[tuple[str, jax.Array]]:
+    """Each tensor cast to `dtype` as it is read, so a float32 checkpoint loaded as fp16 never
+    holds the whole float32 copy on the device; buffers (attn.bias) are skipped unread."""
+    # The flax framework reads bfloat16 too, which plain numpy cannot.
+    for path in files:
+        with safe_open(path, framework="flax") as f:
+            for name in f.keys():
+                if not skip(name):
+                    yield name, f.get_tensor(name).astype(dtype)
+
+
+def resolve_model_dir(model: str) -> str:
+    """A local directory as is; otherwise a hub id, fetched (or found in the local HF cache)."""
+    if os.path.isdir(model):
+        return model
+    # Hub ids are `name` or `org/name`; anything else is meant as a local path.
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ValueError(f"model path {model!r} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+    except Exception as e:  # offline, unknown repo, auth: all end the same way for the user
+        raise ValueError(
+            f"cannot load model {model!r}: it is not a local directory and the Hugging Face hub "
+            f"gave {type(e).__name__}. Pass a local checkpoint directory (config.json + "
+            "model.safetensors), or 'random:gpt2' (random weights of a preset shape) with "
+            "--tokenizer for a tokenizer directory."
+        ) from e
+
+
+def load_checkpoint(model_dir: str, dtype: str | jnp.dtype = "float32") -> tuple[Any, dict]:
+    """A `save_pretrained` directory (config.json + safetensors) -> (config, params)."""
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(config_path):
+        raise ValueError(f"no config.json in {model_dir!r}")
+    with open(config_path) as f:
+        hf = json.load(f)
+    fam = family(hf.get("model_type", "gpt2"))
+    config = fam.config_from_hf(hf)
+    dtype = resolve_dtype(dtype)
+    tensors = dict(_iter_tensors(_safetensors_files(model_dir), dtype, fam.skip_tensor))
+    return config, fam.params_from_tensors(config, tensors, dtype)
+
+
+def load_model(model: str, dtype: str | jnp.dtype = "float32", seed: int = 0) -> tuple[Any, dict]:
+    """`random:<preset>` (random weights of a preset shape), a local directory, or a hub id."""
+    if model.startswith("random:"):
+        config = preset(model.removeprefix("random:"))
+        return config, family(config.model_type).random_params(config, seed, resolve_dtype(dtype))
+    return load_checkpoint(resolve_model_dir(model), dtype)
