@@ -110,7 +110,7 @@ def make_engine(args: argparse.Namespace, max_batch_size: int | None = None):
     kwargs = engine_kwargs(args) | {"seed": args.seed}
     if max_batch_size:  # compare_hf: one engine per batch size
         kwargs["max_batch_size"] = max_batch_size
-    engine = LLMEngine(args.model, **kwargs)
+    engine = LLMEngine.from_args(args.model, **kwargs)
     return engine, time.perf_counter() - start
 
 

@@ -73,7 +73,7 @@ def make_engine(
     model: str, batch: int, prompt_len: int, new_tokens: int, block_size: int, decode_steps: int
 ) -> LLMEngine:
     """An fp16 engine for `batch` concurrent requests of this shape (KV for all of them)."""
-    return LLMEngine(
+    return LLMEngine.from_args(
         model,
         dtype="float16",
         max_batch_size=batch,

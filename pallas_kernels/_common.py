@@ -1,13 +1,10 @@
-"""What the Pallas kernels share: their environment switches, the power-of-two rules of Triton
-tiles, and the filter for jax's Triton deprecation warning."""
+"""What the Pallas kernels share: the power-of-two rules of Triton tiles, and the filter for
+jax's Triton deprecation warning."""
 
 from __future__ import annotations
 
 import functools
-import os
 import warnings
-
-import jax
 
 # jax 0.11 deprecates the Pallas Triton backend and warns each time a Triton pallas_call is
 # *lowered*: that is when the jit around a whole decode step compiles, after our Python call
@@ -31,25 +28,3 @@ def is_power_of_2(n: int) -> bool:
 def next_power_of_2(n: int) -> int:
     """The least power of two >= n (1 for n <= 1): Triton tiles must be powers of two."""
     return 1 << max(n - 1, 0).bit_length()
-
-
-def env_switch(name: str) -> bool:
-    """A kernel's on/off switch: on unless the variable is 0, false, off or no."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-def env_int(name: str, default: int) -> int:
-    """An integer setting from the environment: `default` when unset or blank."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-
-
-def gpu_kernel_enabled(switch: str) -> bool:
-    """Whether the model runs a compiled kernel: on a GPU, unless `switch` turns it off. A CPU
-    would interpret the kernel program by program, so XLA runs there."""
-    return jax.default_backend() == "gpu" and env_switch(switch)

@@ -17,7 +17,7 @@ Three Pallas kernels (Triton on GPU, `interpret=True` on CPU) update the caches 
 through `input_output_aliases`; the caller donates the caches (a jitted step with
 `donate_argnums`), so no call copies them. `kv_append` is the one dispatch function: it picks a
 kernel, or the XLA scatter (`kv_append_reference`) when the kernels are switched off
-(`ROSEJAX_PALLAS_KV_APPEND=0`), the batch is small (`ROSEJAX_PALLAS_KV_APPEND_MIN_BATCH`), or
+(`use_kernels=False`), the batch is small (`min_batch`), or
 the head dim is not a power of two, which the Triton lowering cannot tile.
 """
 
@@ -32,15 +32,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    env_int,
-    env_switch,
     filter_triton_deprecation,
     is_power_of_2,
     next_power_of_2,
 )
 
-ENV_SWITCH = "ROSEJAX_PALLAS_KV_APPEND"
-ENV_MIN_BATCH = "ROSEJAX_PALLAS_KV_APPEND_MIN_BATCH"
 # Below this many appended rows the dispatcher uses the XLA scatter. 1 = never: on an H200
 # (bench/RESULTS.md, "KV append microbench", 2026-11-26) every kernel beat the XLA scatter at
 # every batch size measured, B=1 included (1.3-1.8 us against 3.8-4.1 us per layer-append;
@@ -454,17 +450,22 @@ def kv_append_reference(
 
 
 def select_kv_append_variant(
-    num_rows: int, head_dim: int, *, has_batch_idx: bool, scalar_pos: bool
+    num_rows: int,
+    head_dim: int,
+    *,
+    has_batch_idx: bool,
+    scalar_pos: bool,
+    use_kernels: bool = True,
+    min_batch: int = DEFAULT_MIN_BATCH,
 ) -> str:
     """Which implementation kv_append runs: 'xla', 'full_batch', 'identity_pos' or 'generic'.
 
-    Host-side, from static facts only; reads the environment on every call so a change takes
-    effect at the next trace.
+    Host-side, from static facts only: the XLA scatter when the kernels are not wanted
+    (`use_kernels`), for fewer than `min_batch` rows, or for a head dim Triton cannot tile.
     """
     if scalar_pos and has_batch_idx:
         raise ValueError("a scalar pos needs batch_idx=None (full-batch form)")
-    min_batch = env_int(ENV_MIN_BATCH, DEFAULT_MIN_BATCH)
-    if not env_switch(ENV_SWITCH) or num_rows < min_batch or not is_power_of_2(head_dim):
+    if not use_kernels or num_rows < min_batch or not is_power_of_2(head_dim):
         return "xla"
     if not has_batch_idx:
         return "full_batch" if scalar_pos else "identity_pos"
@@ -481,6 +482,8 @@ def kv_append(
     batch_idx: jax.Array | None = None,
     *,
     new_head_offsets: tuple[int, int] = (0, 0),
+    use_kernels: bool = True,
+    min_batch: int = DEFAULT_MIN_BATCH,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Append one token's K/V per row into a paged cache layer; see the module docstring.
@@ -489,6 +492,7 @@ def kv_append(
     block_idx: int32 [B']; pos: int32 [B'] or int32 scalar (full-batch, needs batch_idx=None);
     batch_idx: None (row i is source i, B' = B) or int32 [B'].
     new_head_offsets: where the H heads start in k_new / v_new (module docstring).
+    use_kernels, min_batch: when the kernels run at all (`select_kv_append_variant`).
     interpret=None interprets the kernels on a CPU backend and compiles them elsewhere.
     """
     variant = select_kv_append_variant(
@@ -496,6 +500,8 @@ def kv_append(
         k_cache.shape[-1],
         has_batch_idx=batch_idx is not None,
         scalar_pos=pos.ndim == 0,
+        use_kernels=use_kernels,
+        min_batch=min_batch,
     )
     if variant == "xla":
         return kv_append_reference(

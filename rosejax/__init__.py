@@ -1,13 +1,11 @@
-"""rosejax: a GPT-2 inference engine in JAX, Flax and Pallas."""
+"""rosejax: an LLM inference engine in JAX, Flax and Pallas. Importing it changes nothing in the
+process: the entry points (`LLM`, `LLMEngine`, the CLIs) set XLA flags and the compilation cache."""
 
-from rosejax._xla_flags import set_default_xla_flags
+from rosejax.engine.llm_engine import LLMEngine
+from rosejax.engine.request import RequestOutput
+from rosejax.llm import LLM
+from rosejax.sampling import SamplingParams
+from rosejax.settings import EngineConfig, KernelConfig
 
-set_default_xla_flags()  # before anything starts jax's backend
-
-from rosejax.engine.llm_engine import LLMEngine  # noqa: E402
-from rosejax.engine.request import RequestOutput  # noqa: E402
-from rosejax.llm import LLM  # noqa: E402
-from rosejax.sampling import SamplingParams  # noqa: E402
-
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "KernelConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

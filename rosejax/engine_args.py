@@ -4,9 +4,67 @@ and `bench/`."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
-from rosejax.engine.llm_engine import DECODE_STEPS_HELP, parse_decode_steps
+from rosejax.engine.llm_engine import AUTO_FULL_STEPS, AUTO_OPEN_STEPS
+from rosejax.settings import KERNEL_OPS, KernelConfig
+
+
+def parse_decode_steps(text: str) -> int | str:
+    """argparse type of --decode-steps: 'auto' or a positive int."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an int >= 1, got {text!r}")
+    return int(text)
+
+
+DECODE_STEPS_HELP = (
+    f"decode steps per device call (multi-step decode): an int, or 'auto' ({AUTO_FULL_STEPS} "
+    f"while the batch is full, {AUTO_OPEN_STEPS} while it has free slots, cut short while "
+    "requests wait for a slot); default: auto"
+)
+
+
+def _kernel_setting(text: str) -> tuple[str, str]:
+    """argparse type of --kernel: FIELD=VALUE for a field of `KernelConfig`."""
+    name, sep, value = text.partition("=")
+    fields = {f.name for f in dataclasses.fields(KernelConfig)} - {"tiles", "interpret"}
+    if not sep or name not in fields:
+        raise argparse.ArgumentTypeError(
+            f"expected FIELD=VALUE with FIELD one of {', '.join(sorted(fields))}, got {text!r}"
+        )
+    return name, value
+
+
+def _kernel_tile(text: str) -> tuple[str, str, int]:
+    """argparse type of --kernel-tile: OP.PARAM=INT."""
+    key, sep, value = text.partition("=")
+    op, dot, param = key.partition(".")
+    if not (sep and dot and param and op in KERNEL_OPS and value.lstrip("-").isdigit()):
+        raise argparse.ArgumentTypeError(
+            f"expected OP.PARAM=INT with OP one of {', '.join(KERNEL_OPS)}, got {text!r}"
+        )
+    return op, param, int(value)
+
+
+def kernel_config(settings: list[tuple[str, str]], tiles: list[tuple[str, str, int]]):
+    """The backend's `KernelConfig` with --kernel and --kernel-tile applied; None if neither was
+    given (the engine then takes the backend's defaults itself)."""
+    if not settings and not tiles:
+        return None
+    overrides: dict[str, Any] = {}
+    for name, value in settings:
+        if name in KERNEL_OPS:
+            overrides[name] = value
+        elif name in ("fused_kv_append", "concurrent_command_buffers"):
+            if value.lower() not in ("on", "off", "true", "false", "1", "0"):
+                raise ValueError(f"--kernel {name} takes on or off, got {value!r}")
+            overrides[name] = value.lower() in ("on", "true", "1")
+        else:
+            overrides[name] = None if value.lower() == "none" else int(value)
+    return KernelConfig.for_backend(**overrides, tiles=tuple(tiles))
 
 
 def add_engine_args(
@@ -16,7 +74,7 @@ def add_engine_args(
     model_aliases: tuple[str, ...] = (),
     max_batch_size: int = 64,
 ) -> None:
-    """Flags for every `LLMEngine` argument but the seed (whose meaning differs per program)."""
+    """Flags for every `EngineConfig` field but the seed (whose meaning differs per program)."""
     p.add_argument(
         "--model",
         *model_aliases,
@@ -88,6 +146,33 @@ def add_engine_args(
         help="compile buckets on first use instead of all at start (always so on a CPU)",
     )
     p.add_argument(
+        "--min-decode-batch",
+        type=int,
+        default=None,
+        help="the smallest compiled decode batch (smaller ones pad to it); default: "
+        "$ROSEJAX_MIN_DECODE_BATCH, else 16 on a GPU, 1 on a CPU",
+    )
+    p.add_argument(
+        "--kernel",
+        type=_kernel_setting,
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a kernel-config setting (repeatable): attention, kv_append, layer_norm, linear = "
+        "pallas | xla; fused_kv_append, concurrent_command_buffers = on | off; "
+        "kv_append_min_batch, linear_max_rows, cublas_min_batch = an int (cublas_min_batch also "
+        "none). Default: every Pallas kernel on a GPU, XLA on a CPU, then $ROSEJAX_* switches",
+    )
+    p.add_argument(
+        "--kernel-tile",
+        type=_kernel_tile,
+        action="append",
+        default=[],
+        metavar="OP.PARAM=INT",
+        help="a keyword argument for one op's kernel (repeatable), e.g. linear.num_warps=2 or "
+        "attention.num_stages=1; OP is one of " + ", ".join(KERNEL_OPS),
+    )
+    p.add_argument(
         "--compilation-cache-dir",
         default=None,
         help="jax's persistent compilation cache directory; default: "
@@ -96,8 +181,8 @@ def add_engine_args(
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`LLMEngine` keyword arguments from the flags of `add_engine_args` (model and seed aside)."""
-    return dict(
+    """`EngineConfig` fields from the flags of `add_engine_args` (model and seed aside)."""
+    kwargs = dict(
         tokenizer=args.tokenizer,
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
@@ -109,8 +194,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         decode_steps=args.decode_steps,
         enable_prefix_caching=not args.no_prefix_cache,
         warmup=False if args.no_warmup else None,
-        compilation_cache_dir=args.compilation_cache_dir,
+        kernels=kernel_config(args.kernel, args.kernel_tile),
     )
+    if args.min_decode_batch is not None:
+        kwargs["min_decode_batch"] = args.min_decode_batch
+    if args.compilation_cache_dir is not None:
+        kwargs["compilation_cache_dir"] = args.compilation_cache_dir
+    return kwargs
 
 
 def add_sampling_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from rosejax.engine.llm_engine import LLMEngine
 from rosejax.engine.request import RequestOutput
 from rosejax.sampling import SamplingParams
+from rosejax.settings import EngineConfig
 
 Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]
 
@@ -15,7 +16,9 @@ class LLM:
     """The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 
     def __init__(self, model: str, **engine_args):
-        self.engine = LLMEngine(model, **engine_args)
+        """`engine_args`: the other fields of `EngineConfig` (max_batch_size, dtype, kernels,
+        ...)."""
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
     def _submit(self, prompts: Prompts, sampling_params) -> list[str]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

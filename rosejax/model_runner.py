@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rosejax._xla_flags import decode_compiler_options
 from rosejax.layers.attention import ForwardMetadata
 from rosejax.layers.kv_cache import KVCache
 from rosejax.models import family_of
 from rosejax.sampling import sample
+from rosejax.settings import KernelConfig
 
 NUM_STOP_IDS = 4  # stop ids checked on the device per row; the host checks any beyond these
 
@@ -78,9 +78,12 @@ class ModelRunner:
         num_slots: int,
         max_decode_steps: int,
         max_table_updates: int,
+        kernels: KernelConfig,
     ):
         self.config = config
         self.forward = family_of(config).forward
+        # Which kernels run: a static argument of every program, so a new value compiles anew.
+        self.kernels = kernels
         self.params = params
         self.cache = cache
         self.num_slots = num_slots
@@ -90,19 +93,23 @@ class ModelRunner:
         self.state = empty_slot_state(num_slots, self.max_blocks)
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
         self.compile_seconds = 0.0
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2))
-        # One jitted window per batch bucket, made on first use: each bucket's XLA options
-        # (its GEMM library) are settled then, not looked up every window.
-        self._decode_programs: dict[int, Callable] = {}
+        self._prefill = jax.jit(
+            self._prefill_fn, donate_argnums=(1, 2), static_argnames=("kernels",)
+        )
+        # One jitted window per batch bucket and kernel config, made on first use: each one's
+        # XLA options (its GEMM library) are settled then, not looked up every window.
+        self._decode_programs: dict[tuple[int, KernelConfig], Callable] = {}
 
     # ------------------------------------------------------------------------------ programs
 
-    def _prefill_fn(self, params, cache, state, batch):
+    def _prefill_fn(self, params, cache, state, batch, *, kernels: KernelConfig):
         """Forward over padded prompts, first token of each row, and the rows' slots filled in.
         Padded rows have slot index S, which the scatters drop."""
         self.num_compiles += 1  # runs only while tracing
         meta = ForwardMetadata(batch["positions"], batch["seq_lens"], batch["tables"])
-        logits, cache = self.forward(params, self.config, batch["tokens"], cache, meta, batch["last"])
+        logits, cache = self.forward(
+            params, self.config, batch["tokens"], cache, meta, batch["last"], kernels=kernels
+        )
         first = sample(
             logits,
             batch["temperature"],
@@ -145,6 +152,7 @@ class ModelRunner:
         *,
         batch: int,
         greedy: bool,
+        kernels: KernelConfig,
     ):
         """Up to `n_steps` decode steps over slots [0, batch). Returns tokens [K, batch] (-1 where a
         row produced nothing), the cache and the state."""
@@ -163,7 +171,9 @@ class ModelRunner:
             k, cache, r, out = carry
             seq_lens = jnp.where(r.alive, r.positions + 1, 0)  # dead rows write to scratch
             meta = ForwardMetadata(r.positions[:, None], seq_lens, r.block_tables)
-            logits, cache = self.forward(params, self.config, r.tokens[:, None], cache, meta)
+            logits, cache = self.forward(
+                params, self.config, r.tokens[:, None], cache, meta, kernels=kernels
+            )
             logits = logits[:, 0]  # [B, V]
             if greedy:
                 nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -201,7 +211,7 @@ class ModelRunner:
 
     def prefill(self, batch: dict[str, np.ndarray]) -> jax.Array:
         first, self.cache, self.state = self._call(
-            self._prefill, self.params, self.cache, self.state, batch
+            self._prefill, self.params, self.cache, self.state, batch, kernels=self.kernels
         )
         return first
 
@@ -218,13 +228,14 @@ class ModelRunner:
         u = np.full((3, self.max_table_updates), self.num_slots, np.int32)
         if updates:
             u[:, : len(updates)] = np.asarray(updates, np.int32).T
-        program = self._decode_programs.get(batch)
+        key = (batch, self.kernels)
+        program = self._decode_programs.get(key)
         if program is None:
-            program = self._decode_programs[batch] = jax.jit(
+            program = self._decode_programs[key] = jax.jit(
                 self._decode_fn,
                 donate_argnums=(1, 2),
-                static_argnames=("batch", "greedy"),
-                compiler_options=decode_compiler_options(batch) or None,
+                static_argnames=("batch", "greedy", "kernels"),
+                compiler_options=self.kernels.decode_compiler_options(batch) or None,
             )
         out, self.cache, self.state = self._call(
             program,
@@ -238,5 +249,6 @@ class ModelRunner:
             np.int32(n_steps),
             batch=batch,
             greedy=greedy,
+            kernels=self.kernels,
         )
         return out

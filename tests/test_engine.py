@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import pytest
 
-from rosejax import LLM, LLMEngine, SamplingParams
+from rosejax import LLM, KernelConfig, LLMEngine, SamplingParams
 from rosejax.tokenizer import packaged_gpt2_tokenizer_path
 from tests.conftest import HF_SHAPES, hf_greedy, make_hf_checkpoint
 
@@ -339,29 +339,13 @@ def test_text_prompts_round_trip(tmp_path):
     assert out.text == llm.engine.tokenizer.decode(out.token_ids)
 
 
-def test_decode_gemm_choice_per_batch(monkeypatch):
-    from rosejax._xla_flags import decode_compiler_options
-
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
-    monkeypatch.setenv("ROSEJAX_CUBLAS_MIN_BATCH", "64")
-    concurrent = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
-    assert decode_compiler_options(63) == concurrent
-    assert decode_compiler_options(64) == {**concurrent, "xla_gpu_enable_triton_gemm": False}
-    # The user's choices win.
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
-    assert decode_compiler_options(256) == concurrent
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_scheduling_mode=LHS")
-    assert decode_compiler_options(256) == {"xla_gpu_enable_triton_gemm": False}
-
-
-def test_cublas_threshold_keeps_outputs(checkpoint, monkeypatch):
+def test_cublas_threshold_keeps_outputs(checkpoint):
     """Decode programs built with and without per-program compiler options give the same greedy
     tokens. On a CPU the option is accepted and ignored, so there this checks the plumbing (an
     unknown option fails the compile); on a GPU it compares cuBLAS with Triton GEMMs."""
     outs = []
-    for threshold in ("1", "100000"):
-        monkeypatch.setenv("ROSEJAX_CUBLAS_MIN_BATCH", threshold)
-        llm = make_llm(checkpoint)
+    for threshold in (1, 100000):
+        llm = make_llm(checkpoint, kernels=KernelConfig(cublas_min_batch=threshold))
         res = llm.generate(
             [[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         )
@@ -408,77 +392,94 @@ def test_auto_window_stops_at_the_context_limit(checkpoint, monkeypatch):
     assert windows[0] == 8
 
 
-@pytest.mark.parametrize("pallas_layer_norm", [True, False], ids=["ln_kernel", "ln_xla"])
-def test_layer_kernels_forced_match_hf(checkpoint, monkeypatch, pallas_layer_norm):
-    """The GPU's layer kernels (one-kernel layer norm, matmul with fused bias/GELU/residual, the
-    residual projections' partial sums added inside the next layer norm), forced on and
-    interpreted here, wired into the whole model: greedy outputs still match HF. Decode batches
-    (<= 16 rows) and these short prefills both take the kernels; K is split one tile a program,
-    so the partial sums come in several splits. With the layer-norm kernel off, XLA adds the
-    partial sums up instead."""
-    from pallas_kernels.layer_norm import add_layer_norm, layer_norm
-    from pallas_kernels.linear import linear, linear_partial_sums
-    from rosejax.layers import linear as layers
+def spy_kernels(monkeypatch, module, names: list[str], calls=None) -> list[tuple[str, int]]:
+    """Record (kernel, rows of its first argument) of every traced call the model makes through
+    `module`'s names into `calls` (a new list if None); the calls themselves run unchanged."""
+    calls = [] if calls is None else calls
 
-    monkeypatch.setattr(
-        layers,
-        "gpu_kernel_enabled",  # the real row gate
-        lambda switch: pallas_layer_norm or switch != "ROSEJAX_PALLAS_LAYER_NORM",
-    )
-    kernel_rows = []  # (kernel, rows) of each traced call
-
-    def interpreted(name, kernel):
+    def spy(name, kernel):
         def call(x, *args, **kwargs):
-            kernel_rows.append((name, x.shape[-2]))
-            return kernel(x, *args, interpret=True, **kwargs)
+            calls.append((name, x.shape[-2] if x.ndim > 1 else x.shape[0]))
+            return kernel(x, *args, **kwargs)
 
-        monkeypatch.setattr(layers, name, call)
+        monkeypatch.setattr(module, name, call)
 
-    for name, kernel in [
-        ("layer_norm", layer_norm),
-        ("linear", linear),
-        ("linear_partial_sums", functools.partial(linear_partial_sums, block_k=16, max_k_steps=1)),
-        ("add_layer_norm", add_layer_norm),
-    ]:
-        interpreted(name, kernel)
-    llm = make_llm(checkpoint)
+    for name in names:
+        spy(name, getattr(module, name))
+    return calls
+
+
+@pytest.mark.parametrize("layer_norm", ["pallas", "xla"])
+def test_layer_kernels_match_hf(checkpoint, monkeypatch, layer_norm):
+    """The GPU's layer kernels (one-kernel layer norm, matmul with fused bias/GELU/residual, the
+    residual projections' partial sums added inside the next layer norm), chosen by the kernel
+    config and interpreted here, wired into the whole model: greedy outputs still match HF.
+    Decode batches (<= 16 rows) and these short prefills both take the kernels; K is split one
+    tile a program, so the partial sums come in several splits. With the layer-norm kernel off,
+    XLA adds the partial sums up instead."""
+    from rosejax.layers import layer_norm as ln_layer
+    from rosejax.layers import linear as linear_layer
+
+    calls = spy_kernels(monkeypatch, linear_layer, ["linear", "linear_partial_sums"])
+    spy_kernels(monkeypatch, ln_layer, ["layer_norm", "add_layer_norm"], calls)
+    kernels = KernelConfig(
+        layer_norm=layer_norm,
+        linear="pallas",
+        tiles=(("linear", "block_k", 16), ("linear", "max_k_steps", 1)),
+        interpret=True,
+    )
+    llm = make_llm(checkpoint, kernels=kernels)
     prompts = random_prompts(3)
     check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
     assert_clean(llm.engine)
     # Every kernel ran, the matmuls only on decode-sized calls (<= 16 rows).
     want = {"linear", "linear_partial_sums"}
-    want |= {"layer_norm", "add_layer_norm"} if pallas_layer_norm else set()
-    assert {name for name, _ in kernel_rows} == want
-    assert max(rows for name, rows in kernel_rows if name.startswith("linear")) <= 16
+    want |= {"layer_norm", "add_layer_norm"} if layer_norm == "pallas" else set()
+    assert {name for name, _ in calls} == want
+    assert max(rows for name, rows in calls if name.startswith("linear")) <= 16
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["append_fused", "kv_append_dispatcher"])
-def test_attention_kernels_forced_match_hf(checkpoint, monkeypatch, fused):
-    """The GPU's decode attention, forced on and interpreted here, wired into the whole model:
-    greedy outputs still match HF, whether the attention kernel writes each step's K/V itself
-    or the kv_append kernels do (ROSEJAX_FUSED_KV_APPEND). Decode steps only: prefill chunks
-    always append through the kv_append dispatcher."""
-    from pallas_kernels.paged_attention import (
-        paged_decode_attention,
-        paged_decode_attention_append,
-    )
+def test_attention_kernels_match_hf(checkpoint, monkeypatch, fused):
+    """The GPU's decode attention, chosen by the kernel config and interpreted here, wired into
+    the whole model: greedy outputs still match HF, whether the attention kernel writes each
+    step's K/V itself or the kv_append kernels do (`fused_kv_append`). Decode steps only:
+    prefill chunks always append through the kv_append dispatcher."""
     from rosejax.layers import attention
 
-    monkeypatch.setenv("ROSEJAX_FUSED_KV_APPEND", "1" if fused else "0")
-    monkeypatch.setattr(attention, "gpu_kernel_enabled", lambda switch: True)
-    ran = []
-
-    def interpreted(kernel):
-        def call(*args, **kwargs):
-            ran.append(kernel.__name__)
-            return kernel(*args, interpret=True, **kwargs)
-
-        monkeypatch.setattr(attention, kernel.__name__, call)
-
-    interpreted(paged_decode_attention)
-    interpreted(paged_decode_attention_append)
-    llm = make_llm(checkpoint)
+    calls = spy_kernels(
+        monkeypatch, attention, ["paged_decode_attention", "paged_decode_attention_append"]
+    )
+    kernels = KernelConfig(attention="pallas", fused_kv_append=fused, interpret=True)
+    llm = make_llm(checkpoint, kernels=kernels)
     prompts = random_prompts(3)
     check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
     assert_clean(llm.engine)
-    assert set(ran) == {"paged_decode_attention_append" if fused else "paged_decode_attention"}
+    want = "paged_decode_attention_append" if fused else "paged_decode_attention"
+    assert {name for name, _ in calls} == {want}
+
+
+def test_changing_kernels_compiles_the_other_program(checkpoint, monkeypatch):
+    """The kernel config is part of every program's jit key: the same engine, handed another
+    config in the same process, compiles and runs the other program (and gives the same
+    tokens), then finds the first one again without compiling."""
+    from rosejax.layers import layer_norm as ln_layer
+
+    calls = spy_kernels(monkeypatch, ln_layer, ["layer_norm", "add_layer_norm"])
+    llm = make_llm(checkpoint, enable_prefix_caching=False)  # every run prefills the same shapes
+    engine = llm.engine
+    prompts = random_prompts(2)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    xla = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    compiled = engine.num_compiles
+    assert not calls
+
+    engine.runner.kernels = KernelConfig(layer_norm="pallas", interpret=True)
+    pallas = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert engine.num_compiles > compiled and calls
+    assert pallas == xla
+
+    engine.runner.kernels = KernelConfig()
+    compiled, traced = engine.num_compiles, len(calls)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == xla
+    assert engine.num_compiles == compiled and len(calls) == traced

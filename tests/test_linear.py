@@ -17,12 +17,16 @@ from pallas_kernels.linear import (
     split_count,
 )
 from rosejax.layers.linear import Linear
+from rosejax.settings import KernelConfig
 from tests.conftest import INTERPRET
 
+PALLAS = KernelConfig(linear="pallas", interpret=INTERPRET)
 
-def module(x, w, b, residual=None, *, activation=None):
-    """The model's layer, whichever implementation it dispatches to on this backend."""
-    return Linear(w.shape[1], activation).apply({"params": {"kernel": w, "bias": b}}, x, residual)
+
+def module(x, w, b, residual=None, *, activation=None, kernels=PALLAS):
+    """The model's layer with the Pallas kernel chosen (XLA where the layer's rules say so)."""
+    layer = Linear(w.shape[1], activation, kernels)
+    return layer.apply({"params": {"kernel": w, "bias": b}}, x, residual)
 
 
 IMPLS = {
@@ -176,21 +180,17 @@ def test_split_count(k_steps, max_k_steps, want):
     ],
 )
 def test_deferred_linear_returns_pending_sum_only_for_the_kernel(
-    monkeypatch, rows, residual, activation, pending
+    rows, residual, activation, pending
 ):
     from rosejax.layers import linear as layers
 
-    monkeypatch.setattr(layers, "gpu_kernel_enabled", lambda switch: True)
-    monkeypatch.setattr(layers, "linear", functools.partial(linear, interpret=True))
-    monkeypatch.setattr(
-        layers, "linear_partial_sums", functools.partial(linear_partial_sums, interpret=True)
-    )
     rng = np.random.default_rng()
     x = jnp.asarray(rng.normal(size=(rows, 128)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(128, 64)) / 11, jnp.float32)
     b = jnp.asarray(rng.normal(size=64))
     r = jnp.asarray(rng.normal(size=(rows, 64))) if residual else None
-    got = Linear(64, activation).apply({"params": {"kernel": w, "bias": b}}, x, r, defer=True)
+    layer = Linear(64, activation, PALLAS)
+    got = layer.apply({"params": {"kernel": w, "bias": b}}, x, r, defer=True)
     assert isinstance(got, layers.PendingSum) == pending
     value = got.value() if pending else got
     np.testing.assert_allclose(
@@ -198,12 +198,8 @@ def test_deferred_linear_returns_pending_sum_only_for_the_kernel(
     )
 
 
-def test_untileable_shapes_fall_back_to_xla(monkeypatch):
+def test_untileable_shapes_fall_back_to_xla():
     """K = 40 has no power-of-two divisor >= 16: on a GPU the layer must take XLA, not raise."""
-    from rosejax.layers import linear as layers
-
-    monkeypatch.setattr(layers, "gpu_kernel_enabled", lambda switch: True)
-    monkeypatch.setattr(layers, "linear", functools.partial(linear, interpret=True))
     rng = np.random.default_rng()
     x = jnp.asarray(rng.normal(size=(4, 40)), jnp.float32)
     w, b = jnp.asarray(rng.normal(size=(40, 32)) / 6), jnp.asarray(rng.normal(size=32))

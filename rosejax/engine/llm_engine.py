@@ -9,10 +9,8 @@ stops them for what only it can see (stop strings) and tells the device at the n
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import itertools
-import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -20,7 +18,6 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from pallas_kernels._common import env_int
 from rosejax.engine.block_manager import BlockAllocator
 from rosejax.engine.request import Request, RequestOutput, RequestStatus
 from rosejax.engine.scheduler import Scheduler
@@ -28,6 +25,12 @@ from rosejax.layers.kv_cache import init_kv_cache, num_blocks_for
 from rosejax.model_runner import NUM_STOP_IDS, ModelRunner
 from rosejax.models.loader import load_model, resolve_dtype
 from rosejax.sampling import SamplingParams
+from rosejax.settings import (
+    DEFAULT_GPU_MIN_DECODE_BATCH,
+    EngineConfig,
+    KernelConfig,
+    configure_process,
+)
 from rosejax.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 AUTO_FULL_STEPS = 32  # "auto" decode window while the batch is full: throughput
@@ -58,116 +61,62 @@ def _fill_rows(out: np.ndarray, rows: list[list[int]]) -> None:
     )
 
 
-def parse_decode_steps(text: str) -> int | str:
-    """argparse type of --decode-steps: 'auto' or a positive int."""
-    if text == "auto":
-        return text
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an int >= 1, got {text!r}")
-    return int(text)
-
-
-DECODE_STEPS_HELP = (
-    f"decode steps per device call (multi-step decode): an int, or 'auto' ({AUTO_FULL_STEPS} "
-    f"while the batch is full, {AUTO_OPEN_STEPS} while it has free slots, cut short while "
-    "requests wait for a slot); default: auto"
-)
-
-
-def enable_compilation_cache(directory: str | None) -> None:
-    """jax's persistent compilation cache, so a second start skips compiling."""
-    directory = directory or os.environ.get(
-        "ROSEJAX_COMPILATION_CACHE_DIR", os.path.expanduser("~/.cache/rosejax/jax")
-    )
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 class LLMEngine:
-    def __init__(
-        self,
-        model: str,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_batch_size: int = 64,
-        block_size: int = 64,
-        kv_cache_tokens: int | None = None,
-        kv_cache_memory_fraction: float | None = None,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        max_prefill_tokens: int = 4096,
-        prefill_max_batch_size: int | None = None,
-        decode_steps: int | str = "auto",
-        compilation_cache_dir: str | None = None,
-        warmup: bool | None = None,
-    ):
-        if max_batch_size < 1 or block_size < 1:
-            raise ValueError("max_batch_size and block_size must be >= 1")
-        if decode_steps != "auto" and (not isinstance(decode_steps, int) or decode_steps < 1):
-            raise ValueError(f"decode_steps must be 'auto' or an int >= 1, got {decode_steps!r}")
+    def __init__(self, config: EngineConfig):
+        """Load the model and tokenizer, size the KV cache, and (on a GPU) compile every bucket.
+        Sets the process-wide XLA flags and compilation cache first (`configure_process`)."""
+        configure_process(config)
         on_cpu = jax.default_backend() == "cpu"
-        if dtype == "auto":
-            dtype = "float32" if on_cpu else "float16"
-        self.dtype = resolve_dtype(dtype)
-        config, params = load_model(model, self.dtype, seed)
-        self.config = config
-        self.tokenizer = load_tokenizer(model, tokenizer)
-        self.block_size = block_size
-        self.max_batch_size = max_batch_size
-        # "auto": long windows for throughput, cut short when a waiting request could be admitted.
-        self.auto_steps = decode_steps == "auto"
-        self.decode_steps = AUTO_FULL_STEPS if self.auto_steps else decode_steps
-        if kv_cache_tokens is None and kv_cache_memory_fraction is None:
-            if on_cpu:
-                kv_cache_tokens = max_batch_size * config.max_model_len
-            else:
-                kv_cache_memory_fraction = 0.5
-        num_blocks = num_blocks_for(
-            config,
-            block_size,
-            self.dtype,
-            kv_cache_tokens=kv_cache_tokens,
-            memory_fraction=kv_cache_memory_fraction,
-            max_num_seqs=max_batch_size,
+        self.engine_config = config
+        self.kernels = config.kernels or KernelConfig.for_backend()
+        self.dtype = resolve_dtype(
+            config.dtype if config.dtype != "auto" else ("float32" if on_cpu else "float16")
         )
-        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
-        prefill_batch = min(prefill_max_batch_size or max_batch_size, max_batch_size)
-        # Prefill buckets grow 4x: each one is a separate GPT-2 compile (seconds on a GPU), and
+        self.config, params = load_model(config.model, self.dtype, config.seed)
+        self.tokenizer = load_tokenizer(config.model, config.tokenizer)
+        self.block_size = config.block_size
+        self.max_batch_size = config.max_batch_size
+        # "auto": long windows for throughput, cut short when a waiting request could be admitted.
+        self.auto_steps = config.decode_steps == "auto"
+        self.decode_steps = AUTO_FULL_STEPS if self.auto_steps else config.decode_steps
+        self.allocator = BlockAllocator(
+            self._num_blocks(on_cpu), config.block_size, config.enable_prefix_caching
+        )
+        prefill_batch = min(
+            config.prefill_max_batch_size or self.max_batch_size, self.max_batch_size
+        )
+        # Prefill buckets grow 4x: each one is a separate compile (seconds on a GPU), and
         # padding a prefill costs far less than padding the decode steps that follow it. Lengths
         # start at 8: short chat-like prompts padded to 16 doubled a 256-row prefill's work.
+        max_len = self.config.max_model_len
         self.prefill_batch_buckets = _buckets(prefill_batch, factor=4)
-        self.prefill_len_buckets = _buckets(
-            config.max_model_len, start=min(8, config.max_model_len), factor=4
-        )
+        self.prefill_len_buckets = _buckets(max_len, start=min(8, max_len), factor=4)
         self.scheduler = Scheduler(
             self.allocator,
-            max_batch_size,
-            max(max_prefill_tokens, config.max_model_len),
+            self.max_batch_size,
+            max(config.max_prefill_tokens, max_len),
             prefill_batch,
             prefill_cost=self._prefill_shape_tokens,
         )
+        min_batch = config.min_decode_batch or (1 if on_cpu else DEFAULT_GPU_MIN_DECODE_BATCH)
+        num_slots = max(self.max_batch_size, min_batch)
         # A window may add ceil(2K / block_size) + 1 blocks per row: K in flight, K reserved.
-        per_row = -(-2 * self.decode_steps // block_size) + 1
-        # On a GPU, decode batches of 1-16 rows share one 16-row program: the small-batch matmul
-        # kernel pads to 16 rows anyway, so padding costs no extra weight traffic, and warm-up
-        # compiles one program instead of five. (A 1-row program was 1.0-1.7% faster at B=1 on
-        # an H100 in session 13: ROSEJAX_MIN_DECODE_BATCH=1 buys that with four more programs,
-        # of 1, 2, 4 and 8 rows.)
-        min_batch = env_int("ROSEJAX_MIN_DECODE_BATCH", 1 if on_cpu else 16)
-        num_slots = max(max_batch_size, min_batch)
+        per_row = -(-2 * self.decode_steps // config.block_size) + 1
+        cache = init_kv_cache(self.config, self.allocator.num_blocks, config.block_size, self.dtype)
         self.runner = ModelRunner(
-            config,
+            self.config,
             params,
-            init_kv_cache(config, num_blocks, block_size, self.dtype),
+            cache,
             num_slots,
             self.decode_steps,
             num_slots * per_row,
+            self.kernels,
         )
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
-        self.seed = seed
+        self.seed = config.seed
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
-        self._free_slots = list(range(max_batch_size - 1, -1, -1))  # pop() gives the lowest
+        self._free_slots = list(range(self.max_batch_size - 1, -1, -1))  # pop() gives the lowest
         self._kill = np.zeros(num_slots, bool)  # slots the device must stop
         # Dispatched, not yet read back: (kind, tokens, [(request, epoch, column)], window steps).
         self._pending: deque = deque()
@@ -175,11 +124,34 @@ class LLMEngine:
         # results back into requests (bench/profile_decode.py prints it).
         self.host_seconds = {"dispatch": 0.0, "wait": 0.0, "harvest": 0.0}
         self.prefill_tokens_computed = 0
-        enable_compilation_cache(compilation_cache_dir)
         # Compiling every bucket up front pays on a GPU (seconds per program, persistent cache);
         # on a CPU it takes minutes for GPT-2, so there buckets compile on first use by default.
-        if warmup or (warmup is None and not on_cpu):
+        if config.warmup or (config.warmup is None and not on_cpu):
             self.warmup()
+
+    @classmethod
+    def from_args(cls, model: str, **kwargs) -> LLMEngine:
+        """`LLMEngine(EngineConfig(model, **kwargs))`."""
+        return cls(EngineConfig(model=model, **kwargs))
+
+    def _num_blocks(self, on_cpu: bool) -> int:
+        """KV blocks (scratch included) for the configured token budget or memory fraction;
+        neither given: max_batch_size full contexts on a CPU, half the free memory on a GPU."""
+        config = self.engine_config
+        tokens, fraction = config.kv_cache_tokens, config.kv_cache_memory_fraction
+        if tokens is None and fraction is None:
+            if on_cpu:
+                tokens = self.max_batch_size * self.config.max_model_len
+            else:
+                fraction = 0.5
+        return num_blocks_for(
+            self.config,
+            self.block_size,
+            self.dtype,
+            kv_cache_tokens=tokens,
+            memory_fraction=fraction,
+            max_num_seqs=self.max_batch_size,
+        )
 
     @property
     def num_compiles(self) -> int:

@@ -9,10 +9,9 @@ absolute position `p` sees the keys at logical positions `0..p` of its block tab
 - `prefill_attention`: any number of queries per row, plain XLA. A batch in which no row continues
   a cached prefix (every chunk starts at position 0) attends among its own tokens
   (`causal_attention_xla`); otherwise every row's pages are gathered (`paged_attention_xla`).
-- `decode_attention`: one query per row, K/V written and attended in one call. On the GPU,
-  rosejax's Pallas kernel (`pallas_kernels/paged_attention.py`, ROSEJAX_PALLAS_ATTENTION=0 turns
-  it off), which writes the K/V itself (ROSEJAX_FUSED_KV_APPEND=0 leaves that to `append_kv`);
-  elsewhere XLA.
+- `decode_attention`: one query per row, K/V written and attended in one call: rosejax's Pallas
+  kernel (`pallas_kernels/paged_attention.py`), which writes the K/V itself unless
+  `kernels.fused_kv_append` is off (then `append_kv` does), or XLA, as the `KernelConfig` says.
 - `append_kv`: the `kv_append` dispatcher's kernels (or its XLA scatter), for prefill chunks and
   unfused decode steps.
 """
@@ -26,12 +25,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_append
-from pallas_kernels._common import env_switch, gpu_kernel_enabled
 from pallas_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_append,
     paged_decode_attention_reference,
 )
+from rosejax.settings import KernelConfig
 
 
 @flax.struct.dataclass
@@ -59,26 +58,28 @@ def cache_slots(
     return block, jnp.where(real, positions % block_size, 0).astype(jnp.int32)
 
 
-def pallas_attention_enabled() -> bool:
-    return gpu_kernel_enabled("ROSEJAX_PALLAS_ATTENTION")
-
-
-def decode_append_fused() -> bool:
-    """Whether the decode attention kernel writes the step's K/V too, a kernel a layer fewer."""
-    return pallas_attention_enabled() and env_switch("ROSEJAX_FUSED_KV_APPEND")
-
-
 def append_kv(
     qkv: jax.Array,  # [N, 3H, D]: the new tokens' fused q/k/v projection
     k_cache: jax.Array,  # [H, NB, BS, D]
     v_cache: jax.Array,  # [H, NB, BS, D]
     write_block: jax.Array,  # [N] int32, each token's physical block
     write_offset: jax.Array,  # [N] int32, its slot in that block
+    kernels: KernelConfig,
 ) -> tuple[jax.Array, jax.Array]:
     """Write each token's K/V (heads H..3H of qkv) into its slot -> the caches."""
     h = k_cache.shape[0]
     return kv_append(
-        k_cache, v_cache, qkv, qkv, write_block, write_offset, new_head_offsets=(h, 2 * h)
+        k_cache,
+        v_cache,
+        qkv,
+        qkv,
+        write_block,
+        write_offset,
+        new_head_offsets=(h, 2 * h),
+        use_kernels=kernels.kv_append == "pallas",
+        min_batch=kernels.kv_append_min_batch,
+        interpret=kernels.interpret,
+        **kernels.tile_kwargs("kv_append"),
     )
 
 
@@ -90,15 +91,19 @@ def decode_attention(
     seq_lens: jax.Array,  # [B] int32, tokens in the cache for each row, this step's included
     write_block: jax.Array,  # [B] int32: the slot of position seq_lens - 1 (scratch if padded)
     write_offset: jax.Array,  # [B] int32
+    kernels: KernelConfig,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [B, H, D], k_cache, v_cache
     """Write each row's new K/V, then attend over the row's `seq_lens` tokens."""
-    if decode_append_fused():  # finds the slots from block_tables and seq_lens itself
-        return paged_decode_attention_append(qkv, k_cache, v_cache, block_tables, seq_lens)
-    k_cache, v_cache = append_kv(qkv, k_cache, v_cache, write_block, write_offset)
-    attend = (
-        paged_decode_attention if pallas_attention_enabled() else paged_decode_attention_reference
-    )
-    return attend(qkv, k_cache, v_cache, block_tables, seq_lens), k_cache, v_cache
+    pallas = kernels.attention == "pallas"
+    tiles = kernels.tile_kwargs("attention") | {"interpret": kernels.interpret}
+    if pallas and kernels.fused_kv_append:  # finds the slots from block_tables and seq_lens
+        return paged_decode_attention_append(qkv, k_cache, v_cache, block_tables, seq_lens, **tiles)
+    k_cache, v_cache = append_kv(qkv, k_cache, v_cache, write_block, write_offset, kernels)
+    if pallas:
+        out = paged_decode_attention(qkv, k_cache, v_cache, block_tables, seq_lens, **tiles)
+    else:
+        out = paged_decode_attention_reference(qkv, k_cache, v_cache, block_tables, seq_lens)
+    return out, k_cache, v_cache
 
 
 def prefill_attention(

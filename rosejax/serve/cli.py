@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from rosejax.serve.app import create_app
 
     try:
-        engine = LLMEngine(args.model, seed=args.seed, **engine_kwargs(args))
+        engine = LLMEngine.from_args(args.model, seed=args.seed, **engine_kwargs(args))
         if args.chat_template:
             with open(args.chat_template) as f:
                 engine.tokenizer.chat_template = f.read()

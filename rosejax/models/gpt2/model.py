@@ -6,7 +6,7 @@ NNX would need a `split`/`merge` round trip to get the same thing.
 
 One forward serves prefill (T tokens per row, padded) and decode (T = 1): each layer writes the new
 K/V into the cache (the `pallas_kernels.kv_append` dispatcher, or a decode step's attention kernel),
-then attends over the pages (see `rosejax.attention`). Exactly GPT-2: learned positions, pre-LN,
+then attends over the pages (see `rosejax.layers.attention`). Exactly GPT-2: learned positions, pre-LN,
 tanh GELU, 1/sqrt(head_dim), tied LM head.
 """
 
@@ -29,10 +29,12 @@ from rosejax.layers.kv_cache import KVCache
 from rosejax.layers.layer_norm import LayerNorm
 from rosejax.layers.linear import Linear, PendingSum
 from rosejax.models.gpt2.config import GPT2Config
+from rosejax.settings import XLA_KERNELS, KernelConfig
 
 
 class CausalSelfAttention(nn.Module):
     config: GPT2Config
+    kernels: KernelConfig
 
     @nn.compact
     def __call__(
@@ -42,7 +44,7 @@ class CausalSelfAttention(nn.Module):
         `PendingSum`, the caches."""
         b, t, e = x.shape
         h, d = self.config.n_head, self.config.head_dim
-        qkv = Linear(3 * e, name="c_attn")(x)  # [B, T, 3E]
+        qkv = Linear(3 * e, kernels=self.kernels, name="c_attn")(x)  # [B, T, 3E]
         # The kernels read q, k and v straight out of the projection (heads 0, H and 2H of
         # [B*T, 3H, D], a free reshape): split copies would be a kernel per layer of their own.
         fused = qkv.reshape(b * t, 3 * h, d)
@@ -56,46 +58,56 @@ class CausalSelfAttention(nn.Module):
                 meta.seq_lens,
                 write_block,
                 write_offset,
+                self.kernels,
             )
         else:
-            k_cache, v_cache = append_kv(fused, k_cache, v_cache, write_block, write_offset)
+            k_cache, v_cache = append_kv(
+                fused, k_cache, v_cache, write_block, write_offset, self.kernels
+            )
             q, k, v = (a.reshape(b, t, h, d) for a in jnp.split(qkv, 3, axis=-1))
             out = prefill_attention(
                 q, k, v, k_cache, v_cache, meta.block_tables, meta.positions, fresh
             )
         # residual + projection, summed by the next layer norm
-        y = Linear(e, name="c_proj")(out.reshape(b, t, e), residual, defer=True)
+        y = Linear(e, kernels=self.kernels, name="c_proj")(
+            out.reshape(b, t, e), residual, defer=True
+        )
         return y, k_cache, v_cache
 
 
 class MLP(nn.Module):
     config: GPT2Config
+    kernels: KernelConfig
 
     @nn.compact
     def __call__(self, x, residual):
         """residual + MLP(x), or its `PendingSum` (the next layer norm sums it)."""
-        x = Linear(self.config.mlp_dim, "gelu_tanh", name="c_fc")(x)  # gelu_new
-        return Linear(self.config.n_embd, name="c_proj")(x, residual, defer=True)
+        x = Linear(self.config.mlp_dim, "gelu_tanh", self.kernels, name="c_fc")(x)  # gelu_new
+        return Linear(self.config.n_embd, kernels=self.kernels, name="c_proj")(
+            x, residual, defer=True
+        )
 
 
 class Block(nn.Module):
     config: GPT2Config
+    kernels: KernelConfig
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, meta, write_block, write_offset, fresh):
         """x: the residual stream [B, T, E], an array or a `PendingSum`."""
         eps = self.config.layer_norm_epsilon
-        x, y = LayerNorm(eps, name="ln_1")(x)
-        x, k_cache, v_cache = CausalSelfAttention(self.config, name="attn")(
+        x, y = LayerNorm(eps, self.kernels, name="ln_1")(x)
+        x, k_cache, v_cache = CausalSelfAttention(self.config, self.kernels, name="attn")(
             y, x, k_cache, v_cache, meta, write_block, write_offset, fresh
         )
-        x, y = LayerNorm(eps, name="ln_2")(x)
-        return MLP(self.config, name="mlp")(y, x), k_cache, v_cache
+        x, y = LayerNorm(eps, self.kernels, name="ln_2")(x)
+        return MLP(self.config, self.kernels, name="mlp")(y, x), k_cache, v_cache
 
 
 class GPT2(nn.Module):
     config: GPT2Config
     dtype: Any
+    kernels: KernelConfig
 
     @nn.compact
     def __call__(self, tokens, cache: KVCache, meta: ForwardMetadata, logit_indices=None):
@@ -113,7 +125,7 @@ class GPT2(nn.Module):
 
         ks, vs = [], []
         for i in range(cfg.n_layer):  # unrolled: each layer's cache stays its own donated buffer
-            x, k, v = Block(cfg, name=f"h_{i}")(
+            x, k, v = Block(cfg, self.kernels, name=f"h_{i}")(
                 x, cache.k[i], cache.v[i], meta, write_block, write_offset, fresh
             )
             ks.append(k)
@@ -121,7 +133,7 @@ class GPT2(nn.Module):
         if logit_indices is not None:  # only the rows' last real tokens need logits
             x = x.value() if isinstance(x, PendingSum) else x
             x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)[:, 0]  # [B, E]
-        _, x = LayerNorm(cfg.layer_norm_epsilon, name="ln_f")(x)
+        _, x = LayerNorm(cfg.layer_norm_epsilon, self.kernels, name="ln_f")(x)
         # In the model's dtype: an fp16 step writes (and its argmax reads) half the bytes of
         # float32 logits, 26 MB less per step at B=256; the values are the same, since the
         # product is rounded to the model's dtype first either way. Sampling upcasts.
@@ -136,8 +148,13 @@ def forward(
     cache: KVCache,
     meta: ForwardMetadata,
     logit_indices: jax.Array | None = None,  # [B] int32: return logits of these tokens only
+    *,
+    kernels: KernelConfig = XLA_KERNELS,
 ) -> tuple[jax.Array, KVCache]:
-    """Run GPT-2 over `tokens`, writing their K/V into `cache`. Returns (logits, cache): logits are
-    [B, T, V] in the params' dtype, or [B, V] when `logit_indices` is given."""
+    """Run GPT-2 over `tokens`, writing their K/V into `cache`, each op as `kernels` says (XLA by
+    default). Returns (logits, cache): logits are [B, T, V] in the params' dtype, or [B, V] when
+    `logit_indices` is given."""
     dtype = params["wte"]["embedding"].dtype
-    return GPT2(config, dtype).apply({"params": params}, tokens, cache, meta, logit_indices)
+    return GPT2(config, dtype, kernels).apply(
+        {"params": params}, tokens, cache, meta, logit_indices
+    )

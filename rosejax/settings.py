@@ -1,0 +1,223 @@
+"""Settings: what the engine and its kernels run with, built once by the entry points (`LLM`,
+`LLMEngine`, the CLIs, the server) and handed down as values.
+
+`KernelConfig` chooses each op's implementation (a Pallas kernel or XLA), its thresholds and tiles;
+it is a static argument of every compiled program, so a different one compiles a different
+program. `EngineConfig` is everything else an engine is built from. This is the one module that
+reads the environment (`ROSEJAX_*`, `XLA_FLAGS`), and only to fill defaults when a config is made.
+`configure_process` makes the process-wide changes (XLA flags, the persistent compilation cache)
+that an entry point asks for; importing rosejax changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal
+
+import jax
+
+Impl = Literal["pallas", "xla"]
+IMPLS = ("pallas", "xla")
+KERNEL_OPS = ("kv_append", "attention", "layer_norm", "linear")
+
+# Environment variables that fill defaults, and what each sets.
+ENV_KERNEL_SWITCHES = {  # "0" / "false" / "off" / "no" picks XLA for the op
+    "kv_append": "ROSEJAX_PALLAS_KV_APPEND",
+    "attention": "ROSEJAX_PALLAS_ATTENTION",
+    "layer_norm": "ROSEJAX_PALLAS_LAYER_NORM",
+    "linear": "ROSEJAX_PALLAS_LINEAR",
+}
+ENV_FUSED_KV_APPEND = "ROSEJAX_FUSED_KV_APPEND"
+ENV_KV_APPEND_MIN_BATCH = "ROSEJAX_PALLAS_KV_APPEND_MIN_BATCH"
+ENV_LINEAR_MAX_ROWS = "ROSEJAX_PALLAS_LINEAR_MAX_ROWS"
+ENV_CUBLAS_MIN_BATCH = "ROSEJAX_CUBLAS_MIN_BATCH"
+ENV_MIN_DECODE_BATCH = "ROSEJAX_MIN_DECODE_BATCH"
+ENV_COMPILATION_CACHE_DIR = "ROSEJAX_COMPILATION_CACHE_DIR"
+
+# XLA's Triton GEMMs win at small batches (B=1: 0.435 ms/step against 0.557 with cuBLAS, H200),
+# cuBLAS with its bias/GELU epilogues at large ones (B=256: 1.066 against 1.124 ms).
+DEFAULT_CUBLAS_MIN_BATCH = 256
+# Rows up to which `Linear` runs the Pallas matmul; XLA's split-K GEMMs win from 32 rows (H100).
+DEFAULT_LINEAR_MAX_ROWS = 16
+# Every append kernel beat XLA's scatter at every batch measured, B=1 included (H200).
+DEFAULT_KV_APPEND_MIN_BATCH = 1
+# Decode batches of 1-16 share one 16-row program on a GPU: the Pallas matmul pads to 16 rows
+# anyway, and warm-up compiles one program instead of five.
+DEFAULT_GPU_MIN_DECODE_BATCH = 16
+
+# Process-wide XLA flags, unless XLA_FLAGS names them: WHILE/CONDITIONAL in command buffers make
+# a decode window (a `lax.while_loop`) one CUDA graph (B=256: 0.98 ms/step against 1.09, H200).
+_PROCESS_XLA_FLAGS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+}
+
+
+def _env(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def env_switch(name: str) -> bool:
+    """On unless the variable is 0, false, off or no."""
+    return _env(name).lower() not in ("0", "false", "off", "no")
+
+
+def env_int(name: str, default: int | None) -> int | None:
+    raw = _env(name)
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _xla_flags_name(flag: str) -> bool:
+    return flag in os.environ.get("XLA_FLAGS", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Which implementation each op runs, with its thresholds and tiles. Hashable: the compiled
+    programs take it as a static argument.
+
+    Pallas kernels compile through Triton on a GPU; `interpret=True` runs them in Pallas's
+    interpreter (how the CPU tests run the GPU path).
+    """
+
+    kv_append: Impl = "xla"  # prefill chunks' (and unfused decode steps') K/V writes
+    attention: Impl = "xla"  # paged decode attention
+    layer_norm: Impl = "xla"
+    linear: Impl = "xla"  # small-batch matmul with fused bias, GELU and residual
+    fused_kv_append: bool = True  # the Pallas decode attention writes the step's K/V itself
+    kv_append_min_batch: int = DEFAULT_KV_APPEND_MIN_BATCH  # fewer appended rows: XLA scatter
+    linear_max_rows: int = DEFAULT_LINEAR_MAX_ROWS  # more rows: XLA's GEMMs
+    # Decode programs of at least this many rows use cuBLAS GEMMs, smaller ones XLA's Triton
+    # GEMMs; None leaves the choice to XLA (XLA_FLAGS names xla_gpu_enable_triton_gemm).
+    cublas_min_batch: int | None = DEFAULT_CUBLAS_MIN_BATCH
+    # Decode programs order their command buffer's kernels by the buffers they share
+    # (CONCURRENT; -0.5% to -1.8% ms/step, H200) rather than in program order.
+    concurrent_command_buffers: bool = True
+    # Tile overrides, ((op, parameter, value), ...): keyword arguments of that op's kernel,
+    # e.g. ("linear", "num_warps", 2). Ops: kv_append, attention, layer_norm, linear.
+    tiles: tuple[tuple[str, str, int], ...] = ()
+    interpret: bool = False
+
+    def __post_init__(self) -> None:
+        for op in KERNEL_OPS:
+            if getattr(self, op) not in IMPLS:
+                raise ValueError(f"kernels.{op} must be one of {IMPLS}, got {getattr(self, op)!r}")
+        for op, param, value in self.tiles:
+            if op not in KERNEL_OPS or not isinstance(param, str) or not isinstance(value, int):
+                raise ValueError(
+                    f"a tile override is (op, parameter, int) with op in {KERNEL_OPS}, "
+                    f"got {(op, param, value)!r}"
+                )
+        for name in ("kv_append_min_batch", "linear_max_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"kernels.{name} must be >= 0, got {getattr(self, name)}")
+
+    @classmethod
+    def for_backend(cls, backend: str | None = None, **overrides) -> KernelConfig:
+        """The defaults for `backend` (jax's default backend if None): every Pallas kernel on a
+        GPU, XLA elsewhere (a CPU would interpret kernels program by program); then the
+        ROSEJAX_* variables that are set; then `overrides`."""
+        backend = backend or jax.default_backend()
+        gpu = backend in ("gpu", "cuda", "rocm")
+        values: dict = {}
+        for op, env in ENV_KERNEL_SWITCHES.items():
+            values[op] = "pallas" if gpu and env_switch(env) else "xla"
+        values["fused_kv_append"] = env_switch(ENV_FUSED_KV_APPEND)
+        values["kv_append_min_batch"] = env_int(
+            ENV_KV_APPEND_MIN_BATCH, DEFAULT_KV_APPEND_MIN_BATCH
+        )
+        values["linear_max_rows"] = env_int(ENV_LINEAR_MAX_ROWS, DEFAULT_LINEAR_MAX_ROWS)
+        values["cublas_min_batch"] = (
+            None
+            if _xla_flags_name("xla_gpu_enable_triton_gemm")
+            else env_int(ENV_CUBLAS_MIN_BATCH, DEFAULT_CUBLAS_MIN_BATCH)
+        )
+        values["concurrent_command_buffers"] = not _xla_flags_name(
+            "xla_gpu_command_buffer_scheduling_mode"
+        )
+        return cls(**(values | overrides))
+
+    def tile_kwargs(self, op: str) -> dict[str, int]:
+        """The keyword arguments this config passes to `op`'s kernel."""
+        return {param: value for o, param, value in self.tiles if o == op}
+
+    def decode_compiler_options(self, batch: int) -> dict[str, bool | str]:
+        """Per-program XLA options of a decode program of `batch` rows."""
+        options: dict[str, bool | str] = {}
+        if self.concurrent_command_buffers:
+            options["xla_gpu_command_buffer_scheduling_mode"] = "CONCURRENT"
+        if self.cublas_min_batch is not None and batch >= self.cublas_min_batch:
+            options["xla_gpu_enable_triton_gemm"] = False
+        return options
+
+
+XLA_KERNELS = KernelConfig()  # every op in XLA: the reference path, and a CPU's default
+
+
+def _default_compilation_cache_dir() -> str:
+    return _env(ENV_COMPILATION_CACHE_DIR) or os.path.expanduser("~/.cache/rosejax/jax")
+
+
+def _default_min_decode_batch() -> int | None:
+    return env_int(ENV_MIN_DECODE_BATCH, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything an `LLMEngine` is built from. None means "decide from the backend": see each
+    field; `LLMEngine` resolves them once."""
+
+    model: str  # hub id, local save_pretrained directory, or random:<preset>
+    tokenizer: str | None = None  # default: the model's own, else the packaged GPT-2 tokenizer
+    dtype: str = "auto"  # float32 | bfloat16 | float16; auto: float16 on GPU, float32 on CPU
+    max_batch_size: int = 64  # requests decoded together
+    block_size: int = 64  # tokens per KV block
+    # KV cache size: a token budget or a fraction of free device memory (at most one); neither:
+    # max_batch_size full contexts on a CPU, half the free memory on a GPU.
+    kv_cache_tokens: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0  # random weights of random:<preset>, and the seeds of seedless requests
+    max_prefill_tokens: int = 4096  # prompt tokens per prefill at most
+    prefill_max_batch_size: int | None = None  # requests per prefill; default max_batch_size
+    decode_steps: int | str = "auto"  # steps per decode window, or "auto"
+    # The smallest decode program: smaller batches pad to it. None: 1 on a CPU, 16 on a GPU.
+    min_decode_batch: int | None = dataclasses.field(default_factory=_default_min_decode_batch)
+    kernels: KernelConfig | None = None  # None: KernelConfig.for_backend()
+    compilation_cache_dir: str | None = dataclasses.field(
+        default_factory=_default_compilation_cache_dir
+    )  # jax's persistent compilation cache; None: off
+    warmup: bool | None = None  # compile every bucket at start; None: on a GPU only
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.block_size < 1:
+            raise ValueError("max_batch_size and block_size must be >= 1")
+        if self.decode_steps != "auto" and (
+            not isinstance(self.decode_steps, int) or self.decode_steps < 1
+        ):
+            raise ValueError(
+                f"decode_steps must be 'auto' or an int >= 1, got {self.decode_steps!r}"
+            )
+        if self.min_decode_batch is not None and self.min_decode_batch < 1:
+            raise ValueError(f"min_decode_batch must be >= 1, got {self.min_decode_batch}")
+        if self.kv_cache_tokens is not None and self.kv_cache_memory_fraction is not None:
+            raise ValueError("give at most one of kv_cache_tokens and kv_cache_memory_fraction")
+
+
+def configure_process(config: EngineConfig) -> None:
+    """The process-wide settings an engine runs best with: XLA flags (which take effect only if
+    jax has not started its backend yet; a flag already in XLA_FLAGS wins) and jax's persistent
+    compilation cache, so a second start skips compiling."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for name, value in _PROCESS_XLA_FLAGS.items():
+        if name not in flags:
+            flags = f"{flags} --{name}={value}"
+    os.environ["XLA_FLAGS"] = flags.strip()
+    if config.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
