@@ -1,1 +1,1 @@
-"""Benchmarks of rosejax (and of HF transformers beside it); figures go in bench/RESULTS.md."""
+"""Benchmarks of rosejax (and of HF transformers beside it); figures go in docs/performance-log.md."""

@@ -1,10 +1,10 @@
 """Decode step time of engine variants measured in one process, the first variant the baseline.
 
-Separate processes on one GPU have differed by up to 9% in decode step time (bench/RESULTS.md,
-session 13: the same B=1 program gave 0.351 and 0.383 ms/step in two processes), more than most
-kernel changes are worth, while runs inside one process agree to about 0.5%. So each variant here gets its own
-engine, compiled under its settings, and the timed runs go round-robin (A B C A B C ...), so a
-drift of the card hits every variant alike.
+Separate processes on one GPU have differed by up to 9% in decode step time (the same B=1
+program gave 0.351 and 0.383 ms/step in two processes on an H100; docs/performance-log.md,
+"Noise"), more than most kernel changes are worth, while runs inside one process agree to about
+0.5%. So each variant here gets its own engine, compiled under its settings, and the timed runs go
+round-robin (A B C A B C ...), so a drift of the card hits every variant alike.
 
 A variant is NAME:SETTING,SETTING,... where a SETTING is an environment variable the model reads
 when it is traced (ENV=VALUE, e.g. ROSEJAX_FUSED_KV_APPEND=0) or a kernel keyword
