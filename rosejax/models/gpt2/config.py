@@ -74,7 +74,7 @@ class GPT2Config:
     def padded_vocab_size(self) -> int:
         """Rows of the params' wte: the vocabulary rounded up to a multiple of 128. With GPT-2's
         50,257 rows, cuBLAS needs an aligned LM head and XLA padded the whole 77 MB matrix again
-        inside every decode step (bench/RESULTS.md, session 10); padded once at load, it is not."""
+        inside every decode step; padded once at load, it is not."""
         return -(-self.vocab_size // 128) * 128
 
     def num_params(self) -> int:

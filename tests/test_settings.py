@@ -1,0 +1,149 @@
+"""Settings as values: the kernel and engine configs, the environment read in one module only, and
+the package's layers importing only downwards."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from rosejax.settings import EngineConfig, KernelConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_gpu_defaults_every_kernel_cpu_none(monkeypatch):
+    for name in ("ROSEJAX_PALLAS_ATTENTION", "ROSEJAX_PALLAS_LINEAR", "XLA_FLAGS"):
+        monkeypatch.delenv(name, raising=False)
+    gpu = KernelConfig.for_backend("gpu")
+    assert (gpu.kv_append, gpu.attention, gpu.layer_norm, gpu.linear) == ("pallas",) * 4
+    cpu = KernelConfig.for_backend("cpu")
+    assert (cpu.kv_append, cpu.attention, cpu.layer_norm, cpu.linear) == ("xla",) * 4
+    assert cpu == KernelConfig()
+
+
+def test_environment_fills_defaults_and_overrides_win(monkeypatch):
+    monkeypatch.setenv("ROSEJAX_PALLAS_ATTENTION", "off")
+    monkeypatch.setenv("ROSEJAX_FUSED_KV_APPEND", "0")
+    monkeypatch.setenv("ROSEJAX_PALLAS_LINEAR_MAX_ROWS", "32")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    config = KernelConfig.for_backend("gpu", linear="xla")
+    assert config.attention == "xla" and config.layer_norm == "pallas"
+    assert not config.fused_kv_append and config.linear_max_rows == 32
+    assert config.linear == "xla"  # the explicit override
+    monkeypatch.setenv("ROSEJAX_PALLAS_LINEAR_MAX_ROWS", "many")
+    with pytest.raises(ValueError, match="ROSEJAX_PALLAS_LINEAR_MAX_ROWS must be an integer"):
+        KernelConfig.for_backend("gpu")
+
+
+def test_decode_compiler_options_per_batch_and_xla_flags_win(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("ROSEJAX_CUBLAS_MIN_BATCH", "64")
+    config = KernelConfig.for_backend("gpu")
+    concurrent = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
+    assert config.decode_compiler_options(63) == concurrent
+    assert config.decode_compiler_options(64) == {**concurrent, "xla_gpu_enable_triton_gemm": False}
+    # A flag the user set in XLA_FLAGS is theirs: the config leaves it to XLA.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert KernelConfig.for_backend("gpu").decode_compiler_options(256) == concurrent
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_command_buffer_scheduling_mode=LHS")
+    assert KernelConfig.for_backend("gpu").decode_compiler_options(256) == {
+        "xla_gpu_enable_triton_gemm": False
+    }
+
+
+def test_configs_are_hashable_values_and_check_their_fields():
+    a = KernelConfig(attention="pallas", tiles=(("attention", "num_warps", 2),))
+    b = KernelConfig(attention="pallas", tiles=(("attention", "num_warps", 2),))
+    assert a == b and hash(a) == hash(b) and a != KernelConfig()
+    assert a.tile_kwargs("attention") == {"num_warps": 2} and a.tile_kwargs("linear") == {}
+    with pytest.raises(ValueError, match="kernels.attention must be one of"):
+        KernelConfig(attention="triton")
+    with pytest.raises(ValueError, match="tile override"):
+        KernelConfig(tiles=(("matmul", "num_warps", 2),))
+    with pytest.raises(ValueError, match="decode_steps"):
+        EngineConfig(model="random:tiny", decode_steps=0)
+    with pytest.raises(ValueError, match="at most one"):
+        EngineConfig(model="random:tiny", kv_cache_tokens=64, kv_cache_memory_fraction=0.5)
+
+
+def test_engine_config_reads_the_environment_when_made(monkeypatch):
+    monkeypatch.setenv("ROSEJAX_MIN_DECODE_BATCH", "8")
+    monkeypatch.setenv("ROSEJAX_COMPILATION_CACHE_DIR", "/tmp/rosejax-cache-test")
+    config = EngineConfig(model="random:tiny")
+    monkeypatch.setenv("ROSEJAX_MIN_DECODE_BATCH", "2")
+    assert config.min_decode_batch == 8  # a value: later changes of the environment don't reach it
+    assert config.compilation_cache_dir == "/tmp/rosejax-cache-test"
+    assert EngineConfig(model="random:tiny", min_decode_batch=4).min_decode_batch == 4
+
+
+def _sources(*packages: str):
+    for package in packages:
+        yield from sorted((ROOT / package).rglob("*.py"))
+
+
+def test_only_the_settings_module_reads_the_environment():
+    readers = []
+    for path in _sources("rosejax", "pallas_kernels"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+            if name in ("environ", "getenv", "environb"):
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert readers and all(r.startswith("rosejax/settings.py:") for r in readers), readers
+
+
+# Lower layers first: a module may import from its own layer and those before it, never after.
+LAYERS = [
+    ["pallas_kernels"],
+    ["rosejax.settings", "rosejax.sampling", "rosejax.tokenizer"],
+    ["rosejax.layers"],
+    ["rosejax.models"],
+    ["rosejax.model_runner"],
+    ["rosejax.engine"],
+    ["rosejax.llm", "rosejax.engine_args"],
+    ["rosejax.generate", "rosejax.serve", "rosejax"],
+]
+
+
+def _layer(module: str) -> int:
+    best = None
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (i, len(prefix))
+    assert best is not None, f"{module} is in no layer"
+    return best[0]
+
+
+def test_no_import_runs_back_up_the_layers():
+    upward = []
+    for path in _sources("rosejax", "pallas_kernels"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target.split(".")[0] in ("rosejax", "pallas_kernels"):
+                    if _layer(target) > _layer(module):
+                        upward.append(f"{module} imports {target}")
+    assert not upward, upward
+
+
+def test_importing_rosejax_changes_no_process_setting():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    code = "import os, rosejax; print(repr(os.environ.get('XLA_FLAGS')))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "None"
