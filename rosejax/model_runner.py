@@ -148,6 +148,8 @@ class ModelRunner:
         upd_slot,
         upd_index,
         upd_block,
+        move_src,
+        move_dst,
         n_steps,
         *,
         batch: int,
@@ -157,9 +159,14 @@ class ModelRunner:
         """Up to `n_steps` decode steps over slots [0, batch). Returns tokens [K, batch] (-1 where a
         row produced nothing), the cache and the state."""
         self.num_compiles += 1
+        state = state.replace(alive=state.alive & ~kill)
+        # Compaction: whole rows move down to free slots (sources and destinations disjoint),
+        # then the sources stop; padded moves (index S) are dropped.
+        src = jnp.minimum(move_src, self.num_slots - 1)
+        state = jax.tree.map(lambda a: a.at[move_dst].set(a[src], mode="drop"), state)
+        state = state.replace(alive=state.alive.at[move_src].set(False, mode="drop"))
         tables = state.block_tables.at[upd_slot, upd_index].set(upd_block, mode="drop")
-        alive = state.alive & ~kill
-        state = state.replace(block_tables=tables, alive=alive)
+        state = state.replace(block_tables=tables)
         rows = jax.tree.map(lambda a: a[:batch], state)
         out = jnp.full((self.max_decode_steps, batch), -1, jnp.int32)
 
@@ -178,7 +185,9 @@ class ModelRunner:
             if greedy:
                 nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             else:
-                nxt = sample(logits, r.temperature, r.top_k, r.top_p, r.seed, r.steps)
+                # Rows without a request sample greedily: their stale filters cost nothing.
+                temperature = jnp.where(r.alive, r.temperature, 0.0)
+                nxt = sample(logits, temperature, r.top_k, r.top_p, r.seed, r.steps)
             live = r.alive
             steps = r.steps + live
             r = r.replace(
@@ -222,12 +231,17 @@ class ModelRunner:
         greedy: bool,
         kill: np.ndarray,
         updates: list[tuple[int, int, int]],
+        moves: list[tuple[int, int]] = (),
     ) -> jax.Array:
         """Dispatch a decode window (asynchronously); `updates` are (slot, index, block) entries
-        of the block tables that changed since the last window."""
+        of the block tables that changed since the last window (slots after the moves), `moves`
+        (src, dst) rows of the slot state to move first."""
         u = np.full((3, self.max_table_updates), self.num_slots, np.int32)
         if updates:
             u[:, : len(updates)] = np.asarray(updates, np.int32).T
+        m = np.full((2, self.num_slots), self.num_slots, np.int32)
+        if moves:
+            m[:, : len(moves)] = np.asarray(moves, np.int32).T
         key = (batch, self.kernels)
         program = self._decode_programs.get(key)
         if program is None:
@@ -246,6 +260,8 @@ class ModelRunner:
             u[0],
             u[1],
             u[2],
+            m[0],
+            m[1],
             np.int32(n_steps),
             batch=batch,
             greedy=greedy,

@@ -3,7 +3,9 @@ sampling, stops, bad input, aborts, and the allocator left clean."""
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -483,3 +485,41 @@ def test_changing_kernels_compiles_the_other_program(checkpoint, monkeypatch):
     compiled, traced = engine.num_compiles, len(calls)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == xla
     assert engine.num_compiles == compiled and len(calls) == traced
+
+
+def test_decode_width_follows_the_running_requests(checkpoint, monkeypatch):
+    """Bursts that leave survivors in high slots, in every order of which slots survive: each
+    decode window runs at the smallest bucket that holds the running requests, survivors are
+    moved down with their state (greedy and seeded-sampled tokens equal HF's / a lone run's),
+    and a request arriving afterwards decodes alone at width 1."""
+    llm = make_llm(checkpoint, max_batch_size=8, decode_steps=2)
+    engine = llm.engine
+    widths = []  # (program batch, requests running)
+    decode = engine.runner.decode
+    monkeypatch.setattr(
+        engine.runner,
+        "decode",
+        lambda b, *a: widths.append((b, len(engine.scheduler.running))) or decode(b, *a),
+    )
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, top_k=20, seed=5)
+    lone = make_llm(checkpoint).generate([[7, 8, 9]], sampled, use_tqdm=False)[0].token_ids
+    for survivors in itertools.permutations([5, 6, 7], 2):  # two of the high slots survive
+        prompts = random_prompts(8, hi=12)
+        params = [SamplingParams(max_tokens=2 + i % 3, temperature=0.0) for i in range(8)]
+        for slot, n in zip(survivors, (14, 16), strict=True):
+            params[slot] = SamplingParams(max_tokens=n, temperature=0.0)
+        prompts[survivors[1]], params[survivors[1]] = [7, 8, 9], sampled
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, p, out in zip(prompts, params, outs, strict=True):
+            if p is sampled:
+                assert out.token_ids == lone
+            else:
+                assert out.token_ids == _hf_greedy(checkpoint[1], tuple(prompt), p.max_tokens)
+        assert_clean(engine)
+    buckets = engine.decode_buckets
+    assert all(b == buckets[bisect.bisect_left(buckets, n)] for b, n in widths), widths
+    assert any(n <= 2 for _, n in widths)  # the survivors ran alone, at width <= 2
+    widths.clear()
+    out = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]
+    assert out.token_ids == _hf_greedy(checkpoint[1], (1, 2, 3), 24)
+    assert {b for b, _ in widths} == {1}

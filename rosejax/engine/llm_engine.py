@@ -10,6 +10,7 @@ stops them for what only it can see (stop strings) and tells the device at the n
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import time
 from collections import deque
@@ -116,7 +117,8 @@ class LLMEngine:
         self.seed = config.seed
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
-        self._free_slots = list(range(self.max_batch_size - 1, -1, -1))  # pop() gives the lowest
+        # A min-heap: a new request takes the lowest free slot, so the decode width stays low.
+        self._free_slots = list(range(self.max_batch_size))
         self._kill = np.zeros(num_slots, bool)  # slots the device must stop
         # Dispatched, not yet read back: (kind, tokens, [(request, epoch, column)], window steps).
         self._pending: deque = deque()
@@ -241,7 +243,7 @@ class LLMEngine:
         """Give the request's device row back; the device stops it at the next window."""
         if request.slot >= 0:
             self._kill[request.slot] = True
-            self._free_slots.append(request.slot)
+            heapq.heappush(self._free_slots, request.slot)
             request.slot = -1
 
     def _release(self, request: Request) -> None:
@@ -268,7 +270,7 @@ class LLMEngine:
         if plan is None:
             return False
         requests = plan.requests
-        slots = [self._free_slots.pop() for _ in requests]
+        slots = [heapq.heappop(self._free_slots) for _ in requests]
         for r, slot in zip(requests, slots, strict=True):
             r.slot = slot
             r.epoch += 1
@@ -343,6 +345,7 @@ class LLMEngine:
         running = list(self.scheduler.running)
         if not running:
             return False
+        moves = self._compact(running)
         updates = []
         for r in running:
             blocks = r.table.blocks
@@ -352,10 +355,24 @@ class LLMEngine:
         b = _bucket(max(r.slot for r in running) + 1, self.decode_buckets)
         greedy = all(r.params.temperature == 0 for r in running)
         # A copy: on the CPU jax may alias a numpy argument, and this one is reset at once.
-        out = self.runner.decode(b, k, greedy, self._kill.copy(), updates)
+        out = self.runner.decode(b, k, greedy, self._kill.copy(), updates, moves)
         self._kill[:] = False
         self._pending.append(("decode", out, [(r, r.epoch, r.slot) for r in running], k))
         return True
+
+    def _compact(self, running: list[Request]) -> list[tuple[int, int]]:
+        """Move the running requests that sit at or above the smallest decode bucket holding
+        them all into the lowest free slots, so the window runs at that width whatever slots
+        they were given and in whatever order others finished. Returns the (src, dst) moves;
+        the device moves the rows at the start of the next window, before anything else."""
+        width = _bucket(len(running), self.decode_buckets)
+        moves = []
+        for r in sorted((r for r in running if r.slot >= width), key=lambda r: r.slot):
+            dst = heapq.heappop(self._free_slots)  # < width: fewer than width slots are held
+            moves.append((r.slot, dst))
+            heapq.heappush(self._free_slots, r.slot)
+            r.slot = dst
+        return moves
 
     def _harvest(self, kind: str, tokens: jax.Array, roster, k: int) -> list[RequestOutput]:
         """Read back a dispatched program's tokens and feed them to their requests."""
