@@ -523,3 +523,47 @@ def test_decode_width_follows_the_running_requests(checkpoint, monkeypatch):
     out = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]
     assert out.token_ids == _hf_greedy(checkpoint[1], (1, 2, 3), 24)
     assert {b for b, _ in widths} == {1}
+
+
+def test_out_of_memory_names_the_flags_to_lower(checkpoint, monkeypatch):
+    """A device that runs out of memory while the engine is built gives an error that says which
+    settings to lower, not a bare RESOURCE_EXHAUSTED."""
+    from rosejax.engine import llm_engine
+
+    def exhausted(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.8GiB")
+
+    monkeypatch.setattr(llm_engine, "init_kv_cache", exhausted)
+    with pytest.raises(ValueError, match="kv-cache-memory-fraction.*max-batch-size"):
+        make_llm(checkpoint)
+
+
+def test_cache_size_is_logged(checkpoint, caplog):
+    caplog.set_level("INFO", logger="rosejax")
+    engine = make_llm(checkpoint, kv_cache_tokens=100).engine
+    blocks = engine.allocator.num_blocks - 1
+    assert f"KV cache: {blocks} blocks of 8 tokens, {blocks * 8} tokens" in caplog.text
+
+
+def test_warmup_first_programs_then_the_rest_in_steps(checkpoint, caplog):
+    """A server compiles what a first request needs up front, the rest one program at a time
+    between steps: the first three are the smallest prefill and decode (greedy and sampled)
+    programs, every step logs what it compiled, and afterwards nothing recompiles."""
+    caplog.set_level("INFO", logger="rosejax")
+    llm = make_llm(checkpoint, max_batch_size=2, decode_steps=2)
+    engine = llm.engine
+    programs = engine.warmup_programs()
+    assert len(set(programs)) == len(programs)
+    first = programs[:3]
+    assert first[0] == ("prefill", 1, engine.prefill_len_buckets[0])
+    assert first[1:] == [("decode", engine.decode_buckets[0], g) for g in (True, False)]
+    engine.warmup(first)
+    assert engine.num_compiles == 3 and "compiled decode program 3/3" in caplog.text
+    steps = 1
+    while engine.warmup_step():
+        steps += 1
+    assert steps == len(programs) - 3 and engine.num_compiles == len(programs)
+    assert not engine.warmup_step()
+    outs = llm.generate(random_prompts(2), SamplingParams(max_tokens=5, top_k=3), use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [5, 5]
+    assert engine.num_compiles == len(programs)

@@ -17,6 +17,7 @@ from hypothesis.stateful import (
 )
 
 from rosejax.engine.block_manager import SCRATCH_BLOCK, BlockAllocator, NoFreeBlocksError
+from rosejax.layers import kv_cache
 from rosejax.layers.kv_cache import (
     KVCache,
     copy_blocks,
@@ -489,9 +490,11 @@ def test_num_blocks_for_memory_fraction(monkeypatch):
     assert num_blocks_for(config, 16, jnp.float32, memory_fraction=0.5, max_num_seqs=4) == 5
     with pytest.raises(ValueError, match="not enough"):
         num_blocks_for(config, 16, jnp.float32, memory_fraction=0.5, max_num_seqs=5)
-    monkeypatch.setattr(jax, "local_devices", lambda: [_FakeDevice(None)])  # as on CPU
-    with pytest.raises(ValueError, match="kv_cache_tokens"):
-        num_blocks_for(config, 16, jnp.float32, memory_fraction=0.9)
+    # A device without stats (a CPU) sizes the cache from the host's available memory.
+    monkeypatch.setattr(jax, "local_devices", lambda: [_FakeDevice(None)])
+    pages = {"SC_AVPHYS_PAGES": 3 * per_block, "SC_PAGE_SIZE": 4}
+    monkeypatch.setattr(kv_cache.os, "sysconf", pages.__getitem__)
+    assert num_blocks_for(config, 16, jnp.float32, memory_fraction=0.5) == 6
 
 
 @pytest.mark.parametrize(

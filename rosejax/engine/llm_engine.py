@@ -12,6 +12,8 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import logging
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -22,7 +24,7 @@ import numpy as np
 from rosejax.engine.block_manager import BlockAllocator
 from rosejax.engine.request import Request, RequestOutput, RequestStatus
 from rosejax.engine.scheduler import Scheduler
-from rosejax.layers.kv_cache import init_kv_cache, num_blocks_for
+from rosejax.layers.kv_cache import init_kv_cache, kv_cache_bytes_per_block, num_blocks_for
 from rosejax.model_runner import NUM_STOP_IDS, ModelRunner
 from rosejax.models.loader import load_model, resolve_dtype
 from rosejax.sampling import SamplingParams
@@ -33,6 +35,8 @@ from rosejax.settings import (
     configure_process,
 )
 from rosejax.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger("rosejax")
 
 AUTO_FULL_STEPS = 32  # "auto" decode window while the batch is full: throughput
 AUTO_OPEN_STEPS = 8  # "auto" decode window while the batch has free slots
@@ -67,6 +71,18 @@ class LLMEngine:
         """Load the model and tokenizer, size the KV cache, and (on a GPU) compile every bucket.
         Sets the process-wide XLA flags and compilation cache first (`configure_process`)."""
         configure_process(config)
+        try:
+            self._build(config)
+        except Exception as e:  # jax's runtime error type differs between versions
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            raise ValueError(
+                "out of device memory while loading the model, allocating the KV cache or "
+                "compiling: lower --kv-cache-memory-fraction (or --kv-cache-tokens), "
+                f"--max-batch-size or --max-prefill-tokens, or pick a smaller dtype ({e})"
+            ) from e
+
+    def _build(self, config: EngineConfig) -> None:
         on_cpu = jax.default_backend() == "cpu"
         self.engine_config = config
         self.kernels = config.kernels or KernelConfig.for_backend()
@@ -126,6 +142,7 @@ class LLMEngine:
         # results back into requests (bench/profile_decode.py prints it).
         self.host_seconds = {"dispatch": 0.0, "wait": 0.0, "harvest": 0.0}
         self.prefill_tokens_computed = 0
+        self._warm: set[tuple[str, int, int | bool]] = set()  # programs warm-up compiled
         # Compiling every bucket up front pays on a GPU (seconds per program, persistent cache);
         # on a CPU it takes minutes for GPT-2, so there buckets compile on first use by default.
         if config.warmup or (config.warmup is None and not on_cpu):
@@ -138,22 +155,33 @@ class LLMEngine:
 
     def _num_blocks(self, on_cpu: bool) -> int:
         """KV blocks (scratch included) for the configured token budget or memory fraction;
-        neither given: max_batch_size full contexts on a CPU, half the free memory on a GPU."""
+        neither given: half the free memory, on a CPU no more than max_batch_size full
+        contexts. Logs the size it chose."""
         config = self.engine_config
         tokens, fraction = config.kv_cache_tokens, config.kv_cache_memory_fraction
-        if tokens is None and fraction is None:
-            if on_cpu:
-                tokens = self.max_batch_size * self.config.max_model_len
-            else:
-                fraction = 0.5
-        return num_blocks_for(
-            self.config,
+
+        def blocks(**budget) -> int:
+            return num_blocks_for(
+                self.config, self.block_size, self.dtype, max_num_seqs=self.max_batch_size, **budget
+            )
+
+        if tokens is not None:
+            num_blocks = blocks(kv_cache_tokens=tokens)
+        else:
+            num_blocks = blocks(memory_fraction=fraction or 0.5)
+            if on_cpu and fraction is None:  # more than a full context per request is never used
+                full = self.max_batch_size * self.config.max_model_len
+                num_blocks = min(num_blocks, blocks(kv_cache_tokens=full))
+        per_block = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %d tokens, %.2f GiB (--kv-cache-tokens or "
+            "--kv-cache-memory-fraction change it)",
+            num_blocks - 1,
             self.block_size,
-            self.dtype,
-            kv_cache_tokens=tokens,
-            memory_fraction=fraction,
-            max_num_seqs=self.max_batch_size,
+            (num_blocks - 1) * self.block_size,
+            num_blocks * per_block / 2**30,
         )
+        return num_blocks
 
     @property
     def num_compiles(self) -> int:
@@ -182,16 +210,47 @@ class LLMEngine:
             if self.scheduler.prefill_fits(b, t)
         ]
 
-    def warmup(self) -> float:
-        """Compile every bucket once (padded rows only touch the scratch block); seconds taken."""
+    def warmup_programs(self) -> list[tuple[str, int, int | bool]]:
+        """Every program warm-up compiles, ("prefill", rows, tokens) or ("decode", rows, greedy),
+        the ones a first request needs first (the smallest prefill, the smallest decode bucket
+        greedy and sampled), then the rest from the smallest."""
+        prefill = [("prefill", b, t) for b, t in sorted(self.prefill_shapes(), key=math.prod)]
+        decode = [("decode", b, g) for b in self.decode_buckets for g in (True, False)]
+        return prefill[:1] + decode[:2] + sorted(prefill[1:] + decode[2:], key=lambda p: p[1])
+
+    def warmup(self, programs: list[tuple[str, int, int | bool]] | None = None) -> float:
+        """Compile `programs` (default: every one) that are not compiled yet, logging each;
+        padded rows only touch the scratch block, so this may run between serving steps.
+        Returns the seconds taken."""
         start = time.perf_counter()
-        for b, t in self.prefill_shapes():
-            self.runner.prefill(self._prefill_batch([], [], [], b, t))
-        for b in self.decode_buckets:
-            for greedy in (True, False):
-                self.runner.decode(b, 0, greedy, self._kill, [])
-        jax.block_until_ready(self.runner.state)
+        todo = [p for p in programs or self.warmup_programs() if p not in self._warm]
+        for i, program in enumerate(todo):
+            t0 = time.perf_counter()
+            kind, rows, arg = program
+            if kind == "prefill":
+                self.runner.prefill(self._prefill_batch([], [], [], rows, arg))
+            else:
+                self.runner.decode(rows, 0, arg, self._kill, [])
+            jax.block_until_ready(self.runner.state)
+            self._warm.add(program)
+            logger.info(
+                "compiled %s program %d/%d (%s rows, %s) in %.1f s",
+                kind,
+                i + 1,
+                len(todo),
+                rows,
+                f"{arg} tokens" if kind == "prefill" else "greedy" if arg else "sampled",
+                time.perf_counter() - t0,
+            )
         return time.perf_counter() - start
+
+    def warmup_step(self) -> bool:
+        """Compile the next program warm-up has not; False once every one is. A server calls
+        this while it has nothing else to do, after compiling the first few up front."""
+        todo = [p for p in self.warmup_programs() if p not in self._warm]
+        if todo:
+            self.warmup(todo[:1])
+        return len(todo) > 1
 
     # ------------------------------------------------------------------------------ requests
 

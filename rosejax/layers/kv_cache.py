@@ -7,6 +7,7 @@ Layout per layer: k, v [H, num_blocks, block_size, D], the layout jax's Pallas G
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import flax.struct
@@ -48,12 +49,13 @@ def kv_cache_bytes_per_block(config: Any, block_size: int, dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * itemsize
 
 
-def _device_free_bytes() -> int | None:
-    """Free bytes in the first local device's allocator pool; None where there are no stats."""
+def free_memory_bytes() -> int:
+    """Free bytes for the cache: the first local device's allocator pool, or, where the device
+    keeps no stats (a CPU), the host's available memory."""
     stats = jax.local_devices()[0].memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def num_blocks_for(
@@ -65,7 +67,7 @@ def num_blocks_for(
     memory_fraction: float | None = None,
     max_num_seqs: int = 1,
 ) -> int:
-    """Total blocks (scratch included) from a token budget or a fraction of free device memory.
+    """Total blocks (scratch included) from a token budget or a fraction of free memory.
 
     A token budget is guaranteed to fit however it is split over `max_num_seqs` sequences: each
     sequence may leave its last block partly empty, so that costs up to max_num_seqs - 1 blocks
@@ -84,12 +86,7 @@ def num_blocks_for(
         return _cdiv(kv_cache_tokens, block_size) + (max_num_seqs - 1) + 1  # + scratch
     if not 0.0 < memory_fraction <= 1.0:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-    free = _device_free_bytes()
-    if free is None:
-        raise ValueError(
-            f"{jax.local_devices()[0]} reports no memory stats (CPU?): size the KV "
-            "cache with kv_cache_tokens instead of memory_fraction"
-        )
+    free = free_memory_bytes()
     per_block = kv_cache_bytes_per_block(config, block_size, dtype)
     num_blocks = int(free * memory_fraction) // per_block
     if num_blocks - 1 < max_num_seqs:
