@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -436,17 +437,39 @@ def test_compare_hf_end_to_end(tmp_path):
         assert _positive(t["ratio_vs_dynamic"]) and t["hf_static_tok_s"] is None
 
 
-def test_profile_decode_kernel_options(tmp_path, monkeypatch):
-    """--kernel-option binds its keyword into the model's calls of that kernel (checked
-    against the kernels' keyword parameters), and the script runs end to end on CPU."""
+def test_profile_decode_kernel_tiles(tmp_path, monkeypatch):
+    """--kernel and --kernel-tile build the engine's KernelConfig (tiles checked against the
+    keyword parameters of the functions that get them; no module is patched), and the script
+    runs end to end on CPU."""
     from bench import profile_decode as pd
+    from rosejax import KernelConfig
+    from rosejax.settings import KERNEL_OPS
 
-    for targets in pd.KERNELS.values():  # restore every binding after the test
-        for module, attr in targets:
-            monkeypatch.setattr(module, attr, getattr(module, attr))
-    for bad in ("linear.block_n", "linear.bogus=2", "conv.num_warps=2", "linear.block_n=x"):
+    assert set(pd.KERNELS) == set(KERNEL_OPS)
+    for bad in (
+        "linear.block_n",  # no value
+        "linear.bogus=2",  # no such keyword
+        "conv.num_warps=2",  # no such op
+        "linear.block_n=x",  # not an int
+        "attention.block_rows=2",  # layer_norm's, not attention's
+        "linear.activation=1",  # the layer passes it itself
+        "layer_norm.eps=1",
+        "attention.interpret=1",
+    ):
         with pytest.raises(argparse.ArgumentTypeError):
-            pd.kernel_option(bad)
+            pd.kernel_tile(bad)
+    assert pd.kernel_tile("attention.num_stages=1") == ("attention", "num_stages", 1)
+    for bad_args in (["--kernel", "linear=cuda"], ["--kernel", "linear_max_rows=x"]):
+        with pytest.raises(SystemExit):
+            pd.main(bad_args)
+    engines = []  # every engine the script made
+    make = pd.make_engine
+
+    def spy(*args, **kwargs):
+        engines.append(make(*args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr(pd, "make_engine", spy)
     path = tmp_path / "p.json"
     pd.main(
         [
@@ -460,21 +483,26 @@ def test_profile_decode_kernel_options(tmp_path, monkeypatch):
             "2",
             "--timed-runs",
             "1",
-            "--kernel-option",
+            "--kernel",
+            "linear_max_rows=8",
+            "--kernel-tile",
             "linear.num_warps=2",
-            "--kernel-option",
+            "--kernel-tile",
             "layer_norm.block_rows=2",
             "--json",
             str(path),
         ]
     )
-    from rosejax.layers import linear as layers
-
-    assert layers.linear.keywords == {"num_warps": 2}
-    assert layers.linear_partial_sums.keywords == {"num_warps": 2}
-    assert layers.add_layer_norm.keywords == {"block_rows": 2}
+    tiles = (("linear", "num_warps", 2), ("layer_norm", "block_rows", 2))
+    (engine,) = engines
+    assert engine.kernels == KernelConfig.for_backend(linear_max_rows=8, tiles=tiles)
+    assert engine.engine_config.kernels is engine.kernels
+    assert engine.kernels.tile_kwargs("linear") == {"num_warps": 2}
+    assert engine.kernels.tile_kwargs("layer_norm") == {"block_rows": 2}
     data = _load(path)
-    assert data["kernel_options"] == ["linear.num_warps=2", "layer_norm.block_rows=2"]
+    assert data["kernel_tiles"] == ["linear.num_warps=2", "layer_norm.block_rows=2"]
+    assert data["kernel_settings"] == ["linear_max_rows=8"]
+    assert data["kernels"] == json.loads(json.dumps(dataclasses.asdict(engine.kernels)))
     (row,) = data["rows"]
     assert row["decode_steps"] == 2 and row["decode_ms_per_step"] > 0
 
@@ -577,7 +605,10 @@ def test_plots(tmp_path):
         ),
         ("benchmark_scheduler", ["--mode", "--request-rate", "--input-len", "--json"]),
         ("compare_hf", ["--batch-sizes", "--skip-hf-static", "--hf-in-process", "--plot"]),
-        ("profile_decode", ["--kernel-option", "--trace-dir", "--decode-steps", "--timed-runs"]),
+        (
+            "profile_decode",
+            ["--kernel", "--kernel-tile", "--trace-dir", "--decode-steps", "--timed-runs"],
+        ),
         ("compare_variants", ["--runs", "--batch", "--decode-steps", "--json"]),
     ],
 )
