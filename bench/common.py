@@ -102,6 +102,20 @@ def add_run_args(p: argparse.ArgumentParser, warmup_runs: int = 1, repeat_runs: 
     )
 
 
+def configure_process(compilation_cache_dir: str | None = None) -> None:
+    """The engine's process-wide settings (`rosejax.settings.configure_process`: XLA flags, the
+    compilation cache), made before anything starts jax's backend: measuring the copy bandwidth
+    or resolving a KernelConfig starts it, and XLA flags set after that are ignored (the engine
+    sets them again itself, too late)."""
+    from rosejax.settings import EngineConfig
+    from rosejax.settings import configure_process as configure
+
+    cache = (
+        {} if compilation_cache_dir is None else {"compilation_cache_dir": compilation_cache_dir}
+    )
+    configure(EngineConfig(model="", **cache))
+
+
 def make_engine(args: argparse.Namespace, max_batch_size: int | None = None):
     """Build the engine; returns (engine, seconds to build it: load, cache, warm-up compile)."""
     from rosejax.engine.llm_engine import LLMEngine
@@ -189,6 +203,7 @@ def start(
 ) -> tuple[Any, dict]:
     """Resolve the bandwidth, build the engine and say so on stderr; returns (engine, result):
     the JSON's head ({'benchmark', **extra, 'args', 'environment', 'engine'})."""
+    configure_process(args.compilation_cache_dir)
     resolve_bandwidth(args)
     engine, build_s = make_engine(args, max_batch_size)
     env = environment(engine)
@@ -451,6 +466,7 @@ def environment(engine=None) -> dict[str, Any]:
         env.update(
             dtype=np.dtype(engine.dtype).name,
             config=dataclasses.asdict(engine.config),
+            kernels=dataclasses.asdict(engine.kernels) if hasattr(engine, "kernels") else None,
             max_batch_size=getattr(engine, "max_batch_size", None),
             block_size=getattr(engine, "block_size", None),
             decode_steps=getattr(engine, "decode_steps", None),

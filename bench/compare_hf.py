@@ -100,7 +100,7 @@ def _hf_model(args: argparse.Namespace, torch_dtype):
     from transformers import GPT2LMHeadModel
 
     if args.model.startswith("random:"):
-        from rosejax.models.gpt2.config import preset
+        from rosejax.models import preset
 
         c = preset(args.model.removeprefix("random:"))
         config = HFConfig(

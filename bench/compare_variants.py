@@ -6,12 +6,14 @@ program gave 0.351 and 0.383 ms/step in two processes on an H100; docs/performan
 0.5%. So each variant here gets its own engine, compiled under its settings, and the timed runs go
 round-robin (A B C A B C ...), so a drift of the card hits every variant alike.
 
-A variant is NAME:SETTING,SETTING,... where a SETTING is an environment variable the model reads
-when it is traced (ENV=VALUE, e.g. ROSEJAX_FUSED_KV_APPEND=0) or a kernel keyword
-(OP.PARAM=N, as profile_decode.py's --kernel-option). NAME: alone is the defaults.
+A variant is NAME:SETTING,SETTING,... where a SETTING is a `KernelConfig` field (FIELD=VALUE, as
+the engine's --kernel: fused_kv_append=off, attention=xla, linear_max_rows=32), a kernel tile
+(OP.PARAM=INT, as profile_decode.py's --kernel-tile: layer_norm.num_warps=2) or an
+`EngineConfig` field (FIELD=VALUE: min_decode_batch=1). NAME: alone is the defaults. Each
+variant's engine is built from its own EngineConfig; nothing else in the process changes.
 
-    python bench/compare_variants.py --batch 1 base: unfused:ROSEJAX_FUSED_KV_APPEND=0 \\
-        ln2:layer_norm.num_warps=2
+    python bench/compare_variants.py --batch 1 base: unfused:fused_kv_append=off \\
+        ln2:layer_norm.num_warps=2 mdb1:min_decode_batch=1
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,62 +33,90 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import profile_decode as pd  # noqa: E402
-from rosejax import LLMEngine  # noqa: E402
+from bench.common import configure_process  # noqa: E402
+from rosejax import EngineConfig, KernelConfig, LLMEngine  # noqa: E402
+from rosejax.engine_args import _kernel_setting, kernel_config  # noqa: E402
+
+KERNEL_FIELDS = {f.name for f in dataclasses.fields(KernelConfig)} - {"tiles", "interpret"}
+# EngineConfig fields a variant may set (the model is the script's; kernels are the settings).
+ENGINE_FIELDS = {
+    f.name: f for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "kernels")
+}
+_BOOLS = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+
+
+def engine_value(field: dataclasses.Field, text: str) -> Any:
+    """An EngineConfig field's value from text, by its annotation ('int | None', 'bool', ...)."""
+    kinds = str(field.type).replace(" ", "").split("|")
+    low = text.lower()
+    if "None" in kinds and low == "none":
+        return None
+    if "bool" in kinds and low in _BOOLS:
+        return _BOOLS[low]
+    if "int" in kinds and text.lstrip("-").isdigit():
+        return int(text)
+    if "float" in kinds:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    if "str" in kinds:
+        return text
+    raise argparse.ArgumentTypeError(f"{field.name} takes {field.type}, got {text!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
-    env: dict[str, str]
-    kernel_options: list[tuple[str, str, int]]
+    settings: tuple[str, ...]  # as given, for the report
+    kernel_settings: tuple[tuple[str, str], ...] = ()  # (KernelConfig field, value)
+    tiles: tuple[tuple[str, str, int], ...] = ()  # (op, param, value)
+    engine_fields: tuple[tuple[str, Any], ...] = ()  # (EngineConfig field, value)
 
 
 def variant(text: str) -> Variant:
-    """'NAME:ENV=V,OP.PARAM=N,...' -> Variant (kernel options checked as --kernel-option's)."""
-    name, sep, settings = text.partition(":")
+    """'NAME:FIELD=V,OP.PARAM=N,...' -> Variant (tiles checked as --kernel-tile's)."""
+    name, sep, rest = text.partition(":")
     if not name or not sep:
         raise argparse.ArgumentTypeError(f"expected NAME:SETTING,..., got {text!r}")
-    env, options = {}, []
-    for setting in filter(None, settings.split(",")):
+    settings = tuple(filter(None, rest.split(",")))
+    kernel_settings, tiles, fields = [], [], {}
+    for setting in settings:
         key, eq, value = setting.partition("=")
         if not eq:
-            raise argparse.ArgumentTypeError(f"expected ENV=VALUE or OP.PARAM=N, got {setting!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected FIELD=VALUE or OP.PARAM=INT, got {setting!r}"
+            )
         if "." in key:
-            options.append(pd.kernel_option(setting))
+            tiles.append(pd.kernel_tile(setting))
+        elif key in KERNEL_FIELDS:
+            kernel_settings.append(_kernel_setting(setting))
+        elif key in ENGINE_FIELDS:
+            fields[key] = engine_value(ENGINE_FIELDS[key], value)
         else:
-            env[key] = value
-    return Variant(name, env, options)
+            raise argparse.ArgumentTypeError(
+                f"{key!r} is neither a KernelConfig field ({', '.join(sorted(KERNEL_FIELDS))}) "
+                f"nor an EngineConfig field ({', '.join(sorted(ENGINE_FIELDS))})"
+            )
+    return Variant(name, settings, tuple(kernel_settings), tuple(tiles), tuple(fields.items()))
 
 
-def build(v: Variant, args: argparse.Namespace, rng: np.random.Generator) -> tuple[LLMEngine, int]:
-    """An engine compiled under v's settings (they are undone once its warm-up run has traced
-    every program the timed runs use) -> (engine, its compile count after warm-up)."""
-    bound = {
-        (module, attr): getattr(module, attr)
-        for targets in pd.KERNELS.values()
-        for module, attr in targets
-    }
-    old_env = {key: os.environ.get(key) for key in v.env}
-    try:
-        os.environ.update(v.env)
-        pd.apply_kernel_options(v.kernel_options)
-        engine = pd.make_engine(
-            args.model,
-            args.batch,
-            args.prompt_len,
-            args.new_tokens,
-            args.block_size,
-            args.decode_steps,
-        )
-        pd.timed_run(engine, args.batch, args.prompt_len, args.new_tokens, rng, "warm-up")
-    finally:
-        for (module, attr), kernel in bound.items():
-            setattr(module, attr, kernel)
-        for key, value in old_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+def config_of(v: Variant, args: argparse.Namespace) -> EngineConfig:
+    """v's EngineConfig: the script's engine (`profile_decode.engine_config`) with v's
+    KernelConfig (the backend's defaults, then v's fields and tiles) and v's engine fields.
+    ValueError if a value is bad. Starts jax's backend."""
+    kernels = kernel_config(list(v.kernel_settings), list(v.tiles)) or KernelConfig.for_backend()
+    shape = (args.model, args.batch, args.prompt_len, args.new_tokens, args.block_size)
+    return pd.engine_config(*shape, args.decode_steps, kernels, **dict(v.engine_fields))
+
+
+def build(
+    config: EngineConfig, args: argparse.Namespace, rng: np.random.Generator
+) -> tuple[LLMEngine, int]:
+    """The engine of `config`, after a warm-up run that traces every program the timed runs use
+    -> (engine, its compile count after warm-up)."""
+    engine = LLMEngine(config)
+    pd.timed_run(engine, args.batch, args.prompt_len, args.new_tokens, rng, "warm-up")
     return engine, engine.num_compiles
 
 
@@ -114,8 +145,15 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"variant names must differ, got {names}")
     if args.new_tokens < 2 or args.runs < 1:
         p.error("need --new-tokens >= 2 (a decode step) and --runs >= 1")
+    configure_process()  # before the backend starts: XLA flags set later are ignored
+    configs = {}
+    for v in args.variants:  # every value checked before the first engine compiles
+        try:
+            configs[v.name] = config_of(v, args)
+        except ValueError as e:
+            p.error(f"variant {v.name}: {e}")
     rng = np.random.default_rng(0)
-    engines = {v.name: build(v, args, rng) for v in args.variants}
+    engines = {name: build(config, args, rng) for name, config in configs.items()}
     ms = {name: [] for name in engines}  # ms per decode step of each timed run
     for run in range(args.runs):
         for name, (engine, _) in engines.items():
@@ -127,8 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [
         dict(
             name=var.name,
-            settings=[f"{k}={v}" for k, v in var.env.items()]
-            + [f"{op}.{param}={n}" for op, param, n in var.kernel_options],
+            settings=list(var.settings),
+            kernels=dataclasses.asdict(engines[var.name][0].kernels),
+            engine_fields=dict(var.engine_fields),
             ms_per_step=median[var.name],
             runs=[round(x, 4) for x in ms[var.name]],
             vs_baseline=median[var.name] / median[names[0]],

@@ -7,17 +7,19 @@ card's copy bandwidth, the host's dispatch/wait/harvest seconds over the timed r
 jax.profiler trace of the first timed run when --trace-dir is set (a traced run is slower: read
 its kernel shares, not its times).
 
---kernel-option OP.PARAM=N (repeatable) hands a keyword to every call the model makes of one
-kernel (a tile size, warps, stages), so a sweep needs no edit of the kernels' defaults:
+The engine's kernels are a `KernelConfig` built from the engine's own flags: --kernel FIELD=VALUE
+(an op's implementation, a threshold) and --kernel-tile OP.PARAM=INT, a keyword every call of
+one op's kernels gets (a tile size, warps, stages), checked here against the kernels' keyword
+parameters, so a sweep needs no edit of the kernels' defaults:
 
     python bench/profile_decode.py --batch 1 --decode-steps 32 \
-        --kernel-option layer_norm.block_rows=4 --kernel-option layer_norm.num_warps=4
+        --kernel-tile layer_norm.block_rows=4 --kernel-tile layer_norm.num_warps=4
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import inspect
 import json
 import os
@@ -31,57 +33,120 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import metrics as m  # noqa: E402
-from bench.common import copy_bandwidth_gbs  # noqa: E402
-from rosejax import LLMEngine, SamplingParams, attention, layers  # noqa: E402
+from bench.common import configure_process, copy_bandwidth_gbs  # noqa: E402
+from pallas_kernels.kv_append import (  # noqa: E402
+    kv_append,
+    kv_append_full_batch,
+    kv_append_generic,
+    kv_append_identity_pos,
+)
+from pallas_kernels.layer_norm import add_layer_norm, layer_norm  # noqa: E402
+from pallas_kernels.linear import linear, linear_partial_sums  # noqa: E402
+from pallas_kernels.paged_attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_decode_attention_append,
+)
+from rosejax import EngineConfig, KernelConfig, LLMEngine, SamplingParams  # noqa: E402
+from rosejax.engine_args import _kernel_setting, _kernel_tile, kernel_config  # noqa: E402
 
-# The names through which the model calls each kernel (module, attribute): OP of --kernel-option.
+# OP of --kernel-tile -> the functions that get its keywords: those rosejax's layers call with
+# `KernelConfig.tile_kwargs(OP)` and the kernels those pass them on to (kv_append: the
+# dispatcher, then its three Pallas kernels).
 KERNELS = {
-    "layer_norm": [(layers, "layer_norm"), (layers, "add_layer_norm")],
-    "linear": [(layers, "linear"), (layers, "linear_partial_sums")],
-    "attention": [
-        (attention, "paged_decode_attention"),
-        (attention, "paged_decode_attention_append"),
-    ],
+    "kv_append": [kv_append, kv_append_generic, kv_append_identity_pos, kv_append_full_batch],
+    "attention": [paged_decode_attention, paged_decode_attention_append],
+    "layer_norm": [layer_norm, add_layer_norm],
+    "linear": [linear, linear_partial_sums],
 }
+# Keywords the layers pass these functions themselves: a tile would clash with them.
+SET_BY_LAYERS = frozenset(
+    {"interpret", "eps", "activation", "new_head_offsets", "use_kernels", "min_batch"}
+)
 
 
-def kernel_option(text: str) -> tuple[str, str, int]:
-    """'OP.PARAM=N' -> (op, param, n), checked against the kernels' keyword parameters."""
-    try:
-        name, value = text.split("=", 1)
-        op, param = name.split(".", 1)
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected OP.PARAM=N, got {text!r}") from None
-    if op not in KERNELS:
-        raise argparse.ArgumentTypeError(f"OP must be one of {sorted(KERNELS)}, got {op!r}")
-    for module, attr in KERNELS[op]:
-        kw = inspect.signature(getattr(module, attr)).parameters.get(param)
-        if kw is None or kw.kind != inspect.Parameter.KEYWORD_ONLY:
-            raise argparse.ArgumentTypeError(f"{attr} has no keyword parameter {param!r}")
+def kernel_tile(text: str) -> tuple[str, str, int]:
+    """argparse type of --kernel-tile: 'OP.PARAM=INT' -> (op, param, int), PARAM checked against
+    the keyword parameters of every function in KERNELS[OP]."""
+    op, param, n = _kernel_tile(text)
+    if param in SET_BY_LAYERS:
+        raise argparse.ArgumentTypeError(f"rosejax's layers set {param!r} themselves, got {text!r}")
+    for fn in KERNELS[op]:
+        params = inspect.signature(fn).parameters
+        kw = params.get(param)
+        takes_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+        if not takes_any and (kw is None or kw.kind != inspect.Parameter.KEYWORD_ONLY):
+            raise argparse.ArgumentTypeError(
+                f"{fn.__module__}.{fn.__name__} has no keyword parameter {param!r} (--kernel-tile "
+                f"{text}: {op} tiles go to {', '.join(f.__name__ for f in KERNELS[op])})"
+            )
     return op, param, n
 
 
-def apply_kernel_options(options: list[tuple[str, str, int]]) -> None:
-    """Bind each option's keyword into the model's calls of its kernel (before any tracing)."""
-    for op, param, n in options:
-        for module, attr in KERNELS[op]:
-            setattr(module, attr, functools.partial(getattr(module, attr), **{param: n}))
+def add_kernel_args(p: argparse.ArgumentParser) -> None:
+    """--kernel and --kernel-tile, as rosejax.engine_args's (tiles checked by `kernel_tile`)."""
+    p.add_argument(
+        "--kernel",
+        type=_kernel_setting,
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a KernelConfig field (repeatable): attention, kv_append, layer_norm, linear = "
+        "pallas | xla; fused_kv_append, concurrent_command_buffers = on | off; "
+        "kv_append_min_batch, linear_max_rows, cublas_min_batch = an int",
+    )
+    p.add_argument(
+        "--kernel-tile",
+        type=kernel_tile,
+        action="append",
+        default=[],
+        metavar="OP.PARAM=INT",
+        help=f"a keyword for every call of op OP's kernels (one of {', '.join(KERNELS)}), e.g. "
+        "linear.num_warps=2; repeatable",
+    )
 
 
-def make_engine(
-    model: str, batch: int, prompt_len: int, new_tokens: int, block_size: int, decode_steps: int
-) -> LLMEngine:
-    """An fp16 engine for `batch` concurrent requests of this shape (KV for all of them)."""
-    return LLMEngine.from_args(
-        model,
+def resolve_kernels(
+    p: argparse.ArgumentParser, settings: list[tuple[str, str]], tiles: list[tuple[str, str, int]]
+) -> KernelConfig:
+    """The backend's KernelConfig with --kernel / --kernel-tile applied (p.error if a value is
+    bad). Starts jax's backend: call `configure_process` first."""
+    try:
+        return kernel_config(settings, tiles) or KernelConfig.for_backend()
+    except ValueError as e:
+        p.error(str(e))
+
+
+def engine_config(
+    model: str,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    block_size: int,
+    decode_steps: int,
+    kernels: KernelConfig | None = None,
+    **fields,
+) -> EngineConfig:
+    """An fp16 engine's config for `batch` concurrent requests of this shape (KV for all of
+    them), with `kernels` (None: the backend's defaults) and any other EngineConfig `fields`."""
+    values = dict(
         dtype="float16",
         max_batch_size=batch,
         block_size=block_size,
-        kv_cache_tokens=batch * (prompt_len + new_tokens + 2 * block_size),
         decode_steps=decode_steps,
         warmup=False,
+        kernels=kernels,
     )
+    values |= fields
+    if values.get("kv_cache_memory_fraction") is None:
+        values.setdefault(
+            "kv_cache_tokens", batch * (prompt_len + new_tokens + 2 * values["block_size"])
+        )
+    return EngineConfig(model=model, **values)
+
+
+def make_engine(*args, **kwargs) -> LLMEngine:
+    """The engine of `engine_config(*args, **kwargs)`."""
+    return LLMEngine(engine_config(*args, **kwargs))
 
 
 def timed_run(
@@ -131,24 +196,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--trace-dir", default=None, help="write a jax.profiler trace of the first timed run here"
     )
-    p.add_argument(
-        "--kernel-option",
-        type=kernel_option,
-        action="append",
-        default=[],
-        metavar="OP.PARAM=N",
-        help=f"a keyword for every call of kernel OP (one of "
-        f"{', '.join(KERNELS)}), e.g. linear.num_warps=2; repeatable",
-    )
+    add_kernel_args(p)
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)
-    apply_kernel_options(args.kernel_option)
+    configure_process()  # before the backend starts: XLA flags set later are ignored
+    kernels = resolve_kernels(p, args.kernel, args.kernel_tile)
     bw = copy_bandwidth_gbs()
     rows = []
     rng = np.random.default_rng(0)
     for k in [int(s) for s in args.decode_steps.split(",")]:
         engine = make_engine(
-            args.model, args.batch, args.prompt_len, args.new_tokens, args.block_size, k
+            args.model, args.batch, args.prompt_len, args.new_tokens, args.block_size, k, kernels
         )
         runs = []  # (decode seconds, end-to-end seconds, tokens) of each timed run
         for run in range(1 + args.timed_runs):  # the first run compiles what it meets
@@ -187,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"\ncard: {jax.devices()[0].device_kind}, jax {jax.__version__}, copy bandwidth {bw:.0f} GB/s"
     )
+    print(f"kernels: {kernels}")
     print(
         f"{'K':>4} {'ms/step':>9} {'decode tok/s':>13} {'e2e tok/s':>10} {'GB/s':>7} {'%bw':>5}"
         "  ms/step of each run"
@@ -204,7 +263,9 @@ def main(argv: list[str] | None = None) -> None:
                     rows=rows,
                     copy_gbs=bw,
                     device=jax.devices()[0].device_kind,
-                    kernel_options=[f"{o}.{p}={n}" for o, p, n in args.kernel_option],
+                    kernels=dataclasses.asdict(kernels),
+                    kernel_settings=[f"{name}={value}" for name, value in args.kernel],
+                    kernel_tiles=[f"{o}.{p}={n}" for o, p, n in args.kernel_tile],
                 ),
                 f,
             )

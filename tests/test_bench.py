@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -436,17 +437,39 @@ def test_compare_hf_end_to_end(tmp_path):
         assert _positive(t["ratio_vs_dynamic"]) and t["hf_static_tok_s"] is None
 
 
-def test_profile_decode_kernel_options(tmp_path, monkeypatch):
-    """--kernel-option binds its keyword into the model's calls of that kernel (checked
-    against the kernels' keyword parameters), and the script runs end to end on CPU."""
+def test_profile_decode_kernel_tiles(tmp_path, monkeypatch):
+    """--kernel and --kernel-tile build the engine's KernelConfig (tiles checked against the
+    keyword parameters of the functions that get them; no module is patched), and the script
+    runs end to end on CPU."""
     from bench import profile_decode as pd
+    from rosejax import KernelConfig
+    from rosejax.settings import KERNEL_OPS
 
-    for targets in pd.KERNELS.values():  # restore every binding after the test
-        for module, attr in targets:
-            monkeypatch.setattr(module, attr, getattr(module, attr))
-    for bad in ("linear.block_n", "linear.bogus=2", "conv.num_warps=2", "linear.block_n=x"):
+    assert set(pd.KERNELS) == set(KERNEL_OPS)
+    for bad in (
+        "linear.block_n",  # no value
+        "linear.bogus=2",  # no such keyword
+        "conv.num_warps=2",  # no such op
+        "linear.block_n=x",  # not an int
+        "attention.block_rows=2",  # layer_norm's, not attention's
+        "linear.activation=1",  # the layer passes it itself
+        "layer_norm.eps=1",
+        "attention.interpret=1",
+    ):
         with pytest.raises(argparse.ArgumentTypeError):
-            pd.kernel_option(bad)
+            pd.kernel_tile(bad)
+    assert pd.kernel_tile("attention.num_stages=1") == ("attention", "num_stages", 1)
+    for bad_args in (["--kernel", "linear=cuda"], ["--kernel", "linear_max_rows=x"]):
+        with pytest.raises(SystemExit):
+            pd.main(bad_args)
+    engines = []  # every engine the script made
+    make = pd.make_engine
+
+    def spy(*args, **kwargs):
+        engines.append(make(*args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr(pd, "make_engine", spy)
     path = tmp_path / "p.json"
     pd.main(
         [
@@ -460,50 +483,70 @@ def test_profile_decode_kernel_options(tmp_path, monkeypatch):
             "2",
             "--timed-runs",
             "1",
-            "--kernel-option",
+            "--kernel",
+            "linear_max_rows=8",
+            "--kernel-tile",
             "linear.num_warps=2",
-            "--kernel-option",
+            "--kernel-tile",
             "layer_norm.block_rows=2",
             "--json",
             str(path),
         ]
     )
-    from rosejax.layers import linear as layers
-
-    assert layers.linear.keywords == {"num_warps": 2}
-    assert layers.linear_partial_sums.keywords == {"num_warps": 2}
-    assert layers.add_layer_norm.keywords == {"block_rows": 2}
+    tiles = (("linear", "num_warps", 2), ("layer_norm", "block_rows", 2))
+    (engine,) = engines
+    assert engine.kernels == KernelConfig.for_backend(linear_max_rows=8, tiles=tiles)
+    assert engine.engine_config.kernels is engine.kernels
+    assert engine.kernels.tile_kwargs("linear") == {"num_warps": 2}
+    assert engine.kernels.tile_kwargs("layer_norm") == {"block_rows": 2}
     data = _load(path)
-    assert data["kernel_options"] == ["linear.num_warps=2", "layer_norm.block_rows=2"]
+    assert data["kernel_tiles"] == ["linear.num_warps=2", "layer_norm.block_rows=2"]
+    assert data["kernel_settings"] == ["linear_max_rows=8"]
+    assert data["kernels"] == json.loads(json.dumps(dataclasses.asdict(engine.kernels)))
     (row,) = data["rows"]
     assert row["decode_steps"] == 2 and row["decode_ms_per_step"] > 0
 
 
 def test_compare_variants(tmp_path, monkeypatch):
-    """Each variant's engine is built under its own env and kernel keywords, both undone after;
-    the timed runs are interleaved and the first variant is the baseline."""
+    """Each variant's engine is built from its own EngineConfig (KernelConfig fields, tiles,
+    engine fields), nothing in the environment or the modules changed; the timed runs are
+    interleaved and the first variant is the baseline."""
     from bench import compare_variants as cv
     from bench import profile_decode as pd
-    from rosejax.layers import linear as layers
+    from rosejax import EngineConfig, KernelConfig
 
-    for bad in ("nocolon", ":x=1", "a:linear.bogus=2", "a:NOEQUALS"):
+    for bad in (
+        "nocolon",
+        ":x=1",
+        "a:linear.bogus=2",
+        "a:NOEQUALS",
+        "a:ROSEJAX_FUSED_KV_APPEND=0",  # environment variables are no settings any more
+        "a:bogus_field=1",
+        "a:min_decode_batch=x",
+    ):
         with pytest.raises(argparse.ArgumentTypeError):
             cv.variant(bad)
-    for bad_args in (["a:", "a:"], ["a:", "--runs", "0"], ["a:", "--new-tokens", "1"]):
+    for bad_args in (
+        ["a:", "a:"],
+        ["a:", "--runs", "0"],
+        ["a:", "--new-tokens", "1"],
+        ["a:attention=cuda"],  # values are checked before any engine is built
+        ["a:fused_kv_append=maybe"],
+        ["a:min_decode_batch=0"],
+    ):
         with pytest.raises(SystemExit):
             cv.main(bad_args)
-    monkeypatch.delenv("ROSEJAX_FUSED_KV_APPEND", raising=False)
-    unbound = layers.linear
-    built = []  # (env value, linear's bound keywords) when each engine was made
-    make = pd.make_engine
+    env = {k: v for k, v in os.environ.items() if k.startswith("ROSEJAX_")}
+    built = []  # the engine of each variant, in the order they were made
+    build = cv.build
 
-    def spy(*args):
-        built.append(
-            (os.environ.get("ROSEJAX_FUSED_KV_APPEND"), getattr(layers.linear, "keywords", None))
-        )
-        return make(*args)
+    def spy(config, args, rng):
+        engine, compiles = build(config, args, rng)
+        assert engine.engine_config is config
+        built.append(engine)
+        return engine, compiles
 
-    monkeypatch.setattr(pd, "make_engine", spy)
+    monkeypatch.setattr(cv, "build", spy)
     tags = []  # each run's tag, in the order the runs happened
     timed_run = pd.timed_run
 
@@ -516,7 +559,7 @@ def test_compare_variants(tmp_path, monkeypatch):
     data = cv.main(
         [
             "base:",
-            "both:ROSEJAX_FUSED_KV_APPEND=0,linear.num_warps=2",
+            "both:fused_kv_append=off,linear.num_warps=2,linear_max_rows=32,min_decode_batch=2",
             "--model",
             "random:tiny",
             "--batch",
@@ -531,13 +574,29 @@ def test_compare_variants(tmp_path, monkeypatch):
             str(path),
         ]
     )
-    assert built == [(None, None), ("0", {"num_warps": 2})]
+    base_engine, both_engine = built
+    assert base_engine.kernels == KernelConfig.for_backend()
+    assert both_engine.kernels == KernelConfig.for_backend(
+        fused_kv_append=False, linear_max_rows=32, tiles=(("linear", "num_warps", 2),)
+    )
+    assert base_engine.engine_config.min_decode_batch == EngineConfig("m").min_decode_batch
+    assert both_engine.engine_config.min_decode_batch == 2
+    assert both_engine.decode_buckets[0] == 2  # the 1-row program is gone
     assert tags == ["warm-up", "warm-up", "base-0", "both-0", "base-1", "both-1"]
-    assert "ROSEJAX_FUSED_KV_APPEND" not in os.environ and layers.linear is unbound
+    assert {k: v for k, v in os.environ.items() if k.startswith("ROSEJAX_")} == env
     assert _load(path) == json.loads(json.dumps(data))
-    base, both = data["rows"]
+    base, both = _load(path)["rows"]
     assert (base["name"], both["name"]) == ("base", "both")
-    assert both["settings"] == ["ROSEJAX_FUSED_KV_APPEND=0", "linear.num_warps=2"]
+    assert both["settings"] == [
+        "fused_kv_append=off",
+        "linear.num_warps=2",
+        "linear_max_rows=32",
+        "min_decode_batch=2",
+    ]
+    assert both["engine_fields"] == {"min_decode_batch": 2} and base["engine_fields"] == {}
+    assert both["kernels"]["fused_kv_append"] is False and both["kernels"]["linear_max_rows"] == 32
+    assert both["kernels"]["tiles"] == [["linear", "num_warps", 2]]
+    assert base["kernels"] == json.loads(json.dumps(dataclasses.asdict(base_engine.kernels)))
     assert base["vs_baseline"] == 1.0 and _positive(both["vs_baseline"])
     for row in data["rows"]:
         assert len(row["runs"]) == 2 and all(_positive(x) for x in row["runs"])
@@ -577,7 +636,10 @@ def test_plots(tmp_path):
         ),
         ("benchmark_scheduler", ["--mode", "--request-rate", "--input-len", "--json"]),
         ("compare_hf", ["--batch-sizes", "--skip-hf-static", "--hf-in-process", "--plot"]),
-        ("profile_decode", ["--kernel-option", "--trace-dir", "--decode-steps", "--timed-runs"]),
+        (
+            "profile_decode",
+            ["--kernel", "--kernel-tile", "--trace-dir", "--decode-steps", "--timed-runs"],
+        ),
         ("compare_variants", ["--runs", "--batch", "--decode-steps", "--json"]),
     ],
 )
