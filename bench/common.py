@@ -27,6 +27,7 @@ from bench import metrics as m
 from bench.metrics import RequestTrace, StepRecord, step_kind
 from rosejax.engine_args import add_engine_args as add_engine_args_
 from rosejax.engine_args import add_sampling_args, engine_kwargs
+from rosejax.settings import configure_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,20 +101,6 @@ def add_run_args(p: argparse.ArgumentParser, warmup_runs: int = 1, repeat_runs: 
         help="the card's memory bandwidth in GB/s, for the roofline's %% column; "
         "default: its copy bandwidth measured here on a GPU (none on CPU)",
     )
-
-
-def configure_process(compilation_cache_dir: str | None = None) -> None:
-    """The engine's process-wide settings (`rosejax.settings.configure_process`: XLA flags, the
-    compilation cache), made before anything starts jax's backend: measuring the copy bandwidth
-    or resolving a KernelConfig starts it, and XLA flags set after that are ignored (the engine
-    sets them again itself, too late)."""
-    from rosejax.settings import EngineConfig
-    from rosejax.settings import configure_process as configure
-
-    cache = (
-        {} if compilation_cache_dir is None else {"compilation_cache_dir": compilation_cache_dir}
-    )
-    configure(EngineConfig(model="", **cache))
 
 
 def make_engine(args: argparse.Namespace, max_batch_size: int | None = None):
@@ -203,7 +190,7 @@ def start(
 ) -> tuple[Any, dict]:
     """Resolve the bandwidth, build the engine and say so on stderr; returns (engine, result):
     the JSON's head ({'benchmark', **extra, 'args', 'environment', 'engine'})."""
-    configure_process(args.compilation_cache_dir)
+    configure_process(args.compilation_cache_dir)  # before the backend starts
     resolve_bandwidth(args)
     engine, build_s = make_engine(args, max_batch_size)
     env = environment(engine)

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from bench import profile_decode as pd  # noqa: E402
 from bench.common import configure_process  # noqa: E402
 from rosejax import EngineConfig, KernelConfig, LLMEngine  # noqa: E402
-from rosejax.engine_args import _kernel_setting, kernel_config  # noqa: E402
+from rosejax.engine_args import kernel_config, kernel_setting, kernel_tile  # noqa: E402
 
 KERNEL_FIELDS = {f.name for f in dataclasses.fields(KernelConfig)} - {"tiles", "interpret"}
 # EngineConfig fields a variant may set (the model is the script's; kernels are the settings).
@@ -88,9 +88,9 @@ def variant(text: str) -> Variant:
                 f"expected FIELD=VALUE or OP.PARAM=INT, got {setting!r}"
             )
         if "." in key:
-            tiles.append(pd.kernel_tile(setting))
+            tiles.append(kernel_tile(setting))
         elif key in KERNEL_FIELDS:
-            kernel_settings.append(_kernel_setting(setting))
+            kernel_settings.append(kernel_setting(setting))
         elif key in ENGINE_FIELDS:
             fields[key] = engine_value(ENGINE_FIELDS[key], value)
         else:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import os
 import sys
@@ -34,82 +33,15 @@ import numpy as np  # noqa: E402
 
 from bench import metrics as m  # noqa: E402
 from bench.common import configure_process, copy_bandwidth_gbs  # noqa: E402
-from pallas_kernels.kv_append import (  # noqa: E402
-    kv_append,
-    kv_append_full_batch,
-    kv_append_generic,
-    kv_append_identity_pos,
-)
-from pallas_kernels.layer_norm import add_layer_norm, layer_norm  # noqa: E402
-from pallas_kernels.linear import linear, linear_partial_sums  # noqa: E402
-from pallas_kernels.paged_attention import (  # noqa: E402
-    paged_decode_attention,
-    paged_decode_attention_append,
-)
 from rosejax import EngineConfig, KernelConfig, LLMEngine, SamplingParams  # noqa: E402
-from rosejax.engine_args import _kernel_setting, _kernel_tile, kernel_config  # noqa: E402
-
-# OP of --kernel-tile -> the functions that get its keywords: those rosejax's layers call with
-# `KernelConfig.tile_kwargs(OP)` and the kernels those pass them on to (kv_append: the
-# dispatcher, then its three Pallas kernels).
-KERNELS = {
-    "kv_append": [kv_append, kv_append_generic, kv_append_identity_pos, kv_append_full_batch],
-    "attention": [paged_decode_attention, paged_decode_attention_append],
-    "layer_norm": [layer_norm, add_layer_norm],
-    "linear": [linear, linear_partial_sums],
-}
-# Keywords the layers pass these functions themselves: a tile would clash with them.
-SET_BY_LAYERS = frozenset(
-    {"interpret", "eps", "activation", "new_head_offsets", "use_kernels", "min_batch"}
-)
-
-
-def kernel_tile(text: str) -> tuple[str, str, int]:
-    """argparse type of --kernel-tile: 'OP.PARAM=INT' -> (op, param, int), PARAM checked against
-    the keyword parameters of every function in KERNELS[OP]."""
-    op, param, n = _kernel_tile(text)
-    if param in SET_BY_LAYERS:
-        raise argparse.ArgumentTypeError(f"rosejax's layers set {param!r} themselves, got {text!r}")
-    for fn in KERNELS[op]:
-        params = inspect.signature(fn).parameters
-        kw = params.get(param)
-        takes_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
-        if not takes_any and (kw is None or kw.kind != inspect.Parameter.KEYWORD_ONLY):
-            raise argparse.ArgumentTypeError(
-                f"{fn.__module__}.{fn.__name__} has no keyword parameter {param!r} (--kernel-tile "
-                f"{text}: {op} tiles go to {', '.join(f.__name__ for f in KERNELS[op])})"
-            )
-    return op, param, n
-
-
-def add_kernel_args(p: argparse.ArgumentParser) -> None:
-    """--kernel and --kernel-tile, as rosejax.engine_args's (tiles checked by `kernel_tile`)."""
-    p.add_argument(
-        "--kernel",
-        type=_kernel_setting,
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="a KernelConfig field (repeatable): attention, kv_append, layer_norm, linear = "
-        "pallas | xla; fused_kv_append, concurrent_command_buffers = on | off; "
-        "kv_append_min_batch, linear_max_rows, cublas_min_batch = an int",
-    )
-    p.add_argument(
-        "--kernel-tile",
-        type=kernel_tile,
-        action="append",
-        default=[],
-        metavar="OP.PARAM=INT",
-        help=f"a keyword for every call of op OP's kernels (one of {', '.join(KERNELS)}), e.g. "
-        "linear.num_warps=2; repeatable",
-    )
+from rosejax.engine_args import add_kernel_args, kernel_config  # noqa: E402
 
 
 def resolve_kernels(
     p: argparse.ArgumentParser, settings: list[tuple[str, str]], tiles: list[tuple[str, str, int]]
 ) -> KernelConfig:
     """The backend's KernelConfig with --kernel / --kernel-tile applied (p.error if a value is
-    bad). Starts jax's backend: call `configure_process` first."""
+    bad). Starts jax's backend (after setting rosejax's XLA flags)."""
     try:
         return kernel_config(settings, tiles) or KernelConfig.for_backend()
     except ValueError as e:

@@ -27,7 +27,7 @@ DECODE_STEPS_HELP = (
 )
 
 
-def _kernel_setting(text: str) -> tuple[str, str]:
+def kernel_setting(text: str) -> tuple[str, str]:
     """argparse type of --kernel: FIELD=VALUE for a field of `KernelConfig`."""
     name, sep, value = text.partition("=")
     fields = {f.name for f in dataclasses.fields(KernelConfig)} - {"tiles", "interpret"}
@@ -38,7 +38,7 @@ def _kernel_setting(text: str) -> tuple[str, str]:
     return name, value
 
 
-def _kernel_tile(text: str) -> tuple[str, str, int]:
+def kernel_tile(text: str) -> tuple[str, str, int]:
     """argparse type of --kernel-tile: OP.PARAM=INT."""
     key, sep, value = text.partition("=")
     op, dot, param = key.partition(".")
@@ -46,6 +46,10 @@ def _kernel_tile(text: str) -> tuple[str, str, int]:
         raise argparse.ArgumentTypeError(
             f"expected OP.PARAM=INT with OP one of {', '.join(KERNEL_OPS)}, got {text!r}"
         )
+    try:
+        KernelConfig(tiles=((op, param, int(value)),))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return op, param, int(value)
 
 
@@ -152,9 +156,20 @@ def add_engine_args(
         help="the smallest compiled decode batch (smaller ones pad to it); default: "
         "$ROSEJAX_MIN_DECODE_BATCH, else 16 on a GPU, 1 on a CPU",
     )
+    add_kernel_args(p)
+    p.add_argument(
+        "--compilation-cache-dir",
+        default=None,
+        help="jax's persistent compilation cache directory; default: "
+        "$ROSEJAX_COMPILATION_CACHE_DIR or ~/.cache/rosejax/jax",
+    )
+
+
+def add_kernel_args(p: argparse.ArgumentParser) -> None:
+    """--kernel and --kernel-tile: the `KernelConfig` (`kernel_config` builds it)."""
     p.add_argument(
         "--kernel",
-        type=_kernel_setting,
+        type=kernel_setting,
         action="append",
         default=[],
         metavar="FIELD=VALUE",
@@ -165,18 +180,12 @@ def add_engine_args(
     )
     p.add_argument(
         "--kernel-tile",
-        type=_kernel_tile,
+        type=kernel_tile,
         action="append",
         default=[],
         metavar="OP.PARAM=INT",
         help="a keyword argument for one op's kernel (repeatable), e.g. linear.num_warps=2 or "
         "attention.num_stages=1; OP is one of " + ", ".join(KERNEL_OPS),
-    )
-    p.add_argument(
-        "--compilation-cache-dir",
-        default=None,
-        help="jax's persistent compilation cache directory; default: "
-        "$ROSEJAX_COMPILATION_CACHE_DIR or ~/.cache/rosejax/jax",
     )
 
 

@@ -12,6 +12,7 @@ that an entry point asks for; importing rosejax changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from typing import Literal
 
@@ -76,6 +77,38 @@ def _xla_flags_name(flag: str) -> bool:
     return flag in os.environ.get("XLA_FLAGS", "")
 
 
+# Keywords the layers pass the kernels themselves: a tile may not set them.
+_SET_BY_LAYERS = frozenset(
+    {"interpret", "eps", "activation", "new_head_offsets", "use_kernels", "min_batch"}
+)
+
+
+def _check_tile(op: str, param: str) -> None:
+    """A tile must be a keyword-only parameter of every kernel function that gets `op`'s tiles."""
+    from pallas_kernels.kv_append import (
+        kv_append_full_batch,
+        kv_append_generic,
+        kv_append_identity_pos,
+    )
+    from pallas_kernels.layer_norm import add_layer_norm, layer_norm
+    from pallas_kernels.linear import linear, linear_partial_sums
+    from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_append
+
+    takers = {
+        "kv_append": [kv_append_generic, kv_append_identity_pos, kv_append_full_batch],
+        "attention": [paged_decode_attention, paged_decode_attention_append],
+        "layer_norm": [layer_norm, add_layer_norm],
+        "linear": [linear, linear_partial_sums],
+    }[op]
+    for fn in takers:
+        kw = inspect.signature(fn).parameters.get(param)
+        if param in _SET_BY_LAYERS or kw is None or kw.kind != inspect.Parameter.KEYWORD_ONLY:
+            raise ValueError(
+                f"{fn.__module__}.{fn.__name__} takes no tile {param!r}; {op} tiles go to "
+                + ", ".join(f.__name__ for f in takers)
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Which implementation each op runs, with its thresholds and tiles. Hashable: the compiled
@@ -113,6 +146,7 @@ class KernelConfig:
                     f"a tile override is (op, parameter, int) with op in {KERNEL_OPS}, "
                     f"got {(op, param, value)!r}"
                 )
+            _check_tile(op, param)
         for name in ("kv_append_min_batch", "linear_max_rows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"kernels.{name} must be >= 0, got {getattr(self, name)}")
@@ -121,8 +155,11 @@ class KernelConfig:
     def for_backend(cls, backend: str | None = None, **overrides) -> KernelConfig:
         """The defaults for `backend` (jax's default backend if None): every Pallas kernel on a
         GPU, XLA elsewhere (a CPU would interpret kernels program by program); then the
-        ROSEJAX_* variables that are set; then `overrides`."""
-        backend = backend or jax.default_backend()
+        ROSEJAX_* variables that are set; then `overrides`. Asking jax for its backend starts
+        it, so that makes rosejax's XLA flags first (`set_xla_flags`)."""
+        if backend is None:
+            set_xla_flags()
+            backend = jax.default_backend()
         gpu = backend in ("gpu", "cuda", "rocm")
         values: dict = {}
         for op, env in ENV_KERNEL_SWITCHES.items():
@@ -209,15 +246,21 @@ class EngineConfig:
             raise ValueError("give at most one of kv_cache_tokens and kv_cache_memory_fraction")
 
 
-def configure_process(config: EngineConfig) -> None:
-    """The process-wide settings an engine runs best with: XLA flags (which take effect only if
-    jax has not started its backend yet; a flag already in XLA_FLAGS wins) and jax's persistent
-    compilation cache, so a second start skips compiling."""
+def set_xla_flags() -> None:
+    """rosejax's process-wide XLA flags, added to XLA_FLAGS unless it names them already. XLA
+    reads XLA_FLAGS once, when jax starts its backend: later calls change nothing."""
     flags = os.environ.get("XLA_FLAGS", "")
     for name, value in _PROCESS_XLA_FLAGS.items():
         if name not in flags:
             flags = f"{flags} --{name}={value}"
     os.environ["XLA_FLAGS"] = flags.strip()
-    if config.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+
+
+def configure_process(compilation_cache_dir: str | None = None) -> None:
+    """The process-wide settings an engine runs best with, made by its entry points: XLA flags
+    (`set_xla_flags`) and jax's persistent compilation cache in `compilation_cache_dir` (if
+    given), so a second start skips compiling."""
+    set_xla_flags()
+    if compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

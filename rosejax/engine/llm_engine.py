@@ -70,7 +70,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         """Load the model and tokenizer, size the KV cache, and (on a GPU) compile every bucket.
         Sets the process-wide XLA flags and compilation cache first (`configure_process`)."""
-        configure_process(config)
+        configure_process(config.compilation_cache_dir)
         try:
             self._build(config)
         except Exception as e:  # jax's runtime error type differs between versions
