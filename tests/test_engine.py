@@ -12,7 +12,7 @@ import pytest
 
 from rosejax import LLM, KernelConfig, LLMEngine, SamplingParams
 from rosejax.tokenizer import packaged_gpt2_tokenizer_path
-from tests.conftest import HF_SHAPES, hf_greedy, make_hf_checkpoint
+from tests.conftest import HF_SHAPES, INTERPRET, hf_greedy, make_hf_checkpoint
 
 SHAPE = HF_SHAPES["hd16"]
 TOK = packaged_gpt2_tokenizer_path()
@@ -428,7 +428,7 @@ def test_layer_kernels_match_hf(checkpoint, monkeypatch, layer_norm):
         layer_norm=layer_norm,
         linear="pallas",
         tiles=(("linear", "block_k", 16), ("linear", "max_k_steps", 1)),
-        interpret=True,
+        interpret=INTERPRET,
     )
     llm = make_llm(checkpoint, kernels=kernels)
     prompts = random_prompts(3)
@@ -452,7 +452,7 @@ def test_attention_kernels_match_hf(checkpoint, monkeypatch, fused):
     calls = spy_kernels(
         monkeypatch, attention, ["paged_decode_attention", "paged_decode_attention_append"]
     )
-    kernels = KernelConfig(attention="pallas", fused_kv_append=fused, interpret=True)
+    kernels = KernelConfig(attention="pallas", fused_kv_append=fused, interpret=INTERPRET)
     llm = make_llm(checkpoint, kernels=kernels)
     prompts = random_prompts(3)
     check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
@@ -476,7 +476,7 @@ def test_changing_kernels_compiles_the_other_program(checkpoint, monkeypatch):
     compiled = engine.num_compiles
     assert not calls
 
-    engine.runner.kernels = KernelConfig(layer_norm="pallas", interpret=True)
+    engine.runner.kernels = KernelConfig(layer_norm="pallas", interpret=INTERPRET)
     pallas = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert engine.num_compiles > compiled and calls
     assert pallas == xla
