@@ -461,10 +461,13 @@ def select_kv_append_variant(
     """Which implementation kv_append runs: 'xla', 'full_batch', 'identity_pos' or 'generic'.
 
     Host-side, from static facts only: the XLA scatter when the kernels are not wanted
-    (`use_kernels`), for fewer than `min_batch` rows, or for a head dim Triton cannot tile.
+    (`use_kernels`), for fewer than `min_batch` rows (an int >= 0; 0 or 1: no gate), or for a
+    head dim Triton cannot tile.
     """
     if scalar_pos and has_batch_idx:
         raise ValueError("a scalar pos needs batch_idx=None (full-batch form)")
+    if not isinstance(min_batch, int) or min_batch < 0:
+        raise ValueError(f"min_batch must be an int >= 0, got {min_batch!r}")
     if not use_kernels or num_rows < min_batch or not is_power_of_2(head_dim):
         return "xla"
     if not has_batch_idx:
