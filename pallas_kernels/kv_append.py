@@ -37,17 +37,13 @@ from pallas_kernels._common import (
     next_power_of_2,
 )
 
-# Below this many appended rows the dispatcher uses the XLA scatter. 1 = never: on an H200
-# (bench/RESULTS.md, "KV append microbench", 2026-11-26) every kernel beat the XLA scatter at
-# every batch size measured, B=1 included (1.3-1.8 us against 3.8-4.1 us per layer-append;
-# one launch writes both K and V), so there is no crossover to gate. Re-measure on other cards.
-DEFAULT_MIN_BATCH = 1
-
-# Rows per program and warps: from the H200 sweep in bench/RESULTS.md (fp16, H=12, D=64, with
-# block_h=4). 8 rows x 4 heads x 64 = 2048 elements a tile, 16 per thread at 4 warps, was at or
-# near the best at B=256 and B=2048; 16 rows x 16 heads at 1 warp spills and runs 6x slower.
-DEFAULT_BLOCK_B = 8
-DEFAULT_NUM_WARPS = 4
+# Tuned defaults: the card each was tuned on and why, in a line (figures: docs/performance-log.md,
+# section "KV append kernels"; re-measure on other cards).
+DEFAULT_MIN_BATCH = 1  # H200: kernels beat the XLA scatter at every B, B=1 too (1.3 vs 3.8 us)
+DEFAULT_BLOCK_B = 8  # H200, fp16 H=12 D=64: at or near the best of 24 tiles at B=256 and 2048
+DEFAULT_NUM_WARPS = 4  # H200, same sweep: 16 elements a thread; a 16 x 16 tile at 1 warp spills
+DEFAULT_NUM_STAGES = 1  # not tuned: the kernel has no loop for Triton to pipeline
+# default_block_h(H): 4 for H=12  (H200, same sweep: the 4 of that 8 x 4 tile; divides H, no waste)
 
 
 def default_block_h(num_heads: int) -> int:
@@ -293,7 +289,7 @@ def kv_append_generic(
     block_h: int | None = None,
     new_head_offsets: tuple[int, int] = (0, 0),
     num_warps: int = DEFAULT_NUM_WARPS,
-    num_stages: int = 1,
+    num_stages: int = DEFAULT_NUM_STAGES,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Row batch_idx[i] of k_new/v_new goes to slot (block_idx[i], pos[i]) of every head.
@@ -342,7 +338,7 @@ def kv_append_identity_pos(
     block_h: int | None = None,
     new_head_offsets: tuple[int, int] = (0, 0),
     num_warps: int = DEFAULT_NUM_WARPS,
-    num_stages: int = 1,
+    num_stages: int = DEFAULT_NUM_STAGES,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Row i of k_new/v_new goes to slot (block_idx[i], pos[i]); block_idx, pos: int32 [B]."""
@@ -380,7 +376,7 @@ def kv_append_full_batch(
     block_h: int | None = None,
     new_head_offsets: tuple[int, int] = (0, 0),
     num_warps: int = DEFAULT_NUM_WARPS,
-    num_stages: int = 1,
+    num_stages: int = DEFAULT_NUM_STAGES,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Row i of k_new/v_new goes to slot (block_idx[i], pos); block_idx int32 [B], pos int32
