@@ -250,6 +250,7 @@ def _kv_append_pallas(
 
 
 _STATIC = ["block_b", "block_h", "new_head_offsets", "num_warps", "num_stages", "interpret"]
+_TILE_PARAMS = ("block_b", "block_h", "num_warps", "num_stages")  # what kv_append passes on
 _ARGS_DOC = """
 
     Args:
@@ -385,6 +386,7 @@ def kv_append(
     use_kernels: bool = True,
     min_batch: int = DEFAULT_MIN_BATCH,
     interpret: bool | None = None,
+    **tiles: int,
 ) -> tuple[jax.Array, jax.Array]:
     """Append one token's K/V per row into a paged cache layer; see the module docstring.
 
@@ -394,7 +396,11 @@ def kv_append(
     new_head_offsets: where the H heads start in k_new / v_new (module docstring).
     use_kernels, min_batch: when the kernels run at all (`select_kv_append_variant`).
     interpret=None interprets the kernels on a CPU backend and compiles them elsewhere.
+    tiles: the kernel's block_b, block_h, num_warps, num_stages (unused by the XLA scatter).
     """
+    unknown = set(tiles) - set(_TILE_PARAMS)
+    if unknown:
+        raise TypeError(f"kv_append() got unknown tile parameters {sorted(unknown)}")
     variant = select_kv_append_variant(
         block_idx.shape[0],
         k_cache.shape[-1],
@@ -425,4 +431,5 @@ def kv_append(
         *[arrays[name] for name in INDEX_ARGS[variant]],
         new_head_offsets=new_head_offsets,
         interpret=interpret,
+        **tiles,
     )

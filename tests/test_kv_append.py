@@ -472,6 +472,26 @@ def test_dispatcher_traces_the_chosen_path(use_kernels):
     assert ("scatter" in text) != use_kernels
 
 
+def test_dispatcher_passes_tiles_to_the_kernel():
+    """Tile parameters (`KernelConfig.tiles` for kv_append) reach the kernel's launch; the XLA
+    path takes and ignores them; an unknown one is refused."""
+    x = _to_device(make_inputs(CASES[1], "identity", np.random.default_rng()))
+
+    def trace(**kw):
+        return str(
+            jax.make_jaxpr(
+                lambda kc, vc: kva.kv_append(
+                    kc, vc, x["k_new"], x["v_new"], x["block_idx"], x["pos"], **kw
+                )
+            )(x["k_cache"], x["v_cache"])
+        )
+
+    assert "kv_append_identity_pos_bb2_bh2_w1" in trace(block_b=2, block_h=2, num_warps=1)
+    assert "pallas_call" not in trace(use_kernels=False, block_b=2, num_stages=2)
+    with pytest.raises(TypeError, match="block_m"):
+        trace(block_m=2)
+
+
 def test_default_block_h_is_power_of_two():
     for heads, expected in [(12, 4), (16, 16), (20, 4), (25, 32), (1, 1), (5, 8), (32, 16)]:
         assert kva.default_block_h(heads) == expected
