@@ -13,17 +13,20 @@ duplicate-free except in the reserved scratch block 0, whose contents nobody rea
 model passes its fused q/k/v projection [B, 3H, D] as both with (H, 2H), and no slice of it is
 copied out first (XLA would make that copy a kernel of its own every layer).
 
-Three Pallas kernels (Triton on GPU, `interpret=True` on CPU) update the caches in place
-through `input_output_aliases`; the caller donates the caches (a jitted step with
-`donate_argnums`), so no call copies them. `kv_append` is the one dispatch function: it picks a
-kernel, or the XLA scatter (`kv_append_reference`) when the kernels are switched off
-(`use_kernels=False`), the batch is small (`min_batch`), or
-the head dim is not a power of two, which the Triton lowering cannot tile.
+One Pallas kernel (Triton on GPU, `interpret=True` on CPU), compiled per variant (generic,
+identity_pos, full_batch: `INDEX_ARGS`), updates the caches in place through
+`input_output_aliases`; the caller donates the caches (a jitted step with `donate_argnums`), so
+no call copies them. Each variant has its op (`kv_append_generic`, `kv_append_identity_pos`,
+`kv_append_full_batch`). `kv_append` is the one dispatch function: it picks a variant, or the
+XLA scatter (`kv_append_reference`) when the kernels are switched off (`use_kernels=False`), the
+batch is small (`min_batch`), or the head dim is not a power of two, which the Triton lowering
+cannot tile.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -37,17 +40,13 @@ from pallas_kernels._common import (
     next_power_of_2,
 )
 
-# Below this many appended rows the dispatcher uses the XLA scatter. 1 = never: on an H200
-# (bench/RESULTS.md, "KV append microbench", 2026-11-26) every kernel beat the XLA scatter at
-# every batch size measured, B=1 included (1.3-1.8 us against 3.8-4.1 us per layer-append;
-# one launch writes both K and V), so there is no crossover to gate. Re-measure on other cards.
-DEFAULT_MIN_BATCH = 1
-
-# Rows per program and warps: from the H200 sweep in bench/RESULTS.md (fp16, H=12, D=64, with
-# block_h=4). 8 rows x 4 heads x 64 = 2048 elements a tile, 16 per thread at 4 warps, was at or
-# near the best at B=256 and B=2048; 16 rows x 16 heads at 1 warp spills and runs 6x slower.
-DEFAULT_BLOCK_B = 8
-DEFAULT_NUM_WARPS = 4
+# Tuned defaults: the card each was tuned on and why, in a line (figures: docs/performance-log.md,
+# section "KV append kernels"; re-measure on other cards).
+DEFAULT_MIN_BATCH = 1  # H200: kernels beat the XLA scatter at every B, B=1 too (1.3 vs 3.8 us)
+DEFAULT_BLOCK_B = 8  # H200, fp16 H=12 D=64: at or near the best of 24 tiles at B=256 and 2048
+DEFAULT_NUM_WARPS = 4  # H200, same sweep: 16 elements a thread; a 16 x 16 tile at 1 warp spills
+DEFAULT_NUM_STAGES = 1  # not tuned: the kernel has no loop for Triton to pipeline
+# default_block_h(H): 4 for H=12  (H200, same sweep: the 4 of that 8 x 4 tile; divides H, no waste)
 
 
 def default_block_h(num_heads: int) -> int:
@@ -64,110 +63,55 @@ def default_block_h(num_heads: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernels. Grid: (row tiles of block_b rows, head tiles of block_h heads). Every program moves a
+# The kernel. Grid: (row tiles of block_b rows, head tiles of block_h heads). Every program moves a
 # [block_b, block_h, D] tile of K and one of V. Rows past the batch and heads past H are
 # *clamped* onto the last row / head instead of masked: they write the same value to the same
 # slot again, which is harmless, needs no predicate, and stays deterministic in interpret mode
 # (where a masked store of an out-of-range index would scatter stale data over a real slot).
 # ----------------------------------------------------------------------------------------------
 
+# The variants, each with the int32 index arrays its op takes (after the caches and new rows), in
+# order. generic reads row i's source row from batch_idx (any subset of rows, any order);
+# identity_pos and full_batch take the whole batch in order (source row i). full_batch's pos is
+# one scalar for every row, the others' a position per row.
+INDEX_ARGS = {
+    "generic": ("batch_idx", "block_idx", "pos"),
+    "identity_pos": ("block_idx", "pos"),
+    "full_batch": ("block_idx", "pos"),
+}
 
-def _tile_indices(num_rows: int, num_heads: int, block_b: int, block_h: int):
-    rows = pl.program_id(0) * block_b + jnp.arange(block_b, dtype=jnp.int32)
-    rows = jnp.minimum(rows, num_rows - 1)  # [block_b]
-    heads = pl.program_id(1) * block_h + jnp.arange(block_h, dtype=jnp.int32)
-    heads = jnp.minimum(heads, num_heads - 1)  # [block_h]
-    return rows, heads
 
-
-def _copy_tile(
-    k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, src, heads, blocks, positions, head_offsets
+def kv_append_kernel(
+    k_new_ref,  # [B, H', D], heads head_offsets[0] + [0, H) read
+    v_new_ref,  # [B, H', D], heads head_offsets[1] + [0, H) read
+    *refs,  # the variant's INDEX_ARGS ([B'] each; full_batch's pos [1]), then the caches
+    variant: str,
+    block_b: int,
+    block_h: int,
+    head_offsets: tuple[int, int],
 ):
-    """Load [block_b, block_h, D] of K and V from rows src (heads shifted by head_offsets in
-    k_new / v_new), store them at (blocks, positions)."""
-    src = src[:, None]  # [block_b, 1]
-    heads = heads[None, :]  # [1, block_h]
-    blocks = blocks[:, None]  # [block_b, 1]
-    positions = positions[:, None]  # [block_b, 1]
+    """The one kernel of the three variants: row i's source row is batch_idx[i] (generic) or i,
+    its position pos[i], or pos[0] for every row (full_batch). The caches come twice, as inputs
+    aliased to the outputs (never read) and as outputs [H, NB, BS, D]."""
+    *index_refs, _, _, k_cache_ref, v_cache_ref = refs
+    index = dict(zip(INDEX_ARGS[variant], index_refs, strict=True))
+    rows = pl.program_id(0) * block_b + jnp.arange(block_b, dtype=jnp.int32)
+    rows = jnp.minimum(rows, index["block_idx"].shape[0] - 1)  # [block_b]
+    heads = pl.program_id(1) * block_h + jnp.arange(block_h, dtype=jnp.int32)
+    heads = jnp.minimum(heads, k_cache_ref.shape[0] - 1)  # [block_h]
+    src = index["batch_idx"][rows] if variant == "generic" else rows  # [block_b]
+    blocks = index["block_idx"][rows]  # [block_b]
+    if variant == "full_batch":
+        positions = jnp.broadcast_to(index["pos"][0], (block_b,))
+    else:
+        positions = index["pos"][rows]  # [block_b]
+    src, heads = src[:, None], heads[None, :]  # [block_b, 1], [1, block_h]
+    blocks, positions = blocks[:, None], positions[:, None]  # [block_b, 1]
     # Both loads before both stores: all the bytes of the tile are in flight at once.
     k = k_new_ref[src, heads + head_offsets[0], :]  # [block_b, block_h, D]
     v = v_new_ref[src, heads + head_offsets[1], :]  # [block_b, block_h, D]
     k_cache_ref[heads, blocks, positions, :] = k
     v_cache_ref[heads, blocks, positions, :] = v
-
-
-def kv_append_generic_kernel(
-    k_new_ref,  # [B, H', D], heads head_offsets[0] + [0, H) read
-    v_new_ref,  # [B, H', D], heads head_offsets[1] + [0, H) read
-    batch_idx_ref,  # [B']
-    block_idx_ref,  # [B']
-    pos_ref,  # [B']
-    k_cache_in_ref,  # [H, NB, BS, D], aliased to k_cache_ref: never read
-    v_cache_in_ref,  # [H, NB, BS, D], aliased to v_cache_ref: never read
-    k_cache_ref,  # [H, NB, BS, D]
-    v_cache_ref,  # [H, NB, BS, D]
-    *,
-    block_b: int,
-    block_h: int,
-    head_offsets: tuple[int, int],
-):
-    del k_cache_in_ref, v_cache_in_ref
-    num_heads = k_cache_ref.shape[0]
-    rows, heads = _tile_indices(block_idx_ref.shape[0], num_heads, block_b, block_h)
-    src = batch_idx_ref[rows]  # [block_b]
-    blocks = block_idx_ref[rows]  # [block_b]
-    positions = pos_ref[rows]  # [block_b]
-    _copy_tile(
-        k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, src, heads, blocks, positions, head_offsets
-    )
-
-
-def kv_append_identity_pos_kernel(
-    k_new_ref,  # [B, H', D], heads head_offsets[0] + [0, H) read
-    v_new_ref,  # [B, H', D], heads head_offsets[1] + [0, H) read
-    block_idx_ref,  # [B]
-    pos_ref,  # [B]
-    k_cache_in_ref,  # [H, NB, BS, D], aliased to k_cache_ref: never read
-    v_cache_in_ref,  # [H, NB, BS, D], aliased to v_cache_ref: never read
-    k_cache_ref,  # [H, NB, BS, D]
-    v_cache_ref,  # [H, NB, BS, D]
-    *,
-    block_b: int,
-    block_h: int,
-    head_offsets: tuple[int, int],
-):
-    del k_cache_in_ref, v_cache_in_ref
-    num_heads = k_cache_ref.shape[0]
-    rows, heads = _tile_indices(block_idx_ref.shape[0], num_heads, block_b, block_h)
-    blocks = block_idx_ref[rows]  # [block_b]
-    positions = pos_ref[rows]  # [block_b]
-    _copy_tile(
-        k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, rows, heads, blocks, positions, head_offsets
-    )
-
-
-def kv_append_full_batch_kernel(
-    k_new_ref,  # [B, H', D], heads head_offsets[0] + [0, H) read
-    v_new_ref,  # [B, H', D], heads head_offsets[1] + [0, H) read
-    block_idx_ref,  # [B]
-    pos_ref,  # [1]: the one position shared by every row
-    k_cache_in_ref,  # [H, NB, BS, D], aliased to k_cache_ref: never read
-    v_cache_in_ref,  # [H, NB, BS, D], aliased to v_cache_ref: never read
-    k_cache_ref,  # [H, NB, BS, D]
-    v_cache_ref,  # [H, NB, BS, D]
-    *,
-    block_b: int,
-    block_h: int,
-    head_offsets: tuple[int, int],
-):
-    del k_cache_in_ref, v_cache_in_ref
-    num_heads = k_cache_ref.shape[0]
-    rows, heads = _tile_indices(block_idx_ref.shape[0], num_heads, block_b, block_h)
-    blocks = block_idx_ref[rows]  # [block_b]
-    positions = jnp.broadcast_to(pos_ref[0], (block_b,))  # [block_b]
-    _copy_tile(
-        k_new_ref, v_new_ref, k_cache_ref, v_cache_ref, rows, heads, blocks, positions, head_offsets
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,28 +170,48 @@ def _check_scalar_pos(pos: Any) -> None:
         raise ValueError(f"full-batch pos must be an int32 scalar (shape ()), got {pos.shape}")
 
 
+def _check_indices(k_new, block_idx, pos, batch_idx, *, scalar_pos: bool) -> int:
+    """The index arrays of any form -> the number of rows appended, B'. block_idx is [B] when
+    batch_idx is None (row i is source i), else [B'] like batch_idx; pos is [B'] or, with
+    scalar_pos, an int32 scalar."""
+    if batch_idx is None:
+        n = _check_int32_vector("block_idx", block_idx, k_new.shape[0])
+    else:
+        n = _check_int32_vector("block_idx", block_idx, None)
+        _check_int32_vector("batch_idx", batch_idx, n)
+    if scalar_pos:
+        _check_scalar_pos(pos)
+    else:
+        _check_int32_vector("pos", pos, n)
+    return n
+
+
 # ----------------------------------------------------------------------------------------------
-# pallas_call wrapper shared by the three ops.
+# The launcher, and the three ops made from it.
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch(
-    kernel,
-    name: str,
+def _kv_append_pallas(
+    variant: str,
     k_cache: jax.Array,
     v_cache: jax.Array,
     k_new: jax.Array,
     v_new: jax.Array,
-    index_arrays: tuple[jax.Array, ...],
-    num_rows: int,
     *,
-    block_b: int | None,
-    block_h: int | None,
-    head_offsets: tuple[int, int],
-    num_warps: int,
-    num_stages: int,
-    interpret: bool,
+    block_idx: jax.Array,
+    pos: jax.Array,
+    batch_idx: jax.Array | None = None,
+    block_b: int | None = None,
+    block_h: int | None = None,
+    new_head_offsets: tuple[int, int] = (0, 0),
+    num_warps: int = DEFAULT_NUM_WARPS,
+    num_stages: int = DEFAULT_NUM_STAGES,
+    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
+    """Checks, then the kernel of `variant` over the caches, in place (input_output_aliases)."""
+    _check_caches(k_cache, v_cache, k_new, v_new, new_head_offsets)
+    scalar_pos = variant == "full_batch"
+    num_rows = _check_indices(k_new, block_idx, pos, batch_idx, scalar_pos=scalar_pos)
     num_heads, _, _, head_dim = k_cache.shape
     if num_rows == 0:
         return k_cache, v_cache
@@ -261,149 +225,90 @@ def _launch(
     _check_kernel_params(head_dim, block_b, block_h)
     if not interpret:
         filter_triton_deprecation()
-    grid = (pl.cdiv(num_rows, block_b), pl.cdiv(num_heads, block_h))
+    arrays = {"batch_idx": batch_idx, "block_idx": block_idx}
+    arrays["pos"] = pos.reshape(1) if scalar_pos else pos
+    index_arrays = [arrays[name] for name in INDEX_ARGS[variant]]
     cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
     num_inputs = 2 + len(index_arrays)
+    kernel = functools.partial(
+        kv_append_kernel,
+        variant=variant,
+        block_b=block_b,
+        block_h=block_h,
+        head_offsets=new_head_offsets,
+    )
     return pl.pallas_call(
-        functools.partial(kernel, block_b=block_b, block_h=block_h, head_offsets=head_offsets),
-        grid=grid,
+        kernel,
+        grid=(pl.cdiv(num_rows, block_b), pl.cdiv(num_heads, block_h)),
         out_shape=(cache_shape, cache_shape),
         # The caches are inputs num_inputs, num_inputs + 1: written in place.
         input_output_aliases={num_inputs: 0, num_inputs + 1: 1},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"{name}_bb{block_b}_bh{block_h}_w{num_warps}",
+        name=f"kv_append_{variant}_bb{block_b}_bh{block_h}_w{num_warps}",
     )(k_new, v_new, *index_arrays, k_cache, v_cache)
 
 
 _STATIC = ["block_b", "block_h", "new_head_offsets", "num_warps", "num_stages", "interpret"]
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(0, 1))
-def kv_append_generic(
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    batch_idx: jax.Array,
-    block_idx: jax.Array,
-    pos: jax.Array,
-    *,
-    block_b: int | None = None,
-    block_h: int | None = None,
-    new_head_offsets: tuple[int, int] = (0, 0),
-    num_warps: int = DEFAULT_NUM_WARPS,
-    num_stages: int = 1,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Row batch_idx[i] of k_new/v_new goes to slot (block_idx[i], pos[i]) of every head.
+_TILE_PARAMS = ("block_b", "block_h", "num_warps", "num_stages")  # what kv_append passes on
+_ARGS_DOC = """
 
     Args:
       k_cache, v_cache: [H, num_blocks, block_size, D], donated and updated in place.
-      k_new, v_new: [B, H, D], same dtype as the caches ([B, H', D] with new_head_offsets).
-      batch_idx, block_idx, pos: int32 [B'] (B' may differ from B).
+      k_new, v_new: [B, H, D], same dtype as the caches ([B, H', D] with new_head_offsets: the H
+        heads start at new_head_offsets[0] in k_new, new_head_offsets[1] in v_new).
       block_b: rows per program (power of two); block_h: heads per program (power of two,
-        default from H); num_warps, num_stages: Triton launch parameters.
+        default from H); num_warps, num_stages: Triton launch parameters; interpret: run the
+        kernel in Pallas interpret mode (a CPU backend needs it).
     Returns:
       (k_cache, v_cache), the same buffers.
+    Raises:
+      ValueError: on shapes, dtypes or tiles the kernel cannot take (a head dim that is not a
+        power of two among them).
     """
-    _check_caches(k_cache, v_cache, k_new, v_new, new_head_offsets)
-    n = _check_int32_vector("block_idx", block_idx, None)
-    _check_int32_vector("batch_idx", batch_idx, n)
-    _check_int32_vector("pos", pos, n)
-    return _launch(
-        kv_append_generic_kernel,
-        "kv_append_generic",
-        k_cache,
-        v_cache,
-        k_new,
-        v_new,
-        (batch_idx, block_idx, pos),
-        n,
-        block_b=block_b,
-        block_h=block_h,
-        head_offsets=new_head_offsets,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        interpret=interpret,
+
+
+def _variant_op(variant: str, summary: str):
+    """The public op of `variant`: jitted, the caches donated, with the signature
+    (k_cache, v_cache, k_new, v_new, <its INDEX_ARGS>, *, <the tile parameters>)."""
+    params = inspect.signature(_kv_append_pallas).parameters
+    array = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    signature = inspect.Signature(
+        [params[name] for name in ("k_cache", "v_cache", "k_new", "v_new")]
+        + [inspect.Parameter(name, array, annotation="jax.Array") for name in INDEX_ARGS[variant]]
+        + [params[name] for name in _STATIC],
+        return_annotation=inspect.signature(_kv_append_pallas).return_annotation,
     )
 
+    def op(*args, **kwargs):
+        return _kv_append_pallas(variant, **signature.bind(*args, **kwargs).arguments)
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(0, 1))
-def kv_append_identity_pos(
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    block_idx: jax.Array,
-    pos: jax.Array,
-    *,
-    block_b: int | None = None,
-    block_h: int | None = None,
-    new_head_offsets: tuple[int, int] = (0, 0),
-    num_warps: int = DEFAULT_NUM_WARPS,
-    num_stages: int = 1,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Row i of k_new/v_new goes to slot (block_idx[i], pos[i]); block_idx, pos: int32 [B]."""
-    _check_caches(k_cache, v_cache, k_new, v_new, new_head_offsets)
-    n = _check_int32_vector("block_idx", block_idx, k_new.shape[0])
-    _check_int32_vector("pos", pos, n)
-    return _launch(
-        kv_append_identity_pos_kernel,
-        "kv_append_identity_pos",
-        k_cache,
-        v_cache,
-        k_new,
-        v_new,
-        (block_idx, pos),
-        n,
-        block_b=block_b,
-        block_h=block_h,
-        head_offsets=new_head_offsets,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        interpret=interpret,
-    )
+    op.__name__ = op.__qualname__ = f"kv_append_{variant}"
+    op.__doc__ = summary + _ARGS_DOC
+    op.__signature__ = signature
+    return jax.jit(op, static_argnames=_STATIC, donate_argnums=(0, 1))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(0, 1))
-def kv_append_full_batch(
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    block_idx: jax.Array,
-    pos: jax.Array,
-    *,
-    block_b: int | None = None,
-    block_h: int | None = None,
-    new_head_offsets: tuple[int, int] = (0, 0),
-    num_warps: int = DEFAULT_NUM_WARPS,
-    num_stages: int = 1,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """Row i of k_new/v_new goes to slot (block_idx[i], pos); block_idx int32 [B], pos int32
-    scalar shared by every row (a decode step where all requests are at the same length)."""
-    _check_caches(k_cache, v_cache, k_new, v_new, new_head_offsets)
-    n = _check_int32_vector("block_idx", block_idx, k_new.shape[0])
-    _check_scalar_pos(pos)
-    return _launch(
-        kv_append_full_batch_kernel,
-        "kv_append_full_batch",
-        k_cache,
-        v_cache,
-        k_new,
-        v_new,
-        (block_idx, pos.reshape(1)),
-        n,
-        block_b=block_b,
-        block_h=block_h,
-        head_offsets=new_head_offsets,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        interpret=interpret,
-    )
+kv_append_generic = _variant_op(
+    "generic",
+    "Row batch_idx[i] of k_new/v_new goes to slot (block_idx[i], pos[i]) of every head;\n"
+    "    batch_idx, block_idx, pos: int32 [B'] (B' may differ from B).",
+)
+kv_append_identity_pos = _variant_op(
+    "identity_pos",
+    "Row i of k_new/v_new goes to slot (block_idx[i], pos[i]); block_idx, pos: int32 [B].",
+)
+kv_append_full_batch = _variant_op(
+    "full_batch",
+    "Row i of k_new/v_new goes to slot (block_idx[i], pos); block_idx: int32 [B], pos: an\n"
+    "    int32 scalar shared by every row (a decode step where all requests are at the same\n"
+    "    length).",
+)
+_OPS = {
+    "generic": kv_append_generic,
+    "identity_pos": kv_append_identity_pos,
+    "full_batch": kv_append_full_batch,
+}
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=["new_head_offsets"])
@@ -427,17 +332,10 @@ def kv_append_reference(
     num_heads = k_cache.shape[0]
     k_new = k_new[:, new_head_offsets[0] : new_head_offsets[0] + num_heads]  # [B, H, D]
     v_new = v_new[:, new_head_offsets[1] : new_head_offsets[1] + num_heads]  # [B, H, D]
-    if batch_idx is None:
-        n = _check_int32_vector("block_idx", block_idx, k_new.shape[0])
-    else:
-        n = _check_int32_vector("block_idx", block_idx, None)
-        _check_int32_vector("batch_idx", batch_idx, n)
+    _check_indices(k_new, block_idx, pos, batch_idx, scalar_pos=pos.ndim == 0)
+    if batch_idx is not None:
         k_new = k_new[batch_idx]  # [B', H, D]
         v_new = v_new[batch_idx]  # [B', H, D]
-    if pos.ndim == 0:
-        _check_scalar_pos(pos)
-    else:
-        _check_int32_vector("pos", pos, n)
     # k_cache[:, block_idx, pos] is [H, B', D].
     k_cache = k_cache.at[:, block_idx, pos].set(jnp.swapaxes(k_new, 0, 1))
     v_cache = v_cache.at[:, block_idx, pos].set(jnp.swapaxes(v_new, 0, 1))
@@ -461,10 +359,13 @@ def select_kv_append_variant(
     """Which implementation kv_append runs: 'xla', 'full_batch', 'identity_pos' or 'generic'.
 
     Host-side, from static facts only: the XLA scatter when the kernels are not wanted
-    (`use_kernels`), for fewer than `min_batch` rows, or for a head dim Triton cannot tile.
+    (`use_kernels`), for fewer than `min_batch` rows (an int >= 0; 0 or 1: no gate), or for a
+    head dim Triton cannot tile.
     """
     if scalar_pos and has_batch_idx:
         raise ValueError("a scalar pos needs batch_idx=None (full-batch form)")
+    if not isinstance(min_batch, int) or min_batch < 0:
+        raise ValueError(f"min_batch must be an int >= 0, got {min_batch!r}")
     if not use_kernels or num_rows < min_batch or not is_power_of_2(head_dim):
         return "xla"
     if not has_batch_idx:
@@ -485,6 +386,7 @@ def kv_append(
     use_kernels: bool = True,
     min_batch: int = DEFAULT_MIN_BATCH,
     interpret: bool | None = None,
+    **tiles: int,
 ) -> tuple[jax.Array, jax.Array]:
     """Append one token's K/V per row into a paged cache layer; see the module docstring.
 
@@ -494,7 +396,11 @@ def kv_append(
     new_head_offsets: where the H heads start in k_new / v_new (module docstring).
     use_kernels, min_batch: when the kernels run at all (`select_kv_append_variant`).
     interpret=None interprets the kernels on a CPU backend and compiles them elsewhere.
+    tiles: the kernel's block_b, block_h, num_warps, num_stages (unused by the XLA scatter).
     """
+    unknown = set(tiles) - set(_TILE_PARAMS)
+    if unknown:
+        raise TypeError(f"kv_append() got unknown tile parameters {sorted(unknown)}")
     variant = select_kv_append_variant(
         block_idx.shape[0],
         k_cache.shape[-1],
@@ -516,36 +422,14 @@ def kv_append(
         )
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    if variant == "full_batch":
-        return kv_append_full_batch(
-            k_cache,
-            v_cache,
-            k_new,
-            v_new,
-            block_idx,
-            pos,
-            new_head_offsets=new_head_offsets,
-            interpret=interpret,
-        )
-    if variant == "identity_pos":
-        return kv_append_identity_pos(
-            k_cache,
-            v_cache,
-            k_new,
-            v_new,
-            block_idx,
-            pos,
-            new_head_offsets=new_head_offsets,
-            interpret=interpret,
-        )
-    return kv_append_generic(
+    arrays = {"batch_idx": batch_idx, "block_idx": block_idx, "pos": pos}
+    return _OPS[variant](
         k_cache,
         v_cache,
         k_new,
         v_new,
-        batch_idx,
-        block_idx,
-        pos,
+        *[arrays[name] for name in INDEX_ARGS[variant]],
         new_head_offsets=new_head_offsets,
         interpret=interpret,
+        **tiles,
     )

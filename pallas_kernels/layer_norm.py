@@ -25,15 +25,11 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
 from pallas_kernels.linear import finish_partial_sums
 
-# Rows per program and warps of both kernels, measured inside the decode step (bench/RESULTS.md;
-# bench/bench_layer_norm.py times calls one by one, where dispatch hides them). Session 12, one
-# process per setting: (1 row, 2 warps) against (4 rows, 4 warps) took the B=1 step from 0.405 to
-# 0.393 ms on an H100 and from 0.400 to 0.348 on an H200, where (1 row, 4 warps) gave 0.384.
-# Session 13, in one process (bench/compare_variants.py): (1 row, 4 warps) beat (1 row, 2 warps)
-# by 0.4-1.2% at B=1 and B=16 in two calls on H100s; 1 warp was slower; neutral at B=256. Not yet
-# compared in one process on an H200, where the cross-process run favoured 2 warps.
-DEFAULT_BLOCK_ROWS = 1
-DEFAULT_NUM_WARPS = 4
+# Tuned defaults of both kernels, timed inside the decode step (a loop of single calls hides them
+# behind dispatch): the card each was tuned on and why, in a line (figures:
+# docs/performance-log.md, section "Layer norm").
+DEFAULT_BLOCK_ROWS = 1  # H200 and H100, B=1: beat 4 rows (H200, 4 warps: 0.384 vs 0.400 ms/step)
+DEFAULT_NUM_WARPS = 4  # H100, one process: beat 2 by 0.4-1.2% at B=1 and 16 (H200: not rechecked)
 
 
 def _normalize(x, scale, bias, e: int, eps: float):

@@ -13,7 +13,7 @@ A program's K loop is serial, and each step waits on memory: a long K over few c
 stream more than `max_k_steps` tiles: each program then writes its float32 partial sums
 (`linear_partial_sums`), and the epilogue runs after their sum (`finish_partial_sums`, one XLA
 kernel, or the next layer norm: `pallas_kernels.layer_norm.add_layer_norm`). The default of 4
-tiles was measured on GPT-2 small only (bench/RESULTS.md, session 11).
+tiles was measured on GPT-2 small only (`DEFAULT_MAX_K_STEPS`).
 
 Layout: x [M, K]; w [K, N] (flax's Dense kernel); b [N]; residual [M, N] or None; out [M, N];
 partial sums [S, M, N] float32.
@@ -31,21 +31,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
 
+# Tuned defaults: the card each was tuned on and why, in a line (figures: docs/performance-log.md,
+# section "GEMMs: cuBLAS against XLA's Triton GEMMs, and the small-batch Pallas linear").
+DEFAULT_BLOCK_M = 64  # H200, 256 rows: 64 beat 128 (still 8.6% behind cuBLAS); <= 64 rows: 1 tile
+DEFAULT_BLOCK_N = 32  # H100, 16 rows: beat 16 and 64, again in one process at B=1 and 16
+DEFAULT_BLOCK_K = 256  # H100, 16 rows: the best of 64, 128, 256 and 512, again in one process
+DEFAULT_NUM_WARPS = 4  # H100, 16 rows: beat 2 and 8, again in one process
+DEFAULT_NUM_STAGES = 4  # H100, one process, B=1 and 16: beat 3 by 0.4-0.7%; 2 was 15% slower
+DEFAULT_MAX_K_STEPS = 4  # H200, GPT-2 small, B=1: best of 1, 2, 4 and 12 (-8.5% a step on 12)
+
 ACTIVATIONS = (None, "gelu_tanh")
-# From an H100 sweep at 16 rows (bench/RESULTS.md, session 10): a 256-deep K tile was the best of
-# 64/128/256/512; 32 columns beat 16 and 64; 4 warps beat 2 and 8. Re-swept in one process in
-# session 13 (bench/compare_variants.py, B=1 and 16): all of that held, and 4 stages beat 3 by
-# 0.4-0.7% (2 stages: 15% slower).
-# Rows per program: a decode batch of up to 64 rows is one tile. More rows take more programs
-# (a 256-row tile would need 128 KB of shared memory per pipeline stage). At 256 rows 64x64 tiles
-# were the best tried and still 8.6% slower a step than cuBLAS (bench/RESULTS.md, session 14),
-# so the model sends only small batches here.
-DEFAULT_BLOCK_M = 64
-DEFAULT_BLOCK_N = 32
-DEFAULT_BLOCK_K = 256
-DEFAULT_NUM_WARPS = 4
-DEFAULT_NUM_STAGES = 4
-DEFAULT_MAX_K_STEPS = 4
 
 
 def linear_supported(

@@ -30,6 +30,13 @@ from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, nex
 
 _NEG_INF = -1e30
 
+# Tuned defaults: the card each was tuned on and why, in a line (figures: docs/performance-log.md,
+# section "Paged decode attention").
+DEFAULT_NUM_STAGES = 2  # H100, one process: 1 and 3 stages within 0.4% of 2 at B=1 and B=256
+PREFETCH_TABLE_MIN_BATCH = 128  # H200, whole table up front: B=256 -1.1% a step, 64 even, 1 +0.4%
+PREFETCH_TABLE_MAX_BLOCKS = 64  # not tuned (16 entries measured): the select costs a lane an entry
+# _default_num_warps: a warp per 1,024 page elements  (H200: best at BS 16 and 32, 1.2% off at 64)
+
 
 def _attend_pages(q, k_cache_ref, v_cache_ref, block_tables_ref, b, h, num_tokens, prefetch_table):
     """Online softmax of q [D] (already scaled) over the row's first `num_tokens` cached keys
@@ -117,7 +124,7 @@ def paged_decode_attention_append_kernel(
     out = (acc * alpha + p * v_new.astype(jnp.float32)) / (denom * alpha + p)  # [D]
     o_ref[b, h, :] = jnp.where(length > 0, out, 0.0).astype(o_ref.dtype)
     # Stored last: with these stores ahead of the page loop the kernel took 6.7 us a call at
-    # B=1 on an H100, 1.4 us more than the attention alone (bench/RESULTS.md, session 13).
+    # B=1 on an H100, 1.4 us more than the attention alone.
     # The new token's slot is position length - 1; a padded row (length 0) writes scratch block 0.
     pos = jnp.maximum(length - 1, 0)
     logical = jnp.minimum(pos // block_size, block_tables_ref.shape[1] - 1)  # as the model clips
@@ -159,18 +166,8 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, lengths, append: bool)
 
 
 def _default_num_warps(block_size: int, head_dim: int) -> int:
-    # One warp per 1,024 elements of a [block_size, D] page: the best of 1/2/4 warps at each
-    # block size of an H200 sweep (B=256, context 136; bench/RESULTS.md).
+    # One warp per 1,024 elements of a [block_size, D] page, at most 8 (the table at the top).
     return max(1, min(block_size * head_dim // 1024, 8))
-
-
-# Batches from which a program loads its row's whole block table once, before its page loop,
-# rather than one entry per page inside it: at B=256 that took a page's address off the loop's
-# chain of dependent loads (-1.1% a decode step on an H200), at B=1 it cost 0.4% and at B=64 it
-# was even (bench/RESULTS.md, session 14).
-PREFETCH_TABLE_MIN_BATCH = 128
-# The per-page select costs a lane per table entry; measured only at 16 entries (block size 64).
-PREFETCH_TABLE_MAX_BLOCKS = 64
 
 
 def _decode_call(
@@ -224,7 +221,7 @@ def paged_decode_attention(
     lengths: jax.Array,  # [B] int32
     *,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int = DEFAULT_NUM_STAGES,
     prefetch_table: bool | None = None,
     interpret: bool = False,
 ) -> jax.Array:  # [B, H, D]
@@ -259,7 +256,7 @@ def paged_decode_attention_append(
     lengths: jax.Array,  # [B] int32, the new token included
     *,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int = DEFAULT_NUM_STAGES,
     prefetch_table: bool | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [B, H, D], k_cache, v_cache

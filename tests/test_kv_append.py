@@ -87,7 +87,7 @@ class Impl:
     name: str
     fn: Callable
     forms: tuple[str, ...]
-    env: tuple[tuple[str, str], ...] = ()
+    options: tuple[tuple[str, object], ...] = ()  # keyword arguments of every call
 
 
 def _generic(kc, vc, kn, vn, block_idx, pos, batch_idx=None, **kw):
@@ -121,8 +121,8 @@ IMPLEMENTATIONS = [
     Impl("generic", _generic, ("generic", "identity")),
     Impl("identity_pos", _identity, ("identity",)),
     Impl("full_batch", _full, ("full",)),
-    Impl("dispatch_on", _dispatch, FORMS, ((kva.ENV_SWITCH, "1"), (kva.ENV_MIN_BATCH, "1"))),
-    Impl("dispatch_off", _dispatch, FORMS, ((kva.ENV_SWITCH, "0"),)),
+    Impl("dispatch_on", _dispatch, FORMS, (("use_kernels", True), ("min_batch", 1))),
+    Impl("dispatch_off", _dispatch, FORMS, (("use_kernels", False),)),
     Impl("reference", kva.kv_append_reference, FORMS),
 ]
 
@@ -188,9 +188,7 @@ def _to_device(inputs: dict) -> dict:
     return {key: None if x is None else jnp.asarray(x) for key, x in inputs.items()}
 
 
-def _run(impl: Impl, inputs: dict, monkeypatch: pytest.MonkeyPatch, **kw):
-    for key, value in impl.env:
-        monkeypatch.setenv(key, value)
+def _run(impl: Impl, inputs: dict, **kw):
     x = _to_device(inputs)
     return impl.fn(
         x["k_cache"],
@@ -200,6 +198,7 @@ def _run(impl: Impl, inputs: dict, monkeypatch: pytest.MonkeyPatch, **kw):
         x["block_idx"],
         x["pos"],
         x["batch_idx"],
+        **dict(impl.options),
         **kw,
     )
 
@@ -225,11 +224,11 @@ def _assert_bits_equal(actual, expected, what: str) -> None:
     [(i, f) for i in IMPLEMENTATIONS for f in FORMS if f in i.forms],
     ids=lambda x: x.name if isinstance(x, Impl) else x,
 )
-def test_append_matches_oracle(impl: Impl, shape: KVAppendShape, form: str, monkeypatch):
+def test_append_matches_oracle(impl: Impl, shape: KVAppendShape, form: str):
     rng = np.random.default_rng()
     inputs = make_inputs(shape, form, rng)
     k_expected, v_expected = oracle(inputs)
-    k_out, v_out = _run(impl, inputs, monkeypatch)
+    k_out, v_out = _run(impl, inputs)
     _assert_bits_equal(k_out, k_expected, "k_cache")
     _assert_bits_equal(v_out, v_expected, "v_cache")
 
@@ -239,7 +238,7 @@ def test_append_matches_oracle(impl: Impl, shape: KVAppendShape, form: str, monk
     [(i, f) for i in IMPLEMENTATIONS for f in FORMS if f in i.forms],
     ids=lambda x: x.name if isinstance(x, Impl) else x,
 )
-def test_append_from_fused_qkv(impl: Impl, form: str, monkeypatch):
+def test_append_from_fused_qkv(impl: Impl, form: str):
     """The model's call: k_new = v_new = the fused [B, 3H, D] projection, heads at H and 2H."""
     rng = np.random.default_rng()
     shape = CASES[1]
@@ -249,14 +248,14 @@ def test_append_from_fused_qkv(impl: Impl, form: str, monkeypatch):
     fused = np.concatenate([q, inputs["k_new"], inputs["v_new"]], axis=1)  # [B, 3H, D]
     h = shape.num_heads
     k_out, v_out = _run(
-        impl, inputs | {"k_new": fused, "v_new": fused}, monkeypatch, new_head_offsets=(h, 2 * h)
+        impl, inputs | {"k_new": fused, "v_new": fused}, new_head_offsets=(h, 2 * h)
     )
     _assert_bits_equal(k_out, k_expected, "k_cache")
     _assert_bits_equal(v_out, v_expected, "v_cache")
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=lambda i: i.name)
-def test_append_inside_donating_jit(impl: Impl, monkeypatch):
+def test_append_inside_donating_jit(impl: Impl):
     """The way the engine calls it: inside a jitted step that donates the caches, twice."""
     shape = CASES[1]
     form = impl.forms[0]
@@ -264,14 +263,18 @@ def test_append_inside_donating_jit(impl: Impl, monkeypatch):
     first, second = make_inputs(shape, form, rng), make_inputs(shape, form, rng)
     second["k_cache"], second["v_cache"] = oracle(first)
     k_expected, v_expected = oracle(second)
-    for key, value in impl.env:
-        monkeypatch.setenv(key, value)
 
     @jax.jit
     def step(caches, a, b):
         for x in (a, b):
             caches = impl.fn(
-                *caches, x["k_new"], x["v_new"], x["block_idx"], x["pos"], x["batch_idx"]
+                *caches,
+                x["k_new"],
+                x["v_new"],
+                x["block_idx"],
+                x["pos"],
+                x["batch_idx"],
+                **dict(impl.options),
             )
         return caches
 
@@ -359,21 +362,21 @@ BAD = [
     ],
     ids=lambda x: x.name if isinstance(x, Impl) else x,
 )
-def test_bad_inputs_raise(impl: Impl, kind: str, monkeypatch):
+def test_bad_inputs_raise(impl: Impl, kind: str):
     form = "generic" if kind.startswith("batch_idx") else impl.forms[-1]
     inputs = _bad_inputs(kind, form)
     with pytest.raises(ValueError):
-        _run(impl, inputs, monkeypatch)
+        _run(impl, inputs)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=lambda i: i.name)
 @pytest.mark.parametrize("offsets", [(1, 0), (0, -1)])
-def test_head_offsets_past_the_heads_raise(impl: Impl, offsets, monkeypatch):
+def test_head_offsets_past_the_heads_raise(impl: Impl, offsets):
     inputs = make_inputs(
         KVAppendShape(4, 6, 4, 16, 3, "float32"), impl.forms[-1], np.random.default_rng()
     )
     with pytest.raises(ValueError, match="has no heads"):
-        _run(impl, inputs, monkeypatch, new_head_offsets=offsets)
+        _run(impl, inputs, new_head_offsets=offsets)
 
 
 @pytest.mark.parametrize(
@@ -400,34 +403,28 @@ def test_kernels_refuse_non_power_of_two_head_dim(op):
 
 
 @pytest.mark.parametrize(
-    "env, rows, head_dim, has_batch_idx, scalar_pos, expected",
+    "options, rows, head_dim, has_batch_idx, scalar_pos, expected",
     [
         ({}, 256, 64, False, True, "full_batch"),
         ({}, 256, 64, False, False, "identity_pos"),
         ({}, 256, 64, True, False, "generic"),
-        ({kva.ENV_SWITCH: "0"}, 256, 64, False, True, "xla"),
-        ({kva.ENV_SWITCH: "0"}, 256, 64, True, False, "xla"),
-        ({kva.ENV_MIN_BATCH: "8"}, 7, 64, False, False, "xla"),
-        ({kva.ENV_MIN_BATCH: "8"}, 8, 64, False, False, "identity_pos"),
-        ({kva.ENV_MIN_BATCH: "1"}, 1, 64, True, False, "generic"),
-        ({kva.ENV_MIN_BATCH: "1"}, 256, 24, False, False, "xla"),  # D not a power of two
-        ({kva.ENV_MIN_BATCH: "1"}, 256, 80, True, False, "xla"),
+        ({"use_kernels": False}, 256, 64, False, True, "xla"),
+        ({"use_kernels": False}, 256, 64, True, False, "xla"),
+        ({"min_batch": 8}, 7, 64, False, False, "xla"),
+        ({"min_batch": 8}, 8, 64, False, False, "identity_pos"),
+        ({"min_batch": 1}, 1, 64, True, False, "generic"),
+        ({"min_batch": 1}, 256, 24, False, False, "xla"),  # D not a power of two
+        ({"min_batch": 1}, 256, 80, True, False, "xla"),
     ],
 )
-def test_select_variant(env, rows, head_dim, has_batch_idx, scalar_pos, expected, monkeypatch):
-    monkeypatch.delenv(kva.ENV_SWITCH, raising=False)
-    monkeypatch.delenv(kva.ENV_MIN_BATCH, raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+def test_select_variant(options, rows, head_dim, has_batch_idx, scalar_pos, expected):
     got = kva.select_kv_append_variant(
-        rows, head_dim, has_batch_idx=has_batch_idx, scalar_pos=scalar_pos
+        rows, head_dim, has_batch_idx=has_batch_idx, scalar_pos=scalar_pos, **options
     )
     assert got == expected
 
 
-def test_default_min_batch_gate(monkeypatch):
-    monkeypatch.delenv(kva.ENV_SWITCH, raising=False)
-    monkeypatch.delenv(kva.ENV_MIN_BATCH, raising=False)
+def test_default_min_batch_gate():
     below = kva.DEFAULT_MIN_BATCH - 1
     if below >= 1:
         assert (
@@ -441,10 +438,12 @@ def test_default_min_batch_gate(monkeypatch):
     )
 
 
-def test_select_variant_bad_env(monkeypatch):
-    monkeypatch.setenv(kva.ENV_MIN_BATCH, "many")
+@pytest.mark.parametrize("min_batch", ["many", -1, 2.5])
+def test_select_variant_bad_min_batch(min_batch):
     with pytest.raises(ValueError):
-        kva.select_kv_append_variant(4, 64, has_batch_idx=False, scalar_pos=False)
+        kva.select_kv_append_variant(
+            4, 64, has_batch_idx=False, scalar_pos=False, min_batch=min_batch
+        )
 
 
 def test_scalar_pos_with_batch_idx_is_refused():
@@ -452,18 +451,45 @@ def test_scalar_pos_with_batch_idx_is_refused():
         kva.select_kv_append_variant(4, 64, has_batch_idx=True, scalar_pos=True)
 
 
-@pytest.mark.parametrize("switch, expect_kernel", [("1", True), ("0", False)])
-def test_dispatcher_traces_the_chosen_path(switch, expect_kernel, monkeypatch):
-    """The traced program holds a pallas_call exactly when the switch is on."""
-    monkeypatch.setenv(kva.ENV_SWITCH, switch)
-    monkeypatch.setenv(kva.ENV_MIN_BATCH, "1")
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_dispatcher_traces_the_chosen_path(use_kernels):
+    """The traced program holds a pallas_call exactly when the kernels are switched on."""
     x = _to_device(make_inputs(CASES[1], "identity", np.random.default_rng()))
     jaxpr = jax.make_jaxpr(
-        lambda kc, vc: kva.kv_append(kc, vc, x["k_new"], x["v_new"], x["block_idx"], x["pos"])
+        lambda kc, vc: kva.kv_append(
+            kc,
+            vc,
+            x["k_new"],
+            x["v_new"],
+            x["block_idx"],
+            x["pos"],
+            use_kernels=use_kernels,
+            min_batch=1,
+        )
     )(x["k_cache"], x["v_cache"])
     text = str(jaxpr)
-    assert ("pallas_call" in text) == expect_kernel
-    assert ("scatter" in text) != expect_kernel
+    assert ("pallas_call" in text) == use_kernels
+    assert ("scatter" in text) != use_kernels
+
+
+def test_dispatcher_passes_tiles_to_the_kernel():
+    """Tile parameters (`KernelConfig.tiles` for kv_append) reach the kernel's launch; the XLA
+    path takes and ignores them; an unknown one is refused."""
+    x = _to_device(make_inputs(CASES[1], "identity", np.random.default_rng()))
+
+    def trace(**kw):
+        return str(
+            jax.make_jaxpr(
+                lambda kc, vc: kva.kv_append(
+                    kc, vc, x["k_new"], x["v_new"], x["block_idx"], x["pos"], **kw
+                )
+            )(x["k_cache"], x["v_cache"])
+        )
+
+    assert "kv_append_identity_pos_bb2_bh2_w1" in trace(block_b=2, block_h=2, num_warps=1)
+    assert "pallas_call" not in trace(use_kernels=False, block_b=2, num_stages=2)
+    with pytest.raises(TypeError, match="block_m"):
+        trace(block_m=2)
 
 
 def test_default_block_h_is_power_of_two():
