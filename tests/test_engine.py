@@ -468,7 +468,8 @@ def test_changing_kernels_compiles_the_other_program(checkpoint, monkeypatch):
     from rosejax.layers import layer_norm as ln_layer
 
     calls = spy_kernels(monkeypatch, ln_layer, ["layer_norm", "add_layer_norm"])
-    llm = make_llm(checkpoint, enable_prefix_caching=False)  # every run prefills the same shapes
+    # Every run prefills the same shapes; XLA's layer norm first, whatever the backend's default.
+    llm = make_llm(checkpoint, enable_prefix_caching=False, kernels=KernelConfig())
     engine = llm.engine
     prompts = random_prompts(2)
     params = SamplingParams(max_tokens=6, temperature=0.0)
