@@ -8,8 +8,8 @@
 # Prints a table (median of each run's figures, every run's value beside it) and writes
 # OUTDIR/compare.json. BUDGET_S (default 540): no new round starts past it.
 set -uo pipefail
-BASE=$(cd "$1" && pwd)
-NEW=$(cd "$2" && pwd)
+BASE=$(cd "$1" && pwd) || exit 2
+NEW=$(cd "$2" && pwd) || exit 2
 OUT=$(mkdir -p "$3" && cd "$3" && pwd)
 BUDGET=${4:-540}
 PY=${PYTHON:-python3}
