@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import heapq
 import json
 import os
 import platform
@@ -225,10 +226,15 @@ def run_workload(
     offsets: Sequence[float] | None = None,
     tag: str = "run",
     progress: bool = True,
+    max_concurrency: int | None = None,
 ) -> tuple[list[RequestTrace], list[StepRecord]]:
     """Submit prompts[i] at start + offsets[i] seconds (None: all at once), step the engine until
     every request finished; return one trace per request (in prompt order) and one record per
-    step. Token times are taken right after `step()` returns."""
+    step. Token times are taken right after `step()` returns.
+
+    `max_concurrency`: at most this many requests in the engine at once, as a client with that
+    many connections: a due request waits for one to finish, and its submit time is then the end
+    of the step that finished it (the client's clock starts when it sends)."""
     n = len(prompts)
     offsets = [0.0] * n if offsets is None else list(offsets)
     if len(offsets) != n:
@@ -245,11 +251,17 @@ def run_workload(
         bar = tqdm(total=n, desc=tag, unit="req", leave=False, mininterval=0.5)
     nxt = 0
     start = time.perf_counter()
+    # max_concurrency: when each free slot became free (a min-heap; empty = all taken)
+    slots = [start] * max_concurrency if max_concurrency else None
     while nxt < n or engine.has_unfinished_requests():
         now = time.perf_counter()
         while nxt < n and offsets[order[nxt]] <= now - start:
             i = order[nxt]
             traces[i].submit_time = start + offsets[i]
+            if slots is not None:
+                if not slots:
+                    break
+                traces[i].submit_time = max(traces[i].submit_time, heapq.heappop(slots))
             engine.add_request(traces[i].request_id, prompts[i], params_list[i])
             nxt += 1
         if not engine.has_unfinished_requests():  # idle until the next arrival
@@ -269,6 +281,8 @@ def run_workload(
             tokens += k
             if out.finished:
                 trace.finish_reason = out.finish_reason
+                if slots is not None:
+                    heapq.heappush(slots, t1)
                 if bar is not None:
                     bar.update(1)
         steps.append(StepRecord(t0, t1, tokens, step_kind(len(outputs), first)))

@@ -1,0 +1,333 @@
+"""bench/benchmark_serving.py: its arithmetic by hand, then whole runs against an in-process
+server (uvicorn in a thread, as tests/test_server.py) with Poisson and all-at-once arrivals, a
+jsonl dataset, the --in-process comparison and --launch; each run's JSON is checked against
+figures computed here from its own per-request records."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+import pytest
+
+from bench import benchmark_serving as bs
+from rosejax import LLM
+from rosejax.engine_args import engine_kwargs
+from rosejax.serve import cli as serve_cli
+from rosejax.serve import create_app
+from tests.test_server import ServerThread
+
+# One small engine for every run: prompts of 4-7 tokens stay in one prefill length bucket, a
+# fixed decode window and at most 4 rows keep the decode programs few: little is compiled.
+ENGINE_FLAGS = [
+    "--model",
+    "random:tiny",
+    "--max-batch-size",
+    "4",
+    "--block-size",
+    "16",
+    "--kv-cache-tokens",
+    "512",
+    "--no-warmup",
+    "--decode-steps",
+    "4",
+    "--seed",
+    "3",
+]
+WORKLOAD = ["--input-len", "6", "--output-len", "6", "--range-ratio", "0.4", "--num-prompts", "6"]
+QUIET = ["--no-progress", "--warmup-runs", "0"]
+
+# ------------------------------------------------------------------------------ arithmetic
+
+
+def test_even_counts_and_token_itls():
+    assert bs.even_counts(8, 3) == [1, 3, 4] and sum(bs.even_counts(10, 4)) == 10
+    assert (
+        bs.even_counts(5, 1) == [5]
+        and bs.even_counts(1, 2) == [1, 0]
+        and bs.even_counts(0, 0) == []
+    )
+    # events at 1.0 (2 tokens), 1.4 (4 tokens), 1.5 (none), 2.1 (1 token)
+    itl = bs.token_itls([1.0, 1.4, 1.5, 2.1], [2, 4, 0, 1])
+    assert itl == pytest.approx([0.0, 0.1, 0.1, 0.1, 0.1, 0.7])
+    assert len(itl) == 2 + 4 + 1 - 1 and bs.token_itls([], []) == []
+
+
+def test_arrivals_lengths_and_flag_types():
+    assert bs.arrival_offsets(3, math.inf, 1.0, 0) == [0.0, 0.0, 0.0]
+    a = bs.arrival_offsets(4000, 50.0, 1.0, 7)
+    assert a == bs.arrival_offsets(4000, 50.0, 1.0, 7) and a[0] == 0.0
+    gaps = np.diff(a)
+    assert (gaps > 0).all() and np.mean(gaps) == pytest.approx(1 / 50, rel=0.06)
+    assert np.std(gaps) == pytest.approx(1 / 50, rel=0.1)  # exponential: std = mean
+    even = np.diff(bs.arrival_offsets(4000, 50.0, 16.0, 7))  # gamma shape 16: std = mean / 4
+    assert np.mean(even) == pytest.approx(1 / 50, rel=0.05) and np.std(even) < 0.4 / 50
+    lens = bs.uniform_lengths(10, 0.5, 2000, np.random.default_rng(0))
+    assert min(lens) == 5 and max(lens) == 15
+    assert bs.uniform_lengths(7, 0.0, 5, np.random.default_rng(0)) == [7] * 5
+    assert bs.percentile_list("99,90") == [50.0, 90.0, 99.0]
+    assert bs.slo("tpot:2.5") == ("tpot", 2.5)
+    for bad in ("x:1", "ttft", "ttft:-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bs.slo(bad)
+    with pytest.raises(argparse.ArgumentTypeError):
+        bs.request_rate("0")
+    assert bs.request_rate("inf") == math.inf
+
+
+def test_launch_passes_the_engine_flags_through():
+    extra = ["--kernel", "attention=xla", "--kernel-tile", "linear.num_warps=2"]
+    extra += ["--decode-steps", "4", "--no-prefix-cache", "--dtype", "float32"]
+    args = bs.build_parser().parse_args([*ENGINE_FLAGS, *extra])
+    served = serve_cli.build_parser().parse_args(bs.server_argv(args))
+    assert engine_kwargs(served) == engine_kwargs(args)
+    assert (served.model, served.seed) == ("random:tiny", 3)
+
+
+def _record(i, sent, events, tokens, end, counts=None):
+    return bs.Record(i, tokens, sent, 4, sent, events, counts, tokens, end)
+
+
+def test_summarize_by_hand():
+    recs = [
+        _record(0, 0.0, [0.1, 0.3], 5, 0.35),  # ttft 100, tpot 62.5, e2el 350 ms
+        _record(1, 0.1, [0.3, 0.4, 0.5], 3, 0.5, [1, 1, 1]),  # ttft 200, tpot 100, e2el 400
+        _record(2, 0.2, [0.25], 1, 0.3),  # one token: ttft 50, tpot None (0 for goodput)
+        bs.Record(3, 4, 0.0, error="HTTP 500: boom"),
+    ]
+    s = bs.summarize(recs, 0.5, [50.0, 90.0], {"ttft": 150.0, "tpot": 80.0})
+    assert (s["completed"], s["failed"], s["total_output_tokens"]) == (3, 1, 9)
+    assert s["total_input_tokens"] == 12 and s["output_throughput"] == pytest.approx(18.0)
+    assert s["ttft_ms"]["p50"] == pytest.approx(100.0) and s["ttft_ms"]["max"] == pytest.approx(200)
+    assert s["tpot_ms"]["n"] == 2 and s["tpot_ms"]["mean"] == pytest.approx(81.25)
+    # record 0: counts [1, 4] -> 4 x 50 ms; record 1: 2 x 100 ms
+    assert s["itl_ms"]["n"] == 6 and s["itl_ms"]["mean"] == pytest.approx(200 / 3)
+    assert s["event_gap_ms"]["n"] == 3 and s["tokens_per_event"] == pytest.approx(9 / 6)
+    assert s["goodput"]["good_requests"] == 2  # record 1 misses both SLOs
+    assert s["goodput"]["request_goodput"] == pytest.approx(4.0)
+    assert s["errors"] == ["HTTP 500: boom"] and s["itl_token_counts"] == "even_spread"
+    table = bs.format_table({"HTTP": s, "in-process": s}, [50.0, 90.0])
+    assert "Median TTFT (ms):" in table and "P90 ITL (ms):" in table and "1.000" in table
+
+
+def test_stream_reader_with_continuous_usage():
+    rec = bs.Record(0, 4, 0.0, sent_s=0.0)
+    reader = bs._StreamReader(rec)
+
+    def chunk(text, total):
+        usage = {"prompt_tokens": 3, "completion_tokens": total}
+        return ("data: " + json.dumps({"choices": [{"text": text}], "usage": usage})).encode()
+
+    for t, line in enumerate([chunk("a", 1), chunk("", 2), chunk("bc", 4), b"", b"data: [DONE]"]):
+        reader.line(line, 0.1 * (t + 1))
+    reader.finish()
+    assert rec.event_s == pytest.approx([0.1, 0.3]) and rec.event_tokens == [1, 3]
+    assert rec.output_tokens == 4 and rec.error is None  # no final usage: the streamed count
+    cut = bs.Record(1, 4, 0.0, sent_s=0.0)
+    reader = bs._StreamReader(cut)
+    reader.line(b'data: {"choices": [{"text": "x"}]}', 0.1)
+    reader.finish()
+    assert not cut.ok and "DONE" in cut.error
+
+
+# -------------------------------------------------------------------------- whole runs
+
+
+@pytest.fixture(scope="module")
+def server():
+    args = bs.build_parser().parse_args(ENGINE_FLAGS)
+    llm = LLM(args.model, seed=args.seed, **engine_kwargs(args))
+    with ServerThread(create_app(llm.engine, served_model_name="tiny")) as s:
+        yield s.url
+
+
+def run(tmp_path, *argv: str) -> dict:
+    out = tmp_path / "out.json"
+    assert bs.main([*argv, *QUIET, "--json", str(out), "--save-detailed"]) == 0
+    return json.loads(out.read_text())
+
+
+def check_run(res: dict, side: str, n: int, percentiles=(50, 90, 99)) -> list[dict]:
+    """The JSON's figures of one side against the same figures computed from its records."""
+    recs, s = res["requests"][side], res["results"][side]
+    assert len(recs) == n and s["completed"] == n and s["failed"] == 0
+    assert s["output_len_mismatches"] == 0
+    assert [r["output_tokens"] for r in recs] == [r["expected_output_len"] for r in recs]
+    assert s["total_output_tokens"] == sum(r["output_tokens"] for r in recs)
+    assert s["total_input_tokens"] == sum(r["prompt_len"] for r in recs)
+    end = max(r["end_s"] for r in recs)
+    assert s["duration_s"] == pytest.approx(end, abs=0.05)
+    assert s["output_throughput"] == pytest.approx(s["total_output_tokens"] / s["duration_s"])
+    ttft, tpot, e2el, itl, good = [], [], [], [], 0
+    slos = s.get("goodput", {}).get("slo_ms", {})
+    for r in recs:
+        ev = r["event_s"]
+        assert r["scheduled_s"] <= r["sent_s"] + 1e-6 and r["sent_s"] <= ev[0] <= r["end_s"]
+        assert ev == sorted(ev)
+        ttft.append(ev[0] - r["sent_s"])
+        e2el.append(r["end_s"] - r["sent_s"])
+        k = r["output_tokens"]
+        if k > 1:
+            tpot.append((e2el[-1] - ttft[-1]) / (k - 1))
+        mine = {"ttft": ttft[-1], "tpot": tpot[-1] if k > 1 else 0.0, "e2el": e2el[-1]}
+        good += all(mine[name] * 1e3 <= ms for name, ms in slos.items())
+        counts = r["event_tokens"]
+        if counts is None:  # HTTP: one token first, the rest spread evenly over the events
+            edges = (np.arange(len(ev)) * (k - 1)) // (len(ev) - 1)
+            counts = [1, *np.diff(edges).tolist()]
+        assert sum(counts) == k
+        itl += [g / c for g, c in zip(np.diff(ev), counts[1:], strict=True) for _ in range(c)]
+    for name, values in [("ttft_ms", ttft), ("tpot_ms", tpot), ("e2el_ms", e2el), ("itl_ms", itl)]:
+        got = s[name]
+        assert got["n"] == len(values)
+        want = np.percentile(np.asarray(values) * 1e3, percentiles)
+        assert [got[f"p{p}"] for p in percentiles] == pytest.approx(want), name
+        assert got["mean"] == pytest.approx(np.mean(values) * 1e3)
+        stats = [got[f"p{p}"] for p in percentiles] + [got["max"]]
+        assert stats == sorted(stats), name
+    if slos:
+        assert s["goodput"]["good_requests"] == good
+        assert s["goodput"]["request_goodput"] == pytest.approx(good / s["duration_s"])
+    return recs
+
+
+def test_poisson_run_against_its_records(server, tmp_path):
+    res = run(
+        tmp_path,
+        "--base-url",
+        server,
+        *WORKLOAD,
+        "--request-rate",
+        "30",
+        "--seed",
+        "5",
+        "--goodput",
+        "ttft:40",
+        "tpot:20",
+        "e2el:300",
+    )
+    recs = check_run(res, "http", 6)
+    assert res["config"]["model"] == "tiny" and res["results"]["http"]["goodput"]["slo_ms"] == {
+        "ttft": 40.0,
+        "tpot": 20.0,
+        "e2el": 300.0,
+    }
+    assert [r["scheduled_s"] for r in recs] == pytest.approx(bs.arrival_offsets(6, 30.0, 1.0, 5))
+    args = bs.build_parser().parse_args([*WORKLOAD, "--seed", "5"])
+    want = [len(s.prompt) for s in bs.random_dataset(args, 5)]
+    assert [r["prompt_len"] for r in recs] == want  # the server's usage agrees
+
+
+def _have(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "client",
+    [
+        "httpx",
+        pytest.param(
+            "aiohttp", marks=pytest.mark.skipif(not _have("aiohttp"), reason="no aiohttp")
+        ),
+    ],
+)
+def test_all_at_once_jsonl_with_a_concurrency_cap(server, tmp_path, client):
+    path = tmp_path / "prompts.jsonl"
+    lines = [
+        {"prompt": "the quick brown fox", "output_len": 5},
+        {"prompt": [11, 22, 33, 44, 55]},
+        {"prompt": "over the lazy river", "output_len": 3},
+        {"prompt": [7, 8, 9], "output_len": 4},
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    res = run(
+        tmp_path,
+        "--base-url",
+        server,
+        "--dataset",
+        "jsonl",
+        "--dataset-path",
+        str(path),
+        "--output-len",
+        "6",
+        "--max-concurrency",
+        "2",
+        "--percentiles",
+        "90",
+        "--client",
+        client,
+    )
+    assert res["config"]["client"].startswith(client)
+    recs = check_run(res, "http", 4, percentiles=(50, 90))
+    assert [r["expected_output_len"] for r in recs] == [5, 6, 3, 4]
+    assert all(r["scheduled_s"] == 0 for r in recs)
+    for r in recs:  # never more than 2 in flight
+        busy = sum(o["sent_s"] <= r["sent_s"] < o["end_s"] for o in recs)
+        assert busy <= 2
+
+
+def test_requests_past_their_timeout_fail_and_the_run_says_so(server, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    argv = ["--base-url", server, *WORKLOAD, *QUIET, "--request-timeout", "0.001"]
+    assert bs.main([*argv, "--json", str(out)]) == 1  # nothing completed
+    s = json.loads(out.read_text())["results"]["http"]
+    assert (s["completed"], s["failed"]) == (0, 6) and s["ttft_ms"]["p50"] is None
+    assert s["errors"] == ["timed out after 0.001 s"] and "timed out" in capsys.readouterr().out
+
+
+def test_in_process_comparison_and_plots(server, tmp_path):
+    res = run(
+        tmp_path,
+        "--base-url",
+        server,
+        *ENGINE_FLAGS,
+        *WORKLOAD,
+        "--max-concurrency",
+        "3",
+        "--in-process",
+        "--plot",
+        str(tmp_path / "p.png"),
+    )
+    http = check_run(res, "http", 6)
+    local = check_run(res, "in_process", 6)
+    assert [r["prompt_len"] for r in local] == [r["prompt_len"] for r in http]
+    assert all(r["event_tokens"] is not None for r in local)
+    assert res["results"]["in_process"]["itl_token_counts"] == "exact"
+    for recs in (http, local):  # the cap holds on both sides
+        assert max(sum(o["sent_s"] <= r["sent_s"] < o["end_s"] for o in recs) for r in recs) <= 3
+    cmp, h, i = res["comparison"], res["results"]["http"], res["results"]["in_process"]
+    assert cmp["output_throughput_ratio"] == pytest.approx(
+        h["output_throughput"] / i["output_throughput"]
+    )
+    assert cmp["ttft_p50_ratio"] == pytest.approx(h["ttft_ms"]["p50"] / i["ttft_ms"]["p50"])
+    assert res["environment"]["backend"] == "cpu"
+    assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "p.timeline.png").exists()
+
+
+@pytest.mark.slow  # a server process starting and compiling: ~6 s of CPU
+def test_launch_runs_and_stops_a_server(tmp_path):
+    log = tmp_path / "server.log"
+    res = run(
+        tmp_path,
+        "--launch",
+        *ENGINE_FLAGS,
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "4",
+        "--output-len",
+        "3",
+        "--served-model-name",
+        "tiny-launched",
+        "--server-log",
+        str(log),
+    )
+    check_run(res, "http", 2)
+    assert res["config"]["model"] == "tiny-launched" and res["config"]["launched"]
+    assert res["config"]["base_url"].startswith("http://127.0.0.1:")
