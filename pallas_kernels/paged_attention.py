@@ -285,42 +285,52 @@ def paged_decode_attention_append(
 
 
 def paged_decode_attention_reference(
-    q: jax.Array,  # [B, H' >= H, D]: the first H heads are the queries
+    q: jax.Array,  # [B, H' >= Hq, D]: the first Hq heads are the queries
     k_cache: jax.Array,  # [H, NB, BS, D]
     v_cache: jax.Array,  # [H, NB, BS, D]
     block_tables: jax.Array,  # [B, MB] int32
     lengths: jax.Array,  # [B] int32
-) -> jax.Array:  # [B, H, D]
+    *,
+    num_q_heads: int | None = None,  # Hq, a multiple of H; None: H
+) -> jax.Array:  # [B, Hq, D]
     """The XLA reference of `paged_decode_attention`: gathers each row's pages, softmax in
-    float32; a padded row (length 0) gives zeros."""
+    float32; a padded row (length 0) gives zeros. Query head j reads KV head j // (Hq / H)."""
     h, _, bs, d = k_cache.shape
+    hq = num_q_heads or h
     b, mb = block_tables.shape
     k = k_cache[:, block_tables].reshape(h, b, mb * bs, d)  # [H, B, L, D]
     v = v_cache[:, block_tables].reshape(h, b, mb * bs, d)  # [H, B, L, D]
-    s = jnp.einsum("bhd,hbld->bhl", q[:, :h], k, preferred_element_type=jnp.float32)
-    visible = jnp.arange(mb * bs)[None, None, :] < lengths[:, None, None]  # [B, 1, L]
+    qg = q[:, :hq].reshape(b, h, hq // h, d)  # [B, H, G, D]
+    s = jnp.einsum("bhgd,hbld->bhgl", qg, k, preferred_element_type=jnp.float32)
+    visible = jnp.arange(mb * bs)[None, None, None, :] < lengths[:, None, None, None]
     p = jax.nn.softmax(jnp.where(visible, s / math.sqrt(d), _NEG_INF), axis=-1)
-    out = jnp.einsum("bhl,hbld->bhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bhgl,hbld->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out.reshape(b, hq, d)
     return jnp.where(lengths[:, None, None] > 0, out, 0).astype(q.dtype)
 
 
 def paged_decode_attention_append_reference(
-    qkv: jax.Array,  # [B, 3H, D]
+    qkv: jax.Array,  # [B, Hq + 2H, D]
     k_cache: jax.Array,  # [H, NB, BS, D]
     v_cache: jax.Array,  # [H, NB, BS, D]
     block_tables: jax.Array,  # [B, MB] int32
     lengths: jax.Array,  # [B] int32
+    *,
+    num_q_heads: int | None = None,  # Hq, a multiple of H; None: H
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The XLA reference of `paged_decode_attention_append`: the append (a scatter), then the
     attention. Returns new caches; the arguments are left as they were."""
     h, _, bs, _ = k_cache.shape
+    hq = num_q_heads or h
     # The slot of position lengths - 1; a padded row (length 0) writes to scratch block 0.
     last = jnp.maximum(lengths - 1, 0)  # [B]
     real = lengths > 0
     block = jnp.where(real, jnp.take_along_axis(block_tables, (last // bs)[:, None], 1)[:, 0], 0)
     offset = jnp.where(real, last % bs, 0)  # [B]
     # k_cache[:, block, offset] is [H, B, D]
-    k_cache = k_cache.at[:, block, offset].set(jnp.swapaxes(qkv[:, h : 2 * h], 0, 1))
-    v_cache = v_cache.at[:, block, offset].set(jnp.swapaxes(qkv[:, 2 * h :], 0, 1))
-    out = paged_decode_attention_reference(qkv, k_cache, v_cache, block_tables, lengths)
+    k_cache = k_cache.at[:, block, offset].set(jnp.swapaxes(qkv[:, hq : hq + h], 0, 1))
+    v_cache = v_cache.at[:, block, offset].set(jnp.swapaxes(qkv[:, hq + h :], 0, 1))
+    out = paged_decode_attention_reference(
+        qkv, k_cache, v_cache, block_tables, lengths, num_q_heads=hq
+    )
     return out, k_cache, v_cache

@@ -26,6 +26,7 @@ from rosejax.engine.request import Request, RequestOutput, RequestStatus
 from rosejax.engine.scheduler import Scheduler
 from rosejax.layers.kv_cache import init_kv_cache, kv_cache_bytes_per_block, num_blocks_for
 from rosejax.model_runner import NUM_STOP_IDS, ModelRunner
+from rosejax.models import eos_token_ids, with_context_len
 from rosejax.models.loader import load_model, resolve_dtype
 from rosejax.sampling import SamplingParams
 from rosejax.settings import (
@@ -90,6 +91,8 @@ class LLMEngine:
             config.dtype if config.dtype != "auto" else ("float32" if on_cpu else "float16")
         )
         self.config, params = load_model(config.model, self.dtype, config.seed)
+        if config.max_model_len is not None:
+            self.config = with_context_len(self.config, config.max_model_len)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.block_size = config.block_size
         self.max_batch_size = config.max_batch_size
@@ -275,8 +278,8 @@ class LLMEngine:
             ids,
             params,
             seed & 0xFFFFFFFF,
-            IncrementalDetokenizer(self.tokenizer),
-            self.config.eos_token_id,
+            IncrementalDetokenizer(self.tokenizer, vocab_size=self.config.vocab_size),
+            eos_token_ids(self.config),
             n_pos,
         )
         need = -(-(len(ids) + request.max_output) // self.block_size)
