@@ -80,7 +80,15 @@ def _xla_flags_name(flag: str) -> bool:
 
 # Keywords the layers pass the kernels themselves: a tile may not set them.
 _SET_BY_LAYERS = frozenset(
-    {"interpret", "eps", "activation", "new_head_offsets", "use_kernels", "min_batch"}
+    {
+        "interpret",
+        "eps",
+        "activation",
+        "new_head_offsets",
+        "use_kernels",
+        "min_batch",
+        "num_q_heads",
+    }
 )
 
 

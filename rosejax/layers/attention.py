@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import kv_append
 from pallas_kernels.paged_attention import (
+    decode_kernel_supported,
     paged_decode_attention,
     paged_decode_attention_append,
     paged_decode_attention_reference,
@@ -98,7 +99,10 @@ def decode_attention(
     num_q_heads: int | None = None,  # Hq, a multiple of H (grouped queries); None: H
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [B, Hq, D], k_cache, v_cache
     """Write each row's new K/V, then attend over the row's `seq_lens` tokens."""
-    pallas = kernels.attention == "pallas"
+    # Triton tiles are powers of two: other head dims (or block sizes) take XLA's path.
+    pallas = kernels.attention == "pallas" and decode_kernel_supported(
+        k_cache.shape[3], k_cache.shape[2]
+    )
     tiles = kernels.tile_kwargs("attention") | {"interpret": kernels.interpret}
     if num_q_heads is not None and num_q_heads != k_cache.shape[0]:
         tiles["num_q_heads"] = num_q_heads
