@@ -180,8 +180,8 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="a kernel-config setting (repeatable): attention, kv_append, layer_norm, rms_norm, "
-        "linear = "
+        help="a kernel-config setting (repeatable): attention, prefill_attention, kv_append, "
+        "layer_norm, rms_norm, linear = "
         "pallas | xla; fused_kv_append, concurrent_command_buffers = on | off; "
         "kv_append_min_batch, linear_max_rows, cublas_min_batch = an int (cublas_min_batch also "
         "none). Default: every Pallas kernel on a GPU, XLA on a CPU, then $ROSEJAX_* switches",

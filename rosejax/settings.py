@@ -20,12 +20,13 @@ import jax
 
 Impl = Literal["pallas", "xla"]
 IMPLS = ("pallas", "xla")
-KERNEL_OPS = ("kv_append", "attention", "layer_norm", "rms_norm", "linear")
+KERNEL_OPS = ("kv_append", "attention", "prefill_attention", "layer_norm", "rms_norm", "linear")
 
 # Environment variables that fill defaults, and what each sets.
 ENV_KERNEL_SWITCHES = {  # "0" / "false" / "off" / "no" picks XLA for the op
     "kv_append": "ROSEJAX_PALLAS_KV_APPEND",
     "attention": "ROSEJAX_PALLAS_ATTENTION",
+    "prefill_attention": "ROSEJAX_PALLAS_PREFILL_ATTENTION",
     "layer_norm": "ROSEJAX_PALLAS_LAYER_NORM",
     "rms_norm": "ROSEJAX_PALLAS_RMS_NORM",
     "linear": "ROSEJAX_PALLAS_LINEAR",
@@ -102,11 +103,13 @@ def _check_tile(op: str, param: str) -> None:
     from pallas_kernels.layer_norm import add_layer_norm, layer_norm
     from pallas_kernels.linear import linear, linear_partial_sums
     from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_append
+    from pallas_kernels.paged_prefill_attention import paged_prefill_attention
     from pallas_kernels.rms_norm import add_rms_norm, rms_norm
 
     takers = {
         "kv_append": [kv_append_generic, kv_append_identity_pos, kv_append_full_batch],
         "attention": [paged_decode_attention, paged_decode_attention_append],
+        "prefill_attention": [paged_prefill_attention],
         "layer_norm": [layer_norm, add_layer_norm],
         "rms_norm": [rms_norm, add_rms_norm],
         "linear": [linear, linear_partial_sums],
@@ -131,6 +134,8 @@ class KernelConfig:
 
     kv_append: Impl = "xla"  # prefill chunks' (and unfused decode steps') K/V writes
     attention: Impl = "xla"  # paged decode attention
+    # Flash attention of prefill chunks over the pages (Llama-style models; GPT-2 runs XLA's).
+    prefill_attention: Impl = "xla"
     layer_norm: Impl = "xla"
     rms_norm: Impl = "xla"  # Llama-style models' norms, with the residual add before them
     linear: Impl = "xla"  # small-batch matmul with fused bias, GELU and residual
@@ -144,7 +149,8 @@ class KernelConfig:
     # (CONCURRENT; -0.5% to -1.8% ms/step, H200) rather than in program order.
     concurrent_command_buffers: bool = True
     # Tile overrides, ((op, parameter, value), ...): keyword arguments of that op's kernel,
-    # e.g. ("linear", "num_warps", 2). Ops: kv_append, attention, layer_norm, rms_norm, linear.
+    # e.g. ("linear", "num_warps", 2). Ops: kv_append, attention, prefill_attention, layer_norm,
+    # rms_norm, linear.
     tiles: tuple[tuple[str, str, int], ...] = ()
     interpret: bool = False
 

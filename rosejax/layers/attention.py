@@ -31,6 +31,10 @@ from pallas_kernels.paged_attention import (
     paged_decode_attention_append,
     paged_decode_attention_reference,
 )
+from pallas_kernels.paged_prefill_attention import (
+    paged_prefill_attention,
+    prefill_kernel_supported,
+)
 from rosejax.settings import KernelConfig
 
 
@@ -129,7 +133,21 @@ def prefill_attention(
     block_tables: jax.Array,  # [B, MB] int32
     positions: jax.Array,  # [B, T] int32
     fresh: jax.Array,  # bool[]: no row continues a cached prefix (every chunk starts at 0)
+    seq_lens: jax.Array | None = None,  # [B] int32; with `kernels`, for the Pallas kernel
+    kernels: KernelConfig | None = None,
 ) -> jax.Array:  # [B, T, Hq, D]
+    """XLA, or (`kernels.prefill_attention` "pallas", pages it tiles) the Pallas flash-attention
+    kernel over the pages, which reads only the pages below each query tile's last position."""
+    if (
+        kernels is not None
+        and seq_lens is not None
+        and kernels.prefill_attention == "pallas"
+        and prefill_kernel_supported(k_cache.shape[3], k_cache.shape[2])
+    ):
+        tiles = kernels.tile_kwargs("prefill_attention") | {"interpret": kernels.interpret}
+        return paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, positions, seq_lens, **tiles
+        )
     # Gathering whole block tables reads MB * block_size keys per row (the model's full context)
     # however short the prompts: for 8-token prompts that was most of a prefill's time.
     return jax.lax.cond(

@@ -92,6 +92,8 @@ class Attention(nn.Module):
                 meta.block_tables,
                 meta.positions,
                 fresh,
+                meta.seq_lens,
+                self.kernels,
             )
         y = Linear(e, kernels=self.kernels, use_bias=cfg.o_bias, name="o_proj")(
             out.reshape(b, t, hq * d), residual, defer=True
