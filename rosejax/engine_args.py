@@ -120,6 +120,13 @@ def add_engine_args(
         help="prompt tokens per prefill step at most; default: %(default)s",
     )
     p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=None,
+        help="prefill prompts longer than this a chunk at a time, between decode windows; "
+        "default: every prompt in one prefill",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -205,6 +212,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_batch_size=args.max_batch_size,
         prefill_max_batch_size=args.prefill_max_batch_size,
         max_prefill_tokens=args.max_prefill_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,

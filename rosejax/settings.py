@@ -240,6 +240,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # random weights of random:<preset>, and the seeds of seedless requests
     max_prefill_tokens: int = 4096  # prompt tokens per prefill at most
+    # Prompts with more uncached tokens are prefilled this many at a time, between decode
+    # windows (one such prompt at once). None: every prompt in one prefill.
+    prefill_chunk_tokens: int | None = None
     prefill_max_batch_size: int | None = None  # requests per prefill; default max_batch_size
     decode_steps: int | str = "auto"  # steps per decode window, or "auto"
     # The smallest decode program: smaller batches pad to it. None: 1 on a CPU, 16 on a GPU.
@@ -253,6 +256,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.block_size < 1:
             raise ValueError("max_batch_size and block_size must be >= 1")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.decode_steps != "auto" and (

@@ -388,3 +388,68 @@ def test_chat_prompt_ids_are_the_chat_template(tmp_path_factory, name, model_typ
             messages, params, use_tqdm=False, chat_template_kwargs={"enable_thinking": False}
         )
         assert out.prompt_token_ids == off["input_ids"] != expected
+
+
+# --------------------------------------------------------------------------- chunked prefill
+
+
+def _assert_clean(llm) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests() and engine.scheduler.prefilling is None
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks - 1
+    engine.allocator.check_invariants()
+
+
+def test_chunked_prefill_between_decode_windows(small_qwen3):
+    """Prompts longer than the chunk are prefilled 24 tokens at a time while the others decode;
+    a prompt that shares blocks a later chunk has not written yet must not take them from the
+    prefix cache; an abort mid-prompt frees everything. Tokens equal HF's."""
+    path, hf = small_qwen3
+    llm = make_llm(path, prefill_chunk_tokens=24, decode_steps=2)
+    engine = llm.engine
+    calls: list[str] = []
+    for kind in ("prefill", "decode"):
+        original = getattr(engine.runner, kind)
+
+        def logged(*a, _kind=kind, _original=original, **k):
+            calls.append(_kind)
+            return _original(*a, **k)
+
+        setattr(engine.runner, kind, logged)
+    rng = np.random.default_rng(3)
+    short = rng.integers(0, 500, 5).tolist()
+    long_a = rng.integers(0, 500, 58).tolist()
+    engine.add_request("short", short, GREEDY)
+    engine.add_request("long", long_a, GREEDY)
+    outputs = {o.request_id: o for o in engine.step() if o.finished}  # "short", chunk 1
+    assert engine.scheduler.prefilling is not None  # "long" is between chunks
+    # Shares 56 tokens (7 blocks) with "long": the next prefill writes up to 48 (chunk 2, in
+    # the same program as this one's prefill), the last 8 not before the one after.
+    sharer = long_a[:56] + [7]
+    engine.add_request("sharer", sharer, GREEDY)
+    engine.add_request("aborted", rng.integers(0, 500, 50).tolist(), GREEDY)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outputs[o.request_id] = o
+            if engine.scheduler.prefilling is not None and (
+                engine.scheduler.prefilling.request_id == "aborted"
+            ):
+                engine.abort_request("aborted")
+    assert "aborted" not in outputs
+    for rid, prompt in (("short", short), ("long", long_a), ("sharer", sharer)):
+        out = outputs[rid]
+        n = min(GREEDY.max_tokens, config_context(engine) - len(prompt))
+        assert len(out.token_ids) == n and out.token_ids == hf_greedy(hf, prompt, n), rid
+    _assert_clean(llm)
+    # Chunks and decode windows alternate: the short prompt decodes between the long one's.
+    calls.clear()
+    prompts = [rng.integers(0, 500, 3).tolist(), rng.integers(0, 500, 54).tolist()]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert ",".join(calls).startswith("prefill,prefill,decode,prefill,decode")
+    check_greedy(hf, outs, prompts, GREEDY.max_tokens)
+    _assert_clean(llm)
+
+
+def config_context(engine) -> int:
+    return engine.config.max_model_len

@@ -52,6 +52,7 @@ class Request:
         "epoch",
         "blocks_on_device",
         "inflight",
+        "num_computed",
     )
 
     def __init__(
@@ -87,6 +88,7 @@ class Request:
         self.epoch = 0  # bumped at each admission, so results of a pre-preemption run are void
         self.blocks_on_device = 0  # entries of its block table the device already has
         self.inflight = 0  # KV slots that dispatched, unread decode windows may write
+        self.num_computed = 0  # prompt tokens prefilled so far, for a prompt prefilled in chunks
         self._new_from = 0  # first output token not yet reported
 
     @property
