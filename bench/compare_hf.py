@@ -14,9 +14,12 @@ nothing there (transformers compiles only on accelerators), so the static row is
 static cache. rosejax's figures are the engine's end-to-end throughput (first submit to last
 token, prefill included: the one to set beside HF's) and its decode-only throughput.
 
-Weights: random of the same GPT-2 shape on both sides (`--model random:gpt2`: rosejax's random
-init, and HF's `GPT2LMHeadModel(GPT2Config(...))` under `torch.manual_seed(--seed)`), or both
-load the same checkpoint directory. The weights differ, the work does not (EOS is off).
+Weights: random of the same shape on both sides (`--model random:gpt2`: rosejax's random
+init, and HF's `GPT2LMHeadModel(GPT2Config(...))` under `torch.manual_seed(--seed)`;
+`random:qwen3-0.6b`, `random:llama-3.2-1b`: `AutoModelForCausalLM.from_config` of the preset's
+config.json fields), or both load the same checkpoint directory. The weights differ, the work does
+not (EOS is off). Llama-style presets have long contexts (40,960 and 131,072 positions): give
+`--max-model-len` (e.g. 2048) or the engine compiles prefills of the whole context.
 
 Memory: JAX preallocates 75% of the GPU when its backend starts, and torch's caching allocator
 keeps what it took. So HF runs first, in a subprocess of this script (started with
@@ -28,6 +31,8 @@ XLA_PYTHON_CLIENT_MEM_FRACTION) so JAX leaves torch room.
 
     python bench/compare_hf.py --batch-sizes 1,16,64,256 --max-new-tokens 256 \
         --json out/compare.json --plot out/compare.png
+    python bench/compare_hf.py --model random:qwen3-0.6b --max-model-len 2048 --dtype bfloat16 \
+        --batch-sizes 1,16,64,256 --max-new-tokens 256     # Qwen3-0.6B's shape
     python bench/compare_hf.py --model random:tiny --batch-sizes 1,2 --max-new-tokens 4 \
         --skip-hf-static --no-warmup                          # CPU smoke test
 """
@@ -96,13 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _hf_model(args: argparse.Namespace, torch_dtype):
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GPT2LMHeadModel
     from transformers import GPT2Config as HFConfig
-    from transformers import GPT2LMHeadModel
 
     if args.model.startswith("random:"):
         from rosejax.models import preset
 
         c = preset(args.model.removeprefix("random:"))
+        torch.manual_seed(args.seed)
+        if hasattr(c, "to_hf_dict"):  # the Llama-style family: Qwen3, Llama, ...
+            d = c.to_hf_dict()
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d))
+            return model.to(dtype=torch_dtype).eval()
         config = HFConfig(
             vocab_size=c.vocab_size,
             n_positions=c.n_positions,
@@ -114,10 +124,9 @@ def _hf_model(args: argparse.Namespace, torch_dtype):
             bos_token_id=c.bos_token_id,
             eos_token_id=c.eos_token_id,
         )
-        torch.manual_seed(args.seed)
         model = GPT2LMHeadModel(config)
     else:
-        model = GPT2LMHeadModel.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model)
     return model.to(dtype=torch_dtype).eval()
 
 
@@ -138,6 +147,7 @@ def run_hf(args: argparse.Namespace) -> dict:
             setattr(torch._dynamo.config, name, 64)
     model = _hf_model(args, torch_dtype).to(device)
     vocab, eos = model.config.vocab_size, model.config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos if eos is not None else 0  # a pad id
     prompts = random_prompts(max(args.batch_sizes), args.input_len, vocab, args.seed)
     n_new = args.max_new_tokens
     out: dict = {

@@ -272,14 +272,22 @@ def _context_total(batch: int, context: float | Sequence[float]) -> float:
     return float(sum(context))
 
 
+def _is_gpt2(config) -> bool:
+    return hasattr(config, "n_positions")
+
+
 def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
-    """K and V of one token over all layers."""
-    return 2 * config.n_layer * config.n_embd * dtype_bytes
+    """K and V of one token over all layers (the KV heads only, under grouped queries)."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
 def weight_bytes(config, dtype_bytes: int = 2) -> int:
-    """Weights a decode step reads once: all of them but the position table (rows only)."""
-    return (config.num_params() - config.n_positions * config.n_embd) * dtype_bytes
+    """Weights a decode step reads once: all of them but the tables it reads rows of (GPT-2's
+    position table; an untied input embedding)."""
+    if _is_gpt2(config):
+        return (config.num_params() - config.n_positions * config.n_embd) * dtype_bytes
+    unread = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    return (config.num_params() - unread) * dtype_bytes
 
 
 def decode_step_bytes(
@@ -291,9 +299,11 @@ def decode_step_bytes(
     Logits and activations are left out (at GPT-2 sizes they are < 1% of the total at B <= 256,
     and a fused LM head + sampling need not write them)."""
     per_tok = kv_bytes_per_token(config, dtype_bytes)
+    # GPT-2 reads a wte and a wpe row per token; Llama-style models one embedding row.
+    rows = 2 * config.n_embd if _is_gpt2(config) else config.hidden_size
     out = {
         "weights": float(weight_bytes(config, dtype_bytes)),
-        "embedding_rows": float(2 * batch * config.n_embd * dtype_bytes),  # wte + wpe row
+        "embedding_rows": float(batch * rows * dtype_bytes),
         "kv_read": _context_total(batch, context) * per_tok,
         "kv_write": float(batch * per_tok),
     }
@@ -303,9 +313,16 @@ def decode_step_bytes(
 
 def decode_step_flops(config, batch: int, context: float | Sequence[float]) -> float:
     """FLOPs of one decode step: matmuls (2 per weight per row) + attention (QK^T and PV)."""
-    e, f = config.n_embd, config.mlp_dim
-    per_row = config.n_layer * (4 * e * e + 2 * e * f) + config.vocab_size * e
-    attention = 4 * config.n_layer * e * _context_total(batch, context)
+    if _is_gpt2(config):
+        e, f = config.n_embd, config.mlp_dim
+        per_row = config.n_layer * (4 * e * e + 2 * e * f) + config.vocab_size * e
+        attention = 4 * config.n_layer * e * _context_total(batch, context)
+        return 2.0 * batch * per_row + attention
+    e, f, d = config.hidden_size, config.intermediate_size, config.head_dim
+    hq, h = config.num_attention_heads, config.num_kv_heads
+    per_layer = e * (hq + 2 * h) * d + hq * d * e + 3 * e * f
+    per_row = config.num_layers * per_layer + config.vocab_size * e
+    attention = 4 * config.num_layers * hq * d * _context_total(batch, context)
     return 2.0 * batch * per_row + attention
 
 

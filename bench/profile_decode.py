@@ -119,6 +119,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-steps", default="1,8,32", help="comma list of steps per device call")
     p.add_argument("--block-size", type=int, default=64, help="KV block size")
     p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the context the engine serves, if less than the model's (Llama-style models)",
+    )
+    p.add_argument(
         "--timed-runs",
         type=int,
         default=3,
@@ -138,7 +144,14 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     for k in [int(s) for s in args.decode_steps.split(",")]:
         engine = make_engine(
-            args.model, args.batch, args.prompt_len, args.new_tokens, args.block_size, k, kernels
+            args.model,
+            args.batch,
+            args.prompt_len,
+            args.new_tokens,
+            args.block_size,
+            k,
+            kernels,
+            max_model_len=args.max_model_len,
         )
         runs = []  # (decode seconds, end-to-end seconds, tokens) of each timed run
         for run in range(1 + args.timed_runs):  # the first run compiles what it meets

@@ -84,10 +84,10 @@ def add_engine_args(
         *model_aliases,
         dest="model",
         default=model_default,
-        help="hub id (gpt2, gpt2-medium, ...), local save_pretrained directory, or "
-        "random:<preset> for random weights of a GPT-2 shape (random:gpt2, "
-        "random:gpt2-xl, random:tiny); default: %(default)s"
-        + ("".join(f"; {a} is an alias" for a in model_aliases)),
+        help="hub id (gpt2, Qwen/Qwen3-0.6B, ...), local save_pretrained directory, or "
+        "random:<preset> for random weights of a preset shape (random:gpt2, "
+        "random:gpt2-xl, random:tiny, random:qwen3-0.6b, random:llama-3.2-1b); "
+        "default: %(default)s" + ("".join(f"; {a} is an alias" for a in model_aliases)),
     )
     p.add_argument(
         "--tokenizer",
@@ -118,6 +118,20 @@ def add_engine_args(
         type=int,
         default=4096,
         help="prompt tokens per prefill step at most; default: %(default)s",
+    )
+    p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=None,
+        help="prefill prompts longer than this a chunk at a time, between decode windows; "
+        "default: every prompt in one prefill",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the longest context served (prompt + output), if less than the model's; "
+        "Llama-style models only. Default: the model's",
     )
     p.add_argument(
         "--block-size", type=int, default=64, help="tokens per KV cache block; default: %(default)s"
@@ -173,7 +187,8 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="a kernel-config setting (repeatable): attention, kv_append, layer_norm, linear = "
+        help="a kernel-config setting (repeatable): attention, prefill_attention, kv_append, "
+        "layer_norm, rms_norm, linear = "
         "pallas | xla; fused_kv_append, concurrent_command_buffers = on | off; "
         "kv_append_min_batch, linear_max_rows, cublas_min_batch = an int (cublas_min_batch also "
         "none). Default: every Pallas kernel on a GPU, XLA on a CPU, then $ROSEJAX_* switches",
@@ -197,7 +212,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_batch_size=args.max_batch_size,
         prefill_max_batch_size=args.prefill_max_batch_size,
         max_prefill_tokens=args.max_prefill_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         block_size=args.block_size,
+        max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         decode_steps=args.decode_steps,

@@ -8,6 +8,7 @@ from rosejax.engine.llm_engine import LLMEngine
 from rosejax.engine.request import RequestOutput
 from rosejax.sampling import SamplingParams
 from rosejax.settings import EngineConfig
+from rosejax.tokenizer import chat_prompt_ids
 
 Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]
 
@@ -62,6 +63,33 @@ class LLM:
         if progress is not None:
             progress.close()
         return [final[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a
+        list of them, each rendered by the tokenizer's chat template (or `chat_template`) and
+        generated from; one finished output per conversation. `chat_template_kwargs` go to the
+        template (Qwen3: {"enable_thinking": False})."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            chat_prompt_ids(
+                self.engine.tokenizer,
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate_stream(
         self,

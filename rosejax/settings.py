@@ -20,13 +20,15 @@ import jax
 
 Impl = Literal["pallas", "xla"]
 IMPLS = ("pallas", "xla")
-KERNEL_OPS = ("kv_append", "attention", "layer_norm", "linear")
+KERNEL_OPS = ("kv_append", "attention", "prefill_attention", "layer_norm", "rms_norm", "linear")
 
 # Environment variables that fill defaults, and what each sets.
 ENV_KERNEL_SWITCHES = {  # "0" / "false" / "off" / "no" picks XLA for the op
     "kv_append": "ROSEJAX_PALLAS_KV_APPEND",
     "attention": "ROSEJAX_PALLAS_ATTENTION",
+    "prefill_attention": "ROSEJAX_PALLAS_PREFILL_ATTENTION",
     "layer_norm": "ROSEJAX_PALLAS_LAYER_NORM",
+    "rms_norm": "ROSEJAX_PALLAS_RMS_NORM",
     "linear": "ROSEJAX_PALLAS_LINEAR",
 }
 ENV_FUSED_KV_APPEND = "ROSEJAX_FUSED_KV_APPEND"
@@ -79,7 +81,15 @@ def _xla_flags_name(flag: str) -> bool:
 
 # Keywords the layers pass the kernels themselves: a tile may not set them.
 _SET_BY_LAYERS = frozenset(
-    {"interpret", "eps", "activation", "new_head_offsets", "use_kernels", "min_batch"}
+    {
+        "interpret",
+        "eps",
+        "activation",
+        "new_head_offsets",
+        "use_kernels",
+        "min_batch",
+        "num_q_heads",
+    }
 )
 
 
@@ -93,11 +103,15 @@ def _check_tile(op: str, param: str) -> None:
     from pallas_kernels.layer_norm import add_layer_norm, layer_norm
     from pallas_kernels.linear import linear, linear_partial_sums
     from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_append
+    from pallas_kernels.paged_prefill_attention import paged_prefill_attention
+    from pallas_kernels.rms_norm import add_rms_norm, rms_norm
 
     takers = {
         "kv_append": [kv_append_generic, kv_append_identity_pos, kv_append_full_batch],
         "attention": [paged_decode_attention, paged_decode_attention_append],
+        "prefill_attention": [paged_prefill_attention],
         "layer_norm": [layer_norm, add_layer_norm],
+        "rms_norm": [rms_norm, add_rms_norm],
         "linear": [linear, linear_partial_sums],
     }[op]
     for fn in takers:
@@ -120,7 +134,10 @@ class KernelConfig:
 
     kv_append: Impl = "xla"  # prefill chunks' (and unfused decode steps') K/V writes
     attention: Impl = "xla"  # paged decode attention
+    # Flash attention of prefill chunks over the pages (Llama-style models; GPT-2 runs XLA's).
+    prefill_attention: Impl = "xla"
     layer_norm: Impl = "xla"
+    rms_norm: Impl = "xla"  # Llama-style models' norms, with the residual add before them
     linear: Impl = "xla"  # small-batch matmul with fused bias, GELU and residual
     fused_kv_append: bool = True  # the Pallas decode attention writes the step's K/V itself
     kv_append_min_batch: int = DEFAULT_KV_APPEND_MIN_BATCH  # fewer appended rows: XLA scatter
@@ -132,7 +149,8 @@ class KernelConfig:
     # (CONCURRENT; -0.5% to -1.8% ms/step, H200) rather than in program order.
     concurrent_command_buffers: bool = True
     # Tile overrides, ((op, parameter, value), ...): keyword arguments of that op's kernel,
-    # e.g. ("linear", "num_warps", 2). Ops: kv_append, attention, layer_norm, linear.
+    # e.g. ("linear", "num_warps", 2). Ops: kv_append, attention, prefill_attention, layer_norm,
+    # rms_norm, linear.
     tiles: tuple[tuple[str, str, int], ...] = ()
     interpret: bool = False
 
@@ -214,6 +232,7 @@ class EngineConfig:
     dtype: str = "auto"  # float32 | bfloat16 | float16; auto: float16 on GPU, float32 on CPU
     max_batch_size: int = 64  # requests decoded together
     block_size: int = 64  # tokens per KV block
+    max_model_len: int | None = None  # the longest context served; None: the model's
     # KV cache size: a token budget or a fraction of free device memory (at most one); neither:
     # max_batch_size full contexts on a CPU, half the free memory on a GPU.
     kv_cache_tokens: int | None = None
@@ -221,6 +240,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # random weights of random:<preset>, and the seeds of seedless requests
     max_prefill_tokens: int = 4096  # prompt tokens per prefill at most
+    # Prompts with more uncached tokens are prefilled this many at a time, between decode
+    # windows (one such prompt at once). None: every prompt in one prefill.
+    prefill_chunk_tokens: int | None = None
     prefill_max_batch_size: int | None = None  # requests per prefill; default max_batch_size
     decode_steps: int | str = "auto"  # steps per decode window, or "auto"
     # The smallest decode program: smaller batches pad to it. None: 1 on a CPU, 16 on a GPU.
@@ -234,6 +256,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.block_size < 1:
             raise ValueError("max_batch_size and block_size must be >= 1")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.decode_steps != "auto" and (
             not isinstance(self.decode_steps, int) or self.decode_steps < 1
         ):

@@ -49,6 +49,33 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> PreTrainedTokeni
     )
 
 
+def chat_prompt_ids(
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Sequence[dict],
+    *,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> list[int]:
+    """One conversation's prompt ids through the tokenizer's chat template (or `chat_template`):
+    the rendered text tokenized without adding special tokens again, which is what
+    `tokenizer.apply_chat_template(messages, tokenize=True)` gives (the template writes BOS
+    itself). `chat_template_kwargs` go to the template, e.g. Qwen3's `enable_thinking`."""
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ValueError(
+            "the tokenizer has no chat template (GPT-2's has none): pass chat_template, or "
+            "use generate() with a plain prompt"
+        )
+    text = tokenizer.apply_chat_template(
+        list(messages),
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template,
+        **(chat_template_kwargs or {}),
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (the byte-level BPE alphabet)."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
@@ -113,10 +140,17 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerFast, skip_special_tokens: bool = False
+        self,
+        tokenizer: PreTrainedTokenizerFast,
+        skip_special_tokens: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
+        """`vocab_size`: the model's, when it has more rows than the tokenizer has tokens
+        (Qwen3: 151,936 against 151,669): ids in between decode to nothing, as in vLLM, rather
+        than raise."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.vocab_size = vocab_size
         self._table = _byte_table(tokenizer, skip_special_tokens)
         if self._table is not None:
             self._utf8 = _UTF8_DECODER(errors="replace")
@@ -142,8 +176,12 @@ class IncrementalDetokenizer:
             return "".join(pieces)
         table = self._table
         if token_ids and not (0 <= min(token_ids) and max(token_ids) < len(table)):
-            bad = next(t for t in token_ids if not 0 <= t < len(table))
-            raise ValueError(f"token id {bad} outside the vocabulary [0, {len(table)})")
+            limit = max(len(table), self.vocab_size or 0)
+            bad = next((t for t in token_ids if not 0 <= t < limit), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} outside the vocabulary [0, {limit})")
+            n = len(table)
+            return self._utf8.decode(b"".join([table[t] if t < n else b"" for t in token_ids]))
         return self._utf8.decode(b"".join([table[t] for t in token_ids]))
 
     def _window(self, final: bool) -> str:

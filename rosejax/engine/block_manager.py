@@ -131,11 +131,16 @@ class BlockAllocator:
         return self.fits(self.probe(token_ids))
 
     def allocate(
-        self, token_ids: Sequence[int], plan: PromptPlan | None = None
+        self,
+        token_ids: Sequence[int],
+        plan: PromptPlan | None = None,
+        register_upto: int | None = None,
     ) -> tuple[BlockTable, int]:
         """Blocks for a prompt -> (table, number of leading tokens whose KV is already cached).
         `plan`: this prompt's `probe`, taken with no allocation or free since (saves hashing
-        the prompt again)."""
+        the prompt again). `register_upto`: enter only the full blocks of the first that many
+        tokens in the prefix cache (a prompt prefilled in chunks: the rest are entered by
+        `register_prompt_blocks` as the chunks that write them are dispatched)."""
         plan = plan or self.probe(token_ids)
         tokens, hashes, hits = plan.tokens, plan.hashes, plan.hits
         if not self.fits(plan):
@@ -149,7 +154,8 @@ class BlockAllocator:
             self._ref[b] += 1
         num_new = _cdiv(len(tokens), self.block_size) - len(hits)
         blocks = hits + [self._take() for _ in range(num_new)]
-        for i in range(len(hits), len(hashes)):
+        upto = len(hashes) if register_upto is None else register_upto // self.block_size
+        for i in range(len(hits), min(len(hashes), upto)):
             self._register(blocks[i], hashes[i])
         bs, num_full = self.block_size, len(tokens) // self.block_size
         partial = tokens[num_full * bs :] if self.enable_prefix_caching else []
@@ -158,6 +164,12 @@ class BlockAllocator:
         self.prefix_hit_tokens += len(hits) * bs
         self.prompt_tokens += len(tokens)
         return table, plan.num_cached
+
+    def register_prompt_blocks(self, table: BlockTable, hashes: list[int], start: int, stop: int):
+        """Enter the prompt's full blocks start..stop-1 (`hashes`: the prompt's `probe` hashes)
+        in the prefix cache: their KV is written by now (in program order)."""
+        for i in range(start, min(stop, len(hashes))):
+            self._register(table.blocks[i], hashes[i])
 
     def _take(self) -> int:
         """A free block, its old prefix hash dropped (the block is about to be overwritten)."""

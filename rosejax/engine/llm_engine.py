@@ -26,6 +26,7 @@ from rosejax.engine.request import Request, RequestOutput, RequestStatus
 from rosejax.engine.scheduler import Scheduler
 from rosejax.layers.kv_cache import init_kv_cache, kv_cache_bytes_per_block, num_blocks_for
 from rosejax.model_runner import NUM_STOP_IDS, ModelRunner
+from rosejax.models import eos_token_ids, with_context_len
 from rosejax.models.loader import load_model, resolve_dtype
 from rosejax.sampling import SamplingParams
 from rosejax.settings import (
@@ -90,6 +91,8 @@ class LLMEngine:
             config.dtype if config.dtype != "auto" else ("float32" if on_cpu else "float16")
         )
         self.config, params = load_model(config.model, self.dtype, config.seed)
+        if config.max_model_len is not None:
+            self.config = with_context_len(self.config, config.max_model_len)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.block_size = config.block_size
         self.max_batch_size = config.max_batch_size
@@ -108,12 +111,18 @@ class LLMEngine:
         max_len = self.config.max_model_len
         self.prefill_batch_buckets = _buckets(prefill_batch, factor=4)
         self.prefill_len_buckets = _buckets(max_len, start=min(8, max_len), factor=4)
+        # Prompts longer than a chunk are prefilled a chunk at a time between decode windows;
+        # without chunks a prefill must hold any one prompt, the whole context.
+        self.prefill_chunk = config.prefill_chunk_tokens
+        if self.prefill_chunk is not None and self.prefill_chunk >= max_len:
+            self.prefill_chunk = None
         self.scheduler = Scheduler(
             self.allocator,
             self.max_batch_size,
-            max(config.max_prefill_tokens, max_len),
+            max(config.max_prefill_tokens, self.prefill_chunk or max_len),
             prefill_batch,
             prefill_cost=self._prefill_shape_tokens,
+            prefill_chunk=self.prefill_chunk,
         )
         min_batch = config.min_decode_batch or (1 if on_cpu else DEFAULT_GPU_MIN_DECODE_BATCH)
         num_slots = max(self.max_batch_size, min_batch)
@@ -203,11 +212,13 @@ class LLMEngine:
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """Every (rows, tokens) bucket the scheduler can admit (its own rule, on the buckets)."""
+        # With chunks no prefill is longer than one.
+        longest = _bucket(self.prefill_chunk, self.prefill_len_buckets) if self.prefill_chunk else 0
         return [
             (b, t)
             for b in self.prefill_batch_buckets
             for t in self.prefill_len_buckets
-            if self.scheduler.prefill_fits(b, t)
+            if self.scheduler.prefill_fits(b, t) and (not longest or t <= longest)
         ]
 
     def warmup_programs(self) -> list[tuple[str, int, int | bool]]:
@@ -275,8 +286,8 @@ class LLMEngine:
             ids,
             params,
             seed & 0xFFFFFFFF,
-            IncrementalDetokenizer(self.tokenizer),
-            self.config.eos_token_id,
+            IncrementalDetokenizer(self.tokenizer, vocab_size=self.config.vocab_size),
+            eos_token_ids(self.config),
             n_pos,
         )
         need = -(-(len(ids) + request.max_output) // self.block_size)
@@ -329,20 +340,24 @@ class LLMEngine:
         if plan is None:
             return False
         requests = plan.requests
-        slots = [heapq.heappop(self._free_slots) for _ in requests]
-        for r, slot in zip(requests, slots, strict=True):
+        # Rows that end their prompt take a slot and sample their first token; a chunk of a
+        # prompt prefilled in chunks writes its KV only (its row's slot index is dropped).
+        done = [r for r, final in zip(requests, plan.final, strict=True) if final]
+        slots = [heapq.heappop(self._free_slots) for _ in done]
+        for r, slot in zip(done, slots, strict=True):
             r.slot = slot
             r.epoch += 1
             r.blocks_on_device = len(r.table.blocks)
             r.inflight = 0
         self._kill[slots] = False
-        suffix = [r.num_tokens - c for r, c in zip(requests, plan.num_cached, strict=True)]
+        suffix = plan.num_tokens
         self.prefill_tokens_computed += sum(suffix)
         b, t = self._prefill_shape(len(requests), max(suffix))
         first = self.runner.prefill(self._prefill_batch(requests, plan.num_cached, suffix, b, t))
-        self._pending.append(
-            ("prefill", first, [(r, r.epoch, i) for i, r in enumerate(requests)], 0)
-        )
+        if not done:  # nothing to read back: the running requests decode in this step too
+            return False
+        roster = [(r, r.epoch, i) for i, r in enumerate(requests) if r.slot >= 0]
+        self._pending.append(("prefill", first, roster, 0))
         return True
 
     def _prefill_batch(self, requests, cached, suffix, b: int, t: int) -> dict[str, np.ndarray]:
@@ -364,7 +379,9 @@ class LLMEngine:
         )
         # One array assignment per field, not one numpy write per request and field: all
         # requests of a batch arrive together in offline serving.
-        uncached = [r.all_token_ids()[c:] for r, c in zip(requests, cached, strict=True)]
+        uncached = [
+            r.all_token_ids()[c : c + s] for r, c, s in zip(requests, cached, suffix, strict=True)
+        ]
         _fill_rows(batch["tokens"], uncached)
         _fill_rows(batch["tables"], [r.table.blocks for r in requests])
         _fill_rows(batch["stop_ids"], [r.device_stop_ids[:NUM_STOP_IDS] for r in requests])
@@ -372,7 +389,7 @@ class LLMEngine:
         suffix = np.asarray(suffix, np.int32)
         batch["positions"][:n] += cached[:, None]
         batch["seq_lens"][:n], batch["last"][:n] = cached + suffix, suffix - 1
-        batch["slots"][:n] = [r.slot for r in requests]
+        batch["slots"][:n] = [r.slot if r.slot >= 0 else self.runner.num_slots for r in requests]
         batch["temperature"][:n] = [r.params.temperature for r in requests]
         # top_k >= vocab keeps everything, like 0; clamping keeps it inside int32.
         batch["top_k"][:n] = [min(r.params.top_k, self.config.vocab_size) for r in requests]

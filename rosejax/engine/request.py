@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 
 from rosejax.engine.block_manager import BlockTable
 from rosejax.sampling import SamplingParams
@@ -51,6 +52,7 @@ class Request:
         "epoch",
         "blocks_on_device",
         "inflight",
+        "num_computed",
     )
 
     def __init__(
@@ -60,7 +62,7 @@ class Request:
         params: SamplingParams,
         seed: int,
         detokenizer: IncrementalDetokenizer,
-        eos_token_id: int,
+        eos_token_id: int | Sequence[int],  # one id, or every id that ends a generation
         max_context: int,
     ):
         self.request_id = request_id
@@ -79,13 +81,14 @@ class Request:
         self.max_output = max(1, min(params.max_tokens, max_context - len(prompt_token_ids)))
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
-            stop_ids.add(eos_token_id)
+            stop_ids.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         self._stop_ids = frozenset(stop_ids)
         self.device_stop_ids = sorted(stop_ids)  # the engine's device checks the first few
         self.slot = -1  # the row of the device's slot state this request owns while running
         self.epoch = 0  # bumped at each admission, so results of a pre-preemption run are void
         self.blocks_on_device = 0  # entries of its block table the device already has
         self.inflight = 0  # KV slots that dispatched, unread decode windows may write
+        self.num_computed = 0  # prompt tokens prefilled so far, for a prompt prefilled in chunks
         self._new_from = 0  # first output token not yet reported
 
     @property

@@ -22,7 +22,19 @@ from rosejax.engine.request import Request, RequestStatus
 @dataclasses.dataclass
 class PrefillPlan:
     requests: list[Request]
-    num_cached: list[int]  # leading tokens of each request whose KV the prefix cache holds
+    num_cached: list[int]  # leading tokens of each request whose KV is in the cache already
+    # Tokens each row computes in this prefill, and whether that ends its prompt (False: a chunk
+    # of a prompt prefilled in chunks, which samples nothing yet). Default: the whole rest.
+    num_tokens: list[int] = dataclasses.field(default_factory=list)
+    final: list[bool] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_tokens:
+            self.num_tokens = [
+                r.num_tokens - c for r, c in zip(self.requests, self.num_cached, strict=True)
+            ]
+        if not self.final:
+            self.final = [True] * len(self.requests)
 
 
 class Scheduler:
@@ -33,9 +45,12 @@ class Scheduler:
         max_prefill_tokens: int,
         max_prefill_batch: int,
         prefill_cost: Callable[[int, int], int],
+        prefill_chunk: int | None = None,
     ):
         """`prefill_cost(rows, longest)`: tokens the device computes for a prefill of `rows`
-        requests whose longest uncached suffix is `longest`. One request is always admissible."""
+        requests whose longest uncached suffix is `longest`. One request is always admissible.
+        `prefill_chunk`: a prompt whose uncached part is longer is prefilled that many tokens
+        at a time, one such prompt at once (`prefilling`), between decode windows."""
         self.allocator = allocator
         self.prefill_cost = prefill_cost
         self.max_batch_size = max_batch_size
@@ -44,12 +59,17 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefill_chunk = prefill_chunk
+        # The prompt being prefilled in chunks: it holds all its blocks and a decode slot's
+        # place (not a slot yet), is not in `running` and is never preempted.
+        self.prefilling: Request | None = None
+        self._prefilling_hashes: list[int] = []  # its blocks' prefix hashes, entered as written
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def prefill_fits(self, rows: int, longest: int) -> bool:
         """Whether a prefill of `rows` requests whose longest uncached suffix is `longest` tokens
@@ -57,29 +77,72 @@ class Scheduler:
         return rows == 1 or self.prefill_cost(rows, longest) <= self.max_prefill_tokens
 
     def admit(self) -> PrefillPlan | None:
-        """Newly admitted requests (FIFO) to prefill, or None if none fits now."""
+        """The next chunk of the prompt being prefilled in chunks, if any, then newly admitted
+        requests (FIFO) to prefill; None if there is nothing to prefill now."""
         admitted: list[Request] = []
         cached: list[int] = []
+        sizes: list[int] = []
+        final: list[bool] = []
         longest = 0
-        # Slots left (every running request holds one), and one prefill's row limit.
-        rows = min(self.max_batch_size - len(self.running), self.max_prefill_batch)
+        # Slots left (every running request holds one, the prompt in chunks has one's place),
+        # and one prefill's row limit.
+        slots = self.max_batch_size - len(self.running) - (self.prefilling is not None)
+        max_rows = self.max_prefill_batch
+        if self.prefilling is not None:
+            request = self.prefilling
+            start = request.num_computed
+            n = min(self.prefill_chunk, request.num_tokens - start)
+            self._next_chunk(request, start, n)
+            admitted.append(request)
+            cached.append(start)
+            sizes.append(n)
+            final.append(start + n == request.num_tokens)
+            longest = n
+            if final[-1]:
+                self.running.append(request)
         allocator, waiting = self.allocator, self.waiting
-        while waiting and len(admitted) < rows:
+        while waiting and len(admitted) < max_rows and slots > 0:
             request = waiting[0]
             tokens = request.all_token_ids()
             plan = allocator.probe(tokens)
-            grown = max(longest, len(tokens) - plan.num_cached)
+            suffix = len(tokens) - plan.num_cached
+            chunked = self.prefill_chunk is not None and suffix > self.prefill_chunk
+            if chunked and self.prefilling is not None:
+                break  # one prompt in chunks at a time; FIFO: the rest wait behind it
+            n = self.prefill_chunk if chunked else suffix
+            grown = max(longest, n)
             if not self.prefill_fits(len(admitted) + 1, grown) or not allocator.fits(plan):
                 break
-            request.table, num_cached = allocator.allocate(tokens, plan)
+            upto = plan.num_cached + n if chunked else None
+            request.table, num_cached = allocator.allocate(tokens, plan, register_upto=upto)
             longest = grown
             request.status = RequestStatus.RUNNING
             admitted.append(waiting.popleft())
             cached.append(num_cached)
+            sizes.append(n)
+            final.append(not chunked)
+            slots -= 1
+            if chunked:
+                self.prefilling = request
+                self._prefilling_hashes = plan.hashes
+                request.num_computed = num_cached + n
+            else:
+                self.running.append(request)
         if not admitted:
             return None
-        self.running.extend(admitted)
-        return PrefillPlan(admitted, cached)
+        return PrefillPlan(admitted, cached, sizes, final)
+
+    def _next_chunk(self, request: Request, start: int, n: int) -> None:
+        """Dispatching tokens start..start+n of the prompt in chunks: its blocks they fill are
+        written before any later prefill reads them, so they enter the prefix cache now."""
+        bs = self.allocator.block_size
+        self.allocator.register_prompt_blocks(
+            request.table, self._prefilling_hashes, start // bs, (start + n) // bs
+        )
+        request.num_computed = start + n
+        if start + n == request.num_tokens:
+            self.prefilling = None
+            self._prefilling_hashes = []
 
     def reserve(self, requests: list[Request], steps: int) -> list[Request]:
         """Room for `r.inflight + steps` more tokens (what is in flight plus the next window) for
@@ -111,7 +174,12 @@ class Scheduler:
 
     def finish(self, request: Request) -> None:
         """Release a finished or aborted request's blocks at once."""
-        if request.status == RequestStatus.RUNNING:
+        if request is self.prefilling:
+            self.prefilling = None
+            self._prefilling_hashes = []
+            self.allocator.free(request.table)
+            request.table = None
+        elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
             self.allocator.free(request.table)
             request.table = None

@@ -26,9 +26,14 @@ import jax.numpy as jnp
 
 from pallas_kernels import kv_append
 from pallas_kernels.paged_attention import (
+    decode_kernel_supported,
     paged_decode_attention,
     paged_decode_attention_append,
     paged_decode_attention_reference,
+)
+from pallas_kernels.paged_prefill_attention import (
+    paged_prefill_attention,
+    prefill_kernel_supported,
 )
 from rosejax.settings import KernelConfig
 
@@ -59,15 +64,18 @@ def cache_slots(
 
 
 def append_kv(
-    qkv: jax.Array,  # [N, 3H, D]: the new tokens' fused q/k/v projection
+    qkv: jax.Array,  # [N, Hq + 2H, D]: the new tokens' fused q/k/v projection
     k_cache: jax.Array,  # [H, NB, BS, D]
     v_cache: jax.Array,  # [H, NB, BS, D]
     write_block: jax.Array,  # [N] int32, each token's physical block
     write_offset: jax.Array,  # [N] int32, its slot in that block
     kernels: KernelConfig,
+    num_q_heads: int | None = None,  # Hq; None: H (multi-head attention, qkv [N, 3H, D])
 ) -> tuple[jax.Array, jax.Array]:
-    """Write each token's K/V (heads H..3H of qkv) into its slot -> the caches."""
+    """Write each token's K/V (heads Hq..Hq+H and Hq+H..Hq+2H of qkv) into its slot -> the
+    caches."""
     h = k_cache.shape[0]
+    hq = num_q_heads or h
     return kv_append(
         k_cache,
         v_cache,
@@ -75,7 +83,7 @@ def append_kv(
         qkv,
         write_block,
         write_offset,
-        new_head_offsets=(h, 2 * h),
+        new_head_offsets=(hq, hq + h),
         use_kernels=kernels.kv_append == "pallas",
         min_batch=kernels.kv_append_min_batch,
         interpret=kernels.interpret,
@@ -84,7 +92,7 @@ def append_kv(
 
 
 def decode_attention(
-    qkv: jax.Array,  # [B, 3H, D]: each row's one new token
+    qkv: jax.Array,  # [B, Hq + 2H, D]: each row's one new token
     k_cache: jax.Array,  # [H, NB, BS, D]
     v_cache: jax.Array,  # [H, NB, BS, D]
     block_tables: jax.Array,  # [B, MB] int32
@@ -92,22 +100,32 @@ def decode_attention(
     write_block: jax.Array,  # [B] int32: the slot of position seq_lens - 1 (scratch if padded)
     write_offset: jax.Array,  # [B] int32
     kernels: KernelConfig,
-) -> tuple[jax.Array, jax.Array, jax.Array]:  # [B, H, D], k_cache, v_cache
+    num_q_heads: int | None = None,  # Hq, a multiple of H (grouped queries); None: H
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # [B, Hq, D], k_cache, v_cache
     """Write each row's new K/V, then attend over the row's `seq_lens` tokens."""
-    pallas = kernels.attention == "pallas"
+    # Triton tiles are powers of two: other head dims (or block sizes) take XLA's path.
+    pallas = kernels.attention == "pallas" and decode_kernel_supported(
+        k_cache.shape[3], k_cache.shape[2]
+    )
     tiles = kernels.tile_kwargs("attention") | {"interpret": kernels.interpret}
+    if num_q_heads is not None and num_q_heads != k_cache.shape[0]:
+        tiles["num_q_heads"] = num_q_heads
     if pallas and kernels.fused_kv_append:  # finds the slots from block_tables and seq_lens
         return paged_decode_attention_append(qkv, k_cache, v_cache, block_tables, seq_lens, **tiles)
-    k_cache, v_cache = append_kv(qkv, k_cache, v_cache, write_block, write_offset, kernels)
+    k_cache, v_cache = append_kv(
+        qkv, k_cache, v_cache, write_block, write_offset, kernels, num_q_heads
+    )
     if pallas:
         out = paged_decode_attention(qkv, k_cache, v_cache, block_tables, seq_lens, **tiles)
     else:
-        out = paged_decode_attention_reference(qkv, k_cache, v_cache, block_tables, seq_lens)
+        out = paged_decode_attention_reference(
+            qkv, k_cache, v_cache, block_tables, seq_lens, num_q_heads=num_q_heads
+        )
     return out, k_cache, v_cache
 
 
 def prefill_attention(
-    q: jax.Array,  # [B, T, H, D]
+    q: jax.Array,  # [B, T, Hq, D], Hq a multiple of H (grouped queries)
     k: jax.Array,  # [B, T, H, D], this chunk's keys (already written to the cache)
     v: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [H, NB, BS, D]
@@ -115,7 +133,21 @@ def prefill_attention(
     block_tables: jax.Array,  # [B, MB] int32
     positions: jax.Array,  # [B, T] int32
     fresh: jax.Array,  # bool[]: no row continues a cached prefix (every chunk starts at 0)
-) -> jax.Array:  # [B, T, H, D]
+    seq_lens: jax.Array | None = None,  # [B] int32; with `kernels`, for the Pallas kernel
+    kernels: KernelConfig | None = None,
+) -> jax.Array:  # [B, T, Hq, D]
+    """XLA, or (`kernels.prefill_attention` "pallas", pages it tiles) the Pallas flash-attention
+    kernel over the pages, which reads only the pages below each query tile's last position."""
+    if (
+        kernels is not None
+        and seq_lens is not None
+        and kernels.prefill_attention == "pallas"
+        and prefill_kernel_supported(k_cache.shape[3], k_cache.shape[2])
+    ):
+        tiles = kernels.tile_kwargs("prefill_attention") | {"interpret": kernels.interpret}
+        return paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, positions, seq_lens, **tiles
+        )
     # Gathering whole block tables reads MB * block_size keys per row (the model's full context)
     # however short the prompts: for 8-token prompts that was most of a prefill's time.
     return jax.lax.cond(
@@ -129,16 +161,17 @@ _NEG_INF = -1e30
 
 
 def paged_attention_xla(
-    q: jax.Array,  # [B, T, H, D]
+    q: jax.Array,  # [B, T, Hq, D]
     k_cache: jax.Array,  # [H, NB, BS, D]
     v_cache: jax.Array,  # [H, NB, BS, D]
     block_tables: jax.Array,  # [B, MB] int32
     positions: jax.Array,  # [B, T] int32, absolute position of each query
-) -> jax.Array:  # [B, T, H, D]
+) -> jax.Array:  # [B, T, Hq, D]
     """Plain XLA, any number of queries per row: query (b, t) sees the row's cached keys at
     logical positions 0..positions[b, t]. Gathers each row's pages (all MB of them); softmax in
     float32. Prefill runs this when a row continues a cached prefix."""
-    b, t, h, d = q.shape
+    b, t, _, d = q.shape
+    h = k_cache.shape[0]
     context = block_tables.shape[1] * k_cache.shape[2]
     k = k_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
     v = v_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
@@ -147,11 +180,11 @@ def paged_attention_xla(
 
 
 def causal_attention_xla(
-    q: jax.Array,  # [B, T, H, D]
+    q: jax.Array,  # [B, T, Hq, D]
     k: jax.Array,  # [B, T, H, D]
     v: jax.Array,  # [B, T, H, D]
     positions: jax.Array,  # [B, T] int32, increasing along T
-) -> jax.Array:  # [B, T, H, D]
+) -> jax.Array:  # [B, T, Hq, D]
     """Causal attention among a chunk's own tokens: what `paged_attention_xla` computes when no
     row has anything cached before its chunk, without gathering the rows' whole block tables."""
     visible = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
@@ -159,13 +192,18 @@ def causal_attention_xla(
 
 
 def _masked_attention(
-    q: jax.Array,  # [B, T, H, D]
+    q: jax.Array,  # [B, T, Hq, D]
     k: jax.Array,  # [H, B, L, D]
     v: jax.Array,  # [H, B, L, D]
     visible: jax.Array,  # [B, T, L] bool
-) -> jax.Array:  # [B, T, H, D]
-    s = jnp.einsum("bthd,hbld->bhtl", q, k, preferred_element_type=jnp.float32)
-    s = jnp.where(visible[:, None], s / math.sqrt(q.shape[-1]), _NEG_INF)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)  # [B, H, T, L]
-    out = jnp.einsum("bhtl,hbld->bthd", p, v, preferred_element_type=jnp.float32)
-    return out.astype(q.dtype)
+) -> jax.Array:  # [B, T, Hq, D]
+    """Query head j attends with KV head j // (Hq / H) (grouped-query attention; one group per
+    head for multi-head attention)."""
+    b, t, hq, d = q.shape
+    h = k.shape[0]
+    q = q.reshape(b, t, h, hq // h, d)
+    s = jnp.einsum("btkgd,kbld->bkgtl", q, k, preferred_element_type=jnp.float32)
+    s = jnp.where(visible[:, None, None], s / math.sqrt(d), _NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)  # [B, H, G, T, L]
+    out = jnp.einsum("bkgtl,kbld->btkgd", p, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hq, d).astype(q.dtype)

@@ -20,6 +20,7 @@ import math
 import flax.linen as nn
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.linear import (
     finish_partial_sums,
@@ -59,6 +60,7 @@ class Linear(nn.Module):
     features: int
     activation: str | None = None  # None or "gelu_tanh" (GPT-2's gelu_new)
     kernels: KernelConfig = XLA_KERNELS
+    use_bias: bool = True  # False: no bias param (the kernels add zeros)
 
     @nn.compact
     def __call__(self, x, residual=None, *, defer: bool = False):
@@ -67,7 +69,10 @@ class Linear(nn.Module):
         activation, and the call is the Pallas kernel's; otherwise the array as without it."""
         k = x.shape[-1]
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, self.features))
-        bias = self.param("bias", nn.initializers.zeros, (self.features,))
+        if self.use_bias:
+            bias = self.param("bias", nn.initializers.zeros, (self.features,))
+        else:
+            bias = jnp.zeros((self.features,), kernel.dtype)
         lead = x.shape[:-1]
         rows = math.prod(lead)
         res = None if residual is None else residual.reshape(rows, self.features)

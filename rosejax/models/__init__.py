@@ -2,7 +2,13 @@
 its params pytree, and a pure forward over the paged KV cache. The engine sees only this registry.
 
 A family's config exposes what the engine and the cache need whatever the architecture:
-`num_layers`, `num_kv_heads`, `head_dim`, `max_model_len`, `vocab_size`, `eos_token_id`.
+`num_layers`, `num_kv_heads`, `head_dim`, `max_model_len`, `vocab_size`, `eos_token_id` (an id
+or a tuple of them: `eos_token_ids` reads either).
+
+| model_type | family | module |
+| --- | --- | --- |
+| gpt2 | GPT-2 | `rosejax.models.gpt2` |
+| llama, qwen3, qwen2, mistral | Llama-style (RMSNorm, GQA, RoPE, SwiGLU) | `rosejax.models.llama` |
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from typing import Any
 from rosejax.models.gpt2 import config as gpt2_config
 from rosejax.models.gpt2 import model as gpt2_model
 from rosejax.models.gpt2 import weights as gpt2_weights
+from rosejax.models.llama import config as llama_config
+from rosejax.models.llama import model as llama_model
+from rosejax.models.llama import weights as llama_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +35,15 @@ class ModelFamily:
     forward: Callable[..., Any]  # (params, config, tokens, cache, meta, logit_indices, *, kernels)
 
 
+_LLAMA = ModelFamily(
+    config_from_hf=llama_config.LlamaConfig.from_hf_dict,
+    presets=llama_config.PRESETS,
+    skip_tensor=llama_weights.skip_tensor,
+    params_from_tensors=llama_weights.params_from_tensors,
+    random_params=llama_weights.random_params,
+    forward=llama_model.forward,
+)
+
 FAMILIES: dict[str, ModelFamily] = {
     "gpt2": ModelFamily(
         config_from_hf=gpt2_config.GPT2Config.from_hf_dict,
@@ -35,6 +53,7 @@ FAMILIES: dict[str, ModelFamily] = {
         random_params=gpt2_weights.random_params,
         forward=gpt2_model.forward,
     ),
+    **{model_type: _LLAMA for model_type in llama_config.MODEL_TYPES},
 }
 
 
@@ -56,5 +75,30 @@ def preset(name: str) -> Any:
     for fam in FAMILIES.values():
         if name in fam.presets:
             return fam.presets[name]
-    known = ", ".join(n for fam in FAMILIES.values() for n in fam.presets)
+    known = ", ".join(dict.fromkeys(n for fam in FAMILIES.values() for n in fam.presets))
     raise ValueError(f"unknown preset {name!r}; known: {known}")
+
+
+def eos_token_ids(config: Any) -> tuple[int, ...]:
+    """The ids that end a generation: a config's `eos_token_id`, one id, a sequence or None."""
+    eos = config.eos_token_id
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
+
+
+def with_eos_token_ids(config: Any, ids: tuple[int, ...]) -> Any:
+    """`config` whose eos ids are `ids` (a family that keeps one id gets a tuple only if needed)."""
+    if not ids or ids == eos_token_ids(config):
+        return config
+    return dataclasses.replace(config, eos_token_id=ids[0] if len(ids) == 1 else tuple(ids))
+
+
+def with_context_len(config: Any, n: int) -> Any:
+    """`config` serving contexts of at most `n` tokens (the KV cache, block tables and prefill
+    buckets follow `max_model_len`)."""
+    if n >= config.max_model_len:
+        return config
+    if not hasattr(config, "with_context_len"):
+        raise ValueError(f"max_model_len cannot be lowered for {config.model_type} models")
+    return config.with_context_len(n)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from safetensors import safe_open
 
-from rosejax.models import family, preset
+from rosejax.models import eos_token_ids, family, preset, with_eos_token_ids
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -85,6 +85,15 @@ def load_checkpoint(model_dir: str, dtype: str | jnp.dtype = "float32") -> tuple
         hf = json.load(f)
     fam = family(hf.get("model_type", "gpt2"))
     config = fam.config_from_hf(hf)
+    # generation_config.json's eos ids (often a list: Llama 3's <|eot_id|>, Qwen3's
+    # <|endoftext|>) stop generations too, after config.json's.
+    generation_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(generation_path):
+        with open(generation_path) as f:
+            more = json.load(f).get("eos_token_id")
+        more = () if more is None else (more,) if isinstance(more, int) else tuple(more)
+        ids = eos_token_ids(config)
+        config = with_eos_token_ids(config, ids + tuple(i for i in more if i not in ids))
     dtype = resolve_dtype(dtype)
     tensors = dict(_iter_tensors(_safetensors_files(model_dir), dtype, fam.skip_tensor))
     return config, fam.params_from_tensors(config, tensors, dtype)

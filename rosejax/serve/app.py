@@ -27,6 +27,7 @@ from rosejax.serve.protocol import (
     parse_json,
 )
 from rosejax.serve.responses import Formatter, sse
+from rosejax.tokenizer import chat_prompt_ids
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -161,9 +162,9 @@ def create_app(
                 code="no_chat_template",
             )
         try:
-            prompt = tokenizer.apply_chat_template(
-                [m.as_dict() for m in req.messages], tokenize=False, add_generation_prompt=True
-            )
+            # Token ids, not text: the template writes BOS itself, which encoding its text
+            # again would double (Llama 3).
+            prompt = chat_prompt_ids(tokenizer, [m.as_dict() for m in req.messages])
         except Exception as e:  # jinja errors, e.g. a template that refuses a role order
             raise APIError(
                 f"the chat template failed on these messages: {e}", param="messages"

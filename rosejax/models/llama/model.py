@@ -1,0 +1,189 @@
+"""The Llama-style decoder in Flax, as a pure function of a params pytree and a paged KV cache.
+
+Pre-norm blocks with RMSNorm, grouped-query attention with RoPE (optionally Qwen3's per-head
+q/k RMSNorm before it), SwiGLU MLP (down(silu(gate x) * up x)), tied or untied LM head. As in
+GPT-2's model, one forward serves prefill (T tokens per row) and decode (T = 1): the q, k and v
+projections are one matmul (`qkv_proj`, fused at load) and gate/up another (`gate_up_proj`); the
+kernels read q, k and v out of the fused [N, Hq + 2H, D] projection after RoPE, K/V are written to
+the cache (or by the decode attention kernel itself) and attended over the pages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from rosejax.layers.attention import (
+    ForwardMetadata,
+    append_kv,
+    cache_slots,
+    decode_attention,
+    prefill_attention,
+)
+from rosejax.layers.kv_cache import KVCache
+from rosejax.layers.linear import Linear, PendingSum
+from rosejax.layers.rms_norm import RMSNorm
+from rosejax.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from rosejax.models.llama.config import LlamaConfig
+from rosejax.settings import XLA_KERNELS, KernelConfig
+
+
+def inv_freq(config: LlamaConfig):
+    return rope_inv_freq(
+        config.head_dim,
+        config.rope_theta,
+        config.rope_type,
+        factor=config.rope_factor,
+        low_freq_factor=config.rope_low_freq_factor,
+        high_freq_factor=config.rope_high_freq_factor,
+        original_max_position_embeddings=config.rope_original_max_position_embeddings,
+    )
+
+
+class Attention(nn.Module):
+    config: LlamaConfig
+    kernels: KernelConfig
+
+    @nn.compact
+    def __call__(
+        self, x, residual, k_cache, v_cache, meta, write_block, write_offset, fresh, cos, sin
+    ):
+        """residual + attention over x (the normed residual) -> [B, T, E] or its `PendingSum`,
+        the caches. cos, sin: float32 [B*T, D/2], each token's RoPE angles."""
+        cfg = self.config
+        b, t, e = x.shape
+        hq, h, d = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = Linear(
+            (hq + 2 * h) * d, kernels=self.kernels, use_bias=cfg.qkv_bias, name="qkv_proj"
+        )(x)
+        qkv = qkv.reshape(b * t, hq + 2 * h, d)
+        q, k, v = qkv[:, :hq], qkv[:, hq : hq + h], qkv[:, hq + h :]
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
+            _, q = RMSNorm(cfg.rms_norm_eps, self.kernels, name="q_norm")(q)
+            _, k = RMSNorm(cfg.rms_norm_eps, self.kernels, name="k_norm")(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        fused = jnp.concatenate([q, k, v], axis=1)  # [B*T, Hq + 2H, D], what the kernels read
+        write_block, write_offset = write_block.reshape(-1), write_offset.reshape(-1)
+        if t == 1:
+            out, k_cache, v_cache = decode_attention(
+                fused,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                write_block,
+                write_offset,
+                self.kernels,
+                num_q_heads=hq,
+            )
+        else:
+            k_cache, v_cache = append_kv(
+                fused, k_cache, v_cache, write_block, write_offset, self.kernels, num_q_heads=hq
+            )
+            out = prefill_attention(
+                q.reshape(b, t, hq, d),
+                k.reshape(b, t, h, d),
+                v.reshape(b, t, h, d),
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.positions,
+                fresh,
+                meta.seq_lens,
+                self.kernels,
+            )
+        y = Linear(e, kernels=self.kernels, use_bias=cfg.o_bias, name="o_proj")(
+            out.reshape(b, t, hq * d), residual, defer=True
+        )
+        return y, k_cache, v_cache
+
+
+class MLP(nn.Module):
+    config: LlamaConfig
+    kernels: KernelConfig
+
+    @nn.compact
+    def __call__(self, x, residual):
+        """residual + down(silu(gate x) * up x), or its `PendingSum`."""
+        cfg = self.config
+        f = cfg.intermediate_size
+        gate_up = Linear(2 * f, kernels=self.kernels, use_bias=cfg.mlp_bias, name="gate_up_proj")(x)
+        y = jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:]
+        return Linear(
+            cfg.hidden_size, kernels=self.kernels, use_bias=cfg.mlp_bias, name="down_proj"
+        )(y, residual, defer=True)
+
+
+class Block(nn.Module):
+    config: LlamaConfig
+    kernels: KernelConfig
+
+    @nn.compact
+    def __call__(self, x, k_cache, v_cache, meta, write_block, write_offset, fresh, cos, sin):
+        """x: the residual stream [B, T, E], an array or a `PendingSum`."""
+        eps = self.config.rms_norm_eps
+        x, y = RMSNorm(eps, self.kernels, name="input_layernorm")(x)
+        x, k_cache, v_cache = Attention(self.config, self.kernels, name="self_attn")(
+            y, x, k_cache, v_cache, meta, write_block, write_offset, fresh, cos, sin
+        )
+        x, y = RMSNorm(eps, self.kernels, name="post_attention_layernorm")(x)
+        return MLP(self.config, self.kernels, name="mlp")(y, x), k_cache, v_cache
+
+
+class LlamaModel(nn.Module):
+    config: LlamaConfig
+    dtype: Any
+    kernels: KernelConfig
+
+    @nn.compact
+    def __call__(self, tokens, cache: KVCache, meta: ForwardMetadata, logit_indices=None):
+        cfg = self.config
+        embed = nn.Embed(
+            cfg.padded_vocab_size, cfg.hidden_size, dtype=self.dtype, name="embed_tokens"
+        )
+        x = embed(tokens)  # [B, T, E]
+        write_block, write_offset = cache_slots(
+            meta.block_tables, meta.positions, meta.seq_lens, cache.block_size
+        )  # [B, T] each
+        fresh = jnp.all(meta.positions[:, 0] == 0)  # no row continues a cached prefix
+        cos, sin = rope_cos_sin(meta.positions.reshape(-1), inv_freq(cfg))  # [B*T, D/2] each
+
+        ks, vs = [], []
+        for i in range(cfg.num_hidden_layers):  # unrolled: each layer's cache its own buffer
+            x, k, v = Block(cfg, self.kernels, name=f"layers_{i}")(
+                x, cache.k[i], cache.v[i], meta, write_block, write_offset, fresh, cos, sin
+            )
+            ks.append(k)
+            vs.append(v)
+        if logit_indices is not None:  # only the rows' last real tokens need logits
+            x = x.value() if isinstance(x, PendingSum) else x
+            x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)[:, 0]  # [B, E]
+        _, x = RMSNorm(cfg.rms_norm_eps, self.kernels, name="norm")(x)
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = nn.Dense(
+                cfg.padded_vocab_size, use_bias=False, dtype=self.dtype, name="lm_head"
+            )(x)
+        return logits[..., : cfg.vocab_size], cache.replace(k=ks, v=vs)
+
+
+def forward(
+    params: dict,
+    config: LlamaConfig,
+    tokens: jax.Array,  # [B, T] int32
+    cache: KVCache,
+    meta: ForwardMetadata,
+    logit_indices: jax.Array | None = None,  # [B] int32: return logits of these tokens only
+    *,
+    kernels: KernelConfig = XLA_KERNELS,
+) -> tuple[jax.Array, KVCache]:
+    """Run the model over `tokens`, writing their K/V into `cache`, each op as `kernels` says.
+    Returns (logits [B, T, V] in the params' dtype, or [B, V] with `logit_indices`, cache)."""
+    dtype = params["embed_tokens"]["embedding"].dtype
+    return LlamaModel(config, dtype, kernels).apply(
+        {"params": params}, tokens, cache, meta, logit_indices
+    )

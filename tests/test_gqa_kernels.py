@@ -1,0 +1,213 @@
+"""Grouped-query decode attention (Hq query heads over H KV heads) and RMSNorm: every
+implementation (the Pallas kernels, interpreted on a CPU, and the XLA references) against numpy
+oracles, at head dims 64 and 128."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.linear import linear_partial_sums_reference
+from pallas_kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_append,
+    paged_decode_attention_append_reference,
+    paged_decode_attention_reference,
+)
+from pallas_kernels.paged_prefill_attention import (
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+)
+from pallas_kernels.rms_norm import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
+from tests.conftest import INTERPRET
+from tests.test_paged_attention import TOL, make_case, oracle
+
+IMPLS = {
+    "pallas": functools.partial(paged_decode_attention, interpret=INTERPRET),
+    "pallas_prefetch": functools.partial(
+        paged_decode_attention, prefetch_table=True, interpret=INTERPRET
+    ),
+    "reference": jax.jit(paged_decode_attention_reference, static_argnames="num_q_heads"),
+}
+APPEND_IMPLS = {
+    "pallas": functools.partial(paged_decode_attention_append, interpret=INTERPRET),
+    "reference": jax.jit(
+        paged_decode_attention_append_reference,
+        donate_argnums=(1, 2),
+        static_argnames="num_q_heads",
+    ),
+}
+# (B, H, group, D, block_size, blocks per row): Qwen3-0.6B's group 2 at D 128, Llama-3.2-1B's 4
+# at D 64, one query head for all (group 8), B = 1.
+SHAPES = [(3, 2, 2, 128, 8, 3), (2, 2, 4, 64, 16, 2), (1, 1, 8, 64, 8, 2)]
+
+
+def gqa_oracle(q, k, v, tables, lengths, group):
+    """Each KV head repeated for its group, then the multi-head oracle."""
+    k, v = (np.repeat(np.asarray(x, np.float64), group, axis=0) for x in (k, v))
+    return oracle(q, k, v, tables, lengths)
+
+
+def make_gqa_case(rng, b, h, group, d, bs, mb, dtype):
+    _, k, v, tables, lengths = make_case(rng, b, h, d, bs, mb, dtype)
+    q = jnp.asarray(rng.normal(size=(b, h * group, d)), dtype)
+    return q, k, v, tables, lengths
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gqa_decode_matches_oracle(impl, shape, dtype):
+    rng = np.random.default_rng()
+    q, k, v, tables, lengths = make_gqa_case(rng, *shape, dtype)
+    hq = q.shape[1]
+    # The model's call: q heads first in the fused projection, K/V heads after them (noise here).
+    noise = jnp.asarray(rng.normal(size=(q.shape[0], 2 * k.shape[0], q.shape[2])) * 100, dtype)
+    out = IMPLS[impl](jnp.concatenate([q, noise], axis=1), k, v, tables, lengths, num_q_heads=hq)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = gqa_oracle(q, k, v, np.asarray(tables), np.asarray(lengths), shape[2])
+    err = np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref)
+    assert err <= TOL[dtype]
+
+
+@pytest.mark.parametrize("impl", APPEND_IMPLS)
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_gqa_append_then_attend(impl, shape):
+    """The new K/V (heads Hq.. of the fused projection) land in their slot, the output attends
+    over them; a padded row gives zeros and writes scratch."""
+    rng = np.random.default_rng()
+    q, k, v, tables, lengths = make_gqa_case(rng, *shape, "float32")
+    b, hq, d = q.shape
+    h, bs = k.shape[0], k.shape[2]
+    lengths = lengths.at[b - 1].set(0) if b > 2 else lengths
+    kv_new = jnp.asarray(rng.normal(size=(b, 2 * h, d)), jnp.float32)
+    qkv = jnp.concatenate([q, kv_new], axis=1)
+    want_k, want_v = np.array(k), np.array(v)
+    for row in range(b):
+        n = int(lengths[row])
+        blk, off = (int(tables[row, (n - 1) // bs]), (n - 1) % bs) if n else (0, 0)
+        want_k[:, blk, off] = np.asarray(kv_new[row, :h])
+        want_v[:, blk, off] = np.asarray(kv_new[row, h:])
+    out, k_out, v_out = APPEND_IMPLS[impl](qkv, k, v, tables, lengths, num_q_heads=hq)
+    np.testing.assert_array_equal(np.asarray(k_out), want_k)
+    np.testing.assert_array_equal(np.asarray(v_out), want_v)
+    real = np.asarray(lengths) > 0
+    ref = gqa_oracle(
+        q[real], want_k, want_v, np.asarray(tables)[real], np.asarray(lengths)[real], hq // h
+    )
+    out = np.asarray(out)
+    np.testing.assert_allclose(out[real], ref, rtol=1e-4, atol=1e-5)
+    assert np.all(out[~real] == 0)
+
+
+def test_gqa_heads_checked():
+    rng = np.random.default_rng()
+    q, k, v, tables, lengths = make_gqa_case(rng, 2, 2, 2, 64, 8, 2, "float32")
+    with pytest.raises(ValueError, match="not a multiple"):
+        paged_decode_attention(q, k, v, tables, lengths, num_q_heads=3, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="Hq \\+ 2H"):
+        paged_decode_attention_append(q, k, v, tables, lengths, num_q_heads=4, interpret=INTERPRET)
+
+
+# ------------------------------------------------------------------------------------ RMSNorm
+
+NORM_IMPLS = {
+    "pallas": functools.partial(rms_norm, interpret=INTERPRET),
+    "pallas_rows4": functools.partial(rms_norm, block_rows=4, interpret=INTERPRET),
+    "reference": jax.jit(rms_norm_reference, static_argnames="eps"),
+}
+ADD_NORM_IMPLS = {
+    "pallas": functools.partial(add_rms_norm, interpret=INTERPRET),
+    "reference": jax.jit(add_rms_norm_reference, static_argnames="eps"),
+}
+NORM_TOL = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 2e-3}
+
+
+def rms_oracle(x, scale, eps):
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(scale, np.float64)
+
+
+@pytest.mark.parametrize("impl", NORM_IMPLS)
+@pytest.mark.parametrize("shape", [(5, 64), (3, 128), (7, 96)])  # head dims, an odd width
+@pytest.mark.parametrize("dtype", NORM_TOL)
+def test_rms_norm_matches_oracle(impl, shape, dtype):
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=shape) * 3, dtype)
+    scale = jnp.asarray(rng.normal(1.0, 0.3, shape[1]), dtype)
+    out = NORM_IMPLS[impl](x, scale, eps=1e-6)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    ref = rms_oracle(x, scale, 1e-6)
+    err = np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref)
+    assert err <= NORM_TOL[dtype]
+
+
+@pytest.mark.parametrize("impl", ADD_NORM_IMPLS)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_add_rms_norm_matches_oracle(impl, splits):
+    """h = residual + the linear's partial sums + its bias, and rms_norm(h)."""
+    rng = np.random.default_rng()
+    m, k, n = 4, 48, 96
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.float32)
+    chunks = np.array_split(np.arange(k), splits)
+    partials = jnp.concatenate([linear_partial_sums_reference(x[:, c], w[c]) for c in chunks])
+    bias = jnp.asarray(rng.normal(size=n), jnp.float32)
+    residual = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
+    scale = jnp.asarray(rng.normal(1.0, 0.3, n), jnp.float32)
+    h, y = ADD_NORM_IMPLS[impl](partials, bias, residual, scale, eps=1e-5)
+    want_h = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(bias) + residual
+    np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(y), rms_oracle(want_h, scale, 1e-5), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- paged prefill attention
+
+PREFILL_IMPLS = {
+    "pallas": functools.partial(paged_prefill_attention, block_q=16, interpret=INTERPRET),
+    "reference": jax.jit(paged_prefill_attention_reference),
+}
+
+
+@pytest.mark.parametrize("impl", PREFILL_IMPLS)
+@pytest.mark.parametrize("h, group, d", [(2, 2, 64), (1, 4, 128)])
+@pytest.mark.parametrize("cached", [[0, 0], [0, 37, 5]], ids=["fresh", "prefix"])
+def test_paged_prefill_matches_oracle(impl, h, group, d, cached):
+    """Rows continuing cached prefixes (or not) with chunks of different lengths, padded to T;
+    a padded row (seq_lens 0) gives zeros. Real tokens checked against the oracle."""
+    rng = np.random.default_rng()
+    bs, mb = 16, 4
+    new = [int(n) for n in rng.integers(1, 21, len(cached))]
+    b, t = len(cached) + 1, max(new)  # + a padded row
+    num_blocks = 1 + b * mb
+    k = rng.normal(size=(h, num_blocks, bs, d)).astype(np.float32)
+    v = rng.normal(size=(h, num_blocks, bs, d)).astype(np.float32)
+    tables = (1 + rng.permutation(num_blocks - 1)).reshape(b, mb).astype(np.int32)
+    positions = np.tile(np.arange(t, dtype=np.int32), (b, 1))
+    positions[: len(cached)] += np.asarray(cached, np.int32)[:, None]
+    seq_lens = np.asarray([c + n for c, n in zip(cached, new, strict=True)] + [0], np.int32)
+    # Slots past each row's length hold poison: the kernel must not read them.
+    for row in range(b):
+        for pos in range(int(seq_lens[row]), mb * bs):
+            k[:, tables[row, pos // bs], pos % bs] = 7.0
+            v[:, tables[row, pos // bs], pos % bs] = 7.0
+    q = rng.normal(size=(b, t, h * group, d)).astype(np.float32)
+    out = np.asarray(
+        PREFILL_IMPLS[impl](
+            *map(jnp.asarray, (q, k, v, tables, positions, seq_lens)),
+        )
+    )
+    assert out.shape == q.shape and np.all(np.isfinite(out)) and np.all(out[-1] == 0)
+    for row, (c, n) in enumerate(zip(cached, new, strict=True)):
+        for i in range(n):
+            want = gqa_oracle(q[row, i][None], k, v, tables[row][None], [c + i + 1], group)
+            np.testing.assert_allclose(out[row, i][None], want, rtol=1e-4, atol=1e-5)
