@@ -40,6 +40,7 @@ logger = logging.getLogger("rosejax")
 
 AUTO_FULL_STEPS = 32  # "auto" decode window while the batch is full: throughput
 AUTO_OPEN_STEPS = 8  # "auto" decode window while the batch has free slots
+_F32_MAX, _F32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
 
 
 def _buckets(limit: int, start: int = 1, factor: int = 2) -> list[int]:
@@ -393,10 +394,12 @@ class LLMEngine:
         batch["positions"][:n] += cached[:, None]
         batch["seq_lens"][:n], batch["last"][:n] = cached + suffix, suffix - 1
         batch["slots"][:n] = [r.slot for r in requests]
-        batch["temperature"][:n] = [r.params.temperature for r in requests]
+        # Each value held inside float32, as it means: a temperature past its largest is as
+        # hot; a top_p below its smallest positive one keeps the top token (0 would keep none).
+        batch["temperature"][:n] = [min(r.params.temperature, _F32_MAX) for r in requests]
         # top_k >= vocab keeps everything, like 0; clamping keeps it inside int32.
         batch["top_k"][:n] = [min(r.params.top_k, self.config.vocab_size) for r in requests]
-        batch["top_p"][:n] = [r.params.top_p for r in requests]
+        batch["top_p"][:n] = [max(r.params.top_p, _F32_TINY) for r in requests]
         seeds = np.fromiter((r.seed for r in requests), np.uint64, n)
         batch["seed"][:n, 0], batch["seed"][:n, 1] = seeds >> np.uint64(32), seeds  # [hi, lo]
         batch["steps"][:n] = [len(r.output_token_ids) for r in requests]
