@@ -263,10 +263,13 @@ class LLMEngine:
         """The prompt's token ids, checked: not empty, within the context and the vocabulary
         (ValueError). Reads only what never changes, so any thread may call it (a server
         tokenizes off the engine's thread)."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(map(int, prompt))
+        n_pos, vocab = self.config.max_model_len, self.config.vocab_size
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:  # the length first: a hostile list is not copied
+            ids = list(map(int, prompt)) if len(prompt) <= n_pos else prompt
         if not ids:
             raise ValueError("prompt is empty")
-        n_pos, vocab = self.config.max_model_len, self.config.vocab_size
         if len(ids) > n_pos:
             raise ValueError(f"prompt has {len(ids)} tokens, more than the context ({n_pos})")
         if min(ids) < 0 or max(ids) >= vocab:

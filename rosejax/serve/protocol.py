@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
@@ -249,6 +250,11 @@ class ChatRequest(_Sampling):
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+# What can decode to a lone surrogate: a \uD800-\uDFFF escape, or its UTF-8 form (json.loads
+# decodes bytes with surrogatepass). Bodies without either skip the walk of check_text.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
@@ -258,7 +264,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise APIError("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
-    check_text(body)
+    if _MAYBE_SURROGATE.search(raw):
+        check_text(body)
     return body
 
 
@@ -279,17 +286,17 @@ def check_text(body: Any) -> None:
                 param=param,
             ) from None
 
-    todo: list[tuple[Any, tuple]] = [(body, ())]
+    todo: list[tuple[Any, tuple]] = [(body, ())]  # containers still to look into
     while todo:
         value, path = todo.pop()
-        if isinstance(value, dict):
-            for k in value:
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if isinstance(k, str):
                 check(k, path)
-            todo += [(v, (*path, k)) for k, v in value.items()]
-        elif isinstance(value, list):
-            todo += [(v, (*path, i)) for i, v in enumerate(value)]
-        elif isinstance(value, str):
-            check(value, path)
+            if isinstance(v, str):
+                check(v, (*path, k))
+            elif isinstance(v, (dict, list)):
+                todo.append((v, (*path, k)))
 
 
 def parse(body: dict[str, Any], model: type[_Sampling], unsupported: dict) -> _Sampling:
