@@ -16,11 +16,9 @@ import collections
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -109,37 +107,22 @@ def main(argv: list[str] | None = None) -> int:
 
     from rosejax import LLM
     from rosejax.serve import create_app
-    from rosejax.serve.server import make_server
+    from rosejax.serve.server import ServerThread
 
     llm = LLM("random:tiny", warmup=False, max_batch_size=args.max_batch_size, block_size=16)
     llm.engine.tokenizer.chat_template = TEMPLATE
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = make_server(create_app(llm.engine, "tiny"), log_level="warning", access_log=False)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    rss_before = psutil.Process().memory_info().rss
-    try:
-        summary = fuzz(url, args.max_examples, args.seed, args.max_time, args.workers)
-    finally:
-        deadline = time.monotonic() + 30
-        engine = llm.engine
+    with ServerThread(create_app(llm.engine, "tiny")) as server:
+        rss_before = psutil.Process().memory_info().rss
+        summary = fuzz(server.url, args.max_examples, args.seed, args.max_time, args.workers)
+        engine, deadline = llm.engine, time.monotonic() + 30
         while engine.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.1)
-        summary_idle = {
+        summary["server_after"] = {
             "requests_left": len(engine.scheduler.running) + len(engine.scheduler.waiting),
             "kv_blocks_used": engine.allocator.num_used_blocks,
+            "rss_mib_before": round(rss_before / 2**20),
+            "rss_mib_after": round(psutil.Process().memory_info().rss / 2**20),
         }
-        server.should_exit = True
-        thread.join(30)
-    summary["server_after"] = {
-        **summary_idle,
-        "rss_mib_before": round(rss_before / 2**20),
-        "rss_mib_after": round(psutil.Process().memory_info().rss / 2**20),
-    }
     print(json.dumps(summary))
     return 1 if summary["server_errors"] else 0
 

@@ -17,7 +17,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import threading
 import time
@@ -31,7 +30,7 @@ from rosejax import LLM, SamplingParams
 from rosejax.engine.request import Request
 from rosejax.serve import create_app
 from rosejax.serve.protocol import Limits
-from rosejax.serve.server import make_server
+from rosejax.serve.server import ServerThread
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, NAME = "random:tiny", "tiny"
@@ -66,35 +65,6 @@ class Served:
     expected: list  # RequestOutput of each of STREAMS, from LLM.generate
     engine: object
     port: int
-
-
-class ServerThread:
-    """`make_server` (the CLI's server) from a thread, on a loopback port bound before it starts."""
-
-    def __init__(self, app, shutdown_timeout: float = 5.0):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = make_server(
-            app, shutdown_timeout=shutdown_timeout, log_level="warning", access_log=False
-        )
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
-        )
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
 
 
 def _expected(llm: LLM) -> list:

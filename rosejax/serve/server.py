@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
+import time
 from typing import Any
 
 import h11
@@ -76,3 +78,33 @@ def make_server(app: Any, *, shutdown_timeout: float = 5.0, **uvicorn_kwargs: An
         **uvicorn_kwargs,
     )
     return Server(config, app.state.engine, shutdown_timeout)
+
+
+class ServerThread:
+    """`make_server(app, ...)` run by a thread, on a loopback port bound before it starts (tests
+    and benchmarks): `with ServerThread(app) as s: httpx.get(s.url + "/health")`."""
+
+    def __init__(self, app: Any, shutdown_timeout: float = 5.0, **uvicorn_kwargs: Any):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        kwargs = {"log_level": "warning", "access_log": False} | uvicorn_kwargs
+        self.server = make_server(app, shutdown_timeout=shutdown_timeout, **kwargs)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True  # what SIGINT and SIGTERM do
+        self.thread.join(60)
+        self.sock.close()
