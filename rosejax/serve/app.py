@@ -255,8 +255,17 @@ def create_app(
             APIError(f"internal error: {e}", 500, type="server_error").body(), status_code=500
         )
 
+    def check_chars(chars: int, what: str, param: str) -> None:
+        if chars > max_prompt_chars:
+            raise APIError(
+                f"{what} {chars} characters, more than this server's limit "
+                f"({max_prompt_chars}, --max-prompt-chars; the context is {context} tokens)",
+                param=param,
+            )
+
     def tokenize(prompts: list) -> list[list[int]]:
-        """Each prompt's token ids: a text's length is checked before it is tokenized."""
+        """Each prompt's token ids (a text's length checked before it is tokenized), for a
+        list of prompts the server can hold at once."""
         if async_engine.max_in_flight is not None and len(prompts) > async_engine.max_in_flight:
             raise APIError(
                 f"this request has {len(prompts)} prompts; the server holds at most "
@@ -267,19 +276,15 @@ def create_app(
             )
         ids = []
         for p in prompts:
-            if isinstance(p, str) and len(p) > max_prompt_chars:
-                raise APIError(
-                    f"prompt has {len(p)} characters, more than this server's limit "
-                    f"({max_prompt_chars}, --max-prompt-chars; the context is {context} tokens)",
-                    param="prompt",
-                )
+            if isinstance(p, str):
+                check_chars(len(p), "prompt has", "prompt")
             try:
                 ids.append(engine.prompt_ids(p))
             except ValueError as e:
                 raise APIError(str(e), param="prompt") from e
         return ids
 
-    def check_model(req: CompletionRequest | ChatRequest) -> None:
+    def check_request(req: CompletionRequest | ChatRequest) -> None:
         if req.model is not None and req.model != served_model_name:
             raise APIError(
                 f"the model '{req.model}' does not exist; this server serves '{served_model_name}'",
@@ -292,12 +297,12 @@ def create_app(
 
     def prepare_completion(raw: bytes):
         req = parse(parse_json(raw), CompletionRequest, COMPLETION_UNSUPPORTED)
-        check_model(req)
+        check_request(req)
         return req, req.sampling_params(), tokenize(req.prompts())
 
     def prepare_chat(raw: bytes):
         req = parse(parse_json(raw), ChatRequest, CHAT_UNSUPPORTED)
-        check_model(req)
+        check_request(req)
         params = req.sampling_params()
         tokenizer = engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
@@ -309,13 +314,7 @@ def create_app(
                 code="no_chat_template",
             )
         messages = [m.as_dict() for m in req.messages]
-        chars = sum(len(m["content"]) for m in messages)
-        if chars > max_prompt_chars:
-            raise APIError(
-                f"the messages have {chars} characters, more than this server's limit "
-                f"({max_prompt_chars}, --max-prompt-chars; the context is {context} tokens)",
-                param="messages",
-            )
+        check_chars(sum(len(m["content"]) for m in messages), "the messages have", "messages")
         try:
             prompt = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
