@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
@@ -42,18 +43,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stream",
         action="store_true",
-        help="print text as it is generated (prompts one after another)",
+        help="print text as it is generated; with several prompts, generated together, each "
+        "piece is labelled [N] (the prompt's number, from 0) and each prompt is echoed when "
+        "its first piece arrives",
     )
     return p
+
+
+def _read_prompt_file(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """Its non-empty lines; a file that cannot be read is a usage error, not a traceback."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.rstrip("\n") for line in f if line.strip()]
+    except UnicodeDecodeError as e:
+        parser.error(f"--prompt-file {path}: not UTF-8 text ({e})")
+    except OSError as e:
+        parser.error(f"--prompt-file {path}: {e.strerror or e}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # What loading and compiling are doing, on stderr (the text goes to stdout).
+    logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
+    logging.getLogger("rosejax").setLevel(logging.INFO)
     prompts = list(args.prompt or [])
     if args.prompt_file:
-        with open(args.prompt_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        prompts += _read_prompt_file(parser, args.prompt_file)
     if not prompts:
         parser.error("give at least one --prompt or a --prompt-file")
     try:
@@ -65,15 +81,21 @@ def main(argv: list[str] | None = None) -> int:
         first_token_at = None
         tokens = 0
         if args.stream:
-            current = None
-            for out in llm.generate_stream(prompts, params):
-                if first_token_at is None:
-                    first_token_at = time.perf_counter()
-                if out.request_id != current and out.new_text:
-                    current = out.request_id
-                    print(f"\n[{out.request_id}] ", end="")
-                print(out.new_text, end="", flush=True)
+            # Several prompts decode together, so their pieces interleave: each run of one
+            # prompt's pieces starts a line "[N] " (N: its number, from 0); its first echoes it.
+            ids = [str(i) for i in range(len(prompts))]
+            current, seen = None, set()
+            for out in llm.generate_stream(prompts, params, request_ids=ids):
+                first_token_at = first_token_at or time.perf_counter()
                 tokens += len(out.new_token_ids)
+                i = int(out.request_id)
+                if i != current and (out.new_text or out.finished):
+                    head = "" if current is None else "\n"
+                    head += f"[{i}] " if len(prompts) > 1 else ""
+                    print(head + ("" if i in seen else prompts[i]), end="")
+                    current = i
+                    seen.add(i)
+                print(out.new_text, end="", flush=True)
             print()
         else:
             for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):

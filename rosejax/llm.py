@@ -21,7 +21,7 @@ class LLM:
         ...)."""
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
-    def _submit(self, prompts: Prompts, sampling_params) -> list[str]:
+    def _submit(self, prompts: Prompts, sampling_params, request_ids=None) -> list[str]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -29,7 +29,9 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         base = self.engine._arrivals
-        ids = [f"gen-{base + i}" for i in range(len(prompts))]
+        ids = list(request_ids or (f"gen-{base + i}" for i in range(len(prompts))))
+        if len(ids) != len(prompts):
+            raise ValueError("give one request id per prompt")
         added = []
         try:
             for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True):
@@ -95,9 +97,12 @@ class LLM:
         self,
         prompts: Prompts,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        request_ids: Sequence[str] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yield each request's new text and token ids as they are produced."""
-        yield from self._run(self._submit(prompts, sampling_params))
+        """Yield each request's new text and token ids as they are produced; the requests of
+        several prompts run together, so their outputs interleave: `request_ids` (one per
+        prompt, default gen-N) tell them apart."""
+        yield from self._run(self._submit(prompts, sampling_params, request_ids))
 
     def _run(self, ids: list[str]) -> Iterator[RequestOutput]:
         pending = set(ids)

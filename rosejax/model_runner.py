@@ -38,7 +38,7 @@ class SlotState:
     temperature: jax.Array  # f32[S]
     top_k: jax.Array  # i32[S]
     top_p: jax.Array  # f32[S]
-    seed: jax.Array  # u32[S]
+    seed: jax.Array  # u32[S, 2]: each row's 64-bit seed as [hi, lo]
     stop_ids: jax.Array  # i32[S, NUM_STOP_IDS], -1 = none
     block_tables: jax.Array  # i32[S, MB]
 
@@ -57,7 +57,7 @@ def empty_slot_state(num_slots: int, max_blocks: int) -> SlotState:
         temperature=jnp.zeros((num_slots,), jnp.float32),
         top_k=z(),
         top_p=jnp.ones((num_slots,), jnp.float32),
-        seed=jnp.zeros((num_slots,), jnp.uint32),
+        seed=jnp.zeros((num_slots, 2), jnp.uint32),
         stop_ids=jnp.full((num_slots, NUM_STOP_IDS), -1, jnp.int32),
         block_tables=jnp.zeros((num_slots, max_blocks), jnp.int32),
     )

@@ -7,8 +7,9 @@ Semantics (HF's warpers, in HF's order): temperature == 0 is greedy (argmax, tie
 id); otherwise logits / temperature, then top-k (keep tokens >= the k-th largest; 0 = off), then
 top-p over the renormalised top-k set (keep the smallest prefix of the sorted tokens whose mass
 reaches top_p, the top token always; 1.0 = off), then a Gumbel-max categorical draw over the
-full vocab with key fold_in(key(seed), step). Both filters keep tokens tied with the last kept
-one, so the kept set never depends on sort order.
+full vocab with key fold_in(key(seed), step); a 64-bit seed travels as its two 32-bit words
+[hi, lo], the key data jax.random.key makes of it (a seed below 2**32 is [0, seed]). Both
+filters keep tokens tied with the last kept one, so the kept set never depends on sort order.
 
 No sort: each filter finds its cutoff with an exact radix select (`_select`, 8 fused passes over
 [B, V]), behind a `lax.cond` so batches that don't use a filter don't pay for it. Measured on an
@@ -85,7 +86,7 @@ def sample(
     temperature: jax.Array,  # f32[B]
     top_k: jax.Array,  # i32[B]
     top_p: jax.Array,  # f32[B]
-    seed: jax.Array,  # u32[B]
+    seed: jax.Array,  # u32[B], or u32[B, 2]: the [hi, lo] words of 64-bit seeds
     step: jax.Array,  # i32[B]: index of the token being generated for this request
 ) -> jax.Array:  # i32[B]
     """Next token per row. Row b's randomness depends only on (seed[b], step[b])."""
@@ -101,7 +102,12 @@ def sample(
         p = jnp.where(do_sample, top_p, 1.0)
         key = _order_key(scaled)  # [B, V]
         masked = jnp.where(key >= _filter_key(key, scaled, k, p)[:, None], scaled, -jnp.inf)
-        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed, step)
+
+        def row_key(s, n):  # s: a 32-bit seed, or the [hi, lo] key data of a 64-bit one
+            base = jax.random.key(s) if s.ndim == 0 else jax.random.wrap_key_data(s)
+            return jax.random.fold_in(base, n)
+
+        keys = jax.vmap(row_key)(seed, step)
         drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
         return jnp.where(do_sample, drawn, greedy)
 
@@ -121,7 +127,8 @@ class SamplingParams:
     """What a user asks of one request (vLLM-style). Validated on construction.
 
     top_k: 0 keeps every token (vLLM's -1 is rejected: use 0). top_p: in (0, 1], 1.0 = off.
-    temperature: 0 = greedy. seed: any int (used mod 2**32); None = a random seed per request.
+    temperature: 0 = greedy. seed: an int in [-2**63, 2**64) (a negative one means its 64-bit two's
+    complement, as in torch); None = a seed the engine draws from its own seed, one per request.
     stop: strings that end the output (not included in it). stop_token_ids: extra stop ids.
     ignore_eos: keep generating past EOS (for benchmarks).
     """
@@ -146,8 +153,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {self.top_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be a 64-bit int or None, got {self.seed!r}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and (
             not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop)

@@ -37,8 +37,8 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> PreTrainedTokeni
     if local and not any(os.path.isfile(os.path.join(expanded, f)) for f in _TOKENIZER_FILES):
         raise ValueError(
             f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {source!r}; pass tokenizer= "
-            f"(--tokenizer) with a tokenizer directory or hub id, e.g. the packaged GPT-2 one "
-            f"({packaged_gpt2_tokenizer_path()}) or ../shared/gpt2-tokenizer"
+            f"(--tokenizer) with a tokenizer directory or hub id, e.g. gpt2, or the GPT-2 one "
+            f"rosejax carries ({packaged_gpt2_tokenizer_path()})"
         )
     if not local and (os.path.exists(expanded) or source.startswith((".", "/", "~"))):
         raise ValueError(f"tokenizer path {source!r} is not a directory")

@@ -198,11 +198,14 @@ def test_seed_reproduces_and_temperature_zero_is_greedy(checkpoint):
         [prompt], SamplingParams(max_tokens=16, temperature=1.2, seed=100), use_tqdm=False
     )[0]
     assert a.token_ids == b.token_ids != c.token_ids
-    # Seeds are taken mod 2**32: 2**32 + 99 is seed 99.
-    wrapped = llm.generate(
-        [prompt], SamplingParams(max_tokens=16, temperature=1.2, seed=2**32 + 99), use_tqdm=False
-    )[0]
-    assert wrapped.token_ids == a.token_ids
+    # Seeds are 64-bit: 2**32 + 99 is not seed 99; -99 is 2**64 - 99 (two's complement).
+    high, neg, wrapped = (
+        llm.generate(
+            [prompt], SamplingParams(max_tokens=16, temperature=1.2, seed=s), use_tqdm=False
+        )[0]
+        for s in (2**32 + 99, -99, 2**64 - 99)
+    )
+    assert high.token_ids != a.token_ids and neg.token_ids == wrapped.token_ids
     g = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0]
     assert g.token_ids == _hf_greedy(checkpoint[1], tuple(prompt), 16)
     assert_clean(llm.engine)

@@ -27,6 +27,27 @@ def test_stream_prints_text_and_ttft(capsys):
     assert "TTFT" in err and "n/a" not in err
 
 
+def test_stream_of_several_prompts_labels_each_piece(capsys):
+    assert main([*ARGS, "--prompt", "Hello", "--prompt", "The sky is", "--stream"]) == 0
+    out = capsys.readouterr().out
+    assert "[0] Hello" in out and "[1] The sky is" in out, out
+    lines = [line for line in out.splitlines() if line]
+    assert all(line.startswith(("[0] ", "[1] ")) for line in lines), out
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "not-utf8"])
+def test_unreadable_prompt_file_is_a_usage_error(tmp_path, capsys, kind):
+    path = tmp_path / "prompts.txt"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "not-utf8":
+        path.write_bytes(b"caf\xe9\n")
+    with pytest.raises(SystemExit) as e:
+        main([*ARGS, "--prompt-file", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--prompt-file" in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [

@@ -41,6 +41,7 @@ logger = logging.getLogger("rosejax")
 
 AUTO_FULL_STEPS = 32  # "auto" decode window while the batch is full: throughput
 AUTO_OPEN_STEPS = 8  # "auto" decode window while the batch has free slots
+_F32_MAX, _F32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
 
 
 def _buckets(limit: int, start: int = 1, factor: int = 2) -> list[int]:
@@ -90,10 +91,13 @@ class LLMEngine:
         self.dtype = resolve_dtype(
             config.dtype if config.dtype != "auto" else ("float32" if on_cpu else "float16")
         )
+        start = time.perf_counter()
+        logger.info("loading %s (%s, %s)", config.model, self.dtype.name, jax.default_backend())
         self.config, params = load_model(config.model, self.dtype, config.seed)
         if config.max_model_len is not None:
             self.config = with_context_len(self.config, config.max_model_len)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
+        logger.info("loaded the model and tokenizer in %.1f s", time.perf_counter() - start)
         self.block_size = config.block_size
         self.max_batch_size = config.max_batch_size
         # "auto": long windows for throughput, cut short when a waiting request could be admitted.
@@ -140,6 +144,7 @@ class LLMEngine:
         )
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
         self.seed = config.seed
+        self._seeds = np.random.default_rng(config.seed)  # seeds of requests that bring none
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
         # A min-heap: a new request takes the lowest free slot, so the decode width stays low.
@@ -265,6 +270,23 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------ requests
 
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids, checked: not empty, within the context and the vocabulary
+        (ValueError). Reads only what never changes, so any thread may call it (a server
+        tokenizes off the engine's thread)."""
+        n_pos, vocab = self.config.max_model_len, self.config.vocab_size
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:  # the length first: a hostile list is not copied
+            ids = list(map(int, prompt)) if len(prompt) <= n_pos else prompt
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) > n_pos:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than the context ({n_pos})")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
     def add_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
     ) -> None:
@@ -272,20 +294,16 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(map(int, prompt))
-        if not ids:
-            raise ValueError("prompt is empty")
-        n_pos = self.config.max_model_len
-        if len(ids) > n_pos:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than the context ({n_pos})")
-        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.config.vocab_size})")
-        seed = params.seed if params.seed is not None else hash((self.seed, self._arrivals))
+        ids = self.prompt_ids(prompt)
+        n_pos, vocab = self.config.max_model_len, self.config.vocab_size
+        stop_ids = params.stop_token_ids or ()
+        if stop_ids and not (min(stop_ids) >= 0 and max(stop_ids) < vocab):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         request = Request(
             request_id,
             ids,
             params,
-            seed & 0xFFFFFFFF,
+            0,  # drawn below, once the request is accepted
             IncrementalDetokenizer(self.tokenizer, vocab_size=self.config.vocab_size),
             eos_token_ids(self.config),
             n_pos,
@@ -296,6 +314,12 @@ class LLMEngine:
                 f"the KV cache ({self.allocator.num_blocks - 1} blocks of {self.block_size}) "
                 f"cannot hold this request ({need} blocks); raise kv_cache_tokens"
             )
+        # A request without a seed gets one drawn from the engine's: reproducible for one
+        # engine seed and arrival order, a different stream for every request.
+        seed = params.seed
+        if seed is None:
+            seed = int(self._seeds.integers(2**64, dtype=np.uint64))
+        request.seed = seed % 2**64  # the device takes a seed's 64 bits as two words
         self._arrivals += 1
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -372,7 +396,7 @@ class LLMEngine:
             temperature=np.zeros(b, np.float32),
             top_k=np.zeros(b, np.int32),
             top_p=np.ones(b, np.float32),
-            seed=np.zeros(b, np.uint32),
+            seed=np.zeros((b, 2), np.uint32),  # [hi, lo] words of each 64-bit seed
             steps=np.zeros(b, np.int32),
             limit=np.zeros(b, np.int32),
             stop_ids=np.full((b, NUM_STOP_IDS), -1, np.int32),
@@ -390,11 +414,14 @@ class LLMEngine:
         batch["positions"][:n] += cached[:, None]
         batch["seq_lens"][:n], batch["last"][:n] = cached + suffix, suffix - 1
         batch["slots"][:n] = [r.slot if r.slot >= 0 else self.runner.num_slots for r in requests]
-        batch["temperature"][:n] = [r.params.temperature for r in requests]
+        # Each value held inside float32, as it means: a temperature past its largest is as
+        # hot; a top_p below its smallest positive one keeps the top token (0 would keep none).
+        batch["temperature"][:n] = [min(r.params.temperature, _F32_MAX) for r in requests]
         # top_k >= vocab keeps everything, like 0; clamping keeps it inside int32.
         batch["top_k"][:n] = [min(r.params.top_k, self.config.vocab_size) for r in requests]
-        batch["top_p"][:n] = [r.params.top_p for r in requests]
-        batch["seed"][:n] = [r.seed for r in requests]
+        batch["top_p"][:n] = [max(r.params.top_p, _F32_TINY) for r in requests]
+        seeds = np.fromiter((r.seed for r in requests), np.uint64, n)
+        batch["seed"][:n, 0], batch["seed"][:n, 1] = seeds >> np.uint64(32), seeds  # [hi, lo]
         batch["steps"][:n] = [len(r.output_token_ids) for r in requests]
         batch["limit"][:n] = [r.max_output for r in requests]
         return batch
@@ -470,13 +497,21 @@ class LLMEngine:
             # restarts within a window), so the -1s only trail.
             if row and row[-1] < 0:
                 row = row[: row.index(-1)]
-            taken = request.add_tokens(row)
-            if decoded and taken:  # KV is now cached for the token fed at the window's first
-                # step (the prefill's token, read back before any window) and each taken but last
-                self.allocator.extend(request.table, request.output_token_ids[-taken - 1 : -1])
-            outputs.append(request.take_output())
+            try:
+                outputs.append(self._take(request, row, decoded))
+            except Exception as e:  # a failure serving one request ends that request alone
+                logger.exception("request %s failed; ending it", request.request_id)
+                outputs.append(request.fail(f"{type(e).__name__}: {e}"))
             if request.finished:
                 del self._requests[request.request_id]
                 self._release(request)
         self.host_seconds["harvest"] += time.perf_counter() - t1
         return outputs
+
+    def _take(self, request: Request, row: list[int], decoded: bool) -> RequestOutput:
+        """Feed a request the tokens one program made for it; its output."""
+        taken = request.add_tokens(row)
+        if decoded and taken:  # KV is now cached for the token fed at the window's first step
+            # (the prefill's token, read back before any window) and for each taken but the last
+            self.allocator.extend(request.table, request.output_token_ids[-taken - 1 : -1])
+        return request.take_output()

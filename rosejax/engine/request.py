@@ -28,7 +28,8 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop" or "length" once finished
+    finish_reason: str | None  # "stop" or "length" once finished; "error" if serving it failed
+    error: str | None = None  # what failed, when finish_reason is "error"
 
 
 class Request:
@@ -44,6 +45,7 @@ class Request:
         "text",
         "emitted",
         "finish_reason",
+        "error",
         "max_output",
         "_stop_ids",
         "_new_from",
@@ -76,6 +78,7 @@ class Request:
         self.text = ""  # generated text, stop string excluded
         self.emitted = 0  # characters of `text` already handed out
         self.finish_reason: str | None = None
+        self.error: str | None = None
         # Tokens it may generate in all: its max_tokens, or what is left of the model's context;
         # a prompt that fills the context still gets the token its prefill samples.
         self.max_output = max(1, min(params.max_tokens, max_context - len(prompt_token_ids)))
@@ -152,13 +155,33 @@ class Request:
         grow into a stop string, so no text past a stop string is ever returned."""
         if self.finished or not self.params.stop:
             return len(self.text)
-        hold = 0
+        text, hold = self.text, 0
         for s in self.params.stop:
-            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:k]):
-                    hold = k
+            # The longest tail of the text that begins s: only tails starting with s[0] can, so
+            # look at those (longest first) rather than at every length.
+            tail = text[len(text) - min(len(s) - 1, len(text)) :]
+            i = tail.find(s[0])
+            while 0 <= i < len(tail) - hold:
+                if s.startswith(tail[i:]):
+                    hold = len(tail) - i
                     break
-        return len(self.text) - hold
+                i = tail.find(s[0], i + 1)
+        return len(text) - hold
+
+    def fail(self, error: str) -> RequestOutput:
+        """End the request because serving it failed (its text so far is not handed out)."""
+        self.finish_reason, self.error = "error", error
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=self.output_token_ids,
+            text=self.text[: self.emitted],
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            error=error,
+        )
 
     def take_output(self) -> RequestOutput:
         end = max(self.emitted, self._emittable())

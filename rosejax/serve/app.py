@@ -1,4 +1,10 @@
-"""The FastAPI app: OpenAI-compatible routes over one AsyncEngine shared by every connection."""
+"""The FastAPI app: OpenAI-compatible routes over one AsyncEngine shared by every connection.
+
+A request's way in: its body is read on the event loop against a size and a time limit (413,
+408); then one worker thread, never the engine's and never the event loop, decodes, validates,
+renders and tokenizes it, so a hostile body costs the streams in flight no more than a share of
+the CPU; only then do its token ids reach the engine. Every refusal is a 4xx in OpenAI's shape.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,13 @@ import asyncio
 import contextlib
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -23,6 +32,7 @@ from rosejax.serve.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    Limits,
     parse,
     parse_json,
 )
@@ -59,15 +69,151 @@ async def _collect(request: Request, stream: RequestStream) -> list[RequestOutpu
         stream.abort()
 
 
+async def read_body(request: Request, limits: Limits) -> bytes:
+    """The whole body: 413 past `max_body_bytes` (before reading any of it when the client
+    says its length), 408 if it has not arrived within `read_timeout` seconds."""
+    too_large = APIError(
+        f"the request body is larger than this server's limit ({limits.max_body_bytes} bytes, "
+        "--max-request-bytes)",
+        413,
+        code="request_too_large",
+        headers={"Connection": "close"},  # the rest of the body is never read
+    )
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limits.max_body_bytes:
+        raise too_large
+    chunks: list[bytes] = []
+    size = 0
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), limits.read_timeout or None)
+    except asyncio.TimeoutError:
+        raise APIError(
+            f"the request body did not arrive within {limits.read_timeout:g} s (--request-timeout)",
+            408,
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
+    return b"".join(chunks)
+
+
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error shape, which every 4xx and 5xx of this server has."""
+
+    error: _ErrorDetail
+
+
+_ERRORS = {
+    status: {"model": ErrorBody, "description": why}
+    for status, why in {
+        400: "invalid request",
+        404: "unknown model",
+        408: "the body did not arrive in time",
+        413: "the body is too large",
+        429: "overloaded (Retry-After says when to retry)",
+        500: "generating this request failed",
+        503: "the server is shutting down",
+    }.items()
+}
+_GENERATION = {
+    200: {
+        "description": "a JSON body, or with stream=true a stream of server-sent events",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    },
+    **_ERRORS,
+}
+
+
+def _body(name: str) -> dict[str, Any]:
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
+        }
+    }
+
+
+def _request_schemas(
+    engine: Any, served_model_name: str, limits: Limits, max_prompt_chars: int
+) -> dict[str, Any]:
+    """JSON schemas of the request bodies, with this server's own bounds (model name,
+    vocabulary, context, stop limits) and the unsupported fields' accepted values."""
+    schemas: dict[str, Any] = {}
+    vocab, context = engine.config.vocab_size, engine.config.max_model_len
+    for model, unsupported in (
+        (CompletionRequest, COMPLETION_UNSUPPORTED),
+        (ChatRequest, CHAT_UNSUPPORTED),
+    ):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        props = schema["properties"]
+        props["model"] = {"anyOf": [{"enum": [served_model_name]}, {"type": "null"}]}
+        stop = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars}
+        props["stop"] = {
+            "anyOf": [
+                stop,
+                {"type": "array", "items": stop, "maxItems": limits.max_stop},
+                {"type": "null"},
+            ]
+        }
+        ids = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
+        props["stop_token_ids"] = {
+            "anyOf": [
+                {"type": "array", "items": ids, "maxItems": limits.max_stop},
+                {"type": "null"},
+            ]
+        }
+        if "prompt" in props:
+            text = {"type": "string", "minLength": 1, "maxLength": max_prompt_chars}
+            seq = {"type": "array", "items": ids, "minItems": 1, "maxItems": context}
+            props["prompt"]["anyOf"] = [
+                text,
+                seq,
+                {"type": "array", "items": {"anyOf": [text, seq]}, "minItems": 1},
+            ]
+        for name, (neutral, why) in unsupported.items():
+            props[name] = {
+                "description": f"not supported ({why}); accepted as null or {list(neutral)}",
+                "enum": [None, *neutral],
+            }
+        schemas[model.__name__] = schema
+    return schemas
+
+
 def create_app(
     engine: Any,
     served_model_name: str = "rosejax",
     max_waiting: int | None = 512,
     metrics: ServerMetrics | None = None,
+    limits: Limits | None = None,
 ) -> FastAPI:
     """The app for a built `LLMEngine`; its lifespan starts and stops the engine thread."""
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
     metrics = async_engine.metrics
+    limits = limits or Limits()
+    context = engine.config.max_model_len
+    max_prompt_chars = limits.max_prompt_chars
+    if max_prompt_chars is None:  # tokens of at least one character each: past this, never fits
+        longest = max(map(len, engine.tokenizer.get_vocab()), default=1)
+        max_prompt_chars = context * longest
+    # Decoding, validating, rendering and tokenizing bodies: one at a time, on a thread of its
+    # own (the tokenizer gives up the GIL while it works), so the memory a body costs is bounded.
+    prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="rosejax-prepare")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -76,24 +222,28 @@ def create_app(
             yield
         finally:
             async_engine.stop()
+            prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="rosejax", summary="OpenAI-compatible GPT-2 server", lifespan=lifespan)
     app.state.engine = async_engine
+    app.state.limits = limits
     created = int(time.time())
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        if e.status in (400, 404):
+        if 400 <= e.status < 500 and e.status != 429:
             metrics.rejected.labels("invalid").inc()
         elif e.status == 429:
             metrics.rejected.labels("overloaded").inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(
-            APIError(str(e.detail), e.status_code, type=kind).body(), status_code=e.status_code
+            APIError(str(e.detail), e.status_code, type=kind).body(),
+            status_code=e.status_code,
+            headers=e.headers,  # 405's Allow
         )
 
     @app.exception_handler(ClientDisconnect)
@@ -106,9 +256,36 @@ def create_app(
             APIError(f"internal error: {e}", 500, type="server_error").body(), status_code=500
         )
 
-    async def run(
-        request: Request, req: CompletionRequest | ChatRequest, prompts: list, fmt: Formatter
-    ) -> Response:
+    def check_chars(chars: int, what: str, param: str) -> None:
+        if chars > max_prompt_chars:
+            raise APIError(
+                f"{what} {chars} characters, more than this server's limit "
+                f"({max_prompt_chars}, --max-prompt-chars; the context is {context} tokens)",
+                param=param,
+            )
+
+    def tokenize(prompts: list) -> list[list[int]]:
+        """Each prompt's token ids (a text's length checked before it is tokenized), for a
+        list of prompts the server can hold at once."""
+        if async_engine.max_in_flight is not None and len(prompts) > async_engine.max_in_flight:
+            raise APIError(
+                f"this request has {len(prompts)} prompts; the server holds at most "
+                f"{async_engine.max_in_flight} requests at once (--max-batch-size + "
+                "--max-waiting), so it can never be served: send fewer per request",
+                param="prompt",
+                code="too_many_prompts",
+            )
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                check_chars(len(p), "prompt has", "prompt")
+            try:
+                ids.append(engine.prompt_ids(p))
+            except ValueError as e:
+                raise APIError(str(e), param="prompt") from e
+        return ids
+
+    def check_request(req: CompletionRequest | ChatRequest) -> None:
         if req.model is not None and req.model != served_model_name:
             raise APIError(
                 f"the model '{req.model}' does not exist; this server serves '{served_model_name}'",
@@ -117,41 +294,17 @@ def create_app(
                 "invalid_request_error",
                 "model_not_found",
             )
+        req.check_limits(limits)
+
+    def prepare_completion(raw: bytes):
+        req = parse(parse_json(raw), CompletionRequest, COMPLETION_UNSUPPORTED)
+        check_request(req)
+        return req, req.sampling_params(), tokenize(req.prompts())
+
+    def prepare_chat(raw: bytes):
+        req = parse(parse_json(raw), ChatRequest, CHAT_UNSUPPORTED)
+        check_request(req)
         params = req.sampling_params()
-        try:
-            stream = await async_engine.submit(prompts, params, fmt.id)
-        except Overloaded as e:
-            raise APIError(str(e), 429, type="rate_limit_error", code="overloaded") from e
-        except EngineError as e:
-            raise APIError(str(e), 503, type="server_error") from e
-        except ValueError as e:  # the engine's own checks: empty prompt, over the context, ...
-            raise APIError(str(e), param="prompt" if "prompt" in str(e) else None) from e
-        if req.stream:
-            return StreamingResponse(
-                sse(stream, fmt, req.include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-                background=BackgroundTask(stream.abort),
-            )
-        try:
-            finals = await _collect(request, stream)
-        except EngineError as e:
-            raise APIError(str(e), 500, type="server_error") from e
-        if finals is None:  # nobody is listening; 499 as in nginx, for the access log
-            return Response(status_code=499)
-        return JSONResponse(fmt.response(finals))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = parse_json(await request.body())
-        req = parse(body, CompletionRequest, COMPLETION_UNSUPPORTED)
-        fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", served_model_name, chat=False)
-        return await run(request, req, req.prompts(), fmt)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = parse_json(await request.body())
-        req = parse(body, ChatRequest, CHAT_UNSUPPORTED)
         tokenizer = engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(
@@ -161,16 +314,62 @@ def create_app(
                 param="messages",
                 code="no_chat_template",
             )
+        messages = [m.as_dict() for m in req.messages]
+        check_chars(sum(len(m["content"]) for m in messages), "the messages have", "messages")
         try:
             # Token ids, not text: the template writes BOS itself, which encoding its text
             # again would double (Llama 3).
-            prompt = chat_prompt_ids(tokenizer, [m.as_dict() for m in req.messages])
+            prompt = chat_prompt_ids(tokenizer, messages)
         except Exception as e:  # jinja errors, e.g. a template that refuses a role order
             raise APIError(
                 f"the chat template failed on these messages: {e}", param="messages"
             ) from e
+        return req, params, tokenize([prompt])
+
+    async def serve(request: Request, prepare, fmt: Formatter) -> Response:
+        raw = await read_body(request, limits)
+        loop = asyncio.get_running_loop()
+        req, params, prompts = await loop.run_in_executor(prepare_pool, prepare, raw)
+        try:
+            stream = await async_engine.submit(prompts, params, fmt.id)
+        except Overloaded as e:
+            raise APIError(
+                str(e),
+                429,
+                type="rate_limit_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            ) from e
+        except EngineError as e:
+            raise APIError(str(e), e.status, type="server_error", code=e.code) from e
+        except ValueError as e:  # the engine's own checks: stop ids, over the KV cache, ...
+            first = str(e).split(" ", 1)[0]  # "stop_token_ids must be ...": name the field
+            raise APIError(str(e), param=first if first in type(req).model_fields else None) from e
+        if req.stream:
+            usage = (req.include_usage, req.continuous_usage, [len(p) for p in prompts])
+            return StreamingResponse(
+                sse(stream, fmt, *usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+                background=BackgroundTask(stream.abort),
+            )
+        try:
+            finals = await _collect(request, stream)
+        except EngineError as e:
+            raise APIError(str(e), e.status, type="server_error", code=e.code) from e
+        if finals is None:  # nobody is listening; 499 as in nginx, for the access log
+            return Response(status_code=499)
+        return JSONResponse(fmt.response(finals))
+
+    @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"), responses=_GENERATION)
+    async def completions(request: Request) -> Response:
+        fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", served_model_name, chat=False)
+        return await serve(request, prepare_completion, fmt)
+
+    @app.post("/v1/chat/completions", openapi_extra=_body("ChatRequest"), responses=_GENERATION)
+    async def chat_completions(request: Request) -> Response:
         fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", served_model_name, chat=True)
-        return await run(request, req, [prompt], fmt)
+        return await serve(request, prepare_chat, fmt)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -179,18 +378,34 @@ def create_app(
             "object": "model",
             "created": created,
             "owned_by": "rosejax",
-            "max_model_len": engine.config.max_model_len,
+            "max_model_len": context,
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "the engine is stopped or stopping"}})
     async def health() -> Response:
         if async_engine.alive:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine stopped"}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text format 0.0.4"}},
+    )
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, summary=app.summary, routes=app.routes
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            schemas = _request_schemas(engine, served_model_name, limits, max_prompt_chars)
+            components.update(schemas)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app

@@ -8,6 +8,7 @@ import signal
 import sys
 
 from rosejax.engine_args import add_engine_args, engine_kwargs
+from rosejax.serve.protocol import Limits
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +54,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--shutdown-timeout",
         type=float,
         default=5.0,
-        help="seconds to let open requests finish on SIGINT/SIGTERM before they are "
-        "cut; default: %(default)s",
+        help="seconds to let open requests finish on SIGINT/SIGTERM; then each ends with an "
+        "error (a stream with an error event and [DONE], others with a JSON 503); "
+        "default: %(default)s",
+    )
+    limits = Limits()
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=limits.max_body_bytes,
+        help="largest request body (HTTP 413 past it); default: %(default)s",
+    )
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="most characters of one prompt (or chat's messages), checked before tokenizing; "
+        "default: the context times the longest token, past which no prompt fits",
+    )
+    p.add_argument(
+        "--max-stop-sequences",
+        type=int,
+        default=limits.max_stop,
+        help="most stop strings, and most stop token ids, per request; default: %(default)s",
+    )
+    p.add_argument(
+        "--max-stop-chars",
+        type=int,
+        default=limits.max_stop_chars,
+        help="most characters of one stop string; default: %(default)s",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=limits.read_timeout,
+        help="seconds a client has to send a request's head, and then its body (HTTP 408); "
+        "0 = no limit; default: %(default)s",
     )
     p.add_argument(
         "--log-level",
@@ -66,36 +101,70 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _read_chat_template(args: argparse.Namespace) -> str | None:
+    """The --chat-template file's text, checked on the model's tokenizer with a one-message chat
+    (ValueError), so a broken template stops the start rather than every chat request."""
+    if not args.chat_template:
+        return None
+    with open(args.chat_template, encoding="utf-8") as f:
+        template = f.read()
+    from rosejax.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model, args.tokenizer)
+    try:
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hello"}],
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    except Exception as e:  # jinja2's syntax and render errors, a missing jinja2
+        raise ValueError(f"the chat template {args.chat_template} does not work: {e}") from e
+    return template
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
-    import uvicorn
+    level = args.log_level.upper()
+    logging.basicConfig(level=level, format="%(levelname)s: %(name)s: %(message)s")
+    if level != "DEBUG":  # jax's INFO lines (backends it probed and did not find) are noise here
+        logging.getLogger("jax").setLevel(logging.WARNING)
+    import uvicorn  # noqa: F401 (the serve extra: fail before loading a model if it is missing)
 
     from rosejax.engine.llm_engine import LLMEngine
     from rosejax.serve.app import create_app
+    from rosejax.serve.server import make_server
 
     try:
+        limits = Limits(
+            max_body_bytes=args.max_request_bytes,
+            max_prompt_chars=args.max_prompt_chars,
+            max_stop=args.max_stop_sequences,
+            max_stop_chars=args.max_stop_chars,
+            read_timeout=args.request_timeout,
+        )
+        template = _read_chat_template(args)
         engine = LLMEngine.from_args(args.model, seed=args.seed, **engine_kwargs(args))
-        if args.chat_template:
-            with open(args.chat_template) as f:
-                engine.tokenizer.chat_template = f.read()
+        if template is not None:
+            engine.tokenizer.chat_template = template
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    name = args.served_model_name or args.model
     app = create_app(
         engine,
-        served_model_name=args.served_model_name or args.model,
+        served_model_name=name,
         max_waiting=None if args.max_waiting < 0 else args.max_waiting,
+        limits=limits,
     )
-    config = uvicorn.Config(
+    server = make_server(
         app,
+        shutdown_timeout=args.shutdown_timeout,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         access_log=not args.no_access_log,
-        timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    server = uvicorn.Server(config)
     # uvicorn stops gracefully on SIGINT/SIGTERM and then re-raises the signal under the handlers
     # it found; no-op ones make a requested stop exit 0 (the lifespan stopped the engine thread).
     for sig in (signal.SIGINT, signal.SIGTERM):

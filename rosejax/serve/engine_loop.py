@@ -27,7 +27,15 @@ class Overloaded(Exception):
 
 
 class EngineError(RuntimeError):
-    """The engine failed (or stopped) while serving a request; the caller answers 500."""
+    """Serving a request failed (500), or the server stops (503): the caller answers `status`."""
+
+    def __init__(self, message: str, status: int = 500, code: str | None = None):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def _shutting_down() -> EngineError:
+    return EngineError("the server is shutting down", 503, "server_shutting_down")
 
 
 class _Sink:
@@ -100,6 +108,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
         self._stop = threading.Event()
+        self._cut_at: float | None = None  # set by begin_shutdown: when open requests are ended
         self._poll_s = poll_s
         self._thread = threading.Thread(target=self._run, name="rosejax-engine", daemon=True)
         self.snapshot: dict[str, Any] = {}
@@ -117,16 +126,25 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def begin_shutdown(self, grace: float) -> None:
+        """The server stops: refuse new requests now, and in `grace` seconds end the open ones
+        with a "shutting down" error, so each still gets a complete answer."""
+        if self._cut_at is None:
+            self._cut_at = time.monotonic() + grace
+            self._commands.put(("wake",))
+
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop.is_set()
+        return self._thread.is_alive() and not self._stop.is_set() and self._cut_at is None
 
     async def submit(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, request_id: str
     ) -> RequestStream:
         """Queue one request per prompt (all or none). ValueError: bad input; Overloaded."""
+        if self._cut_at is not None:
+            raise _shutting_down()
         if not self.alive:
-            raise EngineError("the engine is not running")
+            raise EngineError("the engine is not running", 503, "engine_stopped")
         loop = asyncio.get_running_loop()
         rids = [f"{request_id}-{i}" for i in range(len(prompts))]
         sink, accepted = _Sink(loop, rids), loop.create_future()
@@ -149,11 +167,13 @@ class AsyncEngine:
                 self._drain(block=not self.engine.has_unfinished_requests())
                 if self._stop.is_set():
                     break
+                if self._cut_at is not None and time.monotonic() >= self._cut_at and self._sinks:
+                    self._fail_all(_shutting_down())
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish()
         finally:
-            self._fail_all(EngineError("the server is shutting down"))
+            self._fail_all(_shutting_down())
             self._publish()
 
     def _drain(self, block: bool) -> None:
@@ -210,6 +230,8 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception:
+            # Not one request's fault (the engine ends those itself): a program failed. Every
+            # request in flight may have lost its state; end them all, and serve on.
             log.exception("engine step failed; failing the requests in flight")
             self._fail_all(EngineError("the engine failed while generating; see the server log"))
             return
@@ -230,6 +252,9 @@ class AsyncEngine:
                     for _ in range(n):  # a multi-step window hands over n tokens at once
                         m.itl.observe((now - last) / n)
                 sink.last[out.request_id] = now
+            if out.finish_reason == "error":  # the engine ended this one request
+                self._fail_sink(sink, EngineError(f"generating this request failed: {out.error}"))
+                continue
             if out.finished:
                 del self._sinks[out.request_id]
                 m.finished.labels(out.finish_reason or "stop").inc()
@@ -238,16 +263,20 @@ class AsyncEngine:
                 self._sinks.pop(out.request_id, None)
                 self.engine.abort_request(out.request_id)
 
+    def _fail_sink(self, sink: _Sink, exc: EngineError) -> None:
+        """End one submission with `exc`: its other prompts are aborted."""
+        for rid in sink.rids:
+            if self._sinks.pop(rid, None) is not None:
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:
+                    log.exception("abort of %s failed", rid)
+                self.metrics.finished.labels("error").inc()
+        sink.put(exc)
+
     def _fail_all(self, exc: EngineError) -> None:
-        sinks, self._sinks = self._sinks, {}
-        for rid in sinks:
-            try:
-                self.engine.abort_request(rid)
-            except Exception:
-                log.exception("abort of %s failed", rid)
-            self.metrics.finished.labels("error").inc()
-        for sink in {id(s): s for s in sinks.values()}.values():
-            sink.put(exc)
+        for sink in {id(s): s for s in self._sinks.values()}.values():
+            self._fail_sink(sink, exc)
 
     def _publish(self) -> None:
         """A fresh dict each time, so a scrape from another thread reads one consistent view."""

@@ -107,7 +107,7 @@ class ServerMetrics:
         )
         self.rejected = Counter(
             "rosejax_requests_rejected",
-            "HTTP requests refused, by reason: invalid (400) or overloaded (429).",
+            "HTTP requests refused, by reason: invalid (a 4xx) or overloaded (429).",
             ["reason"],
             registry=r,
         )

@@ -7,12 +7,35 @@ neutral value (n=1, logprobs=null, a 0 penalty) is accepted, as the official cli
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
 from rosejax.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one HTTP request may send; each is a `python -m rosejax.serve` flag. A request past
+    one is a 4xx before any of it reaches the engine."""
+
+    max_body_bytes: int = 8 * 2**20  # 413 past it
+    # Characters of one prompt (a chat's rendered messages), checked before tokenizing. None:
+    # the context times the longest token, past which a prompt can never fit the context.
+    max_prompt_chars: int | None = None
+    max_stop: int = 64  # stop strings per request, and stop token ids per request
+    max_stop_chars: int = 512  # characters of one stop string
+    # Seconds a client has to send a request's head, and then its body (408); 0: no limit.
+    read_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value < 0:
+                raise ValueError(f"{f.name} must be >= 0, got {value}")
 
 
 class APIError(Exception):
@@ -25,6 +48,7 @@ class APIError(Exception):
         param: str | None = None,
         type: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.message, self.status, self.param, self.type, self.code = (
@@ -34,6 +58,7 @@ class APIError(Exception):
             type,
             code,
         )
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {
@@ -85,15 +110,23 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk carries the usage of its choice so far (guidellm).
+    continuous_usage_stats: bool | None = False
+
+
+def _bounds(**bounds: Any) -> Any:
+    """A field's range, for /openapi.json only (sampling_params() checks it, with its own
+    messages); a JSON schema's bounds leave null alone."""
+    return Field(None, json_schema_extra=bounds)
 
 
 class _Sampling(_Body):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extra, as in vLLM
-    seed: int | None = None
+    max_tokens: int | None = _bounds(minimum=1)
+    temperature: float | None = _bounds(minimum=0)
+    top_p: float | None = _bounds(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _bounds(minimum=0)  # extra, as in vLLM
+    seed: int | None = _bounds(minimum=-(2**63), maximum=2**64 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extra, as in vLLM
     ignore_eos: bool | None = None  # extra, as in vLLM
@@ -114,7 +147,7 @@ class _Sampling(_Body):
                 top_k=min(self.top_k or 0, 2**31 - 1),
                 top_p=1.0 if self.top_p is None else self.top_p,
                 seed=self.seed,
-                stop=self.stop or None,
+                stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=bool(self.ignore_eos),
             )
@@ -126,14 +159,51 @@ class _Sampling(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
+    def check_limits(self, limits: Limits) -> None:
+        """Stop strings and stop token ids within the server's bounds."""
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        for name, values in (("stop", stops), ("stop_token_ids", self.stop_token_ids or [])):
+            if len(values) > limits.max_stop:
+                raise APIError(
+                    f"{name} has {len(values)} entries, more than this server's limit "
+                    f"({limits.max_stop}, --max-stop-sequences)",
+                    param=name,
+                )
+        longest = max(map(len, stops), default=0)
+        if longest > limits.max_stop_chars:
+            raise APIError(
+                f"a stop string has {longest} characters, more than this server's limit "
+                f"({limits.max_stop_chars}, --max-stop-chars)",
+                param="stop",
+            )
+
 
 def _is_ids(x: Any) -> bool:
     return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
 
 
+_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMA = {
+    "description": "a string, a list of token ids, or a list of either (one choice each)",
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        _IDS_SCHEMA,
+        {
+            "type": "array",
+            "items": {"anyOf": [{"type": "string", "minLength": 1}, _IDS_SCHEMA]},
+            "minItems": 1,
+        },
+    ],
+}
+
+
 class CompletionRequest(_Sampling):
     # Checked by prompts(): a pydantic union would answer with one error per union member.
-    prompt: Any
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per choice: a string or a token id list."""
@@ -169,7 +239,7 @@ class ChatMessage(_Body):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = _bounds(minimum=1)
 
     def _max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are given, as in OpenAI.
@@ -180,14 +250,53 @@ class ChatRequest(_Sampling):
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+# What can decode to a lone surrogate: a \uD800-\uDFFF escape, or its UTF-8 form (json.loads
+# decodes bytes with surrogatepass). Bodies without either skip the walk of check_text.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from e
+    except RecursionError:
+        raise APIError("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
+    if _MAYBE_SURROGATE.search(raw):
+        check_text(body)
     return body
+
+
+def check_text(body: Any) -> None:
+    """Every string in a decoded body (keys too) is valid Unicode: JSON's \\ud800 escapes decode
+    to lone surrogates, which no tokenizer, template or UTF-8 encoder takes. Iterative: a body
+    may nest as deep as the JSON decoder allows."""
+
+    def check(text: str, path: tuple) -> None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            # The path's keys are valid (each was checked before its value), but may be long.
+            param = ".".join(str(x)[:64] for x in path) or None
+            raise APIError(
+                f"{param or 'the body'}: a string holds a lone surrogate (an unpaired "
+                "\\ud800-\\udfff escape), which is not valid Unicode text",
+                param=param,
+            ) from None
+
+    todo: list[tuple[Any, tuple]] = [(body, ())]  # containers still to look into
+    while todo:
+        value, path = todo.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if isinstance(k, str):
+                check(k, path)
+            if isinstance(v, str):
+                check(v, (*path, k))
+            elif isinstance(v, (dict, list)):
+                todo.append((v, (*path, k)))
 
 
 def parse(body: dict[str, Any], model: type[_Sampling], unsupported: dict) -> _Sampling:

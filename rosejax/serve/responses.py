@@ -15,12 +15,7 @@ from rosejax.serve.protocol import APIError
 def usage(finals: Iterable[RequestOutput]) -> dict[str, int]:
     finals = list(finals)
     prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(o.token_ids) for o in finals)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+    return _usage(prompt, sum(len(o.token_ids) for o in finals))
 
 
 class Formatter:
@@ -74,33 +69,58 @@ class Formatter:
         return {**self._envelope([], True), "usage": usage(finals)}
 
 
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
 def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def sse(stream: RequestStream, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
+async def sse(
+    stream: RequestStream,
+    fmt: Formatter,
+    include_usage: bool,
+    continuous_usage: bool = False,
+    prompt_tokens: list[int] | None = None,
+) -> AsyncIterator[str]:
     """The stream of one HTTP request as SSE: chunks, an optional usage chunk, `data: [DONE]`.
+    With `continuous_usage` (vLLM's continuous_usage_stats) every chunk carries its choice's
+    usage so far (`prompt_tokens`: each prompt's length); otherwise, with `include_usage`,
+    chunks carry usage null and a last chunk the totals. An engine error ends the stream with
+    an error event and `[DONE]`.
 
     Ending early for any reason (the client left and Starlette cancelled us, or an error) aborts
     what is still running, so its KV blocks are freed at once.
     """
     index = {rid: i for i, rid in enumerate(stream.request_ids)}
     finals: dict[str, RequestOutput] = {}
-    extra = {"usage": None} if include_usage else {}
+    prompt_tokens = prompt_tokens or [0] * len(index)
+
+    def extra(i: int, completion: int) -> dict[str, Any]:
+        if continuous_usage:
+            return {"usage": _usage(prompt_tokens[i], completion)}
+        return {"usage": None} if include_usage else {}
+
     try:
         if fmt.chat:  # OpenAI opens each chat choice with the assistant role
             for i in range(len(index)):
-                yield _event({**fmt.chunk(i, "", None, role=True), **extra})
+                yield _event({**fmt.chunk(i, "", None, role=True), **extra(i, 0)})
         async for out in stream:
             if out.finished:
                 finals[out.request_id] = out
             if out.new_text or out.finished:
-                chunk = fmt.chunk(index[out.request_id], out.new_text, out.finish_reason)
-                yield _event({**chunk, **extra})
+                i = index[out.request_id]
+                chunk = fmt.chunk(i, out.new_text, out.finish_reason)
+                yield _event({**chunk, **extra(i, len(out.token_ids))})
         if include_usage:
             yield _event(fmt.usage_chunk(finals.values()))
     except EngineError as e:
-        yield _event(APIError(str(e), status=500, type="server_error").body())
+        yield _event(APIError(str(e), e.status, type="server_error", code=e.code).body())
     finally:
         stream.abort()
     yield "data: [DONE]\n\n"
