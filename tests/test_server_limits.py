@@ -533,3 +533,25 @@ def test_fuzzing_from_openapi_finds_no_5xx(served):
     summary = fuzz(served.url, max_examples=5, seed=SEED % 2**31)
     assert summary["requests"] > 100 and summary["server_errors"] == 0, summary
     idle(served)
+
+
+def test_engine_thread_compiles_the_rest_while_idle():
+    """A server that compiled only what a first request needs compiles the other programs on
+    its engine thread while no request is in flight, one at a time, until none is left."""
+    import time
+
+    from rosejax import LLMEngine
+    from rosejax.serve.engine_loop import AsyncEngine
+
+    engine = LLMEngine.from_args("random:tiny", max_batch_size=2, block_size=16, warmup=False)
+    programs = engine.warmup_programs()
+    engine.warmup(programs[:3])
+    assert engine.num_compiles == 3
+    loop = AsyncEngine(engine, warm_in_background=True)
+    loop.start()
+    deadline = time.monotonic() + 120
+    while engine.num_compiles < len(programs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    loop.stop()
+    assert engine.num_compiles == len(programs)
+    assert not loop._warming

@@ -85,7 +85,7 @@ class LLMEngine:
             ) from e
 
     def _build(self, config: EngineConfig) -> None:
-        on_cpu = jax.default_backend() == "cpu"
+        self.on_cpu = on_cpu = jax.default_backend() == "cpu"
         self.engine_config = config
         self.kernels = config.kernels or KernelConfig.for_backend()
         self.dtype = resolve_dtype(

@@ -201,9 +201,13 @@ def create_app(
     max_waiting: int | None = 512,
     metrics: ServerMetrics | None = None,
     limits: Limits | None = None,
+    warm_in_background: bool = False,
 ) -> FastAPI:
-    """The app for a built `LLMEngine`; its lifespan starts and stops the engine thread."""
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
+    """The app for a built `LLMEngine`; its lifespan starts and stops the engine thread, which
+    compiles the programs warm-up has not while idle if `warm_in_background`."""
+    async_engine = AsyncEngine(
+        engine, max_waiting=max_waiting, metrics=metrics, warm_in_background=warm_in_background
+    )
     metrics = async_engine.metrics
     limits = limits or Limits()
     context = engine.config.max_model_len

@@ -144,7 +144,14 @@ def main(argv: list[str] | None = None) -> int:
             read_timeout=args.request_timeout,
         )
         template = _read_chat_template(args)
-        engine = LLMEngine.from_args(args.model, seed=args.seed, **engine_kwargs(args))
+        kwargs = engine_kwargs(args)
+        auto = kwargs["warmup"] is None  # compile at start on a GPU, not on a CPU
+        engine = LLMEngine.from_args(args.model, seed=args.seed, **kwargs | {"warmup": False})
+        # The server compiles what a first request needs before it listens, the rest while
+        # idle: every program up front took minutes on a GPU with an empty compilation cache.
+        background = auto and not engine.on_cpu
+        if background:
+            engine.warmup(engine.warmup_programs()[:3])
         if template is not None:
             engine.tokenizer.chat_template = template
     except (ValueError, OSError) as e:
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         served_model_name=name,
         max_waiting=None if args.max_waiting < 0 else args.max_waiting,
         limits=limits,
+        warm_in_background=background,
     )
     server = make_server(
         app,

@@ -99,8 +99,11 @@ class AsyncEngine:
         max_waiting: int | None = None,
         metrics: ServerMetrics | None = None,
         poll_s: float = 0.05,
+        warm_in_background: bool = False,
     ):
         self.engine = engine
+        # Compile the programs warm-up has not, one at a time while no request is in flight.
+        self._warming = warm_in_background
         # In flight past a full batch counts as waiting; more than max_waiting of those -> 429.
         self.max_waiting = max_waiting
         self.max_in_flight = None if max_waiting is None else engine.max_batch_size + max_waiting
@@ -164,13 +167,16 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain(block=not self.engine.has_unfinished_requests())
+                idle = not self.engine.has_unfinished_requests()
+                self._drain(block=idle and not self._warming)
                 if self._stop.is_set():
                     break
                 if self._cut_at is not None and time.monotonic() >= self._cut_at and self._sinks:
                     self._fail_all(_shutting_down())
                 if self.engine.has_unfinished_requests():
                     self._step()
+                elif self._warming:
+                    self._warming = self.engine.warmup_step()
                 self._publish()
         finally:
             self._fail_all(_shutting_down())
