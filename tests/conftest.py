@@ -9,6 +9,10 @@ import jax
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One OpenMP thread for torch (the HF references; read when torch is imported, after this): its
+# pool's threads spin, and on a small CPU that XLA's threads share, HF's forwards of these tiny
+# models ran 20-30x slower with two threads than with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Pallas kernels under test: compiled on a GPU, interpreted on a CPU or when asked to.
 INTERPRET = jax.default_backend() == "cpu" or os.environ.get("ROSEJAX_TEST_INTERPRET") == "1"
