@@ -204,9 +204,11 @@ def test_blocks_filled_by_decode_serve_the_next_turn(checkpoint, shared_llm):
 def test_output_independent_of_batch(checkpoint, shared_llm):
     prompt = random_prompts(1)[0]
     sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234)
-    alone = shared_llm().generate([prompt], sampled, use_tqdm=False)[0]
-    # A fresh engine: its prefill of `prompt` must not come from `alone`'s cached blocks.
-    crowd = make_llm(checkpoint).generate(
+    # Alone in a one-slot engine; in the crowd, an engine that never saw `prompt` (its prefill
+    # must not come from cached blocks).
+    alone = shared_llm(enable_prefix_caching=False, max_batch_size=1)
+    alone = alone.generate([prompt], sampled, use_tqdm=False)[0]
+    crowd = shared_llm().generate(
         random_prompts(2) + [prompt] + random_prompts(3),
         [SamplingParams(max_tokens=20, temperature=1.0)] * 2
         + [sampled]
