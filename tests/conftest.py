@@ -9,6 +9,14 @@ import jax
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU without LLVM's optimizations (before jax starts its backend; subprocesses inherit it):
+# the suite's programs are small and run a few times each, so compiling them is most of the
+# time, and -O0 about halves what the engine tests spend on it. No fast-math at either level:
+# sampled tokens and kernel outputs came out bit for bit the same at -O0 and the default.
+# An XLA_FLAGS that names the level keeps its own.
+_xla_flags = os.environ.get("XLA_FLAGS", "")
+if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _xla_flags:
+    os.environ["XLA_FLAGS"] = f"{_xla_flags} --xla_backend_optimization_level=0".strip()
 # One OpenMP thread for torch (the HF references; read when torch is imported, after this): its
 # pool's threads spin, and on a small CPU that XLA's threads share, HF's forwards of these tiny
 # models ran 20-30x slower with two threads than with one.

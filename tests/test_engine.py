@@ -149,7 +149,8 @@ def test_small_cache_forces_waiting_and_preemption(checkpoint):
 
 
 def test_requests_added_mid_decode(checkpoint, shared_llm):
-    engine = shared_llm(decode_steps=2).engine  # short windows: 12 per request
+    # Short windows: 12 per request; 8 slots (the decode-width test's engine), 4 needed.
+    engine = shared_llm(max_batch_size=8, decode_steps=2).engine
     prompts = random_prompts(4)
     done = {}
     engine.add_request("r0", prompts[0], GREEDY)
@@ -321,7 +322,7 @@ def test_unknown_model_path(tmp_path):
 
 
 def test_abort_mid_decode_frees_blocks(checkpoint, shared_llm):
-    engine = shared_llm(decode_steps=2).engine
+    engine = shared_llm(max_batch_size=8, decode_steps=2).engine
     prompts = random_prompts(3, 10, 30)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=40, temperature=0))
@@ -523,7 +524,7 @@ def test_decode_width_follows_the_running_requests(checkpoint, shared_llm, monke
     decode window runs at the smallest bucket that holds the running requests, survivors are
     moved down with their state (greedy and seeded-sampled tokens equal HF's / a lone run's),
     and a request arriving afterwards decodes alone at width 1."""
-    llm = make_llm(checkpoint, max_batch_size=8, decode_steps=2)
+    llm = shared_llm(max_batch_size=8, decode_steps=2)
     engine = llm.engine
     widths = []  # (program batch, requests running)
     decode = engine.runner.decode
