@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import jax
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU without LLVM's optimizations (before jax starts its backend; subprocesses inherit it):
+# the suite's programs are small and run a few times each, so compiling them is most of the
+# time, and -O0 about halves what the engine tests spend on it. No fast-math at either level:
+# sampled tokens and kernel outputs came out bit for bit the same at -O0 and the default.
+# An XLA_FLAGS that names the level keeps its own.
+_xla_flags = os.environ.get("XLA_FLAGS", "")
+if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _xla_flags:
+    os.environ["XLA_FLAGS"] = f"{_xla_flags} --xla_backend_optimization_level=0".strip()
+# One OpenMP thread for torch (the HF references; read when torch is imported, after this): its
+# pool's threads spin, and on a small CPU that XLA's threads share, HF's forwards of these tiny
+# models ran 20-30x slower with two threads than with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Pallas kernels under test: compiled on a GPU, interpreted on a CPU or when asked to.
 INTERPRET = jax.default_backend() == "cpu" or os.environ.get("ROSEJAX_TEST_INTERPRET") == "1"
@@ -58,6 +71,52 @@ def hf_checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = make_hf_checkpoint(path, seed=len(request.param), **HF_SHAPES[request.param])
     return str(path), model
+
+
+def _case_id(value) -> str:
+    if isinstance(value, tuple):
+        return "x".join(map(str, value))
+    return str(value)
+
+
+def pairwise(**axes) -> list:
+    """Parameter sets for `pytest.mark.parametrize(",".join(axes), pairwise(...))` that cover
+    every pair of values of any two axes (each axis: a list of values, or a dict id -> value),
+    instead of the full product: a kernel's paths (its tile variants, the shapes that hit its
+    edges, epilogues, dtypes) each meet every value of every other axis at least once, in a
+    few dozen cases where the product has hundreds. Greedy and deterministic: each next case is
+    one of the product that covers the most pairs not covered yet, ties going to the values
+    used least so far (so the axes a pair leaves free still vary)."""
+    names = list(axes)
+    values = [
+        list(v.items()) if isinstance(v, dict) else [(_case_id(x), x) for x in v]
+        for v in axes.values()
+    ]
+    pairs = list(itertools.combinations(range(len(names)), 2))
+    uncovered = {
+        (i, a, j, b) for i, j in pairs for a in range(len(values[i])) for b in range(len(values[j]))
+    }
+    product = list(itertools.product(*(range(len(v)) for v in values)))
+    used = [[0] * len(v) for v in values]
+    cases = []
+    while uncovered:
+        best = max(
+            product,
+            key=lambda c: (
+                sum((i, c[i], j, c[j]) in uncovered for i, j in pairs),
+                -sum(used[n][k] for n, k in enumerate(c)),
+            ),
+        )
+        uncovered -= {(i, best[i], j, best[j]) for i, j in pairs}
+        for n, k in enumerate(best):
+            used[n][k] += 1
+        cases.append(
+            pytest.param(
+                *(values[n][k][1] for n, k in enumerate(best)),
+                id="-".join(values[n][k][0] for n, k in enumerate(best)),
+            )
+        )
+    return cases
 
 
 # Parity with the fp32 reference needs true fp32 matmuls; GPUs default to TF32 for them.

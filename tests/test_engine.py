@@ -40,6 +40,31 @@ def make_llm(checkpoint, **kw) -> LLM:
     return LLM(checkpoint[0], **kw)
 
 
+@pytest.fixture(scope="module")
+def _llms(checkpoint):
+    return {}
+
+
+@pytest.fixture
+def shared_llm(checkpoint, _llms):
+    """`shared_llm(**kw)`: the module's LLM built as `make_llm(checkpoint, **kw)`, made on first
+    use and shared with the other tests that ask for the same settings (building an engine and
+    compiling its programs is most of a CPU test's time). For tests that only check what comes
+    out and measure counters as differences; each is handed an engine with nothing queued."""
+
+    def get(**kw) -> LLM:
+        key = tuple(sorted(kw.items()))
+        if key not in _llms:
+            _llms[key] = make_llm(checkpoint, **kw)
+        return _llms[key]
+
+    yield get
+    for llm in _llms.values():  # a failed test must not leave its requests to the next one
+        engine = llm.engine
+        for request in [*engine.scheduler.running, *engine.scheduler.waiting]:
+            engine.abort_request(request.request_id)
+
+
 def assert_clean(engine: LLMEngine) -> None:
     """Every block back on the free list, nothing queued."""
     assert not engine.has_unfinished_requests()
@@ -61,29 +86,29 @@ def check_greedy(checkpoint, outputs, prompts, n=24):
         assert out.finish_reason == "length"
 
 
-def test_batch_of_different_lengths_matches_hf(checkpoint):
-    llm = make_llm(checkpoint)
+def test_batch_of_different_lengths_matches_hf(checkpoint, shared_llm):
+    llm = shared_llm()
     prompts = random_prompts(4)
     check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
     assert_clean(llm.engine)
 
 
-def test_more_requests_than_batch_and_multi_step_decode(checkpoint):
-    llm = make_llm(checkpoint, max_batch_size=3, decode_steps=4)
+def test_more_requests_than_batch_and_multi_step_decode(checkpoint, shared_llm):
+    llm = shared_llm(max_batch_size=3, decode_steps=7)
     prompts = random_prompts(7)
     check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
     assert_clean(llm.engine)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_multi_step_windows_equal_single_steps(checkpoint, temperature):
+def test_multi_step_windows_equal_single_steps(checkpoint, shared_llm, temperature):
     """K decode steps per device call give exactly what one step per call gives."""
     prompts = random_prompts(5)
     params = SamplingParams(max_tokens=20, temperature=temperature, seed=11)
     outs = {
         k: [
             o.token_ids
-            for o in make_llm(checkpoint, decode_steps=k, max_batch_size=3).generate(
+            for o in shared_llm(decode_steps=k, max_batch_size=3).generate(
                 prompts, params, use_tqdm=False
             )
         ]
@@ -123,8 +148,9 @@ def test_small_cache_forces_waiting_and_preemption(checkpoint):
     assert_clean(llm.engine)
 
 
-def test_requests_added_mid_decode(checkpoint):
-    engine = make_llm(checkpoint, decode_steps=2).engine  # short windows: 12 per request
+def test_requests_added_mid_decode(checkpoint, shared_llm):
+    # Short windows: 12 per request; 8 slots (the decode-width test's engine), 4 needed.
+    engine = shared_llm(max_batch_size=8, decode_steps=2).engine
     prompts = random_prompts(4)
     done = {}
     engine.add_request("r0", prompts[0], GREEDY)
@@ -143,16 +169,17 @@ def test_requests_added_mid_decode(checkpoint):
     assert_clean(engine)
 
 
-def test_prefix_caching_same_outputs_fewer_prefill_tokens(checkpoint):
+def test_prefix_caching_same_outputs_fewer_prefill_tokens(checkpoint, shared_llm):
     rng = np.random.default_rng()
     shared = rng.integers(0, SHAPE["vocab_size"], 33).tolist()  # 4 full blocks of 8 + 1
     prompts = [shared + rng.integers(0, SHAPE["vocab_size"], int(n)).tolist() for n in (3, 9, 1)]
     results = {}
     for on in (True, False):
-        llm = make_llm(checkpoint, enable_prefix_caching=on, max_batch_size=1)
+        llm = shared_llm(enable_prefix_caching=on, max_batch_size=1)
+        computed = llm.engine.prefill_tokens_computed
         results[on] = (
             llm.generate(prompts, GREEDY, use_tqdm=False),
-            llm.engine.prefill_tokens_computed,
+            llm.engine.prefill_tokens_computed - computed,
         )
         assert_clean(llm.engine)
     check_greedy(checkpoint, results[True][0], prompts)
@@ -161,10 +188,10 @@ def test_prefix_caching_same_outputs_fewer_prefill_tokens(checkpoint):
     assert results[True][1] <= results[False][1] - 2 * 32
 
 
-def test_blocks_filled_by_decode_serve_the_next_turn(checkpoint):
+def test_blocks_filled_by_decode_serve_the_next_turn(checkpoint, shared_llm):
     # A chat's second turn repeats the first turn's prompt and output: the blocks that decode
     # filled (here all three: the prompt is shorter than a block) must be found by their hashes.
-    llm = make_llm(checkpoint, max_batch_size=1)
+    llm = shared_llm(enable_prefix_caching=True, max_batch_size=1)
     prompt = random_prompts(1, 5, 6)[0]
     first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]  # 5 + 24 tokens, 28 in the cache
     turn2 = prompt + first.token_ids + random_prompts(1, 3, 4)[0]
@@ -175,11 +202,14 @@ def test_blocks_filled_by_decode_serve_the_next_turn(checkpoint):
     assert_clean(llm.engine)
 
 
-def test_output_independent_of_batch(checkpoint):
+def test_output_independent_of_batch(checkpoint, shared_llm):
     prompt = random_prompts(1)[0]
     sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234)
-    alone = make_llm(checkpoint).generate([prompt], sampled, use_tqdm=False)[0]
-    crowd = make_llm(checkpoint).generate(
+    # Alone in a one-slot engine; in the crowd, an engine that never saw `prompt` (its prefill
+    # must not come from cached blocks).
+    alone = shared_llm(enable_prefix_caching=False, max_batch_size=1)
+    alone = alone.generate([prompt], sampled, use_tqdm=False)[0]
+    crowd = shared_llm().generate(
         random_prompts(2) + [prompt] + random_prompts(3),
         [SamplingParams(max_tokens=20, temperature=1.0)] * 2
         + [sampled]
@@ -189,8 +219,8 @@ def test_output_independent_of_batch(checkpoint):
     assert alone.token_ids == crowd.token_ids
 
 
-def test_seed_reproduces_and_temperature_zero_is_greedy(checkpoint):
-    llm = make_llm(checkpoint)
+def test_seed_reproduces_and_temperature_zero_is_greedy(checkpoint, shared_llm):
+    llm = shared_llm()
     prompt = random_prompts(1)[0]
     p = SamplingParams(max_tokens=16, temperature=1.2, seed=99)
     a, b = llm.generate([prompt, prompt], p, use_tqdm=False)
@@ -211,8 +241,8 @@ def test_seed_reproduces_and_temperature_zero_is_greedy(checkpoint):
     assert_clean(llm.engine)
 
 
-def test_stop_token_ids_stop_strings_and_context_limit(checkpoint):
-    llm = make_llm(checkpoint)
+def test_stop_token_ids_stop_strings_and_context_limit(checkpoint, shared_llm):
+    llm = shared_llm()
     prompt = random_prompts(1, 5, 6)[0]
     full = _hf_greedy(checkpoint[1], tuple(prompt), 24)
     stop_id = full[10]
@@ -244,8 +274,8 @@ def test_stop_token_ids_stop_strings_and_context_limit(checkpoint):
     assert_clean(llm.engine)
 
 
-def test_streaming_pieces_add_up(checkpoint):
-    llm = make_llm(checkpoint)
+def test_streaming_pieces_add_up(checkpoint, shared_llm):
+    llm = shared_llm()
     prompts = random_prompts(3)
     pieces: dict[str, list] = {}
     finals = {}
@@ -275,8 +305,10 @@ def test_streaming_pieces_add_up(checkpoint):
         ([5000], GREEDY, "token ids must be in"),
     ],
 )
-def test_bad_input_is_rejected_and_engine_keeps_serving(checkpoint, prompt, params, match):
-    llm = make_llm(checkpoint)
+def test_bad_input_is_rejected_and_engine_keeps_serving(
+    checkpoint, shared_llm, prompt, params, match
+):
+    llm = shared_llm()
     good = random_prompts(2)
     with pytest.raises(ValueError, match=match):
         if isinstance(params, dict):
@@ -292,8 +324,8 @@ def test_unknown_model_path(tmp_path):
         LLM(str(tmp_path / "missing"), warmup=False)
 
 
-def test_abort_mid_decode_frees_blocks(checkpoint):
-    engine = make_llm(checkpoint, decode_steps=2).engine
+def test_abort_mid_decode_frees_blocks(checkpoint, shared_llm):
+    engine = shared_llm(max_batch_size=8, decode_steps=2).engine
     prompts = random_prompts(3, 10, 30)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=40, temperature=0))
@@ -378,10 +410,10 @@ def test_prefills_run_only_in_warmup_shapes(checkpoint, monkeypatch):
     assert outs[0].token_ids == _hf_greedy(checkpoint[1], tuple(prompts[0]), 3)
 
 
-def test_auto_window_stops_at_the_context_limit(checkpoint, monkeypatch):
+def test_auto_window_stops_at_the_context_limit(checkpoint, shared_llm, monkeypatch):
     """With a request waiting for the only slot, the auto window ends where the running request
     must finish: here the context (128) runs out 8 tokens in, long before its max_tokens."""
-    llm = make_llm(checkpoint, max_batch_size=1)
+    llm = shared_llm(enable_prefix_caching=True, max_batch_size=1)
     engine = llm.engine
     windows = []
     decode = engine.runner.decode
@@ -491,12 +523,12 @@ def test_changing_kernels_compiles_the_other_program(checkpoint, monkeypatch):
     assert engine.num_compiles == compiled and len(calls) == traced
 
 
-def test_decode_width_follows_the_running_requests(checkpoint, monkeypatch):
+def test_decode_width_follows_the_running_requests(checkpoint, shared_llm, monkeypatch):
     """Bursts that leave survivors in high slots, in every order of which slots survive: each
     decode window runs at the smallest bucket that holds the running requests, survivors are
     moved down with their state (greedy and seeded-sampled tokens equal HF's / a lone run's),
     and a request arriving afterwards decodes alone at width 1."""
-    llm = make_llm(checkpoint, max_batch_size=8, decode_steps=2)
+    llm = shared_llm(max_batch_size=8, decode_steps=2)
     engine = llm.engine
     widths = []  # (program batch, requests running)
     decode = engine.runner.decode
@@ -506,7 +538,7 @@ def test_decode_width_follows_the_running_requests(checkpoint, monkeypatch):
         lambda b, *a: widths.append((b, len(engine.scheduler.running))) or decode(b, *a),
     )
     sampled = SamplingParams(max_tokens=16, temperature=0.9, top_k=20, seed=5)
-    lone = make_llm(checkpoint).generate([[7, 8, 9]], sampled, use_tqdm=False)[0].token_ids
+    lone = shared_llm().generate([[7, 8, 9]], sampled, use_tqdm=False)[0].token_ids
     for survivors in itertools.permutations([5, 6, 7], 2):  # two of the high slots survive
         prompts = random_prompts(8, hi=12)
         params = [SamplingParams(max_tokens=2 + i % 3, temperature=0.0) for i in range(8)]

@@ -18,7 +18,7 @@ from pallas_kernels.linear import (
 )
 from rosejax.layers.linear import Linear
 from rosejax.settings import KernelConfig
-from tests.conftest import INTERPRET
+from tests.conftest import INTERPRET, pairwise
 
 PALLAS = KernelConfig(linear="pallas", interpret=INTERPRET)
 
@@ -62,14 +62,17 @@ def oracle(x, w, b, residual, activation):
     return y if residual is None else y + np.asarray(residual, np.float64)
 
 
-@pytest.mark.parametrize("impl", list(IMPLS))
-@pytest.mark.parametrize("shape", SHAPES)
+# Every implementation on every shape, each of them with every epilogue and every dtype, and
+# every epilogue in every dtype: 40 cases, not the 360 of the full product.
 @pytest.mark.parametrize(
-    "epilogue",
-    [(None, False), ("gelu_tanh", False), (None, True)],
-    ids=["bias", "gelu", "residual"],
+    "impl,shape,epilogue,dtype",
+    pairwise(
+        impl=list(IMPLS),
+        shape=SHAPES,
+        epilogue={"bias": (None, False), "gelu": ("gelu_tanh", False), "residual": (None, True)},
+        dtype=list(TOL),
+    ),
 )
-@pytest.mark.parametrize("dtype", list(TOL))
 def test_linear_matches_numpy(impl, shape, epilogue, dtype):
     rng = np.random.default_rng()
     (m, k, n), (activation, with_residual) = shape, epilogue

@@ -17,7 +17,7 @@ from pallas_kernels.paged_attention import (
     paged_decode_attention_reference,
 )
 from rosejax.layers.attention import causal_attention_xla, prefill_attention
-from tests.conftest import INTERPRET
+from tests.conftest import INTERPRET, pairwise
 
 IMPLS = {
     "pallas": functools.partial(paged_decode_attention, interpret=INTERPRET),
@@ -34,6 +34,8 @@ APPEND_IMPLS = {
     "reference": jax.jit(paged_decode_attention_append_reference, donate_argnums=(1, 2)),
 }
 # (B, H, D, block_size, blocks per row): GPT-2's heads, a head dim other than 64, B = 1, odd B.
+# The oracle tests run each implementation on every shape and in every dtype, and every shape in
+# every dtype: 9 cases of the product's 27.
 SHAPES = [(5, 12, 64, 16, 4), (1, 4, 32, 8, 6), (3, 2, 16, 8, 3)]
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
 POISON = 7.0  # finite: garbage in unused slots must be masked out, not just be NaN-free
@@ -74,9 +76,9 @@ def oracle(q, k, v, tables, lengths):
     return out
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", TOL)
+@pytest.mark.parametrize(
+    "impl,shape,dtype", pairwise(impl=list(IMPLS), shape=SHAPES, dtype=list(TOL))
+)
 def test_matches_oracle(impl, shape, dtype):
     rng = np.random.default_rng()
     q, k, v, tables, lengths = make_case(rng, *shape, dtype)
@@ -150,9 +152,9 @@ def make_append_case(rng, shape, dtype, padded_rows=(), lengths=None, shared_fir
     return (qkv, k, v, tables, lengths), (want_k, want_v)
 
 
-@pytest.mark.parametrize("impl", APPEND_IMPLS)
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", TOL)
+@pytest.mark.parametrize(
+    "impl,shape,dtype", pairwise(impl=list(APPEND_IMPLS), shape=SHAPES, dtype=list(TOL))
+)
 def test_append_then_attend(impl, shape, dtype):
     """The new K/V land in their slots and nowhere else (poisoned slots stay as they were), and
     the output attends over them, not over the slot's stale value."""
