@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
+from pallas_kernels._row_norm import check_residual_sum, load_residual_sum, row_call, row_tile
 from pallas_kernels.linear import finish_partial_sums
 
 # Tuned defaults of both kernels, timed inside the decode step (a loop of single calls hides them
@@ -38,16 +38,6 @@ def _normalize(x, scale, bias, e: int, eps: float):
     var = jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True) / e - mean * mean, 0.0)  # [R, 1]
     y = (x - mean) * (jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32))
     return y + bias.astype(jnp.float32)
-
-
-def _row_tile(n: int, e: int, block_rows: int, block_cols: int):
-    """This program's [R, C] tile of an [N, E] array: (its index, the mask of real elements,
-    the mask of real columns [C])."""
-    first = pl.program_id(0) * block_rows
-    rows = first + jnp.arange(block_rows, dtype=jnp.int32)  # [R]
-    col_ok = jnp.arange(block_cols, dtype=jnp.int32) < e  # [C]
-    mask = (rows < n)[:, None] & col_ok[None, :]  # [R, C]
-    return (pl.ds(first, block_rows), pl.ds(0, block_cols)), mask, col_ok
 
 
 def _load_normalized(x, scale_ref, bias_ref, col_ok, e: int, eps: float):
@@ -68,7 +58,7 @@ def layer_norm_kernel(
     block_cols: int,
 ):
     n, e = x_ref.shape
-    tile, mask, col_ok = _row_tile(n, e, block_rows, block_cols)
+    tile, mask, col_ok = row_tile(n, e, block_rows, block_cols)
     x = plgpu.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)  # [R, C]
     y = _load_normalized(x, scale_ref, bias_ref, col_ok, e, eps)
     plgpu.store(o_ref.at[tile], y.astype(o_ref.dtype), mask=mask)
@@ -87,20 +77,10 @@ def add_layer_norm_kernel(
     block_rows: int,
     block_cols: int,
 ):
-    splits, n, e = partials_ref.shape
-    tile, mask, col_ok = _row_tile(n, e, block_rows, block_cols)
-    # The order of `finish_partial_sums` (the splits, then bias, then residual): the same sums.
-    acc = plgpu.load(partials_ref.at[(jnp.int32(0), *tile)], mask=mask, other=0.0)
-    for s in range(1, splits):
-        acc += plgpu.load(partials_ref.at[(jnp.int32(s), *tile)], mask=mask, other=0.0)
-    acc += plgpu.load(linear_bias_ref.at[tile[1]], mask=col_ok, other=0.0).astype(jnp.float32)[
-        None, :
-    ]
-    acc += plgpu.load(residual_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
-    # Rounded to the residual stream's dtype first, as the unfused layers store and reload it.
-    h = acc.astype(h_ref.dtype)  # [R, C]
-    plgpu.store(h_ref.at[tile], h, mask=mask)
-    y = _load_normalized(h.astype(jnp.float32), scale_ref, bias_ref, col_ok, e, eps)
+    _, n, e = partials_ref.shape
+    tile, mask, col_ok = row_tile(n, e, block_rows, block_cols)
+    h = load_residual_sum(partials_ref, linear_bias_ref, residual_ref, h_ref, tile, mask, col_ok)
+    y = _load_normalized(h, scale_ref, bias_ref, col_ok, e, eps)
     plgpu.store(o_ref.at[tile], y.astype(o_ref.dtype), mask=mask)
 
 
@@ -120,7 +100,7 @@ def layer_norm(
         raise ValueError(
             f"need x [N, E], scale and bias [E], got {x.shape}, {scale.shape}, {bias.shape}"
         )
-    (y,) = _row_call(
+    (y,) = row_call(
         layer_norm_kernel,
         (x, scale, bias),
         1,
@@ -132,35 +112,6 @@ def layer_norm(
         interpret=interpret,
     )
     return y
-
-
-def _row_call(
-    kernel,
-    operands,
-    num_outputs: int,
-    like: jax.Array,
-    name: str,
-    *,
-    eps: float,
-    block_rows: int,
-    num_warps: int,
-    interpret: bool,
-) -> tuple[jax.Array, ...]:
-    """A kernel over row tiles of [N, E] arrays: `num_outputs` outputs shaped like `like`."""
-    if not is_power_of_2(block_rows):
-        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
-    n, e = like.shape
-    if not interpret:
-        filter_triton_deprecation()
-    return pl.pallas_call(
-        # The row as one tile, masked past E.
-        functools.partial(kernel, eps=eps, block_rows=block_rows, block_cols=next_power_of_2(e)),
-        grid=(pl.cdiv(n, block_rows),),
-        out_shape=(jax.ShapeDtypeStruct(like.shape, like.dtype),) * num_outputs,
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"{name}_r{block_rows}_w{num_warps}",
-    )(*operands)
 
 
 def layer_norm_reference(
@@ -189,8 +140,8 @@ def add_layer_norm(
 ) -> tuple[jax.Array, jax.Array]:  # h [N, E], layer_norm(h) [N, E], both in residual's dtype
     """h = residual + sum(partials) + linear_bias (rounded to residual's dtype) and its layer
     norm, in one kernel."""
-    _check_add_layer_norm(partials, linear_bias, residual, scale, bias)
-    return _row_call(
+    check_residual_sum(partials, linear_bias, residual, scale=scale, bias=bias)
+    return row_call(
         add_layer_norm_kernel,
         (partials, linear_bias, residual, scale, bias),
         2,
@@ -203,20 +154,6 @@ def add_layer_norm(
     )
 
 
-def _check_add_layer_norm(partials, linear_bias, residual, scale, bias) -> None:
-    if (
-        partials.ndim != 3
-        or partials.dtype != jnp.float32
-        or residual.shape != partials.shape[1:]
-        or any(a.shape != (residual.shape[1],) for a in (linear_bias, scale, bias))
-    ):
-        raise ValueError(
-            f"need float32 partials [S, N, E], residual [N, E], linear_bias, scale and bias [E], "
-            f"got {partials.dtype}{list(partials.shape)}, {residual.shape}, {linear_bias.shape}, "
-            f"{scale.shape}, {bias.shape}"
-        )
-
-
 def add_layer_norm_reference(
     partials: jax.Array,  # [S, N, E] float32
     linear_bias: jax.Array,  # [E]
@@ -227,6 +164,6 @@ def add_layer_norm_reference(
     eps: float = 1e-5,
 ) -> tuple[jax.Array, jax.Array]:
     """Plain XLA: `finish_partial_sums`, then `layer_norm_reference`."""
-    _check_add_layer_norm(partials, linear_bias, residual, scale, bias)
+    check_residual_sum(partials, linear_bias, residual, scale=scale, bias=bias)
     h = finish_partial_sums(partials, linear_bias, residual)
     return h, layer_norm_reference(h, scale, bias, eps=eps)

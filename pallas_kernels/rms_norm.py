@@ -23,20 +23,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
+from pallas_kernels._row_norm import check_residual_sum, load_residual_sum, row_call, row_tile
 from pallas_kernels.linear import finish_partial_sums
 
 # Not measured yet: the layer norm's (one row, four warps per program).
 DEFAULT_BLOCK_ROWS = 1
 DEFAULT_NUM_WARPS = 4
-
-
-def _row_tile(n: int, e: int, block_rows: int, block_cols: int):
-    first = pl.program_id(0) * block_rows
-    rows = first + jnp.arange(block_rows, dtype=jnp.int32)  # [R]
-    col_ok = jnp.arange(block_cols, dtype=jnp.int32) < e  # [C]
-    mask = (rows < n)[:, None] & col_ok[None, :]  # [R, C]
-    return (pl.ds(first, block_rows), pl.ds(0, block_cols)), mask, col_ok
 
 
 def _load_normalized(x, scale_ref, col_ok, e: int, eps: float):
@@ -56,7 +48,7 @@ def rms_norm_kernel(
     block_cols: int,
 ):
     n, e = x_ref.shape
-    tile, mask, col_ok = _row_tile(n, e, block_rows, block_cols)
+    tile, mask, col_ok = row_tile(n, e, block_rows, block_cols)
     x = plgpu.load(x_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)  # [R, C]
     y = _load_normalized(x, scale_ref, col_ok, e, eps)
     plgpu.store(o_ref.at[tile], y.astype(o_ref.dtype), mask=mask)
@@ -74,36 +66,11 @@ def add_rms_norm_kernel(
     block_rows: int,
     block_cols: int,
 ):
-    splits, n, e = partials_ref.shape
-    tile, mask, col_ok = _row_tile(n, e, block_rows, block_cols)
-    # The order of `finish_partial_sums` (the splits, then bias, then residual): the same sums.
-    acc = plgpu.load(partials_ref.at[(jnp.int32(0), *tile)], mask=mask, other=0.0)
-    for s in range(1, splits):
-        acc += plgpu.load(partials_ref.at[(jnp.int32(s), *tile)], mask=mask, other=0.0)
-    bias = plgpu.load(linear_bias_ref.at[tile[1]], mask=col_ok, other=0.0)
-    acc += bias.astype(jnp.float32)[None, :]
-    acc += plgpu.load(residual_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
-    h = acc.astype(h_ref.dtype)  # [R, C]: rounded as the unfused layers store and reload it
-    plgpu.store(h_ref.at[tile], h, mask=mask)
-    y = _load_normalized(h.astype(jnp.float32), scale_ref, col_ok, e, eps)
+    _, n, e = partials_ref.shape
+    tile, mask, col_ok = row_tile(n, e, block_rows, block_cols)
+    h = load_residual_sum(partials_ref, linear_bias_ref, residual_ref, h_ref, tile, mask, col_ok)
+    y = _load_normalized(h, scale_ref, col_ok, e, eps)
     plgpu.store(o_ref.at[tile], y.astype(o_ref.dtype), mask=mask)
-
-
-def _row_call(kernel, operands, num_outputs, like, name, *, eps, block_rows, num_warps, interpret):
-    """A kernel over row tiles of [N, E] arrays: `num_outputs` outputs shaped like `like`."""
-    if not is_power_of_2(block_rows):
-        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
-    n, e = like.shape
-    if not interpret:
-        filter_triton_deprecation()
-    return pl.pallas_call(
-        functools.partial(kernel, eps=eps, block_rows=block_rows, block_cols=next_power_of_2(e)),
-        grid=(pl.cdiv(n, block_rows),),
-        out_shape=(jax.ShapeDtypeStruct(like.shape, like.dtype),) * num_outputs,
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"{name}_r{block_rows}_w{num_warps}",
-    )(*operands)
 
 
 _STATIC = ["eps", "block_rows", "num_warps", "interpret"]
@@ -122,7 +89,7 @@ def rms_norm(
     """x * rsqrt(mean(x^2) + eps) * scale over each row of x."""
     if x.ndim != 2 or scale.shape != (x.shape[1],):
         raise ValueError(f"need x [N, E] and scale [E], got {x.shape}, {scale.shape}")
-    (y,) = _row_call(
+    (y,) = row_call(
         rms_norm_kernel,
         (x, scale),
         1,
@@ -149,20 +116,6 @@ def rms_norm_reference(
     return scale * (xf * jax.lax.rsqrt(ms + eps)).astype(x.dtype)
 
 
-def _check_add_rms_norm(partials, linear_bias, residual, scale) -> None:
-    if (
-        partials.ndim != 3
-        or partials.dtype != jnp.float32
-        or residual.shape != partials.shape[1:]
-        or any(a.shape != (residual.shape[1],) for a in (linear_bias, scale))
-    ):
-        raise ValueError(
-            f"need float32 partials [S, N, E], residual [N, E], linear_bias and scale [E], got "
-            f"{partials.dtype}{list(partials.shape)}, {residual.shape}, {linear_bias.shape}, "
-            f"{scale.shape}"
-        )
-
-
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def add_rms_norm(
     partials: jax.Array,  # [S, N, E] float32
@@ -177,8 +130,8 @@ def add_rms_norm(
 ) -> tuple[jax.Array, jax.Array]:  # h [N, E], rms_norm(h) [N, E], both in residual's dtype
     """h = residual + sum(partials) + linear_bias (rounded to residual's dtype) and its RMSNorm,
     in one kernel."""
-    _check_add_rms_norm(partials, linear_bias, residual, scale)
-    return _row_call(
+    check_residual_sum(partials, linear_bias, residual, scale=scale)
+    return row_call(
         add_rms_norm_kernel,
         (partials, linear_bias, residual, scale),
         2,
@@ -200,6 +153,6 @@ def add_rms_norm_reference(
     eps: float = 1e-6,
 ) -> tuple[jax.Array, jax.Array]:
     """Plain XLA: `finish_partial_sums`, then `rms_norm_reference`."""
-    _check_add_rms_norm(partials, linear_bias, residual, scale)
+    check_residual_sum(partials, linear_bias, residual, scale=scale)
     h = finish_partial_sums(partials, linear_bias, residual)
     return h, rms_norm_reference(h, scale, eps=eps)
