@@ -400,6 +400,7 @@ def test_poisson_offsets():
     assert poisson_offsets(3, float("inf"), 0) == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_compare_hf_end_to_end(tmp_path):
     """HF in its subprocess (dynamic cache only) beside rosejax, tiny model, on CPU."""
     from bench import compare_hf
@@ -438,6 +439,7 @@ def test_compare_hf_end_to_end(tmp_path):
         assert _positive(t["ratio_vs_dynamic"]) and t["hf_static_tok_s"] is None
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_profile_decode_kernel_tiles(tmp_path, monkeypatch):
     """--kernel and --kernel-tile build the engine's KernelConfig (tiles checked against the
     keyword parameters of the functions that get them; no module is patched), and the script
@@ -642,6 +644,7 @@ def test_plots(tmp_path):
         ("compare_variants", ["--runs", "--batch", "--decode-steps", "--json"]),
     ],
 )
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_help_as_a_file(script, flags):
     """`python bench/<script>.py --help` works from anywhere and names every flag."""
     out = subprocess.run(
@@ -662,6 +665,7 @@ def _repo():
 
 
 @pytest.mark.parametrize("script", ["bench_attention", "bench_layer_norm"])
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_kernel_microbench_quick(tmp_path, script):
     """The kernel microbenches run end to end (interpret mode) and every kernel agrees with its
     XLA reference."""

@@ -209,6 +209,7 @@ def test_engine_greedy_matches_hf(checkpoint):
     _engine_round_trips(path, hf, config, decode_steps=4)
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_engine_kernels_match_hf(checkpoint):
     """The GPU path's kernels (interpreted on a CPU): GQA decode attention with the fused
     append, the paged prefill attention, the RMSNorm kernels, the small-batch matmul."""

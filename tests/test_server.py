@@ -447,6 +447,7 @@ def stop_cli(proc: subprocess.Popen, log, sig: int, send: bool = True) -> None:
     assert rc == 0, f"exit {rc} after {signal.Signals(sig).name}:\n{text}"
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_cli_overload_429_no_chat_template_and_sigterm(tmp_path):
     proc, url, log = start_cli(tmp_path, "--max-waiting", "0")
     try:
@@ -481,6 +482,7 @@ def test_cli_overload_429_no_chat_template_and_sigterm(tmp_path):
     stop_cli(proc, log, signal.SIGTERM)
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_cli_sigint_with_a_stream_open(tmp_path):
     proc, url, log = start_cli(tmp_path)
     try:

@@ -524,6 +524,7 @@ def test_loading_says_what_it_does(caplog):
     assert "loading random:tiny" in text and "KV cache" in text, text
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_fuzzing_from_openapi_finds_no_5xx(served):
     """bench/fuzz_server.py's run, small: schemathesis sends what /openapi.json allows and much
     it does not (docs/serving.md has a long run); no answer may be a 5xx."""
