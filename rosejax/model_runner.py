@@ -6,6 +6,16 @@ writes its rows' KV, samples their first token and fills their slots; a decode w
 advancing positions on the device, and stops rows on EOS, stop ids or their token budget there.
 The host sends only changes: new block-table entries and the slots it wants stopped. KV cache and
 slot state are donated to every program, so nothing is copied between steps.
+
+A slot also carries its request's logits processors (`rosejax.sampling.Processors`): sparse
+biases (logit_bias, and min_tokens' ban on the stop ids) and penalties with the token counts they
+read, one u16 row of the vocabulary per slot, counted on the device as tokens are fed back.
+`load_row` writes a row's biases and counts (from the host's token history) before the prefill
+that samples its first token. Batches where some row has processors, min_p or logprobs run
+other programs ("extras"), which also return the sampled tokens' logprobs (`TokenLogprobs`);
+in them each feature is behind a `lax.cond` on the batch, and new values never recompile. A
+batch that asks for none runs the plain programs, which read none of these fields. A prefill
+whose batch has `prompt_targets` (another program again) returns every prompt token's logprobs.
 """
 
 from __future__ import annotations
@@ -18,14 +28,26 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from rosejax.layers.attention import ForwardMetadata
 from rosejax.layers.kv_cache import KVCache
 from rosejax.models import family_of
-from rosejax.sampling import sample
+from rosejax.sampling import (
+    MAX_LOGIT_BIAS,
+    Processors,
+    TokenLogprobs,
+    count_tokens,
+    empty_logprobs,
+    process_logits,
+    sample,
+    token_logprobs,
+)
 from rosejax.settings import KernelConfig
 
 NUM_STOP_IDS = 4  # stop ids checked on the device per row; the host checks any beyond these
+MAX_MIN_TOKENS_STOP_IDS = 64  # stop ids min_tokens can hold off (biases of -inf)
+NUM_BIAS = MAX_LOGIT_BIAS + MAX_MIN_TOKENS_STOP_IDS  # sparse bias entries per row
 
 
 @flax.struct.dataclass
@@ -38,28 +60,77 @@ class SlotState:
     temperature: jax.Array  # f32[S]
     top_k: jax.Array  # i32[S]
     top_p: jax.Array  # f32[S]
+    min_p: jax.Array  # f32[S]
     seed: jax.Array  # u32[S, 2]: each row's 64-bit seed as [hi, lo]
     stop_ids: jax.Array  # i32[S, NUM_STOP_IDS], -1 = none
     block_tables: jax.Array  # i32[S, MB]
+    logprobs: jax.Array  # bool[S]: the row wants its tokens' logprobs
+    presence: jax.Array  # f32[S]
+    frequency: jax.Array  # f32[S]
+    repetition: jax.Array  # f32[S]
+    has_bias: jax.Array  # bool[S]: bias_* hold the row's entries (else stale: ignored)
+    bias_ids: jax.Array  # i32[S, NUM_BIAS]
+    bias_values: jax.Array  # f32[S, NUM_BIAS]
+    bias_until: jax.Array  # i32[S, NUM_BIAS]
+    # u16[S, V]: the output counts (all but the token to feed next, counted as it is fed) and
+    # prompt bits of rows with penalties; stale in other rows. Never sliced per window.
+    counts: jax.Array
+
+    def processors(self, counts: jax.Array) -> Processors:
+        return Processors(
+            self.steps,
+            self.has_bias,
+            self.bias_ids,
+            self.bias_values,
+            self.bias_until,
+            self.presence,
+            self.frequency,
+            self.repetition,
+            counts,
+        )
 
 
-def empty_slot_state(num_slots: int, max_blocks: int) -> SlotState:
+# Per-row fields a prefill sets from its batch (the bias entries and counts come by `load_row`).
+PREFILL_ROW_FIELDS = ("limit", "temperature", "top_k", "top_p", "seed", "stop_ids")
+# ... and those a batch carries only when some row asks for them, with the value of a row that
+# does not (what a prefill without them sets).
+EXTRA_ROW_FIELDS = {
+    "min_p": 0.0,
+    "logprobs": False,
+    "presence": 0.0,
+    "frequency": 0.0,
+    "repetition": 1.0,
+    "has_bias": False,
+}
+
+
+def empty_slot_state(num_slots: int, max_blocks: int, vocab: int) -> SlotState:
     # Every field its own buffer: the state is donated, and a buffer may be donated only once.
-    def z():
-        return jnp.zeros((num_slots,), jnp.int32)
+    def z(*shape, dtype=jnp.int32):
+        return jnp.zeros((num_slots, *shape), dtype)
 
     return SlotState(
         tokens=z(),
         positions=z(),
-        alive=jnp.zeros((num_slots,), bool),
+        alive=z(dtype=bool),
         steps=z(),
         limit=z(),
-        temperature=jnp.zeros((num_slots,), jnp.float32),
+        temperature=z(dtype=jnp.float32),
         top_k=z(),
         top_p=jnp.ones((num_slots,), jnp.float32),
-        seed=jnp.zeros((num_slots, 2), jnp.uint32),
+        min_p=z(dtype=jnp.float32),
+        seed=z(2, dtype=jnp.uint32),
         stop_ids=jnp.full((num_slots, NUM_STOP_IDS), -1, jnp.int32),
-        block_tables=jnp.zeros((num_slots, max_blocks), jnp.int32),
+        block_tables=z(max_blocks),
+        logprobs=z(dtype=bool),
+        presence=z(dtype=jnp.float32),
+        frequency=z(dtype=jnp.float32),
+        repetition=jnp.ones((num_slots,), jnp.float32),
+        has_bias=z(dtype=bool),
+        bias_ids=z(NUM_BIAS),
+        bias_values=z(NUM_BIAS, dtype=jnp.float32),
+        bias_until=z(NUM_BIAS),
+        counts=z(vocab, dtype=jnp.uint16),
     )
 
 
@@ -90,12 +161,13 @@ class ModelRunner:
         self.max_decode_steps = max_decode_steps
         self.max_table_updates = max_table_updates
         self.max_blocks = -(-config.max_model_len // cache.block_size)
-        self.state = empty_slot_state(num_slots, self.max_blocks)
+        self.state = empty_slot_state(num_slots, self.max_blocks, config.vocab_size)
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
         self.compile_seconds = 0.0
         self._prefill = jax.jit(
             self._prefill_fn, donate_argnums=(1, 2), static_argnames=("kernels",)
         )
+        self._load_row = jax.jit(self._load_row_fn, donate_argnums=(0,))
         # One jitted window per batch bucket and kernel config, made on first use: each one's
         # XLA options (its GEMM library) are settled then, not looked up every window.
         self._decode_programs: dict[tuple[int, KernelConfig], Callable] = {}
@@ -104,20 +176,65 @@ class ModelRunner:
 
     def _prefill_fn(self, params, cache, state, batch, *, kernels: KernelConfig):
         """Forward over padded prompts, first token of each row, and the rows' slots filled in.
-        Padded rows have slot index S, which the scatters drop."""
+        Padded rows have slot index S, which the scatters drop. Two optional parts of the
+        batch make other programs: the `EXTRA_ROW_FIELDS` (some row has logits processors,
+        min_p or logprobs: the first tokens' logprobs are returned too, else None), and
+        `prompt_targets` [Bp, T], the next prompt token at each position, whose logprobs are
+        returned too (logits at every position), else None."""
         self.num_compiles += 1  # runs only while tracing
         meta = ForwardMetadata(batch["positions"], batch["seq_lens"], batch["tables"])
+        with_prompt = "prompt_targets" in batch
         logits, cache = self.forward(
-            params, self.config, batch["tokens"], cache, meta, batch["last"], kernels=kernels
+            params,
+            self.config,
+            batch["tokens"],
+            cache,
+            meta,
+            None if with_prompt else batch["last"],
+            kernels=kernels,
         )
-        first = sample(
-            logits,
-            batch["temperature"],
-            batch["top_k"],
-            batch["top_p"],
-            batch["seed"],
-            batch["steps"],
-        )  # [Bp]
+        if with_prompt:
+            every = logits  # [Bp, T, V]
+            logits = jnp.take_along_axis(every, batch["last"][:, None, None], axis=1)[:, 0]
+        slots = batch["slots"]
+        sampling = [batch[k] for k in ("temperature", "top_k", "top_p", "seed", "steps")]
+        first_logprobs = prompt_logprobs = None
+        if "presence" in batch:
+            extras = {k: batch[k] for k in EXTRA_ROW_FIELDS}
+
+            def gather(a):  # the rows' slot state; padded rows and chunks (slot S) read zeros
+                return a.at[slots].get(mode="fill", fill_value=0)
+
+            procs = Processors(
+                batch["steps"],
+                batch["has_bias"],
+                *(gather(a) for a in (state.bias_ids, state.bias_values, state.bias_until)),
+                batch["presence"],
+                batch["frequency"],
+                batch["repetition"],
+                None,  # the counts: gathered only by the branch that reads them
+            )
+
+            def pick(x):
+                return sample(x, *sampling, batch["min_p"])
+
+            first = lax.cond(
+                jnp.any(procs.active()),
+                lambda: pick(process_logits(logits, procs._replace(counts=gather(state.counts)))),
+                lambda: pick(logits),
+            )  # [Bp]
+            first_logprobs = lax.cond(
+                jnp.any(batch["logprobs"]),
+                lambda: token_logprobs(logits, first),
+                lambda: empty_logprobs(first.shape, logits.shape[-1]),
+            )
+        else:  # no row asks for any: its slot's extras are neutral
+            extras = {k: jnp.full(slots.shape, v) for k, v in EXTRA_ROW_FIELDS.items()}
+            first = sample(logits, *sampling)  # [Bp]
+        if with_prompt:
+            b, t, vocab = every.shape
+            flat = token_logprobs(every.reshape(b * t, vocab), batch["prompt_targets"].reshape(-1))
+            prompt_logprobs = jax.tree.map(lambda a: a.reshape(b, t, *a.shape[1:]), flat)
         steps = batch["steps"] + 1
         alive = ~_stopped(first, batch["stop_ids"], steps, batch["limit"])
         rows = dict(
@@ -125,19 +242,26 @@ class ModelRunner:
             positions=batch["seq_lens"],
             alive=alive,
             steps=steps,
-            limit=batch["limit"],
-            temperature=batch["temperature"],
-            top_k=batch["top_k"],
-            top_p=batch["top_p"],
-            seed=batch["seed"],
-            stop_ids=batch["stop_ids"],
             block_tables=batch["tables"],
+            **{k: batch[k] for k in PREFILL_ROW_FIELDS},
+            **extras,
         )
-        slots = batch["slots"]
         state = state.replace(
             **{k: getattr(state, k).at[slots].set(v, mode="drop") for k, v in rows.items()}
         )
-        return first, cache, state
+        return first, first_logprobs, prompt_logprobs, cache, state
+
+    def _load_row_fn(self, state, slot, bias_ids, bias_values, bias_until, count_ids, counts):
+        """Slot `slot`'s bias entries [NUM_BIAS] and token counts: `counts` u16[L] of the tokens
+        `count_ids` i32[L] (ids >= V are padding), every other token 0."""
+        self.num_compiles += 1
+        row = jnp.zeros(state.counts.shape[1:], jnp.uint16).at[count_ids].set(counts, mode="drop")
+        return state.replace(
+            bias_ids=state.bias_ids.at[slot].set(bias_ids),
+            bias_values=state.bias_values.at[slot].set(bias_values),
+            bias_until=state.bias_until.at[slot].set(bias_until),
+            counts=state.counts.at[slot].set(row),
+        )
 
     def _decode_fn(
         self,
@@ -154,41 +278,85 @@ class ModelRunner:
         *,
         batch: int,
         greedy: bool,
+        extras: bool,
         kernels: KernelConfig,
     ):
         """Up to `n_steps` decode steps over slots [0, batch). Returns tokens [K, batch] (-1 where a
-        row produced nothing), the cache and the state."""
+        row produced nothing), their logprobs (`TokenLogprobs` of [K, batch], zeros unless a row
+        asks; None unless `extras`), the cache and the state. `extras`: the program has the
+        logits processors, min_p and logprobs, each behind a `lax.cond` on the window's rows;
+        without, it is the plain program (their slot fields unread, the counts untouched)."""
         self.num_compiles += 1
         state = state.replace(alive=state.alive & ~kill)
         # Compaction: whole rows move down to free slots (sources and destinations disjoint),
         # then the sources stop; padded moves (index S) are dropped.
         src = jnp.minimum(move_src, self.num_slots - 1)
-        state = jax.tree.map(lambda a: a.at[move_dst].set(a[src], mode="drop"), state)
+
+        def move(a):
+            return a.at[move_dst].set(a[src], mode="drop")
+
+        counts = state.counts
+        if extras:  # only when something moves: all S rows of them are 78 MB at V=151,936
+            counts = lax.cond(jnp.any(move_src < self.num_slots), move, lambda a: a, counts)
+        state = jax.tree.map(move, state.replace(counts=None)).replace(counts=counts)
         state = state.replace(alive=state.alive.at[move_src].set(False, mode="drop"))
         tables = state.block_tables.at[upd_slot, upd_index].set(upd_block, mode="drop")
         state = state.replace(block_tables=tables)
-        rows = jax.tree.map(lambda a: a[:batch], state)
+        rows = jax.tree.map(lambda a: a[:batch], state.replace(counts=None))
         out = jnp.full((self.max_decode_steps, batch), -1, jnp.int32)
+        logprobs = None
+        if extras:
+            logprobs = empty_logprobs((self.max_decode_steps, batch), self.config.vocab_size)
+            # What the window's rows ask for is fixed for the window: decided once, not per step.
+            procs_on = jnp.any(rows.alive & rows.processors(None).active())
+            logprobs_on = jnp.any(rows.alive & rows.logprobs)
 
         def cond(carry):
-            k, _, r, _ = carry
+            k, _, r, *_ = carry
             return (k < n_steps) & jnp.any(r.alive)
 
         def body(carry):
-            k, cache, r, out = carry
+            k, cache, r, out, *more = carry
             seq_lens = jnp.where(r.alive, r.positions + 1, 0)  # dead rows write to scratch
             meta = ForwardMetadata(r.positions[:, None], seq_lens, r.block_tables)
             logits, cache = self.forward(
                 params, self.config, r.tokens[:, None], cache, meta, kernels=kernels
             )
             logits = logits[:, 0]  # [B, V]
-            if greedy:
-                nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            else:
-                # Rows without a request sample greedily: their stale filters cost nothing.
-                temperature = jnp.where(r.alive, r.temperature, 0.0)
-                nxt = sample(logits, temperature, r.top_k, r.top_p, r.seed, r.steps)
             live = r.alive
+
+            def pick(x):
+                if greedy:
+                    return jnp.argmax(x, axis=-1)
+                # Rows without a request sample greedily: their stale filters cost nothing.
+                temperature = jnp.where(live, r.temperature, 0.0)
+                min_p = r.min_p if extras else None
+                return sample(x, temperature, r.top_k, r.top_p, r.seed, r.steps, min_p)
+
+            if extras:
+                counts, logprobs = more
+                procs = r.processors(None)
+
+                def processed(counts):
+                    # The token fed now joins its row's output counts (rows with penalties: the
+                    # others' counts are never read).
+                    counts = count_tokens(counts, r.tokens, live & procs.penalized())
+                    x = process_logits(logits, procs._replace(counts=counts[:batch]))
+                    return pick(x), counts
+
+                nxt, counts = lax.cond(procs_on, processed, lambda c: (pick(logits), c), counts)
+                logprobs = lax.cond(
+                    logprobs_on,
+                    lambda lp: jax.tree.map(
+                        lambda a, v: a.at[k].set(v), lp, token_logprobs(logits, nxt)
+                    ),
+                    lambda lp: lp,
+                    logprobs,
+                )
+                more = (counts, logprobs)
+            else:
+                nxt = pick(logits)
+            nxt = nxt.astype(jnp.int32)
             steps = r.steps + live
             r = r.replace(
                 tokens=jnp.where(live, nxt, r.tokens),
@@ -196,15 +364,19 @@ class ModelRunner:
                 steps=steps,
                 alive=live & ~_stopped(nxt, r.stop_ids, steps, r.limit),
             )
-            return k + 1, cache, r, out.at[k].set(jnp.where(live, nxt, -1))
+            return k + 1, cache, r, out.at[k].set(jnp.where(live, nxt, -1)), *more
 
-        _, cache, rows, out = jax.lax.while_loop(cond, body, (0, cache, rows, out))
+        carry = (0, cache, rows, out, *((counts, logprobs) if extras else ()))
+        _, cache, rows, out, *more = jax.lax.while_loop(cond, body, carry)
+        if extras:
+            counts, logprobs = more
         # Only these fields change inside the loop; the rest of the state is as it came in.
         changed = ("tokens", "positions", "alive", "steps")
         state = state.replace(
-            **{f: getattr(state, f).at[:batch].set(getattr(rows, f)) for f in changed}
+            counts=counts,
+            **{f: getattr(state, f).at[:batch].set(getattr(rows, f)) for f in changed},
         )
-        return out, cache, state
+        return out, logprobs, cache, state
 
     # ------------------------------------------------------------------------- host calls
 
@@ -218,11 +390,31 @@ class ModelRunner:
             self.compile_seconds += time.perf_counter() - start
         return out
 
-    def prefill(self, batch: dict[str, np.ndarray]) -> jax.Array:
-        first, self.cache, self.state = self._call(
+    def prefill(
+        self, batch: dict[str, np.ndarray]
+    ) -> tuple[jax.Array, TokenLogprobs | None, TokenLogprobs | None]:
+        """Dispatch a prefill -> (first tokens [Bp], their logprobs if the batch has the
+        `EXTRA_ROW_FIELDS`, the prompt tokens' logprobs [Bp, T] if it has `prompt_targets`)."""
+        first, logprobs, prompt_logprobs, self.cache, self.state = self._call(
             self._prefill, self.params, self.cache, self.state, batch, kernels=self.kernels
         )
-        return first
+        return first, logprobs, prompt_logprobs
+
+    def load_row(
+        self,
+        slot: int,
+        bias: tuple[np.ndarray, np.ndarray, np.ndarray],
+        count_ids: np.ndarray,
+        counts: np.ndarray,
+    ) -> None:
+        """Write a slot's bias entries (ids, values, until: [NUM_BIAS] each) and its token counts
+        (`counts` u16 of the distinct tokens `count_ids`, at most max_model_len of them) before
+        the prefill that samples from it."""
+        n = self.config.max_model_len
+        ids = np.full(n, self.config.vocab_size, np.int32)  # padding: out of range, dropped
+        values = np.zeros(n, np.uint16)
+        ids[: len(count_ids)], values[: len(counts)] = count_ids, counts
+        self.state = self._call(self._load_row, self.state, np.int32(slot), *bias, ids, values)
 
     def decode(
         self,
@@ -232,10 +424,13 @@ class ModelRunner:
         kill: np.ndarray,
         updates: list[tuple[int, int, int]],
         moves: list[tuple[int, int]] = (),
-    ) -> jax.Array:
-        """Dispatch a decode window (asynchronously); `updates` are (slot, index, block) entries
-        of the block tables that changed since the last window (slots after the moves), `moves`
-        (src, dst) rows of the slot state to move first."""
+        extras: bool = False,
+    ) -> tuple[jax.Array, TokenLogprobs | None]:
+        """Dispatch a decode window (asynchronously) -> its tokens [K, batch] and their logprobs
+        (None unless `extras`); `updates` are (slot, index, block) entries of the block tables
+        that changed since the last window (slots after the moves), `moves` (src, dst) rows of
+        the slot state to move first; `extras`: some row has logits processors, min_p or
+        logprobs (another program)."""
         u = np.full((3, self.max_table_updates), self.num_slots, np.int32)
         if updates:
             u[:, : len(updates)] = np.asarray(updates, np.int32).T
@@ -248,10 +443,10 @@ class ModelRunner:
             program = self._decode_programs[key] = jax.jit(
                 self._decode_fn,
                 donate_argnums=(1, 2),
-                static_argnames=("batch", "greedy", "kernels"),
+                static_argnames=("batch", "greedy", "extras", "kernels"),
                 compiler_options=self.kernels.decode_compiler_options(batch) or None,
             )
-        out, self.cache, self.state = self._call(
+        out, logprobs, self.cache, self.state = self._call(
             program,
             self.params,
             self.cache,
@@ -265,6 +460,7 @@ class ModelRunner:
             np.int32(n_steps),
             batch=batch,
             greedy=greedy,
+            extras=extras,
             kernels=self.kernels,
         )
-        return out
+        return out, logprobs

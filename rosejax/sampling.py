@@ -21,6 +21,14 @@ H200 (jax 0.11.2, V=50257, per step inside a fori_loop; an argmax alone is ~20 u
 
 XLA's fused [B, V, 16] reduction is compute-bound (~45 us a pass at B=256, ~4x the bytes'
 time): a Pallas select kernel is the next step if sampled batches matter.
+
+Before the filters, vLLM's order: the logits processors on the raw logits (`process_logits`:
+logit_bias and min_tokens as sparse per-row adds, then the repetition, frequency and presence
+penalties from each row's token counts), then temperature, min_p, top-k, top-p, the draw.
+Greedy rows take the argmax of the processed logits. Every feature is a per-row value that
+leaves a row unchanged when neutral, behind a `lax.cond` on the batch, so a batch that asks for
+none of it runs what it ran before. Logprobs (`token_logprobs`) are those of the raw logits,
+the model's own distribution (vLLM's default), whatever the processors and filters did.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +89,105 @@ def _filter_key(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.
     return jnp.maximum(cut_k, cut_p)
 
 
+MAX_LOGPROBS = 20  # most alternatives a request may ask for beside each token (vLLM's default)
+MAX_LOGIT_BIAS = 256  # logit_bias entries per request
+# Token counts for the penalties: u16 per (row, token), the output count in the low 15 bits
+# (saturating: past 32,767 of one token the frequency penalty stops growing) and whether the
+# prompt holds the token in the top bit. Half the bytes of int32 counts (B=256 x V=151,936:
+# 78 MB), exact below that count, and one array read per step for all three penalties.
+COUNT_MASK = 0x7FFF
+PROMPT_BIT = 0x8000
+NO_BIAS_UNTIL = 2**31 - 1  # `bias_until` of an entry that always holds (logit_bias)
+
+
+class Processors(NamedTuple):
+    """Each row's logits processors. Neutral values (no bias, penalties 0, 0 and 1) leave its
+    logits exactly as they are, so rows without any share a batch with rows that have them."""
+
+    steps: jax.Array  # i32[B]: tokens the row has generated
+    has_bias: jax.Array  # bool[B]: whether the row's bias entries mean anything
+    bias_ids: jax.Array  # i32[B, K]: token ids, sparse
+    bias_values: jax.Array  # f32[B, K]: added to their logits (-inf: banned)
+    bias_until: jax.Array  # i32[B, K]: each entry holds while steps < it (min_tokens)
+    presence: jax.Array  # f32[B]
+    frequency: jax.Array  # f32[B]
+    repetition: jax.Array  # f32[B]
+    counts: jax.Array  # u16[B, V]: output counts and prompt bits (COUNT_MASK, PROMPT_BIT)
+
+    def active(self) -> jax.Array:
+        """bool[B]: rows whose processors may change their logits."""
+        return self.has_bias | self.penalized()
+
+    def penalized(self) -> jax.Array:
+        """bool[B]: rows with a penalty."""
+        return (self.presence != 0) | (self.frequency != 0) | (self.repetition != 1)
+
+
+def process_logits(logits: jax.Array, p: Processors) -> jax.Array:
+    """vLLM's logits processors on raw logits [B, V] -> f32 [B, V]: the sparse biases (logit_bias,
+    and min_tokens' -inf on the stop ids while they hold), then the penalties: a token seen in
+    the prompt or the output has a positive logit divided by `repetition` and a negative one
+    multiplied by it (HF's and vLLM's rule); an output token loses frequency * its count and
+    presence once."""
+    x = logits.astype(jnp.float32)
+    batch, vocab = x.shape
+    active = p.has_bias[:, None] & (p.steps[:, None] < p.bias_until)
+    ids = jnp.where(active, p.bias_ids, vocab)  # inactive entries dropped: nothing added
+    x = x.at[jnp.arange(batch)[:, None], ids].add(p.bias_values, mode="drop")
+    counts = p.counts.astype(jnp.int32)
+    out = (counts & COUNT_MASK).astype(jnp.float32)  # [B, V]
+    rep = jnp.where(counts != 0, p.repetition[:, None], 1.0)
+    penalized = jnp.where(x > 0, x / rep, x * rep)
+    penalized = penalized - p.frequency[:, None] * out - p.presence[:, None] * (out > 0)
+    return jnp.where(p.penalized()[:, None], penalized, x)
+
+
+def count_tokens(counts: jax.Array, tokens: jax.Array, add: jax.Array) -> jax.Array:
+    """counts [B, V] with tokens [B] counted once more as output where `add` [B] (saturating)."""
+    rows = jnp.arange(tokens.shape[0])
+    cur = counts[rows, tokens].astype(jnp.int32)
+    bumped = jnp.where((cur & COUNT_MASK) < COUNT_MASK, cur + 1, cur)
+    return counts.at[rows, tokens].set(jnp.where(add, bumped, cur).astype(counts.dtype))
+
+
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities of chosen tokens under the raw logits, with the top alternatives."""
+
+    logprob: jax.Array  # f32[...]: the token's
+    rank: jax.Array  # i32[...]: tokens at least as likely, itself included (vLLM's rank)
+    top_ids: jax.Array  # i32[..., N]: the N most likely, most likely first
+    top_logprobs: jax.Array  # f32[..., N]
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
+    """log_softmax of logits [B, V] (in f32) at tokens [B], their ranks, and the top
+    min(MAX_LOGPROBS, V) of each row: fixed shapes whatever each request asked for (the host
+    keeps what it asked)."""
+    x = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(x, axis=1)  # [B]
+    chosen = jnp.take_along_axis(x, tokens[:, None], axis=1)[:, 0]  # [B]
+    rank = jnp.sum(x >= chosen[:, None], axis=1, dtype=jnp.int32)
+    top, top_ids = lax.top_k(x, min(MAX_LOGPROBS, x.shape[1]))  # [B, N]
+    return TokenLogprobs(chosen - lse, rank, top_ids.astype(jnp.int32), top - lse[:, None])
+
+
+def empty_logprobs(shape: tuple[int, ...], vocab: int) -> TokenLogprobs:
+    """Zeros of `token_logprobs`'s shapes, for `shape` tokens."""
+    n = min(MAX_LOGPROBS, vocab)
+    return TokenLogprobs(
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros(shape, jnp.int32),
+        jnp.zeros((*shape, n), jnp.int32),
+        jnp.zeros((*shape, n), jnp.float32),
+    )
+
+
+def _min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Drop tokens less likely than min_p times the most likely one (vLLM's min_p)."""
+    top = jnp.max(scaled, axis=1, keepdims=True)
+    return jnp.where(jnp.exp(scaled - top) >= min_p[:, None], scaled, -jnp.inf)
+
+
 @jax.jit
 def sample(
     logits: jax.Array,  # [B, V]
@@ -88,6 +196,7 @@ def sample(
     top_p: jax.Array,  # f32[B]
     seed: jax.Array,  # u32[B], or u32[B, 2]: the [hi, lo] words of 64-bit seeds
     step: jax.Array,  # i32[B]: index of the token being generated for this request
+    min_p: jax.Array | None = None,  # f32[B], 0 = off
 ) -> jax.Array:  # i32[B]
     """Next token per row. Row b's randomness depends only on (seed[b], step[b])."""
     logits = logits.astype(jnp.float32)
@@ -97,6 +206,9 @@ def sample(
 
     def sampled():
         scaled = logits / jnp.where(do_sample, temperature, 1.0)[:, None]  # [B, V]
+        if min_p is not None:
+            p_min = jnp.where(do_sample, min_p, 0.0)
+            scaled = lax.cond(jnp.any(p_min > 0), _min_p, lambda s, _: s, scaled, p_min)
         # Greedy rows and top_k >= V never filter, so they never make a batch pay for it.
         k = jnp.where(do_sample & (top_k < vocab), top_k, 0)
         p = jnp.where(do_sample, top_p, 1.0)
@@ -122,15 +234,39 @@ def _is_real(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
+def _is_bounded(x, lo: float, hi: float) -> bool:
+    return _is_real(x) and lo <= x <= hi
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """What a user asks of one request (vLLM-style). Validated on construction.
+    """What a user asks of one request (vLLM-style). Validated on construction: a bad value is a
+    ValueError that names its field.
 
     top_k: 0 keeps every token (vLLM's -1 is rejected: use 0). top_p: in (0, 1], 1.0 = off.
     temperature: 0 = greedy. seed: an int in [-2**63, 2**64) (a negative one means its 64-bit two's
     complement, as in torch); None = a seed the engine draws from its own seed, one per request.
     stop: strings that end the output (not included in it). stop_token_ids: extra stop ids.
     ignore_eos: keep generating past EOS (for benchmarks).
+
+    n: sequences generated from the prompt; they share its KV blocks, and sequence i samples
+    with seed + i (vLLM's rule; seedless, each draws its own). logprobs: None, or 0-20: each
+    generated token's logprob and rank, and that many most likely alternatives.
+    prompt_logprobs: None, or 0-20: the same for every prompt token after the first, given the
+    tokens before it (such a prompt is prefilled without the prefix cache, as in vLLM).
+    Logprobs are those of the model's raw distribution: log_softmax of its logits before
+    logit_bias, penalties, temperature and the filters (vLLM's default, "raw_logprobs").
+
+    presence_penalty, frequency_penalty in [-2, 2]: subtracted from a token's logit once if it
+    is in the output so far, and per occurrence (OpenAI's and vLLM's definitions).
+    repetition_penalty > 0, 1 = off: a token in the prompt or the output so far has a positive
+    logit divided by it and a negative one multiplied by it (HF's and vLLM's). logit_bias:
+    {token id: bias in [-100, 100]} added to those logits (at most 256 entries; ids checked
+    against the vocabulary when the request is added). min_tokens: EOS and the stop ids cannot
+    be sampled, and stop strings are not looked for, until that many tokens are generated.
+    min_p in [0, 1]: drop tokens less likely than min_p times the most likely one (after
+    temperature). Order, as vLLM's: logit_bias, min_tokens, penalties, temperature, min_p,
+    top_k, top_p.
     """
 
     max_tokens: int = 16
@@ -141,6 +277,15 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
@@ -167,6 +312,39 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_bounded(getattr(self, name), -2, 2):
+                raise ValueError(f"{name} must be a number in [-2, 2], got {getattr(self, name)!r}")
+        rep = self.repetition_penalty
+        if not (_is_real(rep) and 0 < rep < math.inf):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {rep!r}"
+            )
+        bias = self.logit_bias
+        if bias is not None and not (
+            isinstance(bias, dict)
+            and all(_is_int(t) and t >= 0 and _is_bounded(v, -100, 100) for t, v in bias.items())
+        ):
+            raise ValueError(
+                f"logit_bias must map token ids (ints >= 0) to numbers in [-100, 100], got {bias!r}"
+            )
+        if bias is not None and len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(bias)} entries, at most {MAX_LOGIT_BIAS}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        if not _is_bounded(self.min_p, 0, 1):
+            raise ValueError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
         # Normalise so the engine sees one form: floats, lists, plain ints.
         set_ = functools.partial(object.__setattr__, self)
         set_("max_tokens", int(self.max_tokens))
@@ -177,3 +355,20 @@ class SamplingParams:
         set_("stop", None if stop is None else list(stop))
         set_("stop_token_ids", None if ids is None else [int(i) for i in ids])
         set_("ignore_eos", bool(self.ignore_eos))
+        set_("n", int(self.n))
+        for name in ("logprobs", "prompt_logprobs"):
+            set_(name, None if getattr(self, name) is None else int(getattr(self, name)))
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            set_(name, float(getattr(self, name)))
+        set_("logit_bias", None if bias is None else {int(t): float(v) for t, v in bias.items()})
+        set_("min_tokens", int(self.min_tokens))
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether any logits processor (bias, min_tokens, penalties) changes this request's
+        logits."""
+        return bool(self.logit_bias or self.min_tokens or self.has_penalties)
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)

@@ -197,3 +197,20 @@ class IncrementalDetokenizer:
         if self._table is not None:
             return self._utf8.decode(b"", final=True)
         return self._window(final=True)
+
+
+class TokenTexts:
+    """id -> the text of that token alone (`tokenizer.decode([id])`: vLLM's `decoded_token` of
+    a logprob), decoded once per id: logprobs name up to 21 tokens per generated token. Ids the
+    tokenizer does not have (a model's padded vocabulary rows) are ''."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __getitem__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            known = token_id < len(self.tokenizer)
+            text = self._texts[token_id] = self.tokenizer.decode([token_id]) if known else ""
+        return text

@@ -67,8 +67,8 @@ def test_windows_record_the_spec(tok, tokens, cuts, max_tokens, stop_ids, ignore
     # Finished: all of its text; running: what is complete so far (a held-back character waits).
     text = tok.decode(expected)
     assert request.text == text if reason else text.startswith(request.text)
-    out = request.take_output()
-    assert out.token_ids == expected and out.finished == (reason is not None)
+    out = request.take_completion()
+    assert out.token_ids == expected and out.finished() == (reason is not None)
 
 
 @settings(max_examples=100, deadline=None)
@@ -91,4 +91,4 @@ def test_stop_strings_end_at_the_token_that_completes_one(tok, tokens, cuts, sto
         _feed(request, tokens, window_cuts)
         assert request.output_token_ids == ids and request.finish_reason == reason
         # While running, a tail that could grow into a stop string is held back.
-        assert request.text == text if reason else text.startswith(request.take_output().text)
+        assert request.text == text if reason else text.startswith(request.take_completion().text)

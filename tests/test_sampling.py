@@ -240,6 +240,24 @@ def test_new_values_do_not_recompile():
         {"stop_token_ids": [-1]},
         {"stop_token_ids": 5},
         {"ignore_eos": "yes"},
+        {"n": 0},
+        {"n": 1.0},
+        {"logprobs": 21},
+        {"logprobs": -1},
+        {"prompt_logprobs": 2.0},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": float("nan")},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": float("inf")},
+        {"logit_bias": {-1: 1.0}},
+        {"logit_bias": {3: 101.0}},
+        {"logit_bias": {"3": 1.0}},
+        {"logit_bias": [1, 2]},
+        {"logit_bias": dict.fromkeys(range(300), 1.0)},
+        {"min_tokens": -1},
+        {"min_tokens": 17},  # more than max_tokens (16)
+        {"min_p": 1.5},
+        {"min_p": None},
     ],
 )
 def test_params_validation(kwargs):
@@ -252,3 +270,6 @@ def test_params_normalised():
     assert sp.stop == ["\n"] and isinstance(sp.temperature, float) and type(sp.max_tokens) is int
     sp = SamplingParams(stop=("a", "b"), stop_token_ids=(1, np.int32(2)), seed=0)
     assert sp.stop == ["a", "b"] and sp.stop_token_ids == [1, 2] and sp.seed == 0
+    sp = SamplingParams(logit_bias={np.int64(3): np.float32(2.5)}, presence_penalty=1, min_p=0)
+    assert sp.logit_bias == {3: 2.5} and type(next(iter(sp.logit_bias))) is int
+    assert type(sp.presence_penalty) is float and type(sp.min_p) is float

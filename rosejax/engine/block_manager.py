@@ -110,15 +110,25 @@ class BlockAllocator:
             hits.append(b)
         return hits
 
-    def probe(self, token_ids: Sequence[int]) -> PromptPlan:
+    def probe(
+        self,
+        token_ids: Sequence[int],
+        use_cache: bool = True,
+        shared: Sequence[int] = (),
+    ) -> PromptPlan:
         """What `allocate` would do for this prompt now: its cached prefix, the free blocks it
         needs, and the work `allocate(token_ids, plan)` can reuse if nothing is allocated or
-        freed between."""
+        freed between. `use_cache=False`: no prefix-cache hits (its blocks still enter the
+        cache). `shared`: live blocks holding the KV of its leading full blocks (a sibling
+        sequence's prompt), used instead of the cache; the last token is always computed."""
         tokens = [int(t) for t in token_ids]
         if not tokens:
             raise ValueError("cannot allocate an empty prompt")
         hashes = self._hashes(tokens) if self.enable_prefix_caching else []
-        hits = self._match(tokens, hashes)
+        if shared:
+            hits = list(shared[: (len(tokens) - 1) // self.block_size])
+        else:
+            hits = self._match(tokens, hashes) if use_cache else []
         # Revived hits (refcount 0) come out of the free list as well as fresh blocks.
         need = _cdiv(len(tokens), self.block_size) - sum(self._ref[b] > 0 for b in hits)
         return PromptPlan(tokens, hashes, hits, len(hits) * self.block_size, need)

@@ -22,25 +22,42 @@ import jax
 import numpy as np
 
 from rosejax.engine.block_manager import BlockAllocator
-from rosejax.engine.request import Request, RequestOutput, RequestStatus
+from rosejax.engine.request import (
+    Logprob,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SampleLogprobs,
+    SequenceGroup,
+)
 from rosejax.engine.scheduler import Scheduler
 from rosejax.layers.kv_cache import init_kv_cache, kv_cache_bytes_per_block, num_blocks_for
-from rosejax.model_runner import NUM_STOP_IDS, ModelRunner
+from rosejax.model_runner import (
+    EXTRA_ROW_FIELDS,
+    MAX_MIN_TOKENS_STOP_IDS,
+    NUM_BIAS,
+    NUM_STOP_IDS,
+    ModelRunner,
+)
 from rosejax.models import eos_token_ids, with_context_len
 from rosejax.models.loader import load_model, resolve_dtype
-from rosejax.sampling import SamplingParams
+from rosejax.sampling import COUNT_MASK, PROMPT_BIT, SamplingParams, TokenLogprobs
 from rosejax.settings import (
     DEFAULT_GPU_MIN_DECODE_BATCH,
     EngineConfig,
     KernelConfig,
     configure_process,
 )
-from rosejax.tokenizer import IncrementalDetokenizer, load_tokenizer
+from rosejax.tokenizer import IncrementalDetokenizer, TokenTexts, load_tokenizer
 
 logger = logging.getLogger("rosejax")
 
 AUTO_FULL_STEPS = 32  # "auto" decode window while the batch is full: throughput
 AUTO_OPEN_STEPS = 8  # "auto" decode window while the batch has free slots
+# Prefills that compute prompt logprobs hold logits [tokens, V] in float32: at most this many
+# padded tokens (V=151,936: 1.2 GB), longer prompts in chunks of PROMPT_LOGPROBS_CHUNK.
+MAX_LOGITS_TOKENS = 2048
+PROMPT_LOGPROBS_CHUNK = 512
 _F32_MAX, _F32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32).tiny)
 
 
@@ -97,6 +114,7 @@ class LLMEngine:
         if config.max_model_len is not None:
             self.config = with_context_len(self.config, config.max_model_len)
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
+        self.token_texts = TokenTexts(self.tokenizer)  # the decoded_token of logprobs
         logger.info("loaded the model and tokenizer in %.1f s", time.perf_counter() - start)
         self.block_size = config.block_size
         self.max_batch_size = config.max_batch_size
@@ -127,6 +145,8 @@ class LLMEngine:
             prefill_batch,
             prefill_cost=self._prefill_shape_tokens,
             prefill_chunk=self.prefill_chunk,
+            max_logits_tokens=min(config.max_prefill_tokens, MAX_LOGITS_TOKENS),
+            logits_chunk=PROMPT_LOGPROBS_CHUNK,
         )
         min_batch = config.min_decode_batch or (1 if on_cpu else DEFAULT_GPU_MIN_DECODE_BATCH)
         num_slots = max(self.max_batch_size, min_batch)
@@ -145,12 +165,14 @@ class LLMEngine:
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
         self.seed = config.seed
         self._seeds = np.random.default_rng(config.seed)  # seeds of requests that bring none
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, SequenceGroup] = {}
         self._arrivals = 0
         # A min-heap: a new request takes the lowest free slot, so the decode width stays low.
         self._free_slots = list(range(self.max_batch_size))
         self._kill = np.zeros(num_slots, bool)  # slots the device must stop
-        # Dispatched, not yet read back: (kind, tokens, [(request, epoch, column)], window steps).
+        # Dispatched, not yet read back: (kind, tokens, their logprobs, [(request, epoch,
+        # column)], window steps, prompt logprobs: None or (TokenLogprobs [Bp, T],
+        # [(request, row, first prompt position)])).
         self._pending: deque = deque()
         # Where the host's time goes: scheduling and dispatch, waiting for the device, reading
         # results back into requests (bench/profile_decode.py prints it).
@@ -229,10 +251,15 @@ class LLMEngine:
     def warmup_programs(self) -> list[tuple[str, int, int | bool]]:
         """Every program warm-up compiles, ("prefill", rows, tokens) or ("decode", rows, greedy),
         the ones a first request needs first (the smallest prefill, the smallest decode bucket
-        greedy and sampled), then the rest from the smallest."""
+        greedy and sampled), then the rest from the smallest; on a GPU then each decode
+        bucket's program with the logits processors and logprobs ("decode-extras", rows,
+        greedy), last (a server compiles them while idle: a CPU compiles them on first use in
+        seconds, and its tests need few). Prefills with them compile on first use."""
         prefill = [("prefill", b, t) for b, t in sorted(self.prefill_shapes(), key=math.prod)]
         decode = [("decode", b, g) for b in self.decode_buckets for g in (True, False)]
-        return prefill[:1] + decode[:2] + sorted(prefill[1:] + decode[2:], key=lambda p: p[1])
+        extras = [] if self.on_cpu else [("decode-extras", b, g) for _, b, g in decode]
+        plain = prefill[:1] + decode[:2] + sorted(prefill[1:] + decode[2:], key=lambda p: p[1])
+        return plain + extras
 
     def warmup(self, programs: list[tuple[str, int, int | bool]] | None = None) -> float:
         """Compile `programs` (default: every one) that are not compiled yet, logging each;
@@ -244,9 +271,9 @@ class LLMEngine:
             t0 = time.perf_counter()
             kind, rows, arg = program
             if kind == "prefill":
-                self.runner.prefill(self._prefill_batch([], [], [], rows, arg))
+                self.runner.prefill(self._prefill_batch([], [], [], rows, arg, False))
             else:
-                self.runner.decode(rows, 0, arg, self._kill, [])
+                self.runner.decode(rows, 0, arg, self._kill, [], (), kind == "decode-extras")
             jax.block_until_ready(self.runner.state)
             self._warm.add(program)
             logger.info(
@@ -290,45 +317,62 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
     ) -> None:
-        """Queue a request. Bad input raises ValueError and leaves the engine as it was."""
+        """Queue a request (its n sequences). Bad input raises ValueError and leaves the engine
+        as it was."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.prompt_ids(prompt)
         n_pos, vocab = self.config.max_model_len, self.config.vocab_size
-        stop_ids = params.stop_token_ids or ()
-        if stop_ids and not (min(stop_ids) >= 0 and max(stop_ids) < vocab):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
-        request = Request(
-            request_id,
-            ids,
-            params,
-            0,  # drawn below, once the request is accepted
-            IncrementalDetokenizer(self.tokenizer, vocab_size=self.config.vocab_size),
-            eos_token_ids(self.config),
-            n_pos,
-        )
-        need = -(-(len(ids) + request.max_output) // self.block_size)
+        for name in ("stop_token_ids", "logit_bias"):
+            values = getattr(params, name) or ()
+            if values and not (min(values) >= 0 and max(values) < vocab):
+                raise ValueError(f"{name} must hold token ids in [0, {vocab})")
+        sequences = [
+            Request(
+                request_id,
+                ids,
+                params,
+                0,  # drawn below, once the request is accepted
+                IncrementalDetokenizer(self.tokenizer, vocab_size=self.config.vocab_size),
+                eos_token_ids(self.config),
+                n_pos,
+                index=i,
+            )
+            for i in range(params.n)
+        ]
+        first = sequences[0]
+        if params.min_tokens and len(first.device_stop_ids) > MAX_MIN_TOKENS_STOP_IDS:
+            raise ValueError(
+                f"min_tokens holds off at most {MAX_MIN_TOKENS_STOP_IDS} stop ids (EOS "
+                f"included), this request has {len(first.device_stop_ids)}"
+            )
+        need = -(-(len(ids) + first.max_output) // self.block_size)
         if need > self.allocator.num_blocks - 1:
             raise ValueError(
                 f"the KV cache ({self.allocator.num_blocks - 1} blocks of {self.block_size}) "
                 f"cannot hold this request ({need} blocks); raise kv_cache_tokens"
             )
         # A request without a seed gets one drawn from the engine's: reproducible for one
-        # engine seed and arrival order, a different stream for every request.
-        seed = params.seed
-        if seed is None:
-            seed = int(self._seeds.integers(2**64, dtype=np.uint64))
-        request.seed = seed % 2**64  # the device takes a seed's 64 bits as two words
+        # engine seed and arrival order, a different stream for every request. With a seed,
+        # sequence i samples with seed + i (vLLM's rule).
+        for i, sequence in enumerate(sequences):
+            seed = params.seed
+            seed = int(self._seeds.integers(2**64, dtype=np.uint64)) if seed is None else seed + i
+            sequence.seed = seed % 2**64  # the device takes a seed's 64 bits as two words
         self._arrivals += 1
-        self._requests[request_id] = request
-        self.scheduler.add(request)
+        self._requests[request_id] = SequenceGroup(
+            request_id, sequences, params.prompt_logprobs is not None
+        )
+        for sequence in sequences:
+            self.scheduler.add(sequence)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks; unknown ids are ignored."""
-        request = self._requests.pop(request_id, None)
-        if request is not None:
-            self._release(request)
+        group = self._requests.pop(request_id, None)
+        if group is not None:
+            for sequence in group.sequences:
+                self._release(sequence)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -373,18 +417,53 @@ class LLMEngine:
             r.epoch += 1
             r.blocks_on_device = len(r.table.blocks)
             r.inflight = 0
+            if r.params.has_processors:
+                self._load_row(r)
         self._kill[slots] = False
         suffix = plan.num_tokens
         self.prefill_tokens_computed += sum(suffix)
         b, t = self._prefill_shape(len(requests), max(suffix))
-        first = self.runner.prefill(self._prefill_batch(requests, plan.num_cached, suffix, b, t))
-        if not done:  # nothing to read back: the running requests decode in this step too
-            return False
+        # Rows whose prompt logprobs this prefill computes: (request, row, first position,
+        # positions).
+        prompt_rows = [
+            (r, i, c + 1, max(0, min(s, len(r.prompt_token_ids) - c - 1)))
+            for i, (r, c, s) in enumerate(zip(requests, plan.num_cached, suffix, strict=True))
+            if r.prompt_logprobs_needed
+        ]
+        batch = self._prefill_batch(requests, plan.num_cached, suffix, b, t, bool(prompt_rows))
+        first, logprobs, prompt_logprobs = self.runner.prefill(batch)
+        for r in done:
+            r.prompt_logprobs_needed = False  # its whole prompt's logprobs are dispatched
         roster = [(r, r.epoch, i) for i, r in enumerate(requests) if r.slot >= 0]
-        self._pending.append(("prefill", first, roster, 0))
-        return True
+        if roster or prompt_rows:
+            prompt = (prompt_logprobs, prompt_rows) if prompt_rows else None
+            self._pending.append(("prefill", first, logprobs, roster, 0, prompt))
+        # With no first token to read back, the running requests decode in this step too.
+        return bool(done)
 
-    def _prefill_batch(self, requests, cached, suffix, b: int, t: int) -> dict[str, np.ndarray]:
+    def _load_row(self, request: Request) -> None:
+        """Send a request's bias entries and token counts (prompt bits and output counts, for
+        its penalties) to its slot, before the prefill that samples from them."""
+        bias = (
+            np.zeros(NUM_BIAS, np.int32),
+            np.zeros(NUM_BIAS, np.float32),
+            np.zeros(NUM_BIAS, np.int32),  # until 0: unused entries never hold
+        )
+        for array, values in zip(bias, request.bias_entries(), strict=True):
+            array[: len(values)] = values
+        ids = counts = np.zeros(0, np.int32)
+        if request.params.has_penalties:
+            prompt = np.unique(request.prompt_token_ids)
+            output, times = np.unique(np.asarray(request.output_token_ids, int), return_counts=True)
+            ids = np.union1d(prompt, output)
+            counts = np.zeros(len(ids), np.uint16)
+            counts[np.searchsorted(ids, prompt)] = PROMPT_BIT
+            counts[np.searchsorted(ids, output)] |= np.minimum(times, COUNT_MASK).astype(np.uint16)
+        self.runner.load_row(request.slot, bias, ids, counts)
+
+    def _prefill_batch(
+        self, requests, cached, suffix, b: int, t: int, prompt_logprobs: bool
+    ) -> dict[str, np.ndarray]:
         n = len(requests)
         batch = dict(
             tokens=np.zeros((b, t), np.int32),
@@ -409,21 +488,40 @@ class LLMEngine:
         _fill_rows(batch["tokens"], uncached)
         _fill_rows(batch["tables"], [r.table.blocks for r in requests])
         _fill_rows(batch["stop_ids"], [r.device_stop_ids[:NUM_STOP_IDS] for r in requests])
+        if prompt_logprobs:  # each position's next prompt token (0 past the prompt: unread)
+            targets = [
+                r.prompt_token_ids[c + 1 : c + s + 1]
+                for r, c, s in zip(requests, cached, suffix, strict=True)
+            ]
+            batch["prompt_targets"] = np.zeros((b, t), np.int32)
+            _fill_rows(batch["prompt_targets"], targets)
         cached = np.asarray(cached, np.int32)
         suffix = np.asarray(suffix, np.int32)
         batch["positions"][:n] += cached[:, None]
         batch["seq_lens"][:n], batch["last"][:n] = cached + suffix, suffix - 1
         batch["slots"][:n] = [r.slot if r.slot >= 0 else self.runner.num_slots for r in requests]
+        params = [r.params for r in requests]
         # Each value held inside float32, as it means: a temperature past its largest is as
         # hot; a top_p below its smallest positive one keeps the top token (0 would keep none).
-        batch["temperature"][:n] = [min(r.params.temperature, _F32_MAX) for r in requests]
+        batch["temperature"][:n] = [min(p.temperature, _F32_MAX) for p in params]
         # top_k >= vocab keeps everything, like 0; clamping keeps it inside int32.
-        batch["top_k"][:n] = [min(r.params.top_k, self.config.vocab_size) for r in requests]
-        batch["top_p"][:n] = [max(r.params.top_p, _F32_TINY) for r in requests]
+        batch["top_k"][:n] = [min(p.top_k, self.config.vocab_size) for p in params]
+        batch["top_p"][:n] = [max(p.top_p, _F32_TINY) for p in params]
         seeds = np.fromiter((r.seed for r in requests), np.uint64, n)
         batch["seed"][:n, 0], batch["seed"][:n, 1] = seeds >> np.uint64(32), seeds  # [hi, lo]
         batch["steps"][:n] = [len(r.output_token_ids) for r in requests]
         batch["limit"][:n] = [r.max_output for r in requests]
+        if any(r.extras for r in requests):  # the other program, with the extras' fields
+            for name, neutral in EXTRA_ROW_FIELDS.items():
+                batch[name] = np.full(
+                    b, neutral, np.float32 if isinstance(neutral, float) else bool
+                )
+            batch["min_p"][:n] = [p.min_p for p in params]
+            batch["logprobs"][:n] = [p.logprobs is not None for p in params]
+            batch["presence"][:n] = [p.presence_penalty for p in params]
+            batch["frequency"][:n] = [p.frequency_penalty for p in params]
+            batch["repetition"][:n] = [p.repetition_penalty for p in params]
+            batch["has_bias"][:n] = [bool(r.bias_entries()[0]) for r in requests]
         return batch
 
     def _window(self, running: list[Request]) -> int:
@@ -457,10 +555,12 @@ class LLMEngine:
             r.inflight += k
         b = _bucket(max(r.slot for r in running) + 1, self.decode_buckets)
         greedy = all(r.params.temperature == 0 for r in running)
+        extras = any(r.extras for r in running)
         # A copy: on the CPU jax may alias a numpy argument, and this one is reset at once.
-        out = self.runner.decode(b, k, greedy, self._kill.copy(), updates, moves)
+        out = self.runner.decode(b, k, greedy, self._kill.copy(), updates, moves, extras)
         self._kill[:] = False
-        self._pending.append(("decode", out, [(r, r.epoch, r.slot) for r in running], k))
+        roster = [(r, r.epoch, r.slot) for r in running]
+        self._pending.append(("decode", *out, roster, k, None))
         return True
 
     def _compact(self, running: list[Request]) -> list[tuple[int, int]]:
@@ -477,8 +577,11 @@ class LLMEngine:
             r.slot = dst
         return moves
 
-    def _harvest(self, kind: str, tokens: jax.Array, roster, k: int) -> list[RequestOutput]:
-        """Read back a dispatched program's tokens and feed them to their requests."""
+    def _harvest(
+        self, kind: str, tokens: jax.Array, logprobs: TokenLogprobs, roster, k: int, prompt
+    ) -> list[RequestOutput]:
+        """Read back a dispatched program's tokens (and logprobs, if a request asked) and feed
+        them to their requests; one output per request that gained something."""
         t0 = time.perf_counter()
         tokens = np.asarray(tokens)  # waits for that program only
         t1 = time.perf_counter()
@@ -486,8 +589,14 @@ class LLMEngine:
         # One conversion to Python ints per program, not one numpy scalar per token; a window
         # of k steps fills only the first k of the program's max_decode_steps rows.
         columns = (tokens[None] if kind == "prefill" else tokens[:k]).T.tolist()  # [B][K]
+        if any(r.logprobs is not None for r, _, _ in roster):
+            logprobs = jax.device_get(logprobs)
+            if kind == "prefill":
+                logprobs = TokenLogprobs(*(a[None] for a in logprobs))  # [1, Bp, ...]
+        if prompt is not None:
+            self._take_prompt_logprobs(*prompt)
         decoded = kind == "decode"
-        outputs = []
+        touched: dict[str, SequenceGroup] = {}
         for request, epoch, column in roster:
             if request.epoch != epoch or request.status != RequestStatus.RUNNING:
                 continue  # preempted or aborted since: its tokens here are void
@@ -497,21 +606,71 @@ class LLMEngine:
             # restarts within a window), so the -1s only trail.
             if row and row[-1] < 0:
                 row = row[: row.index(-1)]
+            group = request.group
+            touched[group.request_id] = group
             try:
-                outputs.append(self._take(request, row, decoded))
+                self._take(request, row, decoded, logprobs, column)
             except Exception as e:  # a failure serving one request ends that request alone
                 logger.exception("request %s failed; ending it", request.request_id)
-                outputs.append(request.fail(f"{type(e).__name__}: {e}"))
+                group.fail(f"{type(e).__name__}: {e}")
+                for sequence in group.sequences:
+                    self._release(sequence)
             if request.finished:
-                del self._requests[request.request_id]
                 self._release(request)
+        outputs = []
+        for group in touched.values():
+            outputs.append(group.take_output())
+            if group.finished:
+                del self._requests[group.request_id]
         self.host_seconds["harvest"] += time.perf_counter() - t1
         return outputs
 
-    def _take(self, request: Request, row: list[int], decoded: bool) -> RequestOutput:
-        """Feed a request the tokens one program made for it; its output."""
+    def _take(
+        self, request: Request, row: list[int], decoded: bool, logprobs: TokenLogprobs, column
+    ) -> None:
+        """Feed a request the tokens one program made for it (and their logprobs)."""
         taken = request.add_tokens(row)
         if decoded and taken:  # KV is now cached for the token fed at the window's first step
             # (the prefill's token, read back before any window) and for each taken but the last
             self.allocator.extend(request.table, request.output_token_ids[-taken - 1 : -1])
-        return request.take_output()
+        if request.logprobs is not None and taken:
+            lp = TokenLogprobs(*(a[:taken, column] for a in logprobs))
+            chosen = lp.logprob.tolist()
+            request.add_logprobs(
+                self._logprob_dicts(row[:taken], chosen, lp, request.params.logprobs), chosen
+            )
+
+    def _take_prompt_logprobs(self, logprobs: TokenLogprobs, rows) -> None:
+        """Record a prefill's prompt logprobs: rows are (request, row, first position, count)."""
+        logprobs = jax.device_get(logprobs)
+        for request, row, start, count in rows:
+            group = request.group
+            if self._requests.get(group.request_id) is not group:
+                continue  # aborted since
+            lp = TokenLogprobs(*(a[row, :count] for a in logprobs))
+            targets = request.prompt_token_ids[start : start + count]
+            group.add_prompt_logprobs(
+                start,
+                self._logprob_dicts(
+                    targets, lp.logprob.tolist(), lp, request.params.prompt_logprobs
+                ),
+            )
+
+    def _logprob_dicts(
+        self, tokens: list[int], chosen: list[float], lp: TokenLogprobs, top: int
+    ) -> SampleLogprobs:
+        """vLLM's per-token dicts: {token: Logprob} for each token, then its `top` most likely
+        alternatives (ranks 1..top) that are not the token itself."""
+        text = self.token_texts
+        ranks = lp.rank.tolist()
+        top_ids, top_lps = lp.top_ids[:, :top].tolist(), lp.top_logprobs[:, :top].tolist()
+        dicts = []
+        for token, value, rank, ids, values in zip(
+            tokens, chosen, ranks, top_ids, top_lps, strict=True
+        ):
+            d = {token: Logprob(value, rank, text[token])}
+            for i, (alt, alt_value) in enumerate(zip(ids, values, strict=True)):
+                if alt not in d:
+                    d[alt] = Logprob(alt_value, i + 1, text[alt])
+            dicts.append(d)
+        return dicts

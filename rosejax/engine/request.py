@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Sequence
 
 from rosejax.engine.block_manager import BlockTable
-from rosejax.sampling import SamplingParams
+from rosejax.sampling import NO_BIAS_UNTIL, SamplingParams
 from rosejax.tokenizer import IncrementalDetokenizer
 
 
@@ -18,8 +19,47 @@ class RequestStatus(enum.Enum):
 
 
 @dataclasses.dataclass
+class Logprob:
+    """vLLM's: a token's log-probability under the model's raw distribution, its rank (1 = the
+    most likely; ties share the worst rank, as vLLM counts) and its text (`tokenizer.decode` of
+    the token alone)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token: {token id: Logprob} with the sampled token and the top-N alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token: the same given the tokens before it; None for the first.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM's CompletionOutput), and what this step added to it."""
+
+    index: int  # which of the request's n sequences
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # sum of the tokens' logprobs; None unless logprobs asked
+    logprobs: SampleLogprobs | None  # one dict per token of token_ids; None unless asked
+    finish_reason: str | None = None  # "stop" or "length" once finished, "error" if it failed
+    new_token_ids: list[int] = dataclasses.field(default_factory=list)
+    new_text: str = ""
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
 class RequestOutput:
-    """What a client sees after a step: the whole output so far, and what this step added."""
+    """What a client sees after a step: the whole output so far, and what this step added.
+
+    `outputs` holds the request's n sequences (vLLM's RequestOutput.outputs). The flat fields
+    (token_ids, text, new_token_ids, new_text) are outputs[0]'s, so n = 1 reads as before;
+    `finished` is the whole request's (every sequence finished) and `finish_reason` is
+    outputs[0]'s once it is, else None."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -30,11 +70,22 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" or "length" once finished; "error" if serving it failed
     error: str | None = None  # what failed, when finish_reason is "error"
+    outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
 
 
 class Request:
+    """One sequence the scheduler runs: a prompt and the tokens generated after it. A request
+    with n > 1 runs as n of them, `index` 0 to n-1, in one `SequenceGroup`."""
+
     __slots__ = (
         "request_id",
+        "index",
+        "group",
+        "logprobs",
+        "cumulative_logprob",
+        "prompt_logprobs_needed",
+        "extras",
         "prompt_token_ids",
         "output_token_ids",
         "params",
@@ -66,8 +117,18 @@ class Request:
         detokenizer: IncrementalDetokenizer,
         eos_token_id: int | Sequence[int],  # one id, or every id that ends a generation
         max_context: int,
+        index: int = 0,
     ):
         self.request_id = request_id
+        self.index = index
+        self.group: SequenceGroup | None = None  # set by the group it joins
+        self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # Whether its prefill must still compute the prompt's logprobs (one sequence of a group
+        # does; cleared once the prefill that ends the prompt is dispatched).
+        self.prompt_logprobs_needed = index == 0 and params.prompt_logprobs is not None
+        # Whether it needs the device programs with logits processors, min_p and logprobs.
+        self.extras = params.has_processors or params.min_p > 0 or params.logprobs is not None
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.params = params
@@ -93,6 +154,17 @@ class Request:
         self.inflight = 0  # KV slots that dispatched, unread decode windows may write
         self.num_computed = 0  # prompt tokens prefilled so far, for a prompt prefilled in chunks
         self._new_from = 0  # first output token not yet reported
+
+    def bias_entries(self) -> tuple[list[int], list[float], list[int]]:
+        """Its sparse logit biases as (token ids, values, steps until which each holds): the
+        logit_bias, then -inf on every stop id (EOS included) until min_tokens."""
+        bias = self.params.logit_bias or {}
+        ids, values, until = list(bias), list(bias.values()), [NO_BIAS_UNTIL] * len(bias)
+        if self.params.min_tokens:
+            ids += self.device_stop_ids
+            values += [-math.inf] * len(self.device_stop_ids)
+            until += [self.params.min_tokens] * len(self.device_stop_ids)
+        return ids, values, until
 
     @property
     def num_tokens(self) -> int:
@@ -134,9 +206,16 @@ class Request:
         if self.finish_reason:
             piece += self.detokenizer.flush()
         self.text += piece
-        if self.params.stop:
+        # min_tokens holds stop strings off too (vLLM: matched once past that many tokens).
+        if self.params.stop and len(self.output_token_ids) > self.params.min_tokens:
             self._apply_stop_strings(len(piece))
         return len(taken)
+
+    def add_logprobs(self, entries: SampleLogprobs, logprobs: list[float]) -> None:
+        """Record the logprob dicts of the tokens `add_tokens` just took, and their own
+        logprobs (for the cumulative one)."""
+        self.logprobs.extend(entries)
+        self.cumulative_logprob += sum(logprobs)
 
     def _apply_stop_strings(self, piece_len: int) -> None:
         # Only the new piece (and the longest stop string before it) can hold a new match.
@@ -168,35 +247,86 @@ class Request:
                 i = tail.find(s[0], i + 1)
         return len(text) - hold
 
-    def fail(self, error: str) -> RequestOutput:
-        """End the request because serving it failed (its text so far is not handed out)."""
-        self.finish_reason, self.error = "error", error
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt_token_ids,
-            token_ids=self.output_token_ids,
-            text=self.text[: self.emitted],
-            new_token_ids=[],
-            new_text="",
-            finished=True,
-            finish_reason="error",
-            error=error,
-        )
-
-    def take_output(self) -> RequestOutput:
+    def take_completion(self) -> CompletionOutput:
+        """Its output so far, and what it gained since the last call."""
         end = max(self.emitted, self._emittable())
         new_text, self.emitted = self.text[self.emitted : end], end
         new_ids = self.output_token_ids[self._new_from :]
         self._new_from = len(self.output_token_ids)
+        finished = self.finished
+        logprobs = self.logprobs
+        return CompletionOutput(
+            index=self.index,
+            # A finished request's lists never change again: handed out as they are, not copied
+            # (the last window of a batch finishes every request at once).
+            text=self.text if finished else self.text[: self.emitted],
+            token_ids=self.output_token_ids if finished else list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs if finished or logprobs is None else list(logprobs),
+            finish_reason=self.finish_reason,
+            new_token_ids=new_ids,
+            new_text=new_text,
+        )
+
+
+class SequenceGroup:
+    """What one `add_request` asked for: a prompt, its n sequences (`Request`s, which the
+    scheduler runs one by one) and the prompt's logprobs; a step hands out one RequestOutput
+    for all of them."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "sequences", "prompt_logprobs", "error")
+
+    def __init__(self, request_id: str, sequences: list[Request], prompt_logprobs: bool):
+        self.request_id = request_id
+        self.prompt_token_ids = sequences[0].prompt_token_ids
+        self.sequences = sequences
+        for sequence in sequences:
+            sequence.group = self
+        # Filled position by position as prefills are read back; the first token has none.
+        self.prompt_logprobs: PromptLogprobs | None = [None] if prompt_logprobs else None
+        self.error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.sequences)
+
+    def add_prompt_logprobs(self, start: int, entries: PromptLogprobs) -> None:
+        """The logprob dicts of prompt positions start, start + 1, ...; positions already
+        recorded are skipped (so a prefill read back twice adds nothing twice)."""
+        have = len(self.prompt_logprobs)
+        self.prompt_logprobs.extend(entries[max(0, have - start) :])
+
+    def fail(self, error: str) -> None:
+        """End every sequence because serving one failed (their text so far is not handed out)."""
+        self.error = error
+        for s in self.sequences:
+            s.finish_reason = "error"
+
+    def take_output(self) -> RequestOutput:
+        if self.error is not None:
+            first = self.sequences[0]
+            return RequestOutput(
+                request_id=self.request_id,
+                prompt_token_ids=self.prompt_token_ids,
+                token_ids=first.output_token_ids,
+                text=first.text[: first.emitted],
+                new_token_ids=[],
+                new_text="",
+                finished=True,
+                finish_reason="error",
+                error=self.error,
+            )
+        outputs = [s.take_completion() for s in self.sequences]
+        first, finished = outputs[0], self.finished
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
-            # A finished request's list never changes again: handed out as it is, not copied
-            # (the last window of a batch finishes every request at once).
-            token_ids=self.output_token_ids if self.finished else list(self.output_token_ids),
-            text=self.text[: self.emitted] if not self.finished else self.text,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=self.finished,
-            finish_reason=self.finish_reason,
+            token_ids=first.token_ids,
+            text=first.text,
+            new_token_ids=first.new_token_ids,
+            new_text=first.new_text,
+            finished=finished,
+            finish_reason=first.finish_reason if finished else None,
+            outputs=outputs,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -7,6 +7,12 @@ compiled at warm-up agree on which batch shapes exist. When a running request ca
 for its next token, the newest running request is preempted: its blocks are freed and it goes
 back to the head of the queue, to be recomputed (prompt + what it generated so far) when there
 is room again.
+
+A request that wants its prompt's logprobs needs logits at every prompt position: it skips the
+prefix cache (as in vLLM), its prefill batch is held to `max_logits_tokens` padded tokens, and
+its prompt is prefilled in chunks of at most `logits_chunk` tokens. The n sequences of one
+request share the KV blocks of their prompt: through the prefix cache, or, with it off, through
+a running sibling's table; a sequence waits while a sibling is still being prefilled in chunks.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable
 
-from rosejax.engine.block_manager import BlockAllocator
+from rosejax.engine.block_manager import BlockAllocator, PromptPlan
 from rosejax.engine.request import Request, RequestStatus
 
 
@@ -46,11 +52,15 @@ class Scheduler:
         max_prefill_batch: int,
         prefill_cost: Callable[[int, int], int],
         prefill_chunk: int | None = None,
+        max_logits_tokens: int | None = None,
+        logits_chunk: int | None = None,
     ):
         """`prefill_cost(rows, longest)`: tokens the device computes for a prefill of `rows`
         requests whose longest uncached suffix is `longest`. One request is always admissible.
         `prefill_chunk`: a prompt whose uncached part is longer is prefilled that many tokens
-        at a time, one such prompt at once (`prefilling`), between decode windows."""
+        at a time, one such prompt at once (`prefilling`), between decode windows.
+        `max_logits_tokens`, `logits_chunk`: the same two limits for prefills that compute the
+        prompt's logprobs (default: max_prefill_tokens and prefill_chunk)."""
         self.allocator = allocator
         self.prefill_cost = prefill_cost
         self.max_batch_size = max_batch_size
@@ -60,6 +70,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefill_chunk = prefill_chunk
+        self.max_logits_tokens = max_logits_tokens or max_prefill_tokens
+        chunks = [c for c in (prefill_chunk, logits_chunk) if c is not None]
+        self.logits_chunk = min(chunks) if chunks else None
         # The prompt being prefilled in chunks: it holds all its blocks and a decode slot's
         # place (not a slot yet), is not in `running` and is never preempted.
         self.prefilling: Request | None = None
@@ -71,10 +84,33 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
 
-    def prefill_fits(self, rows: int, longest: int) -> bool:
+    def prefill_fits(self, rows: int, longest: int, logits: bool = False) -> bool:
         """Whether a prefill of `rows` requests whose longest uncached suffix is `longest` tokens
-        is within the budget; a single request always is."""
-        return rows == 1 or self.prefill_cost(rows, longest) <= self.max_prefill_tokens
+        is within the budget (`logits`: one that computes prompt logprobs); a single request
+        always is."""
+        budget = self.max_logits_tokens if logits else self.max_prefill_tokens
+        return rows == 1 or self.prefill_cost(rows, longest) <= budget
+
+    def _chunk(self, request: Request) -> int | None:
+        """How many tokens at a time a long prompt of this request is prefilled; None: whole."""
+        if request.prompt_logprobs_needed:
+            return self.logits_chunk
+        return self.prefill_chunk
+
+    def _probe(self, request: Request, tokens: list[int]) -> PromptPlan | None:
+        """Its allocation plan; None while it must wait for a sibling's chunked prefill."""
+        if request.prompt_logprobs_needed:
+            return self.allocator.probe(tokens, use_cache=False)
+        siblings = [s for s in request.group.sequences if s is not request]
+        if any(s is self.prefilling for s in siblings):
+            return None  # its prompt's blocks are not all written yet: share them once they are
+        if not self.allocator.enable_prefix_caching:  # else the cache finds the sibling's blocks
+            prompt = len(request.prompt_token_ids)
+            for s in siblings:
+                if s.status == RequestStatus.RUNNING:
+                    n = min(prompt, len(tokens) - 1) // self.allocator.block_size
+                    return self.allocator.probe(tokens, shared=s.table.blocks[:n])
+        return self.allocator.probe(tokens)
 
     def admit(self) -> PrefillPlan | None:
         """The next chunk of the prompt being prefilled in chunks, if any, then newly admitted
@@ -88,10 +124,12 @@ class Scheduler:
         # and one prefill's row limit.
         slots = self.max_batch_size - len(self.running) - (self.prefilling is not None)
         max_rows = self.max_prefill_batch
+        logits = False  # whether this prefill computes prompt logprobs
         if self.prefilling is not None:
             request = self.prefilling
+            logits = request.prompt_logprobs_needed
             start = request.num_computed
-            n = min(self.prefill_chunk, request.num_tokens - start)
+            n = min(self._chunk(request), request.num_tokens - start)
             self._next_chunk(request, start, n)
             admitted.append(request)
             cached.append(start)
@@ -104,15 +142,21 @@ class Scheduler:
         while waiting and len(admitted) < max_rows and slots > 0:
             request = waiting[0]
             tokens = request.all_token_ids()
-            plan = allocator.probe(tokens)
+            plan = self._probe(request, tokens)
+            if plan is None:
+                break
             suffix = len(tokens) - plan.num_cached
-            chunked = self.prefill_chunk is not None and suffix > self.prefill_chunk
+            chunk = self._chunk(request)
+            chunked = chunk is not None and suffix > chunk
             if chunked and self.prefilling is not None:
                 break  # one prompt in chunks at a time; FIFO: the rest wait behind it
-            n = self.prefill_chunk if chunked else suffix
+            n = chunk if chunked else suffix
             grown = max(longest, n)
-            if not self.prefill_fits(len(admitted) + 1, grown) or not allocator.fits(plan):
+            with_logits = logits or request.prompt_logprobs_needed
+            fits = self.prefill_fits(len(admitted) + 1, grown, with_logits)
+            if not fits or not allocator.fits(plan):
                 break
+            logits = with_logits
             upto = plan.num_cached + n if chunked else None
             request.table, num_cached = allocator.allocate(tokens, plan, register_upto=upto)
             longest = grown
