@@ -64,7 +64,7 @@ class SlotState:
     seed: jax.Array  # u32[S, 2]: each row's 64-bit seed as [hi, lo]
     stop_ids: jax.Array  # i32[S, NUM_STOP_IDS], -1 = none
     block_tables: jax.Array  # i32[S, MB]
-    logprobs: jax.Array  # bool[S]: the row wants its tokens' logprobs
+    logprobs: jax.Array  # i32[S]: alternatives the row wants beside its tokens' logprobs; -1: none
     presence: jax.Array  # f32[S]
     frequency: jax.Array  # f32[S]
     repetition: jax.Array  # f32[S]
@@ -96,7 +96,7 @@ PREFILL_ROW_FIELDS = ("limit", "temperature", "top_k", "top_p", "seed", "stop_id
 # does not (what a prefill without them sets).
 EXTRA_ROW_FIELDS = {
     "min_p": 0.0,
-    "logprobs": False,
+    "logprobs": -1,
     "presence": 0.0,
     "frequency": 0.0,
     "repetition": 1.0,
@@ -122,7 +122,7 @@ def empty_slot_state(num_slots: int, max_blocks: int, vocab: int) -> SlotState:
         seed=z(2, dtype=jnp.uint32),
         stop_ids=jnp.full((num_slots, NUM_STOP_IDS), -1, jnp.int32),
         block_tables=z(max_blocks),
-        logprobs=z(dtype=bool),
+        logprobs=jnp.full((num_slots,), -1, jnp.int32),
         presence=z(dtype=jnp.float32),
         frequency=z(dtype=jnp.float32),
         repetition=jnp.ones((num_slots,), jnp.float32),
@@ -180,7 +180,8 @@ class ModelRunner:
         batch make other programs: the `EXTRA_ROW_FIELDS` (some row has logits processors,
         min_p or logprobs: the first tokens' logprobs are returned too, else None), and
         `prompt_targets` [Bp, T], the next prompt token at each position, whose logprobs are
-        returned too (logits at every position), else None."""
+        returned too (logits at every position), with the `prompt_top` alternatives the rows
+        ask for at most; else None."""
         self.num_compiles += 1  # runs only while tracing
         meta = ForwardMetadata(batch["positions"], batch["seq_lens"], batch["tables"])
         with_prompt = "prompt_targets" in batch
@@ -224,8 +225,8 @@ class ModelRunner:
                 lambda: pick(logits),
             )  # [Bp]
             first_logprobs = lax.cond(
-                jnp.any(batch["logprobs"]),
-                lambda: token_logprobs(logits, first),
+                jnp.any(batch["logprobs"] >= 0),
+                lambda: token_logprobs(logits, first, jnp.max(batch["logprobs"])),
                 lambda: empty_logprobs(first.shape, logits.shape[-1]),
             )
         else:  # no row asks for any: its slot's extras are neutral
@@ -233,7 +234,8 @@ class ModelRunner:
             first = sample(logits, *sampling)  # [Bp]
         if with_prompt:
             b, t, vocab = every.shape
-            flat = token_logprobs(every.reshape(b * t, vocab), batch["prompt_targets"].reshape(-1))
+            targets = batch["prompt_targets"].reshape(-1)
+            flat = token_logprobs(every.reshape(b * t, vocab), targets, batch["prompt_top"])
             prompt_logprobs = jax.tree.map(lambda a: a.reshape(b, t, *a.shape[1:]), flat)
         steps = batch["steps"] + 1
         alive = ~_stopped(first, batch["stop_ids"], steps, batch["limit"])
@@ -309,7 +311,8 @@ class ModelRunner:
             logprobs = empty_logprobs((self.max_decode_steps, batch), self.config.vocab_size)
             # What the window's rows ask for is fixed for the window: decided once, not per step.
             procs_on = jnp.any(rows.alive & rows.processors(None).active())
-            logprobs_on = jnp.any(rows.alive & rows.logprobs)
+            logprobs_on = jnp.any(rows.alive & (rows.logprobs >= 0))
+            top = jnp.max(jnp.where(rows.alive, rows.logprobs, 0))
 
         def cond(carry):
             k, _, r, *_ = carry
@@ -348,7 +351,7 @@ class ModelRunner:
                 logprobs = lax.cond(
                     logprobs_on,
                     lambda lp: jax.tree.map(
-                        lambda a, v: a.at[k].set(v), lp, token_logprobs(logits, nxt)
+                        lambda a, v: a.at[k].set(v), lp, token_logprobs(logits, nxt, top)
                     ),
                     lambda lp: lp,
                     logprobs,

@@ -159,16 +159,33 @@ class TokenLogprobs(NamedTuple):
     top_logprobs: jax.Array  # f32[..., N]
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
-    """log_softmax of logits [B, V] (in f32) at tokens [B], their ranks, and the top
-    min(MAX_LOGPROBS, V) of each row: fixed shapes whatever each request asked for (the host
-    keeps what it asked)."""
+FAST_TOP_K = 16  # XLA's GPU TopK kernel takes k <= 16; a larger k sorts the whole row
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, top: jax.Array) -> TokenLogprobs:
+    """log_softmax of logits [B, V] (in f32) at tokens [B], their ranks, and the `top` (a traced
+    int: the most any row asks for) most likely of each row: fixed shapes [B, min(MAX_LOGPROBS,
+    V)] whatever `top` is (the host keeps what each row asked for). Only as many as asked are
+    looked for: none, 16 (XLA's fast top-k kernel on a GPU) or all MAX_LOGPROBS (a sort)."""
     x = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(x, axis=1)  # [B]
     chosen = jnp.take_along_axis(x, tokens[:, None], axis=1)[:, 0]  # [B]
     rank = jnp.sum(x >= chosen[:, None], axis=1, dtype=jnp.int32)
-    top, top_ids = lax.top_k(x, min(MAX_LOGPROBS, x.shape[1]))  # [B, N]
-    return TokenLogprobs(chosen - lse, rank, top_ids.astype(jnp.int32), top - lse[:, None])
+    n = min(MAX_LOGPROBS, x.shape[1])
+
+    def top_k(k: int):  # the k most likely, padded to n (-inf: never read)
+        def find():
+            values, ids = lax.top_k(x, k) if k else (x[:, :0], jnp.zeros((x.shape[0], 0), int))
+            pad = ((0, 0), (0, n - k))
+            values = jnp.pad(values - lse[:, None], pad, constant_values=-jnp.inf)
+            return jnp.pad(ids.astype(jnp.int32), pad), values
+
+        return find
+
+    branch = jnp.where(top == 0, 0, jnp.where(top <= FAST_TOP_K, 1, 2))
+    finds = [top_k(0), top_k(min(FAST_TOP_K, n)), top_k(n)]
+    top_ids, top_logprobs = lax.switch(branch, finds)
+    return TokenLogprobs(chosen - lse, rank, top_ids, top_logprobs)
 
 
 def empty_logprobs(shape: tuple[int, ...], vocab: int) -> TokenLogprobs:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 from rosejax.sampling import (
     COUNT_MASK,
+    FAST_TOP_K,
     MAX_LOGPROBS,
     PROMPT_BIT,
     Processors,
@@ -163,22 +165,32 @@ def test_min_p_draws_only_kept_tokens_and_spares_other_rows():
     np.testing.assert_array_equal(drawn[min_p == 0], alone[min_p == 0])
 
 
-def test_token_logprobs_match_log_softmax():
+@pytest.mark.parametrize("top", [0, 5, MAX_LOGPROBS])
+def test_token_logprobs_match_log_softmax(top):
+    """The chosen tokens' logprobs and ranks, and as many of the most likely as asked for (16
+    for any ask up to 16: XLA's fast top-k), against torch's log_softmax and topk."""
     rng = np.random.default_rng()
     logits = (rng.standard_normal((B, V)) * 4).astype(np.float32)
     logits[0, :3] = logits[0].max() + 1  # a tie at the top
     tokens = rng.integers(0, V, B).astype(np.int32)
     tokens[0] = 1
-    got = jax.jit(token_logprobs)(jnp.asarray(logits), jnp.asarray(tokens))
+    got = token_logprobs_jit(jnp.asarray(logits), jnp.asarray(tokens), jnp.int32(top))
     x = torch.tensor(logits)
     ref = torch.log_softmax(x, dim=-1).numpy()
     rows = np.arange(B)
     np.testing.assert_allclose(np.asarray(got.logprob), ref[rows, tokens], atol=1e-5)
     np.testing.assert_array_equal(got.rank, (ref >= ref[rows, tokens][:, None]).sum(1))
     assert got.rank[0] == 3  # tied with two others: vLLM counts every token at least as likely
-    top_vals, top_ids = torch.topk(x, MAX_LOGPROBS, dim=-1)
-    np.testing.assert_array_equal(np.asarray(got.top_ids)[1:], top_ids.numpy()[1:])
+    found = 0 if top == 0 else FAST_TOP_K if top <= FAST_TOP_K else MAX_LOGPROBS
+    ids, values = np.asarray(got.top_ids), np.asarray(got.top_logprobs)
+    assert ids.shape == values.shape == (B, MAX_LOGPROBS)
+    np.testing.assert_array_equal(ids[1:, :found], torch.topk(x, found).indices.numpy()[1:])
     np.testing.assert_allclose(
-        np.asarray(got.top_logprobs), np.take_along_axis(ref, np.asarray(got.top_ids), 1), atol=1e-6
+        values[:, :found], np.take_along_axis(ref, ids[:, :found], 1), atol=1e-6
     )
-    assert sorted(np.asarray(got.top_ids)[0, :3].tolist()) == [0, 1, 2]
+    assert np.all(values[:, found:] == -np.inf)  # not looked for: the host never reads them
+    if found:
+        assert sorted(ids[0, :3].tolist()) == [0, 1, 2]
+
+
+token_logprobs_jit = jax.jit(token_logprobs)

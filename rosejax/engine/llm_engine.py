@@ -495,6 +495,7 @@ class LLMEngine:
             ]
             batch["prompt_targets"] = np.zeros((b, t), np.int32)
             _fill_rows(batch["prompt_targets"], targets)
+            batch["prompt_top"] = np.int32(max(r.params.prompt_logprobs or 0 for r in requests))
         cached = np.asarray(cached, np.int32)
         suffix = np.asarray(suffix, np.int32)
         batch["positions"][:n] += cached[:, None]
@@ -512,12 +513,11 @@ class LLMEngine:
         batch["steps"][:n] = [len(r.output_token_ids) for r in requests]
         batch["limit"][:n] = [r.max_output for r in requests]
         if any(r.extras for r in requests):  # the other program, with the extras' fields
+            dtypes = {bool: bool, int: np.int32, float: np.float32}
             for name, neutral in EXTRA_ROW_FIELDS.items():
-                batch[name] = np.full(
-                    b, neutral, np.float32 if isinstance(neutral, float) else bool
-                )
+                batch[name] = np.full(b, neutral, dtypes[type(neutral)])
             batch["min_p"][:n] = [p.min_p for p in params]
-            batch["logprobs"][:n] = [p.logprobs is not None for p in params]
+            batch["logprobs"][:n] = [-1 if p.logprobs is None else p.logprobs for p in params]
             batch["presence"][:n] = [p.presence_penalty for p in params]
             batch["frequency"][:n] = [p.frequency_penalty for p in params]
             batch["repetition"][:n] = [p.repetition_penalty for p in params]
