@@ -80,6 +80,7 @@ if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` impor
 
 from bench import common  # noqa: E402
 from bench import metrics as m  # noqa: E402
+from rosejax.engine_args import add_logprobs_arg  # noqa: E402
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 LOOPBACK = "127.0.0.1"
@@ -219,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy"
     )
+    add_logprobs_arg(g)
     g.add_argument(
         "--warmup-runs",
         type=int,
@@ -602,7 +604,7 @@ def completion_body(model: str, s: Sample, args: argparse.Namespace) -> dict[str
         "ignore_eos": True,
         "stream": True,
         "stream_options": options,
-    }
+    } | ({} if args.logprobs is None else {"logprobs": args.logprobs})
 
 
 class _StreamReader:
@@ -901,7 +903,12 @@ def run_in_process(
 
     def run(ss: Sequence[Sample], tag: str):
         params = [
-            SamplingParams(max_tokens=s.output_len, temperature=args.temperature, ignore_eos=True)
+            SamplingParams(
+                max_tokens=s.output_len,
+                temperature=args.temperature,
+                ignore_eos=True,
+                logprobs=args.logprobs,
+            )
             for s in ss
         ]
         return common.run_workload(

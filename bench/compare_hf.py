@@ -54,6 +54,7 @@ if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` impor
 
 from bench import common  # noqa: E402
 from bench.benchmark_scheduler import random_prompts  # noqa: E402
+from rosejax.engine_args import add_logprobs_arg  # noqa: E402
 from rosejax.sampling import SamplingParams  # noqa: E402
 
 
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and decoding greedy, as in the HF runs",
     )
     p.add_argument("--skip-hf", action="store_true", help="run rosejax only")
+    add_logprobs_arg(p)  # rosejax's side only: what asking for logprobs costs
     p.add_argument(
         "--skip-hf-static",
         action="store_true",
@@ -241,7 +243,9 @@ def run_rosejax(args: argparse.Namespace) -> dict:
     engine, head = common.start(
         args, "compare_hf", label="rosejax", max_batch_size=args.max_batch_size or max_b
     )
-    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True, logprobs=args.logprobs
+    )
     prompts = random_prompts(max_b, args.input_len, engine.config.vocab_size, args.seed)
     out: dict = {
         "environment": head["environment"],

@@ -230,8 +230,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_sampling_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
-    """--max-new-tokens, --temperature, --top-k, --top-p and --ignore-eos (alias
-    --no-stop-on-eos): one request's SamplingParams; see `sampling_params`."""
+    """--max-new-tokens, --temperature, --top-k, --top-p, --ignore-eos (alias
+    --no-stop-on-eos) and --logprobs: one request's SamplingParams; see `sampling_params`."""
     p.add_argument(
         "--max-new-tokens",
         type=int,
@@ -264,6 +264,18 @@ def add_sampling_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> Non
         action="store_true",
         help="keep generating past the end-of-text token",
     )
+    add_logprobs_arg(p)
+
+
+def add_logprobs_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ask for each generated token's logprob and its N (0-20) most likely alternatives "
+        "(the model's raw distribution); default: %(default)s",
+    )
 
 
 def sampling_params(args: argparse.Namespace, **extra: Any):
@@ -276,5 +288,6 @@ def sampling_params(args: argparse.Namespace, **extra: Any):
         top_k=args.top_k,
         top_p=args.top_p,
         ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
         **extra,
     )

@@ -61,6 +61,17 @@ def _read_prompt_file(parser: argparse.ArgumentParser, path: str) -> list[str]:
         parser.error(f"--prompt-file {path}: {e.strerror or e}")
 
 
+def _print_logprobs(label: str, out) -> None:
+    """One line per generated token: its text, logprob and rank, then the alternatives."""
+    for token, entry in zip(out.token_ids, out.outputs[0].logprobs, strict=True):
+        own = entry[token]
+        others = ", ".join(
+            f"{lp.decoded_token!r} {lp.logprob:.3f}" for t, lp in entry.items() if t != token
+        )
+        print(f"{label}{own.decoded_token!r} {own.logprob:.3f} (rank {own.rank})", end="")
+        print(f" | {others}" if others else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -85,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             # prompt's pieces starts a line "[N] " (N: its number, from 0); its first echoes it.
             ids = [str(i) for i in range(len(prompts))]
             current, seen = None, set()
+            finals = {}
             for out in llm.generate_stream(prompts, params, request_ids=ids):
+                if out.finished:
+                    finals[int(out.request_id)] = out
                 first_token_at = first_token_at or time.perf_counter()
                 tokens += len(out.new_token_ids)
                 i = int(out.request_id)
@@ -97,9 +111,14 @@ def main(argv: list[str] | None = None) -> int:
                     seen.add(i)
                 print(out.new_text, end="", flush=True)
             print()
+            if params.logprobs is not None:
+                for i in sorted(finals):
+                    _print_logprobs(f"[{i}] " if len(prompts) > 1 else "", finals[i])
         else:
             for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
                 print(f"{prompt}{out.text}\n[finish: {out.finish_reason}]")
+                if params.logprobs is not None:
+                    _print_logprobs("", out)
                 tokens += len(out.token_ids)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

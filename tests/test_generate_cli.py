@@ -28,11 +28,15 @@ def test_stream_prints_text_and_ttft(capsys):
 
 
 def test_stream_of_several_prompts_labels_each_piece(capsys):
-    assert main([*ARGS, "--prompt", "Hello", "--prompt", "The sky is", "--stream"]) == 0
+    prompts = ["--prompt", "Hello", "--prompt", "The sky is"]
+    assert main([*ARGS, *prompts, "--stream", "--ignore-eos", "--logprobs", "2"]) == 0
     out = capsys.readouterr().out
     assert "[0] Hello" in out and "[1] The sky is" in out, out
     lines = [line for line in out.splitlines() if line]
     assert all(line.startswith(("[0] ", "[1] ")) for line in lines), out
+    # then a line per generated token: its logprob and rank, then the top two but itself
+    logprob_lines = [line for line in lines if "(rank " in line]
+    assert len(logprob_lines) == 12 and all(" | " in line for line in logprob_lines)
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory", "not-utf8"])
@@ -54,6 +58,7 @@ def test_unreadable_prompt_file_is_a_usage_error(tmp_path, capsys, kind):
         (["--top-p", "2"], "top_p"),
         (["--temperature", "-1"], "temperature"),
         (["--max-new-tokens", "0"], "max_tokens"),
+        (["--logprobs", "21"], "logprobs"),
     ],
 )
 def test_bad_values_exit_2_with_message(capsys, extra, message):

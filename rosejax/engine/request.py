@@ -18,7 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # slots: a window at logprobs=5 makes 6 per token
 class Logprob:
     """vLLM's: a token's log-probability under the model's raw distribution, its rank (1 = the
     most likely; ties share the worst rank, as vLLM counts) and its text (`tokenizer.decode` of
