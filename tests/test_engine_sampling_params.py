@@ -13,12 +13,12 @@ import torch
 
 from rosejax import LLM, SamplingParams
 from rosejax.engine.request import Logprob
-from rosejax.tokenizer import packaged_gpt2_tokenizer_path
 from tests.conftest import HF_SHAPES, make_hf_checkpoint
+from tests.test_llama_family import BLOCK_SIZE as BLOCK
+from tests.test_llama_family import SHAPES, make_checkpoint, make_llm
 
 SHAPE = HF_SHAPES["hd16"]  # vocab 1000, context 128
 EOS = 7  # inside the vocabulary, so min_tokens has an EOS to hold off
-BLOCK = 8
 
 
 @pytest.fixture(scope="module")
@@ -26,20 +26,6 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("sampling-params-ckpt")
     model = make_hf_checkpoint(path, seed=3, eos_token_id=EOS, bos_token_id=EOS, **SHAPE)
     return str(path), model
-
-
-def make_llm(path, **kw) -> LLM:
-    kw = (
-        dict(
-            tokenizer=packaged_gpt2_tokenizer_path(),
-            block_size=BLOCK,
-            max_batch_size=4,
-            warmup=False,
-            dtype="float32",
-        )
-        | kw
-    )
-    return LLM(path, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -320,8 +306,6 @@ def test_bad_values_are_rejected_and_leave_nothing(llm):
 @pytest.mark.slow
 def test_prompt_and_sampled_logprobs_match_hf_qwen3(tmp_path_factory):
     """The same parity for a Llama-style model (Qwen3's q/k norms, grouped queries)."""
-    from tests.test_llama_family import SHAPES, make_checkpoint
-
     model_type, kwargs = SHAPES["qwen3-g2-hd64-tied"]
     path = tmp_path_factory.mktemp("qwen3-logprobs")
     model = make_checkpoint(path, model_type, seed=11, **kwargs)
