@@ -234,12 +234,16 @@ class LLMEngine:
         decode = [("decode", b, g) for b in self.decode_buckets for g in (True, False)]
         return prefill[:1] + decode[:2] + sorted(prefill[1:] + decode[2:], key=lambda p: p[1])
 
+    def cold_programs(self) -> list[tuple[str, int, int | bool]]:
+        """The programs of `warmup_programs()` not compiled yet, in that order."""
+        return [p for p in self.warmup_programs() if p not in self._warm]
+
     def warmup(self, programs: list[tuple[str, int, int | bool]] | None = None) -> float:
         """Compile `programs` (default: every one) that are not compiled yet, logging each;
         padded rows only touch the scratch block, so this may run between serving steps.
         Returns the seconds taken."""
         start = time.perf_counter()
-        todo = [p for p in programs or self.warmup_programs() if p not in self._warm]
+        todo = [p for p in programs or self.cold_programs() if p not in self._warm]
         for i, program in enumerate(todo):
             t0 = time.perf_counter()
             kind, rows, arg = program
@@ -260,13 +264,26 @@ class LLMEngine:
             )
         return time.perf_counter() - start
 
-    def warmup_step(self) -> bool:
-        """Compile the next program warm-up has not; False once every one is. A server calls
-        this while it has nothing else to do, after compiling the first few up front."""
-        todo = [p for p in self.warmup_programs() if p not in self._warm]
-        if todo:
-            self.warmup(todo[:1])
-        return len(todo) > 1
+    def compile_ahead(self, program: tuple[str, int, int | bool]) -> None:
+        """Compile one program of `warmup_programs()` without running it, logging it. Unlike
+        `warmup`, any thread may call this while another serves: a server compiles what its
+        first requests did not need on a thread of its own, so no request waits for it."""
+        if program in self._warm:
+            return
+        t0 = time.perf_counter()
+        kind, rows, arg = program
+        if kind == "prefill":
+            self.runner.compile_prefill(self._prefill_batch([], [], [], rows, arg))
+        else:
+            self.runner.compile_decode(rows, arg)
+        self._warm.add(program)
+        logger.info(
+            "compiled %s program (%s rows, %s) ahead in %.1f s",
+            kind,
+            rows,
+            f"{arg} tokens" if kind == "prefill" else "greedy" if arg else "sampled",
+            time.perf_counter() - t0,
+        )
 
     # ------------------------------------------------------------------------------ requests
 

@@ -102,8 +102,17 @@ class AsyncEngine:
         warm_in_background: bool = False,
     ):
         self.engine = engine
-        # Compile the programs warm-up has not, one at a time while no request is in flight.
-        self._warming = warm_in_background
+        # Compile the programs warm-up has not on a thread of its own, so that compiling (seconds
+        # a program on a GPU) never holds up a step; a shape needed before its turn compiles
+        # where it is needed, as without warm-up.
+        self._compiler = None
+        self._idle = threading.Event()  # set while no request is in flight: compiling may go on
+        self._programs_left = 0
+        if warm_in_background:
+            self._programs_left = len(engine.cold_programs())
+            self._compiler = threading.Thread(
+                target=self._compile_ahead, name="rosejax-compile", daemon=True
+            )
         # In flight past a full batch counts as waiting; more than max_waiting of those -> 429.
         self.max_waiting = max_waiting
         self.max_in_flight = None if max_waiting is None else engine.max_batch_size + max_waiting
@@ -122,12 +131,15 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._thread.start()
+        if self._compiler is not None:
+            self._compiler.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put(("wake",))
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        for thread in (self._thread, self._compiler):
+            if thread is not None and thread.is_alive():
+                thread.join(timeout)
 
     def begin_shutdown(self, grace: float) -> None:
         """The server stops: refuse new requests now, and in `grace` seconds end the open ones
@@ -168,19 +180,35 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 idle = not self.engine.has_unfinished_requests()
-                self._drain(block=idle and not self._warming)
+                if idle:
+                    self._idle.set()
+                self._drain(block=idle)
+                self._idle.clear()
                 if self._stop.is_set():
                     break
                 if self._cut_at is not None and time.monotonic() >= self._cut_at and self._sinks:
                     self._fail_all(_shutting_down())
                 if self.engine.has_unfinished_requests():
                     self._step()
-                elif self._warming:
-                    self._warming = self.engine.warmup_step()
                 self._publish()
         finally:
             self._fail_all(_shutting_down())
             self._publish()
+
+    def _compile_ahead(self) -> None:
+        """Compile the programs warm-up has not, each one only once no request is in flight
+        (compiling holds the GIL for much of its time, which a step would wait for)."""
+        for program in self.engine.cold_programs():
+            while not self._idle.wait(self._poll_s):
+                if self._stop.is_set():
+                    return
+            if self._stop.is_set():
+                return
+            try:
+                self.engine.compile_ahead(program)
+            except Exception:  # serving goes on: the program compiles on first use instead
+                log.exception("compiling %s ahead failed", program)
+            self._programs_left -= 1
 
     def _drain(self, block: bool) -> None:
         try:
@@ -255,8 +283,7 @@ class AsyncEngine:
                     m.ttft.observe(now - sink.arrival)
                     m.prompt_tokens.inc(len(out.prompt_token_ids))
                 else:
-                    for _ in range(n):  # a multi-step window hands over n tokens at once
-                        m.itl.observe((now - last) / n)
+                    m.itl.observe((now - last) / n, n)  # a window hands over n tokens at once
                 sink.last[out.request_id] = now
             if out.finish_reason == "error":  # the engine ended this one request
                 self._fail_sink(sink, EngineError(f"generating this request failed: {out.error}"))
@@ -294,4 +321,5 @@ class AsyncEngine:
             "kv_blocks_total": alloc.num_blocks - 1,
             "prefix_hits": alloc.prefix_hits,
             "prefix_hit_tokens": alloc.prefix_hit_tokens,
+            "programs_to_compile": self._programs_left,
         }

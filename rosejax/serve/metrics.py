@@ -7,11 +7,19 @@ that the engine thread publishes after each iteration; the scrape never touches 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import bisect
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -54,6 +62,11 @@ _SNAPSHOT = {
         "Prompt tokens whose KV came from the prefix cache.",
         "counter",
     ),
+    "programs_to_compile": (
+        "rosejax_programs_to_compile",
+        "Programs the server still compiles while idle (a shape needed first compiles then).",
+        "gauge",
+    ),
 }
 
 
@@ -68,6 +81,35 @@ class _SnapshotCollector(Collector):
             yield family(name, doc, value=snap.get(key, 0))
 
 
+class CountedHistogram(Collector):
+    """A Prometheus histogram whose `observe` takes a count: a decode window hands a request
+    its n tokens at once, each with the same gap, and n calls of prometheus_client's observe
+    per request and window cost the engine thread more than the window's own host work."""
+
+    def __init__(self, name: str, doc: str, buckets: Sequence[float], registry: CollectorRegistry):
+        self.name, self.doc = name, doc
+        self._bounds = [*buckets, math.inf]
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        i = bisect.bisect_left(self._bounds, value)  # the first bucket with value <= bound
+        with self._lock:
+            self._counts[i] += count
+            self._sum += value * count
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, running = [], 0
+        for bound, c in zip(self._bounds, counts, strict=True):
+            running += c
+            cumulative.append(("+Inf" if bound == math.inf else repr(bound), running))
+        yield HistogramMetricFamily(self.name, self.doc, buckets=cumulative, sum_value=total)
+
+
 class ServerMetrics:
     """Every metric of one server. Thread-safe: prometheus_client metrics lock internally."""
 
@@ -80,11 +122,11 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
+        self.itl = CountedHistogram(
             "rosejax_inter_token_latency_seconds",
             "Between consecutive generated tokens of a request.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
+            r,
         )
         self.e2e = Histogram(
             "rosejax_request_latency_seconds",
