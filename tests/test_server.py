@@ -124,14 +124,17 @@ def client(served) -> openai.OpenAI:
     return openai.OpenAI(base_url=served[0] + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics, keyed by name plus sorted labels (parsing checks the format)."""
+def metrics(url: str, per_replica: bool = False) -> dict[str, float]:
+    """Every sample of /metrics, keyed by name plus sorted labels (parsing checks the format);
+    the engine's samples summed over replicas unless `per_replica`."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    out = {}
+    out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+            kept = {k: v for k, v in s.labels.items() if per_replica or k != "replica"}
+            labels = ",".join(f"{k}={v}" for k, v in sorted(kept.items()))
+            key = s.name + (f"{{{labels}}}" if labels else "")
+            out[key] = out.get(key, 0.0) + s.value
     return out
 
 
