@@ -729,6 +729,13 @@ def http_get_json(url: str, timeout: float = 10.0) -> Any:
         return json.loads(r.read())
 
 
+def warming_up(base_url: str) -> bool:
+    """Whether a replica of the server still compiles programs (its /metrics' rosejax_warming_up)."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return any(line.startswith("rosejax_warming_up{") and float(line.split()[-1]) for line in lines)
+
+
 def served_model(base_url: str) -> str:
     try:
         return http_get_json(base_url + "/v1/models")["data"][0]["id"]
@@ -830,6 +837,10 @@ class LaunchedServer:
                     f"the server did not come up in {self.timeout:.0f} s "
                     f"(exit {self.proc.returncode}); its log's end:\n{self.log_tail()}"
                 )
+            time.sleep(0.25)
+        # Healthy once the first programs are compiled; the rest compile between requests, and
+        # one compiling inside a timed run would stall it: wait for them too.
+        while warming_up(self.url) and time.monotonic() < deadline:
             time.sleep(0.25)
         self.start_seconds = time.perf_counter() - t0
         print(f"server up at {self.url} in {self.start_seconds:.1f} s", file=sys.stderr)

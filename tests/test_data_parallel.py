@@ -4,6 +4,7 @@ start naming the flag, per-replica metrics; and in a subprocess with 4 host devi
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -127,22 +128,46 @@ def test_metrics_carry_a_replica_label():
     assert samples[("rosejax_requests_rejected_total", (("reason", "overloaded"),))] == 1
 
 
-def run_checks(*flags: str) -> None:
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_with_devices(devices: int, *argv: str) -> str:
+    """`python argv...` with `devices` host devices (flags that must precede jax's start); its
+    stdout, or the test fails with its output."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = (
+        f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    )
     out = subprocess.run(
-        [sys.executable, "-m", "tests.data_parallel_checks", str(SEED), *flags],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (
-        f"seed {SEED}\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
-    )
+    assert out.returncode == 0, f"seed {SEED}\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+    return out.stdout
 
 
 @pytest.mark.slow  # a subprocess that compiles three engines' programs
 def test_two_replicas_give_one_engines_tokens_and_serve_behind_one_server():
-    run_checks("--server")
+    out = run_with_devices(4, "-m", "tests.data_parallel_checks", str(SEED), "--server")
+    assert out.strip().endswith("ok")
+
+
+@pytest.mark.slow  # launches two servers and builds an engine of two replicas
+def test_benchmark_data_parallel_end_to_end(tmp_path):
+    path = tmp_path / "dp.json"
+    engine = ["--model", "random:tiny", "--no-warmup", "--max-batch-size", "4", "--block-size"]
+    engine += ["16", "--kv-cache-tokens", "512", "--decode-steps", "4", "--seed", str(SEED)]
+    workload = ["--num-prompts", "6", "--input-len", "4", "--output-len", "5"]
+    runs = ["--warmup-runs", "2", "--repeat-runs", "3", "--no-progress", "--json", str(path)]
+    out = run_with_devices(2, "bench/benchmark_data_parallel.py", *engine, *workload, *runs)
+    data = json.loads(path.read_text())
+    assert data["replicas"] == 2
+    for side in ("http", "in_process"):
+        r = data[side]
+        for k in ("1", "2"):
+            tok_s = r[k]["output_throughput_tok_s"]
+            assert len(tok_s) == 3 and min(tok_s) > 0 and r[k]["median"] == sorted(tok_s)[1]
+        assert r["ratio"] == pytest.approx(r["2"]["median"] / r["1"]["median"])
+        assert f"{r['ratio']:.3f}" in out
+    devices = data["in_process"]["devices"]  # one device each, not the same one
+    assert [len(d) for d in devices] == [1, 1] and devices[0] != devices[1]
+    assert all(h["wait"] > 0 for h in data["in_process"]["host_seconds"])

@@ -328,4 +328,5 @@ class AsyncEngine:
             "kv_blocks_total": alloc.num_blocks - 1,
             "prefix_hits": alloc.prefix_hits,
             "prefix_hit_tokens": alloc.prefix_hit_tokens,
+            "warming": int(self._warming),
         }

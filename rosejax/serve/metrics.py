@@ -55,6 +55,11 @@ _SNAPSHOT = {
         "Prompt tokens whose KV came from the prefix cache.",
         "counter",
     ),
+    "warming": (
+        "rosejax_warming_up",
+        "1 while the engine thread still compiles programs between requests, else 0.",
+        "gauge",
+    ),
 }
 
 
