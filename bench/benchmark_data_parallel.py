@@ -38,6 +38,9 @@ from bench import common  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     p = common.new_parser(__doc__)
+    p.add_argument(
+        "--only", choices=["http", "in-process"], default=None, help="run one side alone"
+    )
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=int, default=256, help="requests per run")
     g.add_argument("--input-len", type=int, default=8, help="prompt tokens")
@@ -51,9 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-runs", type=int, default=2, help="untimed runs first, per side")
     g.add_argument("--repeat-runs", type=int, default=5, help="timed runs per side")
     g = p.add_argument_group("server")
-    p.add_argument(
-        "--only", choices=["http", "in-process"], default=None, help="run one side alone"
-    )
     g.add_argument(
         "--server-args",
         default="--max-waiting -1",
@@ -63,14 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--launch-timeout",
         type=float,
         default=900.0,
-        help="seconds to wait for a launched server's /health (a GPU start compiles)",
+        help="seconds to wait for a launched server's /health and its programs' compiles",
     )
-    g.add_argument(
-        "--client",
-        choices=["auto", "aiohttp", "httpx"],
-        default="auto",
-        help="HTTP library; auto = aiohttp if installed, else httpx",
-    )
+    bs.add_client_arg(g)
     g.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds one request may take"
     )

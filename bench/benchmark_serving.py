@@ -125,6 +125,16 @@ def slo(text: str) -> tuple[str, float]:
     return name, ms
 
 
+def add_client_arg(g: argparse._ActionsContainer) -> None:
+    """--client: the HTTP library (`pick_client`)."""
+    g.add_argument(
+        "--client",
+        choices=["auto", "aiohttp", "httpx"],
+        default="auto",
+        help="HTTP library; auto = aiohttp if installed, else httpx",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = common.new_parser(__doc__)
     g = p.add_argument_group("server")
@@ -230,12 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("client and report")
-    g.add_argument(
-        "--client",
-        choices=["auto", "aiohttp", "httpx"],
-        default="auto",
-        help="HTTP library; auto = aiohttp if installed, else httpx",
-    )
+    add_client_arg(g)
     g.add_argument(
         "--continuous-usage-stats",
         action="store_true",
