@@ -91,8 +91,9 @@ class LLMEngine:
         self.devices = tuple(devices or jax.local_devices()[:1])
         try:
             # What is made here lands on this engine's device, never the default one. Programs
-            # run where the arrays they take live; outside this context, as the default device
-            # is part of jit's cache key: warm-up inside it would compile for nothing.
+            # run where their committed inputs live, and run outside this context: the default
+            # device is part of jit's cache key, so a program warmed up inside it would compile
+            # again outside.
             with jax.default_device(self.devices[0]):
                 self._build(config, replica)
             # Compiling every bucket up front pays on a GPU (seconds per program, persistent
