@@ -125,6 +125,16 @@ def slo(text: str) -> tuple[str, float]:
     return name, ms
 
 
+def add_client_arg(g: argparse._ActionsContainer) -> None:
+    """--client: the HTTP library (`pick_client`)."""
+    g.add_argument(
+        "--client",
+        choices=["auto", "aiohttp", "httpx"],
+        default="auto",
+        help="HTTP library; auto = aiohttp if installed, else httpx",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = common.new_parser(__doc__)
     g = p.add_argument_group("server")
@@ -237,12 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("client and report")
-    g.add_argument(
-        "--client",
-        choices=["auto", "aiohttp", "httpx"],
-        default="auto",
-        help="HTTP library; auto = aiohttp if installed, else httpx",
-    )
+    add_client_arg(g)
     g.add_argument(
         "--continuous-usage-stats",
         action="store_true",
@@ -815,16 +820,15 @@ def free_port() -> int:
 
 
 def programs_to_compile(base_url: str) -> int:
-    """The server's rosejax_programs_to_compile gauge (0 if it has none or does not answer)."""
+    """The server's rosejax_programs_to_compile gauge, summed over its replicas (0 if it has
+    none or does not answer)."""
     try:
         with urllib.request.urlopen(base_url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
+            lines = r.read().decode().splitlines()
     except OSError:
         return 0
-    for line in text.splitlines():
-        if line.startswith("rosejax_programs_to_compile "):
-            return int(float(line.split()[1]))
-    return 0
+    name = "rosejax_programs_to_compile"
+    return sum(int(float(x.split()[-1])) for x in lines if x.startswith((name + " ", name + "{")))
 
 
 class LaunchedServer:

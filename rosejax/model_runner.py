@@ -68,7 +68,7 @@ def _stopped(tokens, stop_ids, steps, limit):
 
 
 class ModelRunner:
-    """Owns params, KV cache and slot state on the device, and the programs that advance them."""
+    """Owns params, KV cache and slot state on its device, and the programs that advance them."""
 
     def __init__(
         self,
@@ -79,18 +79,21 @@ class ModelRunner:
         max_decode_steps: int,
         max_table_updates: int,
         kernels: KernelConfig,
+        device: jax.Device,
     ):
         self.config = config
         self.forward = family_of(config).forward
         # Which kernels run: a static argument of every program, so a new value compiles anew.
         self.kernels = kernels
-        self.params = params
-        self.cache = cache
         self.num_slots = num_slots
         self.max_decode_steps = max_decode_steps
         self.max_table_updates = max_table_updates
         self.max_blocks = -(-config.max_model_len // cache.block_size)
-        self.state = empty_slot_state(num_slots, self.max_blocks)
+        # Committed to `device` (no copy where they are made there already): a program runs where
+        # its committed inputs live, so the host's numpy inputs follow them there too.
+        self.params, self.cache, self.state = jax.device_put(
+            (params, cache, empty_slot_state(num_slots, self.max_blocks)), device
+        )
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
         self.compile_seconds = 0.0
         self._prefill = jax.jit(
