@@ -170,6 +170,14 @@ def add_engine_args(
         help="the smallest compiled decode batch (smaller ones pad to it); default: "
         "$ROSEJAX_MIN_DECODE_BATCH, else 16 on a GPU, 1 on a CPU",
     )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas, replica i on device i, each with its own KV cache; requests go "
+        "to the least loaded one, or to the one holding their prompt's prefix; default: "
+        "%(default)s",
+    )
     add_kernel_args(p)
     p.add_argument(
         "--compilation-cache-dir",
@@ -221,6 +229,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_prefix_cache,
         warmup=False if args.no_warmup else None,
         kernels=kernel_config(args.kernel, args.kernel_tile),
+        data_parallel_size=args.data_parallel_size,
     )
     if args.min_decode_batch is not None:
         kwargs["min_decode_batch"] = args.min_decode_batch

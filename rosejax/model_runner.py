@@ -139,7 +139,7 @@ def _stopped(tokens, stop_ids, steps, limit):
 
 
 class ModelRunner:
-    """Owns params, KV cache and slot state on the device, and the programs that advance them."""
+    """Owns params, KV cache and slot state on its device, and the programs that advance them."""
 
     def __init__(
         self,
@@ -150,18 +150,22 @@ class ModelRunner:
         max_decode_steps: int,
         max_table_updates: int,
         kernels: KernelConfig,
+        device: jax.Device,
     ):
         self.config = config
         self.forward = family_of(config).forward
         # Which kernels run: a static argument of every program, so a new value compiles anew.
         self.kernels = kernels
-        self.params = params
-        self.cache = cache
         self.num_slots = num_slots
         self.max_decode_steps = max_decode_steps
         self.max_table_updates = max_table_updates
         self.max_blocks = -(-config.max_model_len // cache.block_size)
-        self.state = empty_slot_state(num_slots, self.max_blocks, config.vocab_size)
+        # Committed to `device` (no copy where they are made there already): a program runs where
+        # its committed inputs live, so the host's numpy inputs follow them there too.
+        self.params, self.cache, self.state = jax.device_put(
+            (params, cache, empty_slot_state(num_slots, self.max_blocks, config.vocab_size)),
+            device,
+        )
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
         self.compile_seconds = 0.0
         self._prefill = jax.jit(
@@ -171,6 +175,9 @@ class ModelRunner:
         # One jitted window per batch bucket and kernel config, made on first use: each one's
         # XLA options (its GEMM library) are settled then, not looked up every window.
         self._decode_programs: dict[tuple[int, KernelConfig], Callable] = {}
+        # Executables compiled ahead on another thread (`compile_prefill`, `compile_decode`),
+        # by their static arguments; a call finds its shape here or compiles through jit.
+        self._compiled: dict[tuple, Any] = {}
 
     # ------------------------------------------------------------------------------ programs
 
@@ -393,13 +400,43 @@ class ModelRunner:
             self.compile_seconds += time.perf_counter() - start
         return out
 
+    def _run(self, key: tuple, program, args: tuple, **static):
+        """Run the executable compiled ahead for `key` if there is one, else `program` (jit)."""
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            return compiled(*args)
+        return self._call(program, *args, **static)
+
+    def _compile_ahead(self, key: tuple, program, args: tuple, **static) -> None:
+        """Lower and compile `program` for the shapes of `args`, without running it: safe on a
+        thread other than the one running programs (only shapes are read of the live arrays)."""
+        if key in self._compiled:
+            return
+        start = time.perf_counter()
+        specs = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                np.shape(a), a.dtype, sharding=getattr(a, "sharding", None)
+            ),
+            args,
+        )
+        self._compiled[key] = program.lower(*specs, **static).compile()
+        self.compile_seconds += time.perf_counter() - start
+
+    def _prefill_args(self, batch: dict[str, np.ndarray]) -> tuple:
+        return self.params, self.cache, self.state, batch
+
+    def _prefill_key(self, batch: dict[str, np.ndarray]) -> tuple:
+        # The batch's fields too: its optional parts make other programs.
+        return ("prefill", batch["tokens"].shape, tuple(sorted(batch)), self.kernels)
+
     def prefill(
         self, batch: dict[str, np.ndarray]
     ) -> tuple[jax.Array, TokenLogprobs | None, TokenLogprobs | None]:
         """Dispatch a prefill -> (first tokens [Bp], their logprobs if the batch has the
         `EXTRA_ROW_FIELDS`, the prompt tokens' logprobs [Bp, T] if it has `prompt_targets`)."""
-        first, logprobs, prompt_logprobs, self.cache, self.state = self._call(
-            self._prefill, self.params, self.cache, self.state, batch, kernels=self.kernels
+        key, args = self._prefill_key(batch), self._prefill_args(batch)
+        first, logprobs, prompt_logprobs, self.cache, self.state = self._run(
+            key, self._prefill, args, kernels=self.kernels
         )
         return first, logprobs, prompt_logprobs
 
@@ -418,6 +455,11 @@ class ModelRunner:
         values = np.zeros(n, np.uint16)
         ids[: len(count_ids)], values[: len(counts)] = count_ids, counts
         self.state = self._call(self._load_row, self.state, np.int32(slot), *bias, ids, values)
+
+    def compile_prefill(self, batch: dict[str, np.ndarray]) -> None:
+        """Compile ahead the prefill program of `batch`'s shapes (see `_compile_ahead`)."""
+        key, args = self._prefill_key(batch), self._prefill_args(batch)
+        self._compile_ahead(key, self._prefill, args, kernels=self.kernels)
 
     def decode(
         self,
@@ -440,6 +482,24 @@ class ModelRunner:
         m = np.full((2, self.num_slots), self.num_slots, np.int32)
         if moves:
             m[:, : len(moves)] = np.asarray(moves, np.int32).T
+        args = (self.params, self.cache, self.state, kill, *u, *m, np.int32(n_steps))
+        static = dict(batch=batch, greedy=greedy, extras=extras, kernels=self.kernels)
+        key = ("decode", batch, greedy, extras, self.kernels)
+        program = self._decode_program(batch)
+        out, logprobs, self.cache, self.state = self._run(key, program, args, **static)
+        return out, logprobs
+
+    def compile_decode(self, batch: int, greedy: bool, extras: bool = False) -> None:
+        """Compile ahead the decode window of `batch` rows (see `_compile_ahead`)."""
+        kill = np.zeros(self.num_slots, bool)
+        u = np.zeros((3, self.max_table_updates), np.int32)
+        m = np.zeros((2, self.num_slots), np.int32)
+        args = (self.params, self.cache, self.state, kill, *u, *m, np.int32(0))
+        static = dict(batch=batch, greedy=greedy, extras=extras, kernels=self.kernels)
+        key = ("decode", batch, greedy, extras, self.kernels)
+        self._compile_ahead(key, self._decode_program(batch), args, **static)
+
+    def _decode_program(self, batch: int) -> Callable:
         key = (batch, self.kernels)
         program = self._decode_programs.get(key)
         if program is None:
@@ -449,21 +509,4 @@ class ModelRunner:
                 static_argnames=("batch", "greedy", "extras", "kernels"),
                 compiler_options=self.kernels.decode_compiler_options(batch) or None,
             )
-        out, logprobs, self.cache, self.state = self._call(
-            program,
-            self.params,
-            self.cache,
-            self.state,
-            kill,
-            u[0],
-            u[1],
-            u[2],
-            m[0],
-            m[1],
-            np.int32(n_steps),
-            batch=batch,
-            greedy=greedy,
-            extras=extras,
-            kernels=self.kernels,
-        )
-        return out, logprobs
+        return program

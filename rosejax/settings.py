@@ -252,6 +252,7 @@ class EngineConfig:
         default_factory=_default_compilation_cache_dir
     )  # jax's persistent compilation cache; None: off
     warmup: bool | None = None  # compile every bucket at start; None: on a GPU only
+    data_parallel_size: int = 1  # engine replicas, each on its own device(s), behind one router
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.block_size < 1:
@@ -268,6 +269,8 @@ class EngineConfig:
             )
         if self.min_decode_batch is not None and self.min_decode_batch < 1:
             raise ValueError(f"min_decode_batch must be >= 1, got {self.min_decode_batch}")
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_memory_fraction is not None:
             raise ValueError("give at most one of kv_cache_tokens and kv_cache_memory_fraction")
 

@@ -86,12 +86,37 @@ def _fill_rows(out: np.ndarray, rows: list[list[int]]) -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(
+        self,
+        config: EngineConfig,
+        devices: Sequence[jax.Device] | None = None,
+        replica: int = 0,
+    ):
         """Load the model and tokenizer, size the KV cache, and (on a GPU) compile every bucket.
-        Sets the process-wide XLA flags and compilation cache first (`configure_process`)."""
+        Sets the process-wide XLA flags and compilation cache first (`configure_process`).
+
+        `devices`: where this engine's params, KV cache and programs live (default: the first
+        local device; one device until tensor parallelism). `replica`: its index among data
+        parallel replicas (`DataParallelEngine`), which gives it a stream of request seeds of
+        its own."""
+        if config.data_parallel_size != 1:
+            raise ValueError(
+                "an LLMEngine is one replica: data_parallel_size > 1 needs DataParallelEngine "
+                "(rosejax.engine.data_parallel.make_engine builds either)"
+            )
         configure_process(config.compilation_cache_dir)
+        self.devices = tuple(devices or jax.local_devices()[:1])
         try:
-            self._build(config)
+            # What is made here lands on this engine's device, never the default one. Programs
+            # run where their committed inputs live, and run outside this context: the default
+            # device is part of jit's cache key, so a program warmed up inside it would compile
+            # again outside.
+            with jax.default_device(self.devices[0]):
+                self._build(config, replica)
+            # Compiling every bucket up front pays on a GPU (seconds per program, persistent
+            # cache); on a CPU it takes minutes for GPT-2, so there buckets compile on first use.
+            if config.warmup or (config.warmup is None and not self.on_cpu):
+                self.warmup()
         except Exception as e:  # jax's runtime error type differs between versions
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -101,15 +126,15 @@ class LLMEngine:
                 f"--max-batch-size or --max-prefill-tokens, or pick a smaller dtype ({e})"
             ) from e
 
-    def _build(self, config: EngineConfig) -> None:
-        self.on_cpu = on_cpu = jax.default_backend() == "cpu"
+    def _build(self, config: EngineConfig, replica: int) -> None:
+        self.on_cpu = on_cpu = self.devices[0].platform == "cpu"
         self.engine_config = config
         self.kernels = config.kernels or KernelConfig.for_backend()
         self.dtype = resolve_dtype(
             config.dtype if config.dtype != "auto" else ("float32" if on_cpu else "float16")
         )
         start = time.perf_counter()
-        logger.info("loading %s (%s, %s)", config.model, self.dtype.name, jax.default_backend())
+        logger.info("loading %s (%s) on %s", config.model, self.dtype.name, self.devices[0])
         self.config, params = load_model(config.model, self.dtype, config.seed)
         if config.max_model_len is not None:
             self.config = with_context_len(self.config, config.max_model_len)
@@ -161,10 +186,12 @@ class LLMEngine:
             self.decode_steps,
             num_slots * per_row,
             self.kernels,
+            self.devices[0],
         )
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
         self.seed = config.seed
-        self._seeds = np.random.default_rng(config.seed)  # seeds of requests that bring none
+        # Seeds of requests that bring none; each replica draws its own stream.
+        self._seeds = np.random.default_rng(config.seed if replica == 0 else [config.seed, replica])
         self._requests: dict[str, SequenceGroup] = {}
         self._arrivals = 0
         # A min-heap: a new request takes the lowest free slot, so the decode width stays low.
@@ -179,10 +206,6 @@ class LLMEngine:
         self.host_seconds = {"dispatch": 0.0, "wait": 0.0, "harvest": 0.0}
         self.prefill_tokens_computed = 0
         self._warm: set[tuple[str, int, int | bool]] = set()  # programs warm-up compiled
-        # Compiling every bucket up front pays on a GPU (seconds per program, persistent cache);
-        # on a CPU it takes minutes for GPT-2, so there buckets compile on first use by default.
-        if config.warmup or (config.warmup is None and not on_cpu):
-            self.warmup()
 
     @classmethod
     def from_args(cls, model: str, **kwargs) -> LLMEngine:
@@ -198,7 +221,12 @@ class LLMEngine:
 
         def blocks(**budget) -> int:
             return num_blocks_for(
-                self.config, self.block_size, self.dtype, max_num_seqs=self.max_batch_size, **budget
+                self.config,
+                self.block_size,
+                self.dtype,
+                max_num_seqs=self.max_batch_size,
+                device=self.devices[0],
+                **budget,
             )
 
         if tokens is not None:
@@ -261,12 +289,16 @@ class LLMEngine:
         plain = prefill[:1] + decode[:2] + sorted(prefill[1:] + decode[2:], key=lambda p: p[1])
         return plain + extras
 
+    def cold_programs(self) -> list[tuple[str, int, int | bool]]:
+        """The programs of `warmup_programs()` not compiled yet, in that order."""
+        return [p for p in self.warmup_programs() if p not in self._warm]
+
     def warmup(self, programs: list[tuple[str, int, int | bool]] | None = None) -> float:
         """Compile `programs` (default: every one) that are not compiled yet, logging each;
         padded rows only touch the scratch block, so this may run between serving steps.
         Returns the seconds taken."""
         start = time.perf_counter()
-        todo = [p for p in programs or self.warmup_programs() if p not in self._warm]
+        todo = [p for p in programs or self.cold_programs() if p not in self._warm]
         for i, program in enumerate(todo):
             t0 = time.perf_counter()
             kind, rows, arg = program
@@ -287,13 +319,26 @@ class LLMEngine:
             )
         return time.perf_counter() - start
 
-    def warmup_step(self) -> bool:
-        """Compile the next program warm-up has not; False once every one is. A server calls
-        this while it has nothing else to do, after compiling the first few up front."""
-        todo = [p for p in self.warmup_programs() if p not in self._warm]
-        if todo:
-            self.warmup(todo[:1])
-        return len(todo) > 1
+    def compile_ahead(self, program: tuple[str, int, int | bool]) -> None:
+        """Compile one program of `warmup_programs()` without running it, logging it. Unlike
+        `warmup`, any thread may call this while another serves: a server compiles what its
+        first requests did not need on a thread of its own, so no request waits for it."""
+        if program in self._warm:
+            return
+        t0 = time.perf_counter()
+        kind, rows, arg = program
+        if kind == "prefill":
+            self.runner.compile_prefill(self._prefill_batch([], [], [], rows, arg, False))
+        else:
+            self.runner.compile_decode(rows, arg, kind == "decode-extras")
+        self._warm.add(program)
+        logger.info(
+            "compiled %s program (%s rows, %s) ahead in %.1f s",
+            kind,
+            rows,
+            f"{arg} tokens" if kind == "prefill" else "greedy" if arg else "sampled",
+            time.perf_counter() - t0,
+        )
 
     # ------------------------------------------------------------------------------ requests
 
