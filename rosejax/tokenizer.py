@@ -199,18 +199,25 @@ class IncrementalDetokenizer:
         return self._window(final=True)
 
 
-class TokenTexts:
+class TokenTexts(dict):
     """id -> the text of that token alone (`tokenizer.decode([id])`: vLLM's `decoded_token` of
-    a logprob), decoded once per id: logprobs name up to 21 tokens per generated token. Ids the
-    tokenizer does not have (a model's padded vocabulary rows) are ''."""
+    a logprob), each id decoded once: logprobs name up to 21 tokens per generated token. A
+    byte-level tokenizer's text is its bytes as UTF-8 (what `decode` makes of them: equal for
+    every id of GPT-2's, Llama 3's and Qwen3's), about 50x faster than `decode`. Ids the
+    tokenizer does not have (a model's padded vocabulary rows) are ''. A dict, so a known id
+    is a plain lookup."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+        super().__init__()
         self.tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
+        self._table = _byte_table(tokenizer, skip_special=False)
 
-    def __getitem__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
+    def __missing__(self, token_id: int) -> str:
+        if self._table is not None:
+            known = token_id < len(self._table)
+            text = self._table[token_id].decode("utf-8", "replace") if known else ""
+        else:
             known = token_id < len(self.tokenizer)
-            text = self._texts[token_id] = self.tokenizer.decode([token_id]) if known else ""
+            text = self.tokenizer.decode([token_id]) if known else ""
+        self[token_id] = text
         return text

@@ -111,8 +111,9 @@ def test_logprobs_and_prompt_logprobs_match_hf(checkpoint, llm):
         )
         assert math.isclose(completion.cumulative_logprob, total, rel_tol=1e-6)
     assert outs[1].outputs[0].logprobs[0].keys() == {outs[1].token_ids[0]}
-    text = llm.engine.token_texts
-    assert all(lp.decoded_token == text[t] for t, lp in outs[0].outputs[0].logprobs[0].items())
+    decode = llm.engine.tokenizer.decode
+    for entry in outs[0].outputs[0].logprobs:
+        assert all(lp.decoded_token == decode([t]) for t, lp in entry.items())
     assert_clean(llm)
 
 
