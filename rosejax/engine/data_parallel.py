@@ -110,7 +110,8 @@ class DataParallelEngine:
         ids = self.prompt_ids(prompt)
         replica = self.router.route(ids, self.loads)
         self.replicas[replica].add_request(request_id, ids, params)
-        cost = request_cost(len(ids), params.max_tokens, self.config.max_model_len)
+        # Its n sequences each hold a slot and their own tokens (the prompt's blocks shared).
+        cost = params.n * request_cost(len(ids), params.max_tokens, self.config.max_model_len)
         self._where[request_id] = (replica, cost)
         self.loads[replica] += cost
 
