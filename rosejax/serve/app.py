@@ -319,6 +319,17 @@ def create_app(
     def decode_token(token_id: int) -> str:
         return engine.tokenizer.decode([token_id])
 
+    def formatter(req: CompletionRequest | ChatRequest, chat: bool, **echo: Any) -> Formatter:
+        return Formatter(
+            f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            served_model_name,
+            chat=chat,
+            n=req.choices_per_prompt,
+            logprobs=req.logprob_kwargs().get("logprobs"),
+            decode=decode_token,
+            **echo,
+        )
+
     def prepare_completion(raw: bytes):
         req = parse(parse_json(raw), CompletionRequest, COMPLETION_UNSUPPORTED)
         check_request(req)
@@ -331,17 +342,7 @@ def create_app(
                 p if isinstance(p, str) else engine.tokenizer.decode(i)
                 for p, i in zip(prompts, ids, strict=True)
             ]
-        fmt = Formatter(
-            f"cmpl-{uuid.uuid4().hex}",
-            served_model_name,
-            chat=False,
-            n=req.choices_per_prompt,
-            logprobs=req.logprob_kwargs().get("logprobs"),
-            decode=decode_token,
-            echo=echo,
-            echo_only=req.echo_only,
-        )
-        return req, params, ids, fmt
+        return req, params, ids, formatter(req, False, echo=echo, echo_only=req.echo_only)
 
     def chat_ids(messages: list, **kwargs: Any) -> list[int]:
         """A conversation's prompt ids through the chat template; 400 if there is none."""
@@ -370,20 +371,15 @@ def create_app(
         check_request(req)
         params = req.sampling_params()
         ids = tokenize([chat_ids(req.messages)], req.choices_per_prompt)
-        fmt = Formatter(
-            f"chatcmpl-{uuid.uuid4().hex}",
-            served_model_name,
-            chat=True,
-            n=req.choices_per_prompt,
-            logprobs=req.logprob_kwargs().get("logprobs"),
-            decode=decode_token,
-        )
-        return req, params, ids, fmt
+        return req, params, ids, formatter(req, True)
+
+    async def prepared(request: Request, prepare) -> Any:
+        """`prepare` of the request's body, run on the prepare thread."""
+        raw = await read_body(request, limits)
+        return await asyncio.get_running_loop().run_in_executor(prepare_pool, prepare, raw)
 
     async def serve(request: Request, prepare) -> Response:
-        raw = await read_body(request, limits)
-        loop = asyncio.get_running_loop()
-        req, params, prompts, fmt = await loop.run_in_executor(prepare_pool, prepare, raw)
+        req, params, prompts, fmt = await prepared(request, prepare)
         try:
             stream = await async_engine.submit(prompts, params, fmt.id)
         except Overloaded as e:
@@ -447,20 +443,15 @@ def create_app(
             raise APIError(f"tokens must be token ids in [0, {vocab})", param="tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
-    async def answer(request: Request, prepare) -> JSONResponse:
-        raw = await read_body(request, limits)
-        loop = asyncio.get_running_loop()
-        return JSONResponse(await loop.run_in_executor(prepare_pool, prepare, raw))
-
     @app.post("/tokenize", openapi_extra=_body("TokenizeRequest"), responses=_ERRORS)
     async def tokenize_route(request: Request) -> JSONResponse:
         """vLLM's: a prompt's (or a chat's) token ids, their count and the context length."""
-        return await answer(request, tokenize_body)
+        return JSONResponse(await prepared(request, tokenize_body))
 
     @app.post("/detokenize", openapi_extra=_body("DetokenizeRequest"), responses=_ERRORS)
     async def detokenize_route(request: Request) -> JSONResponse:
         """vLLM's: the text of token ids."""
-        return await answer(request, detokenize_body)
+        return JSONResponse(await prepared(request, detokenize_body))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
