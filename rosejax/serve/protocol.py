@@ -123,8 +123,8 @@ class StreamOptions(_Body):
 
 
 def _bounds(**bounds: Any) -> Any:
-    """A field's range, for /openapi.json only (sampling_params() checks it, with its own
-    messages); a JSON schema's bounds leave null alone."""
+    """A field's range, for /openapi.json only (check() or SamplingParams checks it, with its
+    own messages); a JSON schema's bounds leave null alone."""
     return Field(None, json_schema_extra=bounds)
 
 
