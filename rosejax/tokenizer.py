@@ -56,11 +56,13 @@ def chat_prompt_ids(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     chat_template_kwargs: dict | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """One conversation's prompt ids through the tokenizer's chat template (or `chat_template`):
     the rendered text tokenized without adding special tokens again, which is what
     `tokenizer.apply_chat_template(messages, tokenize=True)` gives (the template writes BOS
-    itself). `chat_template_kwargs` go to the template, e.g. Qwen3's `enable_thinking`."""
+    itself; `add_special_tokens` adds the tokenizer's on top, as vLLM's /tokenize may).
+    `chat_template_kwargs` go to the template, e.g. Qwen3's `enable_thinking`."""
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError(
             "the tokenizer has no chat template (GPT-2's has none): pass chat_template, or "
@@ -73,7 +75,7 @@ def chat_prompt_ids(
         chat_template=chat_template,
         **(chat_template_kwargs or {}),
     )
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
