@@ -300,7 +300,8 @@ def test_oversized_body_without_a_length_is_413(served):
 
 def test_long_prompt_is_400_before_tokenizing(served, monkeypatch):
     """A prompt of more characters than can ever fit the context never reaches the tokenizer;
-    one just under that limit is tokenized off the engine thread and refused for its length."""
+    one just under that limit (a large body) is tokenized on the prepare thread, off the engine
+    thread and the event loop, and refused for its length."""
     tokenizer = served.engine.tokenizer
     encode, threads = tokenizer.encode, []
 
