@@ -170,6 +170,13 @@ def add_engine_args(
         help="the smallest compiled decode batch (smaller ones pad to it); default: "
         "$ROSEJAX_MIN_DECODE_BATCH, else 16 on a GPU, 1 on a CPU",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many devices (tensor parallelism: heads, MLP units, "
+        "vocabulary and KV cache); the first N devices of every process; default: %(default)s",
+    )
     add_kernel_args(p)
     p.add_argument(
         "--compilation-cache-dir",
@@ -221,12 +228,46 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_prefix_cache,
         warmup=False if args.no_warmup else None,
         kernels=kernel_config(args.kernel, args.kernel_tile),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.min_decode_batch is not None:
         kwargs["min_decode_batch"] = args.min_decode_batch
     if args.compilation_cache_dir is not None:
         kwargs["compilation_cache_dir"] = args.compilation_cache_dir
     return kwargs
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    """--distributed-coordinator-address, --num-processes, --process-id: one engine over several
+    processes (`jax.distributed`); `distributed_kwargs` reads them."""
+    p.add_argument(
+        "--distributed-coordinator-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="run as one of --num-processes processes (jax.distributed): process 0 listens "
+        "here, every process connects; each runs the same requests and process 0 prints",
+    )
+    p.add_argument(
+        "--num-processes",
+        type=int,
+        default=1,
+        help="processes in all (one per GPU); default: %(default)s",
+    )
+    p.add_argument(
+        "--process-id",
+        type=int,
+        default=0,
+        help="this process's id, 0 to --num-processes - 1; default: %(default)s",
+    )
+
+
+def distributed_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`EngineConfig` fields from the flags of `add_distributed_args`."""
+    return dict(
+        distributed_coordinator_address=args.distributed_coordinator_address,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:

@@ -6,6 +6,10 @@ writes its rows' KV, samples their first token and fills their slots; a decode w
 advancing positions on the device, and stops rows on EOS, stop ids or their token budget there.
 The host sends only changes: new block-table entries and the slots it wants stopped. KV cache and
 slot state are donated to every program, so nothing is copied between steps.
+
+Under tensor parallelism (a `mesh`) params and cache come sharded, the forward runs per shard
+under shard_map (`rosejax.layers.parallel`), and everything else, slot state and sampling
+included, is replicated: every device (and process) computes the same tokens.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from rosejax.layers.attention import ForwardMetadata
 from rosejax.layers.kv_cache import KVCache
+from rosejax.layers.parallel import place, replicated, tensor_parallel_forward
 from rosejax.models import family_of
 from rosejax.sampling import sample
 from rosejax.settings import KernelConfig
@@ -79,9 +85,20 @@ class ModelRunner:
         max_decode_steps: int,
         max_table_updates: int,
         kernels: KernelConfig,
+        mesh: Mesh | None = None,
     ):
+        """`mesh`: tensor parallelism over it, with `params` and `cache` already sharded on it."""
         self.config = config
         self.forward = family_of(config).forward
+        # Where each program's outputs live (tokens, cache, state): as their inputs, so the
+        # donated cache and state are updated in place.
+        self._out_shardings: dict = {}
+        if mesh is not None:
+            self.forward = tensor_parallel_forward(self.forward, mesh, params, cache)
+            same = replicated(mesh)
+            self._out_shardings = dict(
+                out_shardings=(same, jax.tree.map(lambda a: a.sharding, cache), same)
+            )
         # Which kernels run: a static argument of every program, so a new value compiles anew.
         self.kernels = kernels
         self.params = params
@@ -91,10 +108,15 @@ class ModelRunner:
         self.max_table_updates = max_table_updates
         self.max_blocks = -(-config.max_model_len // cache.block_size)
         self.state = empty_slot_state(num_slots, self.max_blocks)
+        if mesh is not None:
+            self.state = jax.tree.map(lambda a: place(np.asarray(a), replicated(mesh)), self.state)
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
         self.compile_seconds = 0.0
         self._prefill = jax.jit(
-            self._prefill_fn, donate_argnums=(1, 2), static_argnames=("kernels",)
+            self._prefill_fn,
+            donate_argnums=(1, 2),
+            static_argnames=("kernels",),
+            **self._out_shardings,
         )
         # One jitted window per batch bucket and kernel config, made on first use: each one's
         # XLA options (its GEMM library) are settled then, not looked up every window.
@@ -250,6 +272,7 @@ class ModelRunner:
                 donate_argnums=(1, 2),
                 static_argnames=("batch", "greedy", "kernels"),
                 compiler_options=self.kernels.decode_compiler_options(batch) or None,
+                **self._out_shardings,
             )
         out, self.cache, self.state = self._call(
             program,

@@ -20,13 +20,16 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from rosejax.engine.block_manager import BlockAllocator
 from rosejax.engine.request import Request, RequestOutput, RequestStatus
 from rosejax.engine.scheduler import Scheduler
 from rosejax.layers.kv_cache import init_kv_cache, kv_cache_bytes_per_block, num_blocks_for
+from rosejax.layers.parallel import TP_AXIS, shard_params, tensor_parallel_mesh
 from rosejax.model_runner import NUM_STOP_IDS, ModelRunner
-from rosejax.models import eos_token_ids, with_context_len
+from rosejax.models import eos_token_ids, family_of, with_context_len
 from rosejax.models.loader import load_model, resolve_dtype
 from rosejax.sampling import SamplingParams
 from rosejax.settings import (
@@ -71,8 +74,14 @@ def _fill_rows(out: np.ndarray, rows: list[list[int]]) -> None:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         """Load the model and tokenizer, size the KV cache, and (on a GPU) compile every bucket.
-        Sets the process-wide XLA flags and compilation cache first (`configure_process`)."""
-        configure_process(config.compilation_cache_dir)
+        Sets the process-wide XLA flags, `jax.distributed` and the compilation cache first
+        (`configure_process`)."""
+        configure_process(
+            config.compilation_cache_dir,
+            coordinator_address=config.distributed_coordinator_address,
+            num_processes=config.num_processes,
+            process_id=config.process_id,
+        )
         try:
             self._build(config)
         except Exception as e:  # jax's runtime error type differs between versions
@@ -91,11 +100,20 @@ class LLMEngine:
         self.dtype = resolve_dtype(
             config.dtype if config.dtype != "auto" else ("float32" if on_cpu else "float16")
         )
+        self.tensor_parallel_size = tp = config.tensor_parallel_size
+        mesh = self._mesh(config)
         start = time.perf_counter()
         logger.info("loading %s (%s, %s)", config.model, self.dtype.name, jax.default_backend())
         self.config, params = load_model(config.model, self.dtype, config.seed)
         if config.max_model_len is not None:
             self.config = with_context_len(self.config, config.max_model_len)
+        cache_sharding = None
+        if mesh is not None:
+            layout = family_of(self.config).shard_layout(self.config)
+            layout.check(tp)
+            params = shard_params(params, layout, mesh)
+            cache_sharding = NamedSharding(mesh, P(TP_AXIS))  # by KV heads
+            logger.info("tensor parallel over %d devices: %s", tp, mesh.devices.tolist())
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         logger.info("loaded the model and tokenizer in %.1f s", time.perf_counter() - start)
         self.block_size = config.block_size
@@ -132,7 +150,9 @@ class LLMEngine:
         num_slots = max(self.max_batch_size, min_batch)
         # A window may add ceil(2K / block_size) + 1 blocks per row: K in flight, K reserved.
         per_row = -(-2 * self.decode_steps // config.block_size) + 1
-        cache = init_kv_cache(self.config, self.allocator.num_blocks, config.block_size, self.dtype)
+        cache = init_kv_cache(
+            self.config, self.allocator.num_blocks, config.block_size, self.dtype, cache_sharding
+        )
         self.runner = ModelRunner(
             self.config,
             params,
@@ -141,6 +161,7 @@ class LLMEngine:
             self.decode_steps,
             num_slots * per_row,
             self.kernels,
+            mesh,
         )
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
         self.seed = config.seed
@@ -162,6 +183,20 @@ class LLMEngine:
         if config.warmup or (config.warmup is None and not on_cpu):
             self.warmup()
 
+    @staticmethod
+    def _mesh(config: EngineConfig) -> Mesh | None:
+        """The tensor-parallel mesh (None for one device), checked against the devices present
+        before anything is loaded."""
+        if config.num_processes > 1 and config.tensor_parallel_size != jax.device_count():
+            raise ValueError(
+                f"--tensor-parallel-size ({config.tensor_parallel_size}) must span every "
+                f"process's devices: {config.num_processes} processes hold "
+                f"{jax.device_count()} devices in all"
+            )
+        if config.tensor_parallel_size == 1:
+            return None
+        return tensor_parallel_mesh(config.tensor_parallel_size)
+
     @classmethod
     def from_args(cls, model: str, **kwargs) -> LLMEngine:
         """`LLMEngine(EngineConfig(model, **kwargs))`."""
@@ -176,7 +211,12 @@ class LLMEngine:
 
         def blocks(**budget) -> int:
             return num_blocks_for(
-                self.config, self.block_size, self.dtype, max_num_seqs=self.max_batch_size, **budget
+                self.config,
+                self.block_size,
+                self.dtype,
+                max_num_seqs=self.max_batch_size,
+                shards=self.tensor_parallel_size,
+                **budget,
             )
 
         if tokens is not None:
@@ -186,9 +226,11 @@ class LLMEngine:
             if on_cpu and fraction is None:  # more than a full context per request is never used
                 full = self.max_batch_size * self.config.max_model_len
                 num_blocks = min(num_blocks, blocks(kv_cache_tokens=full))
-        per_block = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(
+            self.config, self.block_size, self.dtype, self.tensor_parallel_size
+        )
         logger.info(
-            "KV cache: %d blocks of %d tokens, %d tokens, %.2f GiB (--kv-cache-tokens or "
+            "KV cache: %d blocks of %d tokens, %d tokens, %.2f GiB a device (--kv-cache-tokens or "
             "--kv-cache-memory-fraction change it)",
             num_blocks - 1,
             self.block_size,
