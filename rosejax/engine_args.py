@@ -86,7 +86,8 @@ def add_engine_args(
         default=model_default,
         help="hub id (gpt2, Qwen/Qwen3-0.6B, ...), local save_pretrained directory, or "
         "random:<preset> for random weights of a preset shape (random:gpt2, "
-        "random:gpt2-xl, random:tiny, random:qwen3-0.6b, random:llama-3.2-1b); "
+        "random:gpt2-xl, random:tiny, random:qwen3-0.6b, random:llama-3.2-1b, "
+        "random:llama-3.1-8b); "
         "default: %(default)s" + ("".join(f"; {a} is an alias" for a in model_aliases)),
     )
     p.add_argument(
