@@ -13,7 +13,8 @@ by a Pallas kernel or XLA as the `KernelConfig` says.
   K over more programs for free.
 - A row-parallel `Linear` (`reduce_axis`, tensor parallelism: `rosejax.layers.parallel`) holds
   its shard's rows of the kernel: its float32 partial sums are all-reduced over the mesh axis
-  first, and the replicated bias and residual added after, once, as above.
+  first, and the replicated bias and residual added after, once, rounded where one device's
+  call rounds (so half-precision values match it up to the order of float32 sums).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pallas_kernels.linear import (
     linear_partial_sums,
     linear_partial_sums_reference,
     linear_reference,
+    linear_reference_epilogue,
     linear_supported,
 )
 from rosejax.settings import XLA_KERNELS, KernelConfig
@@ -83,11 +85,15 @@ class Linear(nn.Module):
         res = None if residual is None else residual.reshape(rows, self.features)
         pallas = pallas_linear_enabled(self.kernels, rows, k, self.features)
         tiles = self.kernels.tile_kwargs("linear") | {"interpret": self.kernels.interpret}
+        if self.reduce_axis is not None and not pallas:
+            # Rounded where one device's `linear_reference` rounds (the whole product, then each
+            # add), so the shards' sum gives the same half-precision values.
+            product = linear_partial_sums_reference(x.reshape(rows, k), kernel)[0]  # float32
+            product = jax.lax.psum(product, self.reduce_axis).astype(x.dtype)
+            y = linear_reference_epilogue(product, bias, res, activation=self.activation)
+            return y.reshape(*lead, self.features)
         if self.reduce_axis is not None:
-            if pallas:
-                partials = linear_partial_sums(x.reshape(rows, k), kernel, **tiles)
-            else:
-                partials = linear_partial_sums_reference(x.reshape(rows, k), kernel)
+            partials = linear_partial_sums(x.reshape(rows, k), kernel, **tiles)
             # The splits summed first: the all-reduce carries one [1, M, N] float32 sum.
             partials = jax.lax.psum(partials.sum(axis=0, keepdims=True), self.reduce_axis)
             if defer and residual is not None and self.activation is None:
