@@ -125,6 +125,16 @@ def slo(text: str) -> tuple[str, float]:
     return name, ms
 
 
+def add_client_arg(g: argparse._ActionsContainer) -> None:
+    """--client: the HTTP library (`pick_client`)."""
+    g.add_argument(
+        "--client",
+        choices=["auto", "aiohttp", "httpx"],
+        default="auto",
+        help="HTTP library; auto = aiohttp if installed, else httpx",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = common.new_parser(__doc__)
     g = p.add_argument_group("server")
@@ -156,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=900.0,
         help="seconds to wait for the launched server's /health (a GPU start compiles)",
+    )
+    g.add_argument(
+        "--no-wait-compiled",
+        action="store_true",
+        help="start the runs once /health answers, while the server still compiles the "
+        "programs its first requests did not need (it does so only while idle); by default "
+        "the runs wait for it, to time the steady state",
     )
     g.add_argument(
         "--server-log",
@@ -230,17 +247,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("client and report")
-    g.add_argument(
-        "--client",
-        choices=["auto", "aiohttp", "httpx"],
-        default="auto",
-        help="HTTP library; auto = aiohttp if installed, else httpx",
-    )
+    add_client_arg(g)
     g.add_argument(
         "--continuous-usage-stats",
         action="store_true",
         help="ask for cumulative usage in every chunk (vLLM's stream_options."
         "continuous_usage_stats) for exact tokens per event; rosejax answers 400 to it today",
+    )
+    g.add_argument(
+        "--disconnect-fraction",
+        type=float,
+        default=0.0,
+        help="HTTP side: this fraction of the requests (spread evenly) close their stream after "
+        "--disconnect-after events, as clients that leave; they count as disconnected, not "
+        "failed, and the figures are the other requests'",
+    )
+    g.add_argument(
+        "--disconnect-after",
+        type=int,
+        default=3,
+        help="text events a disconnecting client reads before it closes the stream",
     )
     g.add_argument(
         "--request-timeout",
@@ -302,6 +328,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--range-ratio must lie in [0, 1)")
     if args.burstiness <= 0:
         p.error("--burstiness must be > 0")
+    if not 0 <= args.disconnect_fraction < 1 or args.disconnect_after < 1:
+        p.error("--disconnect-fraction must be in [0, 1) and --disconnect-after >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error("--max-concurrency must be >= 1")
     if args.warmup_runs < 0 or args.request_timeout <= 0:
@@ -441,10 +469,16 @@ class Record:
     output_tokens: int = 0  # from the final usage
     end_s: float | None = None  # the stream's end ([DONE] read)
     error: str | None = None
+    disconnect_after: int | None = None  # events read before the client leaves on purpose
+
+    @property
+    def disconnected(self) -> bool:
+        return self.disconnect_after is not None and len(self.event_s) >= self.disconnect_after
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.end_s is not None and bool(self.event_s)
+        done = self.error is None and self.end_s is not None and bool(self.event_s)
+        return done and self.disconnect_after is None
 
     @property
     def counts(self) -> list[int]:
@@ -504,7 +538,8 @@ def summarize(
     events = sum(len(r.event_s) for r in ok)
     out: dict[str, Any] = {
         "completed": len(ok),
-        "failed": len(records) - len(ok),
+        "disconnected": sum(r.disconnected for r in records),
+        "failed": sum(not r.ok and not r.disconnected for r in records),
         "output_len_mismatches": sum(r.output_tokens != r.expected_output_len for r in ok),
         "duration_s": duration,
         "total_input_tokens": total_in,
@@ -517,6 +552,7 @@ def summarize(
         "itl_ms": stats(x for r in ok for x in r.itls()),
         "e2el_ms": stats(r.e2el() for r in ok),
         "event_gap_ms": stats(g for r in ok for g in r.event_gaps()),
+        "event_gap_max_ms": max((g * 1e3 for r in ok for g in r.event_gaps()), default=None),
         "tokens_per_event": total_out / events if events else None,
         "itl_token_counts": (
             "exact" if ok and all(r.event_tokens is not None for r in ok) else "even_spread"
@@ -659,6 +695,8 @@ class _StreamReader:
             rec.event_tokens = None
         elif rec.event_tokens and self.pending:  # tokens after the last text: the last event's
             rec.event_tokens[-1] += self.pending
+        if rec.disconnected:  # left on purpose: no [DONE], no usage
+            return
         if rec.error is None and not self.done:
             rec.error = "the stream ended without data: [DONE]"
         if rec.error is None and not rec.event_s:
@@ -687,14 +725,21 @@ async def run_http(
     records = [
         Record(i, s.output_len, offsets[i], prompt_len=s.prompt_len) for i, s in enumerate(samples)
     ]
+    f = args.disconnect_fraction
+    for rec in records:  # evenly spread: request i leaves when floor(i * f) steps up
+        if int((rec.index + 1) * f) > int(rec.index * f):
+            rec.disconnect_after = args.disconnect_after
     async with open_session(client, args.max_concurrency) as post_lines:
         start = time.perf_counter()
 
         async def consume(rec: Record, body: dict) -> None:
             reader = _StreamReader(rec)
             try:
-                async for raw in post_lines(url, body):
-                    reader.line(raw, time.perf_counter() - start)
+                async with contextlib.aclosing(post_lines(url, body)) as lines:
+                    async for raw in lines:
+                        reader.line(raw, time.perf_counter() - start)
+                        if rec.disconnected:  # closing the response drops the connection
+                            return
             except Exception as e:  # refused, reset, HTTP error, bad JSON
                 rec.error = rec.error or f"{type(e).__name__}: {e}"[:300]
             finally:
@@ -774,6 +819,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def programs_to_compile(base_url: str) -> int:
+    """The server's rosejax_programs_to_compile gauge, summed over its replicas (0 if it has
+    none or does not answer)."""
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=5) as r:
+            lines = r.read().decode().splitlines()
+    except OSError:
+        return 0
+    name = "rosejax_programs_to_compile"
+    return sum(int(float(x.split()[-1])) for x in lines if x.startswith((name + " ", name + "{")))
+
+
 class LaunchedServer:
     """`python -m rosejax.serve` in a subprocess on a free loopback port, up once /health is."""
 
@@ -803,6 +860,8 @@ class LaunchedServer:
             os.close(fd)
         self.proc: subprocess.Popen | None = None
         self.start_seconds: float | None = None
+        self.wait_compiled = not args.no_wait_compiled
+        self.compiled_seconds: float | None = None
 
     def log_tail(self, n: int = 40) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -833,6 +892,14 @@ class LaunchedServer:
             time.sleep(0.25)
         self.start_seconds = time.perf_counter() - t0
         print(f"server up at {self.url} in {self.start_seconds:.1f} s", file=sys.stderr)
+        if self.wait_compiled:
+            while programs_to_compile(self.url) and time.monotonic() < deadline:
+                time.sleep(0.25)
+            self.compiled_seconds = time.perf_counter() - t0
+            print(
+                f"every program compiled {self.compiled_seconds:.1f} s after launch",
+                file=sys.stderr,
+            )
         return self
 
     def stop(self) -> int | None:
@@ -935,6 +1002,7 @@ def run_in_process(
 ROWS = [  # (label, key, format)
     ("Successful requests", "completed", ",d"),
     ("Failed requests", "failed", ",d"),
+    ("Disconnected requests", "disconnected", ",d"),
     ("Benchmark duration (s)", "duration_s", ",.3f"),
     ("Total input tokens", "total_input_tokens", ",d"),
     ("Total generated tokens", "total_output_tokens", ",d"),
@@ -991,6 +1059,7 @@ def format_table(results: dict[str, dict], percentiles: Sequence[float]) -> str:
         for p in percentiles:
             if p != 50:
                 lines.append(row(f"P{p:g} {short} (ms)", [r[key][_pkey(p)] for r in res], ",.2f"))
+    lines.append(row("Max event gap (ms)", [r["event_gap_max_ms"] for r in res], ",.2f"))
     lines.append(
         row("Tokens per streamed event (mean)", [r["tokens_per_event"] for r in res], ",.2f")
     )
@@ -1096,7 +1165,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.launch:
         with LaunchedServer(args) as server:
-            config.update(server_cmd=server.cmd, server_start_seconds=server.start_seconds)
+            config.update(
+                server_cmd=server.cmd,
+                server_start_seconds=server.start_seconds,
+                server_compiled_seconds=server.compiled_seconds,
+            )
             records, duration, model = run_http_side(
                 args, server.url, samples, offsets, warmups, client
             )

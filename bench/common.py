@@ -105,14 +105,16 @@ def add_run_args(p: argparse.ArgumentParser, warmup_runs: int = 1, repeat_runs: 
 
 
 def make_engine(args: argparse.Namespace, max_batch_size: int | None = None):
-    """Build the engine; returns (engine, seconds to build it: load, cache, warm-up compile)."""
-    from rosejax.engine.llm_engine import LLMEngine
+    """Build the engine (`DataParallelEngine` with --data-parallel-size > 1); returns (engine,
+    seconds to build it: load, cache, warm-up compile)."""
+    from rosejax.engine.data_parallel import make_engine
+    from rosejax.settings import EngineConfig
 
     start = time.perf_counter()
     kwargs = engine_kwargs(args) | {"seed": args.seed}
     if max_batch_size:  # compare_hf: one engine per batch size
         kwargs["max_batch_size"] = max_batch_size
-    engine = LLMEngine.from_args(args.model, **kwargs)
+    engine = make_engine(EngineConfig(model=args.model, **kwargs))
     return engine, time.perf_counter() - start
 
 

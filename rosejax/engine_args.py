@@ -172,11 +172,20 @@ def add_engine_args(
         "$ROSEJAX_MIN_DECODE_BATCH, else 16 on a GPU, 1 on a CPU",
     )
     p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas, replica i on device i (devices i*N to (i+1)*N - 1 with "
+        "--tensor-parallel-size N), each with its own KV cache; requests go to the least loaded "
+        "one, or to the one holding their prompt's prefix; default: %(default)s",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
         help="split the model over this many devices (tensor parallelism: heads, MLP units, "
-        "vocabulary and KV cache); the first N devices of every process; default: %(default)s",
+        "vocabulary and KV cache): the first N (of every process, with --num-processes); "
+        "default: %(default)s",
     )
     add_kernel_args(p)
     p.add_argument(
@@ -229,6 +238,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_prefix_cache,
         warmup=False if args.no_warmup else None,
         kernels=kernel_config(args.kernel, args.kernel_tile),
+        data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.min_decode_batch is not None:

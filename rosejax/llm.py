@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from rosejax.engine.llm_engine import LLMEngine
+from rosejax.engine.data_parallel import make_engine
 from rosejax.engine.request import RequestOutput
 from rosejax.sampling import SamplingParams
 from rosejax.settings import EngineConfig
@@ -18,8 +18,10 @@ class LLM:
 
     def __init__(self, model: str, **engine_args):
         """`engine_args`: the other fields of `EngineConfig` (max_batch_size, dtype, kernels,
-        ...)."""
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        data_parallel_size, ...). With data_parallel_size N the prompts are spread over N
+        replicas (`DataParallelEngine`)."""
+        self.engine = make_engine(EngineConfig(model=model, **engine_args))
+        self._submitted = 0  # requests submitted so far: default ids are gen-N
 
     def _submit(self, prompts: Prompts, sampling_params, request_ids=None) -> list[str]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -28,7 +30,7 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        base = self.engine._arrivals
+        base = self._submitted
         ids = list(request_ids or (f"gen-{base + i}" for i in range(len(prompts))))
         if len(ids) != len(prompts):
             raise ValueError("give one request id per prompt")
@@ -41,6 +43,7 @@ class LLM:
             for rid in added:  # all or nothing: a bad prompt leaves nothing queued
                 self.engine.abort_request(rid)
             raise
+        self._submitted += len(ids)
         return ids
 
     def generate(

@@ -74,7 +74,8 @@ def _stopped(tokens, stop_ids, steps, limit):
 
 
 class ModelRunner:
-    """Owns params, KV cache and slot state on the device, and the programs that advance them."""
+    """Owns params, KV cache and slot state on its device(s), and the programs that advance
+    them."""
 
     def __init__(
         self,
@@ -85,31 +86,35 @@ class ModelRunner:
         max_decode_steps: int,
         max_table_updates: int,
         kernels: KernelConfig,
-        mesh: Mesh | None = None,
+        placement: jax.Device | Mesh,
     ):
-        """`mesh`: tensor parallelism over it, with `params` and `cache` already sharded on it."""
+        """`placement`: the device that holds params, KV cache and slot state, or a tensor
+        parallel mesh on which `params` and `cache` come sharded (the slot state replicated)."""
         self.config = config
         self.forward = family_of(config).forward
-        # Where each program's outputs live (tokens, cache, state): as their inputs, so the
-        # donated cache and state are updated in place.
+        # Where each program's outputs live (tokens, cache, state) under tensor parallelism: as
+        # its inputs, so the donated cache and state are updated in place.
         self._out_shardings: dict = {}
-        if mesh is not None:
-            self.forward = tensor_parallel_forward(self.forward, mesh, params, cache)
-            same = replicated(mesh)
+        if isinstance(placement, Mesh):
+            self.forward = tensor_parallel_forward(self.forward, placement, params, cache)
+            same = replicated(placement)
             self._out_shardings = dict(
                 out_shardings=(same, jax.tree.map(lambda a: a.sharding, cache), same)
             )
         # Which kernels run: a static argument of every program, so a new value compiles anew.
         self.kernels = kernels
-        self.params = params
-        self.cache = cache
         self.num_slots = num_slots
         self.max_decode_steps = max_decode_steps
         self.max_table_updates = max_table_updates
         self.max_blocks = -(-config.max_model_len // cache.block_size)
-        self.state = empty_slot_state(num_slots, self.max_blocks)
-        if mesh is not None:
-            self.state = jax.tree.map(lambda a: place(np.asarray(a), replicated(mesh)), self.state)
+        state = empty_slot_state(num_slots, self.max_blocks)
+        if isinstance(placement, Mesh):
+            state = jax.tree.map(lambda a: place(np.asarray(a), replicated(placement)), state)
+            self.params, self.cache, self.state = params, cache, state
+        else:
+            # Committed to the device (no copy where they are made there already): a program
+            # runs where its committed inputs live, so the host's numpy inputs follow them.
+            self.params, self.cache, self.state = jax.device_put((params, cache, state), placement)
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
         self.compile_seconds = 0.0
         self._prefill = jax.jit(
@@ -121,6 +126,9 @@ class ModelRunner:
         # One jitted window per batch bucket and kernel config, made on first use: each one's
         # XLA options (its GEMM library) are settled then, not looked up every window.
         self._decode_programs: dict[tuple[int, KernelConfig], Callable] = {}
+        # Executables compiled ahead on another thread (`compile_prefill`, `compile_decode`),
+        # by their static arguments; a call finds its shape here or compiles through jit.
+        self._compiled: dict[tuple, Any] = {}
 
     # ------------------------------------------------------------------------------ programs
 
@@ -240,11 +248,41 @@ class ModelRunner:
             self.compile_seconds += time.perf_counter() - start
         return out
 
-    def prefill(self, batch: dict[str, np.ndarray]) -> jax.Array:
-        first, self.cache, self.state = self._call(
-            self._prefill, self.params, self.cache, self.state, batch, kernels=self.kernels
+    def _run(self, key: tuple, program, args: tuple, **static):
+        """Run the executable compiled ahead for `key` if there is one, else `program` (jit)."""
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            return compiled(*args)
+        return self._call(program, *args, **static)
+
+    def _compile_ahead(self, key: tuple, program, args: tuple, **static) -> None:
+        """Lower and compile `program` for the shapes of `args`, without running it: safe on a
+        thread other than the one running programs (only shapes are read of the live arrays)."""
+        if key in self._compiled:
+            return
+        start = time.perf_counter()
+        specs = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                np.shape(a), a.dtype, sharding=getattr(a, "sharding", None)
+            ),
+            args,
         )
+        self._compiled[key] = program.lower(*specs, **static).compile()
+        self.compile_seconds += time.perf_counter() - start
+
+    def _prefill_args(self, batch: dict[str, np.ndarray]) -> tuple:
+        return self.params, self.cache, self.state, batch
+
+    def prefill(self, batch: dict[str, np.ndarray]) -> jax.Array:
+        key = ("prefill", batch["tokens"].shape, self.kernels)
+        args = self._prefill_args(batch)
+        first, self.cache, self.state = self._run(key, self._prefill, args, kernels=self.kernels)
         return first
+
+    def compile_prefill(self, batch: dict[str, np.ndarray]) -> None:
+        """Compile ahead the prefill program of `batch`'s shapes (see `_compile_ahead`)."""
+        key = ("prefill", batch["tokens"].shape, self.kernels)
+        self._compile_ahead(key, self._prefill, self._prefill_args(batch), kernels=self.kernels)
 
     def decode(
         self,
@@ -264,6 +302,23 @@ class ModelRunner:
         m = np.full((2, self.num_slots), self.num_slots, np.int32)
         if moves:
             m[:, : len(moves)] = np.asarray(moves, np.int32).T
+        args = (self.params, self.cache, self.state, kill, *u, *m, np.int32(n_steps))
+        static = dict(batch=batch, greedy=greedy, kernels=self.kernels)
+        key = ("decode", batch, greedy, self.kernels)
+        out, self.cache, self.state = self._run(key, self._decode_program(batch), args, **static)
+        return out
+
+    def compile_decode(self, batch: int, greedy: bool) -> None:
+        """Compile ahead the decode window of `batch` rows (see `_compile_ahead`)."""
+        kill = np.zeros(self.num_slots, bool)
+        u = np.zeros((3, self.max_table_updates), np.int32)
+        m = np.zeros((2, self.num_slots), np.int32)
+        args = (self.params, self.cache, self.state, kill, *u, *m, np.int32(0))
+        static = dict(batch=batch, greedy=greedy, kernels=self.kernels)
+        key = ("decode", batch, greedy, self.kernels)
+        self._compile_ahead(key, self._decode_program(batch), args, **static)
+
+    def _decode_program(self, batch: int) -> Callable:
         key = (batch, self.kernels)
         program = self._decode_programs.get(key)
         if program is None:
@@ -274,20 +329,4 @@ class ModelRunner:
                 compiler_options=self.kernels.decode_compiler_options(batch) or None,
                 **self._out_shardings,
             )
-        out, self.cache, self.state = self._call(
-            program,
-            self.params,
-            self.cache,
-            self.state,
-            kill,
-            u[0],
-            u[1],
-            u[2],
-            m[0],
-            m[1],
-            np.int32(n_steps),
-            batch=batch,
-            greedy=greedy,
-            kernels=self.kernels,
-        )
-        return out
+        return program

@@ -252,6 +252,7 @@ class EngineConfig:
         default_factory=_default_compilation_cache_dir
     )  # jax's persistent compilation cache; None: off
     warmup: bool | None = None  # compile every bucket at start; None: on a GPU only
+    data_parallel_size: int = 1  # engine replicas, each on its own device(s), behind one router
     # Tensor parallelism: the model's heads, MLP units and vocabulary split over the first N
     # devices (across processes, once `jax.distributed` is initialized: see below).
     tensor_parallel_size: int = 1
@@ -276,6 +277,8 @@ class EngineConfig:
             )
         if self.min_decode_batch is not None and self.min_decode_batch < 1:
             raise ValueError(f"min_decode_batch must be >= 1, got {self.min_decode_batch}")
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_memory_fraction is not None:
             raise ValueError("give at most one of kv_cache_tokens and kv_cache_memory_fraction")
         if self.tensor_parallel_size < 1:
@@ -283,6 +286,8 @@ class EngineConfig:
                 f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"
             )
         check_distributed(self.distributed_coordinator_address, self.num_processes, self.process_id)
+        if self.num_processes > 1 and self.data_parallel_size > 1:
+            raise ValueError("--num-processes > 1 runs one engine: give --data-parallel-size 1")
 
 
 def set_xla_flags() -> None:

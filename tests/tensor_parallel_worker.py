@@ -5,9 +5,9 @@ tensor-parallel sizes, their tokens and the errors of bad configurations written
     python -m tests.tensor_parallel_worker SPEC.json
 
 SPEC: {"models": {name: checkpoint dir}, "prompts": [[ids]], "full": bool, "cases": [CASE],
-"out": results path}. A CASE is NAME:TP:PATH with PATH "xla" (every op in XLA) or "kernels" (the
-GPU path's Pallas kernels, interpreted); its result is a list of token lists, or the ValueError's
-message.
+"out": results path}. A CASE is NAME:TP:PATH[:DP] with PATH "xla" (every op in XLA) or "kernels"
+(the GPU path's Pallas kernels, interpreted) and DP data-parallel replicas (default 1); its result
+is a list of token lists, or the ValueError's message.
 """
 
 from __future__ import annotations
@@ -34,13 +34,16 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
 
 
-def generate(path: str, tp: int, kernels: KernelConfig, prompts, full: bool) -> list[list[int]]:
+def generate(
+    path: str, tp: int, dp: int, kernels: KernelConfig, prompts, full: bool
+) -> list[list[int]]:
     """Every request's tokens: the prompts greedily in one batch; with `full` then the first
     prompt sampled (seeded) beside prompts that continue cached prefixes (the paged prefill)."""
     llm = LLM(
         path,
         tokenizer=packaged_gpt2_tokenizer_path(),
         tensor_parallel_size=tp,
+        data_parallel_size=dp,
         kernels=kernels,
         dtype="float32",
         block_size=16,  # the prefill kernel's smallest tile
@@ -63,11 +66,12 @@ def main(spec_path: str) -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
     results = {}
     for case in spec["cases"]:
-        name, tp, what = case.split(":")
+        name, tp, what, *dp = case.split(":")
         kernels = KERNELS if what == "kernels" else KernelConfig()
         try:
             path = spec["models"][name]
-            results[case] = generate(path, int(tp), kernels, spec["prompts"], spec["full"])
+            sizes = int(tp), int(dp[0]) if dp else 1
+            results[case] = generate(path, *sizes, kernels, spec["prompts"], spec["full"])
         except ValueError as e:
             results[case] = str(e)
     with open(spec["out"], "w") as f:

@@ -642,6 +642,7 @@ def test_plots(tmp_path):
             ["--kernel", "--kernel-tile", "--trace-dir", "--decode-steps", "--timed-runs"],
         ),
         ("compare_variants", ["--runs", "--batch", "--decode-steps", "--json"]),
+        ("benchmark_data_parallel", ["--data-parallel-size", "--only", "--repeat-runs", "--json"]),
     ],
 )
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short

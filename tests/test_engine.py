@@ -581,10 +581,11 @@ def test_cache_size_is_logged(checkpoint, caplog):
     assert f"KV cache: {blocks} blocks of 8 tokens, {blocks * 8} tokens" in caplog.text
 
 
-def test_warmup_first_programs_then_the_rest_in_steps(checkpoint, caplog):
-    """A server compiles what a first request needs up front, the rest one program at a time
-    between steps: the first three are the smallest prefill and decode (greedy and sampled)
-    programs, every step logs what it compiled, and afterwards nothing recompiles."""
+def test_warmup_first_programs_then_the_rest_compiled_ahead(checkpoint, caplog):
+    """A server compiles what a first request needs up front and the rest ahead, without running
+    them: the first three are the smallest prefill and decode (greedy and sampled) programs,
+    each program compiled ahead is logged, and the requests then run on those executables
+    (nothing traces again) with HF's greedy tokens."""
     caplog.set_level("INFO", logger="rosejax")
     llm = make_llm(checkpoint, max_batch_size=2, decode_steps=2)
     engine = llm.engine
@@ -595,11 +596,14 @@ def test_warmup_first_programs_then_the_rest_in_steps(checkpoint, caplog):
     assert first[1:] == [("decode", engine.decode_buckets[0], g) for g in (True, False)]
     engine.warmup(first)
     assert engine.num_compiles == 3 and "compiled decode program 3/3" in caplog.text
-    steps = 1
-    while engine.warmup_step():
-        steps += 1
-    assert steps == len(programs) - 3 and engine.num_compiles == len(programs)
-    assert not engine.warmup_step()
-    outs = llm.generate(random_prompts(2), SamplingParams(max_tokens=5, top_k=3), use_tqdm=False)
+    for program in programs:
+        engine.compile_ahead(program)
+    assert engine.num_compiles == len(programs)
+    assert caplog.text.count("ahead in") == len(programs) - 3
+    prompts = random_prompts(2, lo=9, hi=20)  # a prefill shape past the first one
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == _hf_greedy(checkpoint[1], tuple(prompt), 5)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, top_k=3), use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [5, 5]
     assert engine.num_compiles == len(programs)

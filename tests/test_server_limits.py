@@ -536,9 +536,9 @@ def test_fuzzing_from_openapi_finds_no_5xx(served):
     idle(served)
 
 
-def test_engine_thread_compiles_the_rest_while_idle():
+def test_server_compiles_the_rest_on_a_thread_of_its_own():
     """A server that compiled only what a first request needs compiles the other programs on
-    its engine thread while no request is in flight, one at a time, until none is left."""
+    a thread of its own, until none is left, and serves meanwhile."""
     import time
 
     from rosejax import LLMEngine
@@ -555,4 +555,4 @@ def test_engine_thread_compiles_the_rest_while_idle():
         time.sleep(0.05)
     loop.stop()
     assert engine.num_compiles == len(programs)
-    assert not loop._warming
+    assert not loop._compiler.is_alive()

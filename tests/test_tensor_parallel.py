@@ -116,12 +116,12 @@ def test_tensor_parallel_gives_hf_tokens_and_bad_sizes_are_named(tmp_path, model
 
 @pytest.mark.slow
 def test_tensor_parallel_every_size_and_the_kernels(tmp_path, models):
-    """Both families at TP 1, 2 and 4 on the XLA path and at TP 2 with every Pallas kernel
+    """Both families at TP 1, 2 and 4 on the XLA path, at TP 2 with every Pallas kernel
     interpreted (the fused decode attention + append, paged prefill attention, norms, the small
-    matmul), then a seeded sampled request beside prefix-cache hits: the same tokens
-    everywhere."""
+    matmul) and as 2 data-parallel replicas of TP 2, then a seeded sampled request beside
+    prefix-cache hits: the same tokens everywhere."""
     prompts = random_prompts()
-    sizes = ["1:xla", "2:xla", "4:xla", "2:kernels"]
+    sizes = ["1:xla", "2:xla", "4:xla", "2:kernels", "2:xla:2"]  # the last: 2 replicas of TP=2
     cases = [f"{m}:{size}" for m in ("gpt2", "qwen3") for size in sizes]
     results = run_worker(tmp_path, models, prompts, cases, full=True)
     for m in ("gpt2", "qwen3"):

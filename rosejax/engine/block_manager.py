@@ -56,6 +56,16 @@ def _chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of `tokens`: the keys of the prefix cache (a
+    replica router keys its prefix affinity by them too)."""
+    h, out = _ROOT, []
+    for i in range(len(tokens) // block_size):
+        h = _chain_hash(h, tuple(tokens[i * block_size : (i + 1) * block_size]))
+        out.append(h)
+    return out
+
+
 class BlockAllocator:
     """Free list, reference counts and prefix cache over blocks 1..num_blocks-1. Host only.
 
@@ -92,14 +102,6 @@ class BlockAllocator:
 
     # -- allocation ------------------------------------------------------------------------------
 
-    def _hashes(self, tokens: list[int]) -> list[int]:
-        """Chained hashes of the full blocks of `tokens`."""
-        bs, h, out = self.block_size, _ROOT, []
-        for i in range(len(tokens) // bs):
-            h = _chain_hash(h, tuple(tokens[i * bs : (i + 1) * bs]))
-            out.append(h)
-        return out
-
     def _match(self, tokens: list[int], hashes: list[int]) -> list[int]:
         """Cached blocks for the leading full blocks, leaving the last token to compute."""
         hits = []
@@ -117,7 +119,7 @@ class BlockAllocator:
         tokens = [int(t) for t in token_ids]
         if not tokens:
             raise ValueError("cannot allocate an empty prompt")
-        hashes = self._hashes(tokens) if self.enable_prefix_caching else []
+        hashes = block_hashes(tokens, self.block_size) if self.enable_prefix_caching else []
         hits = self._match(tokens, hashes)
         # Revived hits (refcount 0) come out of the free list as well as fresh blocks.
         need = _cdiv(len(tokens), self.block_size) - sum(self._ref[b] > 0 for b in hits)

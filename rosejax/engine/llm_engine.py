@@ -27,7 +27,12 @@ from rosejax.engine.block_manager import BlockAllocator
 from rosejax.engine.request import Request, RequestOutput, RequestStatus
 from rosejax.engine.scheduler import Scheduler
 from rosejax.layers.kv_cache import init_kv_cache, kv_cache_bytes_per_block, num_blocks_for
-from rosejax.layers.parallel import TP_AXIS, shard_params, tensor_parallel_mesh
+from rosejax.layers.parallel import (
+    TP_AXIS,
+    shard_params,
+    tensor_parallel_devices,
+    tensor_parallel_mesh,
+)
 from rosejax.model_runner import NUM_STOP_IDS, ModelRunner
 from rosejax.models import eos_token_ids, family_of, with_context_len
 from rosejax.models.loader import load_model, resolve_dtype
@@ -72,18 +77,45 @@ def _fill_rows(out: np.ndarray, rows: list[list[int]]) -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(
+        self,
+        config: EngineConfig,
+        devices: Sequence[jax.Device] | None = None,
+        replica: int = 0,
+    ):
         """Load the model and tokenizer, size the KV cache, and (on a GPU) compile every bucket.
         Sets the process-wide XLA flags, `jax.distributed` and the compilation cache first
-        (`configure_process`)."""
+        (`configure_process`).
+
+        `devices`: where this engine's params, KV cache and programs live (default: the first
+        local device; with tensor parallelism the first `tensor_parallel_size` devices, of every
+        process after `jax.distributed`). `replica`: its index among data parallel replicas
+        (`DataParallelEngine`), which gives it a stream of request seeds of its own."""
+        if config.data_parallel_size != 1:
+            raise ValueError(
+                "an LLMEngine is one replica: data_parallel_size > 1 needs DataParallelEngine "
+                "(rosejax.engine.data_parallel.make_engine builds either)"
+            )
         configure_process(
             config.compilation_cache_dir,
             coordinator_address=config.distributed_coordinator_address,
             num_processes=config.num_processes,
             process_id=config.process_id,
         )
+        self.devices = tuple(devices or tensor_parallel_devices(config.tensor_parallel_size))
+        # This process's first device of them: where what the build makes lands first.
+        self.home_device = next(d for d in self.devices if d.process_index == jax.process_index())
         try:
-            self._build(config)
+            # What is made here lands on this engine's device, never the default one. Programs
+            # run where their committed inputs live, and run outside this context: the default
+            # device is part of jit's cache key, so a program warmed up inside it would compile
+            # again outside.
+            with jax.default_device(self.home_device):
+                self._build(config, replica)
+            # Compiling every bucket up front pays on a GPU (seconds per program, persistent
+            # cache); on a CPU it takes minutes for GPT-2, so there buckets compile on first use.
+            if config.warmup or (config.warmup is None and not self.on_cpu):
+                self.warmup()
         except Exception as e:  # jax's runtime error type differs between versions
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -93,8 +125,8 @@ class LLMEngine:
                 f"--max-batch-size or --max-prefill-tokens, or pick a smaller dtype ({e})"
             ) from e
 
-    def _build(self, config: EngineConfig) -> None:
-        self.on_cpu = on_cpu = jax.default_backend() == "cpu"
+    def _build(self, config: EngineConfig, replica: int) -> None:
+        self.on_cpu = on_cpu = self.home_device.platform == "cpu"
         self.engine_config = config
         self.kernels = config.kernels or KernelConfig.for_backend()
         self.dtype = resolve_dtype(
@@ -103,7 +135,7 @@ class LLMEngine:
         self.tensor_parallel_size = tp = config.tensor_parallel_size
         mesh = self._mesh(config)
         start = time.perf_counter()
-        logger.info("loading %s (%s, %s)", config.model, self.dtype.name, jax.default_backend())
+        logger.info("loading %s (%s) on %s", config.model, self.dtype.name, list(self.devices))
         self.config, params = load_model(config.model, self.dtype, config.seed)
         if config.max_model_len is not None:
             self.config = with_context_len(self.config, config.max_model_len)
@@ -161,11 +193,12 @@ class LLMEngine:
             self.decode_steps,
             num_slots * per_row,
             self.kernels,
-            mesh,
+            self.devices[0] if mesh is None else mesh,
         )
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
         self.seed = config.seed
-        self._seeds = np.random.default_rng(config.seed)  # seeds of requests that bring none
+        # Seeds of requests that bring none; each replica draws its own stream.
+        self._seeds = np.random.default_rng(config.seed if replica == 0 else [config.seed, replica])
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
         # A min-heap: a new request takes the lowest free slot, so the decode width stays low.
@@ -178,24 +211,21 @@ class LLMEngine:
         self.host_seconds = {"dispatch": 0.0, "wait": 0.0, "harvest": 0.0}
         self.prefill_tokens_computed = 0
         self._warm: set[tuple[str, int, int | bool]] = set()  # programs warm-up compiled
-        # Compiling every bucket up front pays on a GPU (seconds per program, persistent cache);
-        # on a CPU it takes minutes for GPT-2, so there buckets compile on first use by default.
-        if config.warmup or (config.warmup is None and not on_cpu):
-            self.warmup()
 
-    @staticmethod
-    def _mesh(config: EngineConfig) -> Mesh | None:
-        """The tensor-parallel mesh (None for one device), checked against the devices present
+    def _mesh(self, config: EngineConfig) -> Mesh | None:
+        """The tensor-parallel mesh over this engine's devices (None for one device), checked
         before anything is loaded."""
-        if config.num_processes > 1 and config.tensor_parallel_size != jax.device_count():
+        tp = config.tensor_parallel_size
+        if len(self.devices) != tp:
             raise ValueError(
-                f"--tensor-parallel-size ({config.tensor_parallel_size}) must span every "
-                f"process's devices: {config.num_processes} processes hold "
-                f"{jax.device_count()} devices in all"
+                f"--tensor-parallel-size {tp} needs {tp} devices, given {self.devices}"
             )
-        if config.tensor_parallel_size == 1:
-            return None
-        return tensor_parallel_mesh(config.tensor_parallel_size)
+        if config.num_processes > 1 and tp != jax.device_count():
+            raise ValueError(
+                f"--tensor-parallel-size ({tp}) must span every process's devices: "
+                f"{config.num_processes} processes hold {jax.device_count()} devices in all"
+            )
+        return None if tp == 1 else tensor_parallel_mesh(self.devices)
 
     @classmethod
     def from_args(cls, model: str, **kwargs) -> LLMEngine:
@@ -215,6 +245,7 @@ class LLMEngine:
                 self.block_size,
                 self.dtype,
                 max_num_seqs=self.max_batch_size,
+                device=self.home_device,
                 shards=self.tensor_parallel_size,
                 **budget,
             )
@@ -276,12 +307,16 @@ class LLMEngine:
         decode = [("decode", b, g) for b in self.decode_buckets for g in (True, False)]
         return prefill[:1] + decode[:2] + sorted(prefill[1:] + decode[2:], key=lambda p: p[1])
 
+    def cold_programs(self) -> list[tuple[str, int, int | bool]]:
+        """The programs of `warmup_programs()` not compiled yet, in that order."""
+        return [p for p in self.warmup_programs() if p not in self._warm]
+
     def warmup(self, programs: list[tuple[str, int, int | bool]] | None = None) -> float:
         """Compile `programs` (default: every one) that are not compiled yet, logging each;
         padded rows only touch the scratch block, so this may run between serving steps.
         Returns the seconds taken."""
         start = time.perf_counter()
-        todo = [p for p in programs or self.warmup_programs() if p not in self._warm]
+        todo = [p for p in programs or self.cold_programs() if p not in self._warm]
         for i, program in enumerate(todo):
             t0 = time.perf_counter()
             kind, rows, arg = program
@@ -302,13 +337,26 @@ class LLMEngine:
             )
         return time.perf_counter() - start
 
-    def warmup_step(self) -> bool:
-        """Compile the next program warm-up has not; False once every one is. A server calls
-        this while it has nothing else to do, after compiling the first few up front."""
-        todo = [p for p in self.warmup_programs() if p not in self._warm]
-        if todo:
-            self.warmup(todo[:1])
-        return len(todo) > 1
+    def compile_ahead(self, program: tuple[str, int, int | bool]) -> None:
+        """Compile one program of `warmup_programs()` without running it, logging it. Unlike
+        `warmup`, any thread may call this while another serves: a server compiles what its
+        first requests did not need on a thread of its own, so no request waits for it."""
+        if program in self._warm:
+            return
+        t0 = time.perf_counter()
+        kind, rows, arg = program
+        if kind == "prefill":
+            self.runner.compile_prefill(self._prefill_batch([], [], [], rows, arg))
+        else:
+            self.runner.compile_decode(rows, arg)
+        self._warm.add(program)
+        logger.info(
+            "compiled %s program (%s rows, %s) ahead in %.1f s",
+            kind,
+            rows,
+            f"{arg} tokens" if kind == "prefill" else "greedy" if arg else "sampled",
+            time.perf_counter() - t0,
+        )
 
     # ------------------------------------------------------------------------------ requests
 

@@ -59,10 +59,10 @@ def kv_cache_bytes_per_block(config: Any, block_size: int, dtype, shards: int = 
     return 2 * config.num_layers * heads * block_size * config.head_dim * itemsize
 
 
-def free_memory_bytes() -> int:
-    """Free bytes for the cache: the first local device's allocator pool, or, where the device
-    keeps no stats (a CPU), the host's available memory."""
-    stats = jax.local_devices()[0].memory_stats()
+def free_memory_bytes(device: jax.Device | None = None) -> int:
+    """Free bytes for the cache: `device`'s (default: the first local device's) allocator pool,
+    or, where the device keeps no stats (a CPU), the host's available memory."""
+    stats = (device or jax.local_devices()[0]).memory_stats()
     if stats and "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -76,6 +76,7 @@ def num_blocks_for(
     kv_cache_tokens: int | None = None,
     memory_fraction: float | None = None,
     max_num_seqs: int = 1,
+    device: jax.Device | None = None,
     shards: int = 1,
 ) -> int:
     """Total blocks (scratch included) from a token budget or a fraction of free memory.
@@ -83,8 +84,8 @@ def num_blocks_for(
     A token budget is guaranteed to fit however it is split over `max_num_seqs` sequences: each
     sequence may leave its last block partly empty, so that costs up to max_num_seqs - 1 blocks
     more than ceil(tokens / block_size). A memory budget gives whatever fits, scratch included, and
-    must leave at least one block per sequence; with `shards` devices splitting the KV heads,
-    each holds 1/shards of a block.
+    must leave at least one block per sequence; the memory is `device`'s (`free_memory_bytes`);
+    with `shards` devices splitting the KV heads, each holds 1/shards of a block.
     """
     if block_size < 1 or max_num_seqs < 1:
         raise ValueError(
@@ -98,7 +99,7 @@ def num_blocks_for(
         return _cdiv(kv_cache_tokens, block_size) + (max_num_seqs - 1) + 1  # + scratch
     if not 0.0 < memory_fraction <= 1.0:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-    free = free_memory_bytes()
+    free = free_memory_bytes(device)
     per_block = kv_cache_bytes_per_block(config, block_size, dtype, shards)
     num_blocks = int(free * memory_fraction) // per_block
     if num_blocks - 1 < max_num_seqs:

@@ -144,16 +144,24 @@ def shard_params(params: dict, layout: ShardLayout, mesh: Mesh) -> dict:
     return walk(params, "")
 
 
-def tensor_parallel_mesh(size: int) -> Mesh:
-    """The first `size` devices (of every process, after `jax.distributed.initialize`) as the
-    "tp" axis; a clear error naming the flag when there are fewer."""
+def tensor_parallel_devices(size: int) -> tuple[jax.Device, ...]:
+    """An engine's default devices: the first local one, or for tensor parallelism the first
+    `size` (of every process, after `jax.distributed.initialize`); a clear error naming the flag
+    when there are fewer."""
+    if size == 1:
+        return tuple(jax.local_devices()[:1])
     devices = jax.devices()
     if size > len(devices):
         raise ValueError(
             f"--tensor-parallel-size {size} needs {size} devices; {len(devices)} "
             f"{devices[0].platform} device(s) are present"
         )
-    return Mesh(np.array(devices[:size]), (TP_AXIS,))
+    return tuple(devices[:size])
+
+
+def tensor_parallel_mesh(devices: tuple[jax.Device, ...]) -> Mesh:
+    """`devices` as the mesh axis "tp"."""
+    return Mesh(np.array(devices), (TP_AXIS,))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

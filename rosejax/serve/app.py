@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible routes over one AsyncEngine shared by every connection.
+"""The FastAPI app: OpenAI-compatible routes over the engine's replicas (one engine thread each,
+`ReplicatedEngine`), shared by every connection.
 
 A request's way in: its body is read on the event loop against a size and a time limit (413,
 408); then one worker thread, never the engine's and never the event loop, decodes, validates,
@@ -24,7 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from rosejax.engine.request import RequestOutput
-from rosejax.serve.engine_loop import AsyncEngine, EngineError, Overloaded, RequestStream
+from rosejax.serve.engine_loop import EngineError, Overloaded, RequestStream
 from rosejax.serve.metrics import CONTENT_TYPE, ServerMetrics
 from rosejax.serve.protocol import (
     CHAT_UNSUPPORTED,
@@ -36,6 +37,7 @@ from rosejax.serve.protocol import (
     parse,
     parse_json,
 )
+from rosejax.serve.replicas import ReplicatedEngine
 from rosejax.serve.responses import Formatter, sse
 from rosejax.tokenizer import chat_prompt_ids
 
@@ -203,9 +205,10 @@ def create_app(
     limits: Limits | None = None,
     warm_in_background: bool = False,
 ) -> FastAPI:
-    """The app for a built `LLMEngine`; its lifespan starts and stops the engine thread, which
-    compiles the programs warm-up has not while idle if `warm_in_background`."""
-    async_engine = AsyncEngine(
+    """The app for a built `LLMEngine` or `DataParallelEngine`; its lifespan starts and stops
+    the engine threads (one per replica), which compile the programs warm-up has not while idle
+    if `warm_in_background`."""
+    async_engine = ReplicatedEngine(
         engine, max_waiting=max_waiting, metrics=metrics, warm_in_background=warm_in_background
     )
     metrics = async_engine.metrics
@@ -386,7 +389,9 @@ def create_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/health", responses={503: {"description": "the engine is stopped or stopping"}})
+    @app.get(
+        "/health", responses={503: {"description": "an engine replica is stopped or stopping"}}
+    )
     async def health() -> Response:
         if async_engine.alive:
             return JSONResponse({"status": "ok"})

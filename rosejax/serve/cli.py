@@ -131,9 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("jax").setLevel(logging.WARNING)
     import uvicorn  # noqa: F401 (the serve extra: fail before loading a model if it is missing)
 
-    from rosejax.engine.llm_engine import LLMEngine
+    from rosejax.engine.data_parallel import make_engine
     from rosejax.serve.app import create_app
     from rosejax.serve.server import make_server
+    from rosejax.settings import EngineConfig
 
     try:
         limits = Limits(
@@ -146,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         template = _read_chat_template(args)
         kwargs = engine_kwargs(args)
         auto = kwargs["warmup"] is None  # compile at start on a GPU, not on a CPU
-        engine = LLMEngine.from_args(args.model, seed=args.seed, **kwargs | {"warmup": False})
+        engine = make_engine(
+            EngineConfig(model=args.model, seed=args.seed, **kwargs | {"warmup": False})
+        )
         # The server compiles what a first request needs before it listens, the rest while
         # idle: every program up front took minutes on a GPU with an empty compilation cache.
         background = auto and not engine.on_cpu

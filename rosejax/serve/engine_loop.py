@@ -2,7 +2,8 @@
 
 asyncio handlers hand it commands through a thread-safe queue; it answers each submission on a
 future and streams every RequestOutput into that submission's asyncio.Queue via
-`loop.call_soon_threadsafe`. So all HTTP connections share one continuous batch.
+`loop.call_soon_threadsafe`. So all HTTP connections share one continuous batch. With data
+parallelism each replica has an AsyncEngine of its own (`rosejax.serve.replicas`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rosejax.engine.request import RequestOutput
+from rosejax.engine.router import request_cost
 from rosejax.sampling import SamplingParams
 from rosejax.serve.metrics import ServerMetrics
 
@@ -100,34 +102,54 @@ class AsyncEngine:
         metrics: ServerMetrics | None = None,
         poll_s: float = 0.05,
         warm_in_background: bool = False,
+        replica: int = 0,
     ):
+        """`engine`: an `LLMEngine`, replica `replica` of the server (its metrics' label)."""
         self.engine = engine
-        # Compile the programs warm-up has not, one at a time while no request is in flight.
-        self._warming = warm_in_background
+        # Compile the programs warm-up has not on a thread of its own, so that compiling (seconds
+        # a program on a GPU) never holds up a step; a shape needed before its turn compiles
+        # where it is needed, as without warm-up.
+        self._compiler = None
+        self._idle = threading.Event()  # set while no request is in flight: compiling may go on
+        self._programs_left = 0
+        if warm_in_background:
+            self._programs_left = len(engine.cold_programs())
+            self._compiler = threading.Thread(
+                target=self._compile_ahead, name="rosejax-compile", daemon=True
+            )
         # In flight past a full batch counts as waiting; more than max_waiting of those -> 429.
         self.max_waiting = max_waiting
         self.max_in_flight = None if max_waiting is None else engine.max_batch_size + max_waiting
-        self.metrics = metrics or ServerMetrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
+        # Tokens in flight (`request_cost`) of submissions not ended yet, for routing: added on
+        # submission (the event loop), taken off as each request ends (this engine's thread).
+        self._load_lock = threading.Lock()
+        self._load = 0
+        self._costs: dict[str, int] = {}  # request id -> its cost; the engine thread's
         self._stop = threading.Event()
         self._cut_at: float | None = None  # set by begin_shutdown: when open requests are ended
         self._poll_s = poll_s
-        self._thread = threading.Thread(target=self._run, name="rosejax-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"rosejax-engine-{replica}", daemon=True
+        )
         self.snapshot: dict[str, Any] = {}
         self._publish()
-        self.metrics.watch(lambda: self.snapshot)
+        self.metrics = (metrics or ServerMetrics()).replica(replica, lambda: self.snapshot)
 
     # ----------------------------------------------------------------- called from other threads
 
     def start(self) -> None:
         self._thread.start()
+        if self._compiler is not None:
+            self._compiler.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put(("wake",))
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        for thread in (self._thread, self._compiler):
+            if thread is not None and thread.is_alive():
+                thread.join(timeout)
 
     def begin_shutdown(self, grace: float) -> None:
         """The server stops: refuse new requests now, and in `grace` seconds end the open ones
@@ -140,6 +162,15 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set() and self._cut_at is None
 
+    @property
+    def load(self) -> int:
+        """Tokens in flight: each submitted request's prompt and most new tokens, until it ends."""
+        return self._load
+
+    def _add_load(self, tokens: int) -> None:
+        with self._load_lock:
+            self._load += tokens
+
     async def submit(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, request_id: str
     ) -> RequestStream:
@@ -150,8 +181,11 @@ class AsyncEngine:
             raise EngineError("the engine is not running", 503, "engine_stopped")
         loop = asyncio.get_running_loop()
         rids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        context = self.engine.config.max_model_len
+        costs = [request_cost(len(p), params.max_tokens, context) for p in prompts]
         sink, accepted = _Sink(loop, rids), loop.create_future()
-        self._commands.put(("add", sink, list(prompts), params, accepted))
+        self._add_load(sum(costs))
+        self._commands.put(("add", sink, list(prompts), params, costs, accepted))
         try:
             await accepted
         except asyncio.CancelledError:  # the client left before the engine answered
@@ -168,19 +202,35 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 idle = not self.engine.has_unfinished_requests()
-                self._drain(block=idle and not self._warming)
+                if idle:
+                    self._idle.set()
+                self._drain(block=idle)
+                self._idle.clear()
                 if self._stop.is_set():
                     break
                 if self._cut_at is not None and time.monotonic() >= self._cut_at and self._sinks:
                     self._fail_all(_shutting_down())
                 if self.engine.has_unfinished_requests():
                     self._step()
-                elif self._warming:
-                    self._warming = self.engine.warmup_step()
                 self._publish()
         finally:
             self._fail_all(_shutting_down())
             self._publish()
+
+    def _compile_ahead(self) -> None:
+        """Compile the programs warm-up has not, each one only once no request is in flight
+        (compiling holds the GIL for much of its time, which a step would wait for)."""
+        for program in self.engine.cold_programs():
+            while not self._idle.wait(self._poll_s):
+                if self._stop.is_set():
+                    return
+            if self._stop.is_set():
+                return
+            try:
+                self.engine.compile_ahead(program)
+            except Exception:  # serving goes on: the program compiles on first use instead
+                log.exception("compiling %s ahead failed", program)
+            self._programs_left -= 1
 
     def _drain(self, block: bool) -> None:
         try:
@@ -196,17 +246,28 @@ class AsyncEngine:
             self._add(*cmd[1:])
         elif cmd[0] == "abort":
             for rid in cmd[1]:
-                if self._sinks.pop(rid, None) is not None:
+                if self._forget(rid) is not None:
                     self.engine.abort_request(rid)
-                    self.metrics.finished.labels("abort").inc()
+                    self.metrics.finished("abort").inc()
 
-    def _add(self, sink: _Sink, prompts: list, params: SamplingParams, accepted) -> None:
+    def _forget(self, rid: str) -> _Sink | None:
+        """Drop an ended request (its sink and its load); its sink, None if it was not here."""
+        sink = self._sinks.pop(rid, None)
+        if sink is not None:
+            self._add_load(-self._costs.pop(rid))
+        return sink
+
+    def _add(
+        self, sink: _Sink, prompts: list, params: SamplingParams, costs: list[int], accepted
+    ) -> None:
         def answer(exc: BaseException | None) -> None:
+            if exc is not None:  # nothing was queued
+                self._add_load(-sum(costs))
             try:
                 sink.loop.call_soon_threadsafe(_settle, accepted, exc)
             except RuntimeError:  # the event loop is closed: nobody waits for these
                 for rid in sink.rids:
-                    if self._sinks.pop(rid, None) is not None:
+                    if self._forget(rid) is not None:
                         self.engine.abort_request(rid)
 
         scheduler = self.engine.scheduler
@@ -228,8 +289,9 @@ class AsyncEngine:
             for rid in added:
                 self.engine.abort_request(rid)
             return answer(e)
-        for rid in added:
+        for rid, cost in zip(added, costs, strict=True):
             self._sinks[rid] = sink
+            self._costs[rid] = cost
         answer(None)
 
     def _step(self) -> None:
@@ -255,29 +317,28 @@ class AsyncEngine:
                     m.ttft.observe(now - sink.arrival)
                     m.prompt_tokens.inc(len(out.prompt_token_ids))
                 else:
-                    for _ in range(n):  # a multi-step window hands over n tokens at once
-                        m.itl.observe((now - last) / n)
+                    m.itl.observe((now - last) / n, n)  # a window hands over n tokens at once
                 sink.last[out.request_id] = now
             if out.finish_reason == "error":  # the engine ended this one request
                 self._fail_sink(sink, EngineError(f"generating this request failed: {out.error}"))
                 continue
             if out.finished:
-                del self._sinks[out.request_id]
-                m.finished.labels(out.finish_reason or "stop").inc()
+                self._forget(out.request_id)
+                m.finished(out.finish_reason or "stop").inc()
                 m.e2e.observe(now - sink.arrival)
             if not sink.put(out) and not out.finished:
-                self._sinks.pop(out.request_id, None)
+                self._forget(out.request_id)
                 self.engine.abort_request(out.request_id)
 
     def _fail_sink(self, sink: _Sink, exc: EngineError) -> None:
         """End one submission with `exc`: its other prompts are aborted."""
         for rid in sink.rids:
-            if self._sinks.pop(rid, None) is not None:
+            if self._forget(rid) is not None:
                 try:
                     self.engine.abort_request(rid)
                 except Exception:
                     log.exception("abort of %s failed", rid)
-                self.metrics.finished.labels("error").inc()
+                self.metrics.finished("error").inc()
         sink.put(exc)
 
     def _fail_all(self, exc: EngineError) -> None:
@@ -294,4 +355,5 @@ class AsyncEngine:
             "kv_blocks_total": alloc.num_blocks - 1,
             "prefix_hits": alloc.prefix_hits,
             "prefix_hit_tokens": alloc.prefix_hit_tokens,
+            "programs_to_compile": self._programs_left,
         }

@@ -1,17 +1,26 @@
 """Prometheus metrics of one server, in a registry of its own (several servers per process work).
 
-Latencies and token counts are observed by the engine thread as outputs leave `step()`, so they
-measure the engine, not the event loop. Gauges of the scheduler and KV cache come from a snapshot
-that the engine thread publishes after each iteration; the scrape never touches the engine.
+Latencies and token counts are observed by each replica's engine thread as outputs leave
+`step()`, so they measure the engine, not the event loop. Gauges of the scheduler and KV cache come
+from a snapshot that each engine thread publishes after each iteration; the scrape never touches
+an engine. Every engine metric carries the label `replica` (data parallelism; "0" with one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import bisect
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -54,22 +63,91 @@ _SNAPSHOT = {
         "Prompt tokens whose KV came from the prefix cache.",
         "counter",
     ),
+    "programs_to_compile": (
+        "rosejax_programs_to_compile",
+        "Programs the server still compiles while idle (a shape needed first compiles then).",
+        "gauge",
+    ),
 }
 
 
 class _SnapshotCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]):
-        self._snapshot = snapshot
+    """The engine gauges of every replica at scrape time, one sample per replica."""
+
+    def __init__(self) -> None:
+        self.snapshots: dict[str, Callable[[], dict[str, Any]]] = {}  # replica -> its snapshot
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot()
+        snaps = {replica: snapshot() for replica, snapshot in list(self.snapshots.items())}
         for key, (name, doc, kind) in _SNAPSHOT.items():
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            yield family(name, doc, value=snap.get(key, 0))
+            metric = family(name, doc, labels=["replica"])
+            for replica, snap in snaps.items():
+                metric.add_metric([replica], snap.get(key, 0))
+            yield metric
+
+
+class CountedHistogram(Collector):
+    """A Prometheus histogram whose `observe` takes a count: a decode window hands a request
+    its n tokens at once, each with the same gap, and n calls of prometheus_client's observe
+    per request and window cost the engine thread more than the window's own host work."""
+
+    def __init__(
+        self,
+        name: str,
+        doc: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ):
+        self.name, self.doc, self.labelnames = name, doc, list(labelnames)
+        self._bounds = [*buckets, math.inf]
+        self._children: dict[tuple[str, ...], _CountedChild] = {}
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def labels(self, *values: str) -> _CountedChild:
+        key = tuple(map(str, values))
+        with self._lock:
+            if key not in self._children:
+                self._children[key] = _CountedChild(self._bounds)
+            return self._children[key]
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        with self._lock:
+            children = list(self._children.items())
+        for key, child in children:
+            counts, total = child.read()
+            buckets, running = [], 0
+            for bound, c in zip(self._bounds, counts, strict=True):
+                running += c
+                buckets.append(("+Inf" if bound == math.inf else repr(bound), running))
+            family.add_metric(list(key), buckets, total)
+        yield family
+
+
+class _CountedChild:
+    def __init__(self, bounds: list[float]):
+        self._bounds = bounds
+        self._counts = [0] * len(bounds)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float, count: int = 1) -> None:
+        i = bisect.bisect_left(self._bounds, value)  # the first bucket with value <= bound
+        with self._lock:
+            self._counts[i] += count
+            self._sum += value * count
+
+    def read(self) -> tuple[list[int], float]:
+        with self._lock:
+            return list(self._counts), self._sum
 
 
 class ServerMetrics:
-    """Every metric of one server. Thread-safe: prometheus_client metrics lock internally."""
+    """Every metric of one server: the engine's per replica (label `replica`), requests refused
+    at the door for the whole server. Thread-safe: prometheus_client metrics lock internally."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
@@ -77,32 +155,35 @@ class ServerMetrics:
         self.ttft = Histogram(
             "rosejax_time_to_first_token_seconds",
             "From a request's arrival to its first generated token.",
+            ["replica"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
+        self.itl = CountedHistogram(
             "rosejax_inter_token_latency_seconds",
             "Between consecutive generated tokens of a request.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            ["replica"],
+            _LATENCY_BUCKETS,
+            r,
         )
         self.e2e = Histogram(
             "rosejax_request_latency_seconds",
             "From a request's arrival to its end.",
+            ["replica"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.generation_tokens = Counter(
-            "rosejax_generation_tokens", "Tokens generated.", registry=r
+            "rosejax_generation_tokens", "Tokens generated.", ["replica"], registry=r
         )
         self.prompt_tokens = Counter(
-            "rosejax_prompt_tokens", "Prompt tokens of admitted requests.", registry=r
+            "rosejax_prompt_tokens", "Prompt tokens of admitted requests.", ["replica"], registry=r
         )
         self.finished = Counter(
             "rosejax_requests_finished",
             "Requests (one per prompt) ended, by reason: stop, length, "
             "abort (client gone) or error.",
-            ["reason"],
+            ["replica", "reason"],
             registry=r,
         )
         self.rejected = Counter(
@@ -111,10 +192,31 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
+        self._snapshots = _SnapshotCollector()
+        self.registry.register(self._snapshots)
 
-    def watch(self, snapshot: Callable[[], dict[str, Any]]) -> None:
-        """Export the engine gauges from `snapshot()` at every scrape."""
-        self.registry.register(_SnapshotCollector(snapshot))
+    def replica(self, index: int, snapshot: Callable[[], dict[str, Any]]) -> ReplicaMetrics:
+        """Replica `index`'s metrics; its engine gauges come from `snapshot()` at every scrape."""
+        self._snapshots.snapshots[str(index)] = snapshot
+        return ReplicaMetrics(self, str(index))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ReplicaMetrics:
+    """One replica's share of a server's metrics, its `replica` label set: what its engine
+    thread observes."""
+
+    def __init__(self, metrics: ServerMetrics, replica: str):
+        self.replica = replica
+        self.ttft = metrics.ttft.labels(replica)
+        self.itl = metrics.itl.labels(replica)
+        self.e2e = metrics.e2e.labels(replica)
+        self.generation_tokens = metrics.generation_tokens.labels(replica)
+        self.prompt_tokens = metrics.prompt_tokens.labels(replica)
+        self._finished = metrics.finished
+
+    def finished(self, reason: str) -> Any:
+        """The counter of this replica's requests ended for `reason`."""
+        return self._finished.labels(replica=self.replica, reason=reason)
