@@ -10,7 +10,7 @@ over N processes (jax.distributed) against one process; one JSON in --out-dir.
    random bf16 weights) at TP=1 and TP=N in this process, one engine at a time: TPOT median
    over --repeat-runs after a warm-up run, and TP=N / TP=1.
 
-On two H100s:  PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_parallel.py --out-dir OUT
+On two H100s:  JAX_PLATFORMS=cuda python bench/benchmark_parallel.py --out-dir OUT
 On a CPU (smoke test, four host devices):
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python bench/benchmark_parallel.py \\
         --out-dir OUT --parity-models random:tiny --tpot-model random:tiny-qwen3 --skip-processes
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,8 +28,12 @@ import time
 
 import numpy as np
 
-from bench import common
-from bench import metrics as m
+if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402
+from bench import metrics as m  # noqa: E402
+from bench.benchmark_serving import free_port  # noqa: E402
 
 REPO = common.REPO
 
@@ -95,12 +98,6 @@ def _first_difference(a: list[list[int]], b: list[list[int]]) -> dict:
 # ------------------------------------------------------------------------------- processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _generate_command(args, tp: int, *extra: str) -> list[str]:
     return [
         sys.executable,
@@ -141,7 +138,7 @@ def _run(cmd: list[str], env: dict) -> str:
 def check_processes(args) -> dict:
     """N processes of one GPU each, then one process of N GPUs and one of one GPU."""
     env = os.environ | {"PYTHONPATH": REPO}
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     start = time.perf_counter()
     procs = []
     for i in range(args.tp):

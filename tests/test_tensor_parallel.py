@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from bench.benchmark_serving import free_port
 from rosejax import LLM
 from rosejax.settings import EngineConfig
 from tests.conftest import hf_greedy, make_hf_checkpoint
@@ -145,12 +145,6 @@ def test_config_and_flags_checked():
         LLM("random:tiny", tensor_parallel_size=2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_generate_what_one_does():
     """`python -m rosejax.generate` as two processes of one CPU device each (jax.distributed,
@@ -170,7 +164,7 @@ def test_two_processes_generate_what_one_does():
             text=True,
         )
 
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     pair = [
         launch(
             "--tensor-parallel-size",
