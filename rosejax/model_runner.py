@@ -6,6 +6,10 @@ writes its rows' KV, samples their first token and fills their slots; a decode w
 advancing positions on the device, and stops rows on EOS, stop ids or their token budget there.
 The host sends only changes: new block-table entries and the slots it wants stopped. KV cache and
 slot state are donated to every program, so nothing is copied between steps.
+
+Under tensor parallelism (a `mesh`) params and cache come sharded, the forward runs per shard
+under shard_map (`rosejax.layers.parallel`), and everything else, slot state and sampling
+included, is replicated: every device (and process) computes the same tokens.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from rosejax.layers.attention import ForwardMetadata
 from rosejax.layers.kv_cache import KVCache
+from rosejax.layers.parallel import place, replicated, tensor_parallel_forward
 from rosejax.models import family_of
 from rosejax.sampling import sample
 from rosejax.settings import KernelConfig
@@ -68,7 +74,8 @@ def _stopped(tokens, stop_ids, steps, limit):
 
 
 class ModelRunner:
-    """Owns params, KV cache and slot state on its device, and the programs that advance them."""
+    """Owns params, KV cache and slot state on its device(s), and the programs that advance
+    them."""
 
     def __init__(
         self,
@@ -79,25 +86,42 @@ class ModelRunner:
         max_decode_steps: int,
         max_table_updates: int,
         kernels: KernelConfig,
-        device: jax.Device,
+        placement: jax.Device | Mesh,
     ):
+        """`placement`: the device that holds params, KV cache and slot state, or a tensor
+        parallel mesh on which `params` and `cache` come sharded (the slot state replicated)."""
         self.config = config
         self.forward = family_of(config).forward
+        # Where each program's outputs live (tokens, cache, state) under tensor parallelism: as
+        # its inputs, so the donated cache and state are updated in place.
+        self._out_shardings: dict = {}
+        if isinstance(placement, Mesh):
+            self.forward = tensor_parallel_forward(self.forward, placement, params, cache)
+            same = replicated(placement)
+            self._out_shardings = dict(
+                out_shardings=(same, jax.tree.map(lambda a: a.sharding, cache), same)
+            )
         # Which kernels run: a static argument of every program, so a new value compiles anew.
         self.kernels = kernels
         self.num_slots = num_slots
         self.max_decode_steps = max_decode_steps
         self.max_table_updates = max_table_updates
         self.max_blocks = -(-config.max_model_len // cache.block_size)
-        # Committed to `device` (no copy where they are made there already): a program runs where
-        # its committed inputs live, so the host's numpy inputs follow them there too.
-        self.params, self.cache, self.state = jax.device_put(
-            (params, cache, empty_slot_state(num_slots, self.max_blocks)), device
-        )
+        state = empty_slot_state(num_slots, self.max_blocks)
+        if isinstance(placement, Mesh):
+            state = jax.tree.map(lambda a: place(np.asarray(a), replicated(placement)), state)
+            self.params, self.cache, self.state = params, cache, state
+        else:
+            # Committed to the device (no copy where they are made there already): a program
+            # runs where its committed inputs live, so the host's numpy inputs follow them.
+            self.params, self.cache, self.state = jax.device_put((params, cache, state), placement)
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
         self.compile_seconds = 0.0
         self._prefill = jax.jit(
-            self._prefill_fn, donate_argnums=(1, 2), static_argnames=("kernels",)
+            self._prefill_fn,
+            donate_argnums=(1, 2),
+            static_argnames=("kernels",),
+            **self._out_shardings,
         )
         # One jitted window per batch bucket and kernel config, made on first use: each one's
         # XLA options (its GEMM library) are settled then, not looked up every window.
@@ -303,5 +327,6 @@ class ModelRunner:
                 donate_argnums=(1, 2),
                 static_argnames=("batch", "greedy", "kernels"),
                 compiler_options=self.kernels.decode_compiler_options(batch) or None,
+                **self._out_shardings,
             )
         return program
