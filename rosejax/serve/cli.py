@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = engine_kwargs(args)
         config = EngineConfig(model=args.model, seed=args.seed, **kwargs | {"warmup": False})
         configure_process(config.compilation_cache_dir)  # before jax starts its backend
-        replica_devices(config.data_parallel_size)  # too few devices: refused before listening
+        # Too few devices: refused before listening.
+        replica_devices(config.data_parallel_size, config.tensor_parallel_size)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
