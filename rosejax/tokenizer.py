@@ -8,7 +8,9 @@ import os
 import weakref
 from collections.abc import Sequence
 
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+# PreTrainedTokenizerFast alone, not AutoTokenizer: resolving an auto class imports
+# transformers' model configs and with them torch, ~6 s of a server's start on a GPU host.
+from transformers import PreTrainedTokenizerFast
 
 # Files that make a directory loadable by AutoTokenizer (any one of them is enough).
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
@@ -44,6 +46,12 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> PreTrainedTokeni
         raise ValueError(f"tokenizer path {source!r} is not a directory")
     # Cleanup strips spaces before punctuation (transformers 4.x may default it on for GPT-2),
     # which would make decode() disagree with the byte stream the detokenizer streams.
+    if local and os.path.isfile(os.path.join(expanded, "tokenizer.json")):
+        return PreTrainedTokenizerFast.from_pretrained(
+            expanded, local_files_only=True, clean_up_tokenization_spaces=False
+        )
+    from transformers import AutoTokenizer  # slow vocab files, hub ids
+
     return AutoTokenizer.from_pretrained(
         expanded if local else source, local_files_only=local, clean_up_tokenization_spaces=False
     )
