@@ -283,7 +283,18 @@ def linear_reference(
     activation: str | None = None,
 ) -> jax.Array:  # [M, N]
     """Plain XLA, as flax's Dense computes it (x @ w + b in x's dtype), then the epilogue."""
-    y = jnp.dot(x, w) + b
+    return linear_reference_epilogue(jnp.dot(x, w), b, residual, activation=activation)
+
+
+def linear_reference_epilogue(
+    y: jax.Array,  # [M, N]: x @ w in x's dtype
+    b: jax.Array,  # [N]
+    residual: jax.Array | None = None,  # [M, N]
+    *,
+    activation: str | None = None,
+) -> jax.Array:  # [M, N]
+    """`linear_reference` after its product: + b, activation, + residual in y's dtype."""
+    y = y + b
     if activation == "gelu_tanh":
         y = jax.nn.gelu(y, approximate=True)
     return y if residual is None else residual + y

@@ -86,7 +86,8 @@ def add_engine_args(
         default=model_default,
         help="hub id (gpt2, Qwen/Qwen3-0.6B, ...), local save_pretrained directory, or "
         "random:<preset> for random weights of a preset shape (random:gpt2, "
-        "random:gpt2-xl, random:tiny, random:qwen3-0.6b, random:llama-3.2-1b); "
+        "random:gpt2-xl, random:tiny, random:qwen3-0.6b, random:llama-3.2-1b, "
+        "random:llama-3.1-8b); "
         "default: %(default)s" + ("".join(f"; {a} is an alias" for a in model_aliases)),
     )
     p.add_argument(
@@ -174,9 +175,17 @@ def add_engine_args(
         "--data-parallel-size",
         type=int,
         default=1,
-        help="engine replicas, replica i on device i, each with its own KV cache; requests go "
-        "to the least loaded one, or to the one holding their prompt's prefix; default: "
-        "%(default)s",
+        help="engine replicas, replica i on device i (devices i*N to (i+1)*N - 1 with "
+        "--tensor-parallel-size N), each with its own KV cache; requests go to the least loaded "
+        "one, or to the one holding their prompt's prefix; default: %(default)s",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many devices (tensor parallelism: heads, MLP units, "
+        "vocabulary and KV cache): the first N (of every process, with --num-processes); "
+        "default: %(default)s",
     )
     add_kernel_args(p)
     p.add_argument(
@@ -230,12 +239,46 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         warmup=False if args.no_warmup else None,
         kernels=kernel_config(args.kernel, args.kernel_tile),
         data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.min_decode_batch is not None:
         kwargs["min_decode_batch"] = args.min_decode_batch
     if args.compilation_cache_dir is not None:
         kwargs["compilation_cache_dir"] = args.compilation_cache_dir
     return kwargs
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    """--distributed-coordinator-address, --num-processes, --process-id: one engine over several
+    processes (`jax.distributed`); `distributed_kwargs` reads them."""
+    p.add_argument(
+        "--distributed-coordinator-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="run as one of --num-processes processes (jax.distributed): process 0 listens "
+        "here, every process connects; each runs the same requests and process 0 prints",
+    )
+    p.add_argument(
+        "--num-processes",
+        type=int,
+        default=1,
+        help="processes in all (one per GPU); default: %(default)s",
+    )
+    p.add_argument(
+        "--process-id",
+        type=int,
+        default=0,
+        help="this process's id, 0 to --num-processes - 1; default: %(default)s",
+    )
+
+
+def distributed_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`EngineConfig` fields from the flags of `add_distributed_args`."""
+    return dict(
+        distributed_coordinator_address=args.distributed_coordinator_address,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:

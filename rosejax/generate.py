@@ -7,7 +7,15 @@ import logging
 import sys
 import time
 
-from rosejax.engine_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+from rosejax.engine_args import (
+    add_distributed_args,
+    add_engine_args,
+    add_sampling_args,
+    distributed_kwargs,
+    engine_kwargs,
+    sampling_params,
+)
+from rosejax.settings import initialize_distributed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text with rosejax from a Hugging Face GPT-2 checkpoint.",
     )
     add_engine_args(p)
+    add_distributed_args(p)
     p.add_argument(
         "--prompt",
         action="append",
@@ -61,15 +70,19 @@ def _read_prompt_file(parser: argparse.ArgumentParser, path: str) -> list[str]:
         parser.error(f"--prompt-file {path}: {e.strerror or e}")
 
 
-def _print_logprobs(label: str, out) -> None:
+def _silent(*args, **kwargs) -> None:
+    pass
+
+
+def _print_logprobs(echo, label: str, out) -> None:
     """One line per generated token: its text, logprob and rank, then the alternatives."""
     for token, entry in zip(out.token_ids, out.outputs[0].logprobs, strict=True):
         own = entry[token]
         others = ", ".join(
             f"{lp.decoded_token!r} {lp.logprob:.3f}" for t, lp in entry.items() if t != token
         )
-        print(f"{label}{own.decoded_token!r} {own.logprob:.3f} (rank {own.rank})", end="")
-        print(f" | {others}" if others else "")
+        tail = f" | {others}" if others else ""
+        echo(f"{label}{own.decoded_token!r} {own.logprob:.3f} (rank {own.rank}){tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,10 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     if not prompts:
         parser.error("give at least one --prompt or a --prompt-file")
     try:
+        # Before anything starts jax's backend (--kernel flags do, in engine_kwargs).
+        distributed = distributed_kwargs(args)
+        initialize_distributed(
+            args.distributed_coordinator_address, args.num_processes, args.process_id
+        )
         params = sampling_params(args, seed=args.seed, stop=args.stop)
         from rosejax.llm import LLM
 
-        llm = LLM(args.model, **engine_kwargs(args))
+        llm = LLM(args.model, **engine_kwargs(args), **distributed)
+        # Every process of a distributed run generates the same text: process 0 prints it.
+        echo = print if args.process_id == 0 else _silent
         start = time.perf_counter()
         first_token_at = None
         tokens = 0
@@ -106,26 +126,26 @@ def main(argv: list[str] | None = None) -> int:
                 if i != current and (out.new_text or out.finished):
                     head = "" if current is None else "\n"
                     head += f"[{i}] " if len(prompts) > 1 else ""
-                    print(head + ("" if i in seen else prompts[i]), end="")
+                    echo(head + ("" if i in seen else prompts[i]), end="")
                     current = i
                     seen.add(i)
-                print(out.new_text, end="", flush=True)
-            print()
+                echo(out.new_text, end="", flush=True)
+            echo()
             if params.logprobs is not None:
                 for i in sorted(finals):
-                    _print_logprobs(f"[{i}] " if len(prompts) > 1 else "", finals[i])
+                    _print_logprobs(echo, f"[{i}] " if len(prompts) > 1 else "", finals[i])
         else:
             for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
-                print(f"{prompt}{out.text}\n[finish: {out.finish_reason}]")
+                echo(f"{prompt}{out.text}\n[finish: {out.finish_reason}]")
                 if params.logprobs is not None:
-                    _print_logprobs("", out)
+                    _print_logprobs(echo, "", out)
                 tokens += len(out.token_ids)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
     ttft = f"{(first_token_at - start) * 1e3:.1f} ms" if first_token_at else "n/a (not streamed)"
-    print(
+    echo(
         f"[rosejax] {tokens} tokens in {elapsed:.2f} s, {tokens / elapsed:.1f} tok/s, "
         f"TTFT {ttft}, compile {llm.engine.compile_seconds:.1f} s "
         f"({llm.engine.num_compiles} programs)",

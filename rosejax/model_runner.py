@@ -16,6 +16,10 @@ other programs ("extras"), which also return the sampled tokens' logprobs (`Toke
 in them each feature is behind a `lax.cond` on the batch, and new values never recompile. A
 batch that asks for none runs the plain programs, which read none of these fields. A prefill
 whose batch has `prompt_targets` (another program again) returns every prompt token's logprobs.
+
+Under tensor parallelism (a `mesh`) params and cache come sharded, the forward runs per shard
+under shard_map (`rosejax.layers.parallel`), and everything else, slot state and sampling
+included, is replicated: every device (and process) computes the same tokens.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh
 
 from rosejax.layers.attention import ForwardMetadata
 from rosejax.layers.kv_cache import KVCache
+from rosejax.layers.parallel import place, replicated, tensor_parallel_forward
 from rosejax.models import family_of
 from rosejax.sampling import (
     MAX_LOGIT_BIAS,
@@ -139,7 +145,8 @@ def _stopped(tokens, stop_ids, steps, limit):
 
 
 class ModelRunner:
-    """Owns params, KV cache and slot state on its device, and the programs that advance them."""
+    """Owns params, KV cache and slot state on its device(s), and the programs that advance
+    them."""
 
     def __init__(
         self,
@@ -150,34 +157,59 @@ class ModelRunner:
         max_decode_steps: int,
         max_table_updates: int,
         kernels: KernelConfig,
-        device: jax.Device,
+        placement: jax.Device | Mesh,
     ):
+        """`placement`: the device that holds params, KV cache and slot state, or a tensor
+        parallel mesh on which `params` and `cache` come sharded (the slot state replicated)."""
         self.config = config
         self.forward = family_of(config).forward
+        # Where each program's outputs live under tensor parallelism (replicated, the cache's
+        # shardings): as its inputs, so the donated cache and state are updated in place.
+        self._shardings = None
+        if isinstance(placement, Mesh):
+            self.forward = tensor_parallel_forward(self.forward, placement, params, cache)
+            self._shardings = (replicated(placement), jax.tree.map(lambda a: a.sharding, cache))
         # Which kernels run: a static argument of every program, so a new value compiles anew.
         self.kernels = kernels
         self.num_slots = num_slots
         self.max_decode_steps = max_decode_steps
         self.max_table_updates = max_table_updates
         self.max_blocks = -(-config.max_model_len // cache.block_size)
-        # Committed to `device` (no copy where they are made there already): a program runs where
-        # its committed inputs live, so the host's numpy inputs follow them there too.
-        self.params, self.cache, self.state = jax.device_put(
-            (params, cache, empty_slot_state(num_slots, self.max_blocks, config.vocab_size)),
-            device,
-        )
+        state = empty_slot_state(num_slots, self.max_blocks, config.vocab_size)
+        if isinstance(placement, Mesh):
+            state = jax.tree.map(lambda a: place(np.asarray(a), replicated(placement)), state)
+            self.params, self.cache, self.state = params, cache, state
+        else:
+            # Committed to the device (no copy where they are made there already): a program
+            # runs where its committed inputs live, so the host's numpy inputs follow them.
+            self.params, self.cache, self.state = jax.device_put((params, cache, state), placement)
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
         self.compile_seconds = 0.0
         self._prefill = jax.jit(
-            self._prefill_fn, donate_argnums=(1, 2), static_argnames=("kernels",)
+            self._prefill_fn,
+            donate_argnums=(1, 2),
+            static_argnames=("kernels",),
+            **self._out_shardings(3),  # tokens, their logprobs, the prompt's; cache; state
         )
-        self._load_row = jax.jit(self._load_row_fn, donate_argnums=(0,))
+        self._load_row = jax.jit(
+            self._load_row_fn, donate_argnums=(0,), **self._out_shardings(0, cache=False)
+        )
         # One jitted window per batch bucket and kernel config, made on first use: each one's
         # XLA options (its GEMM library) are settled then, not looked up every window.
         self._decode_programs: dict[tuple[int, KernelConfig], Callable] = {}
         # Executables compiled ahead on another thread (`compile_prefill`, `compile_decode`),
         # by their static arguments; a call finds its shape here or compiles through jit.
         self._compiled: dict[tuple, Any] = {}
+
+    def _out_shardings(self, replicated_first: int, cache: bool = True) -> dict:
+        """jit's `out_shardings` under tensor parallelism for a program that returns
+        `replicated_first` replicated outputs, then the cache (if `cache`), then the state;
+        none without it."""
+        if self._shardings is None:
+            return {}
+        same, cache_shardings = self._shardings
+        outs = (same,) * replicated_first + ((cache_shardings,) if cache else ()) + (same,)
+        return dict(out_shardings=outs if len(outs) > 1 else same)
 
     # ------------------------------------------------------------------------------ programs
 
@@ -508,5 +540,6 @@ class ModelRunner:
                 donate_argnums=(1, 2),
                 static_argnames=("batch", "greedy", "extras", "kernels"),
                 compiler_options=self.kernels.decode_compiler_options(batch) or None,
+                **self._out_shardings(2),  # tokens, their logprobs; cache; state
             )
         return program

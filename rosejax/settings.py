@@ -253,6 +253,14 @@ class EngineConfig:
     )  # jax's persistent compilation cache; None: off
     warmup: bool | None = None  # compile every bucket at start; None: on a GPU only
     data_parallel_size: int = 1  # engine replicas, each on its own device(s), behind one router
+    # Tensor parallelism: the model's heads, MLP units and vocabulary split over the first N
+    # devices (across processes, once `jax.distributed` is initialized: see below).
+    tensor_parallel_size: int = 1
+    # Several processes, one per GPU, running one engine (`jax.distributed.initialize`): the
+    # coordinator's host:port (process 0 listens there), how many processes, and this one's id.
+    distributed_coordinator_address: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.block_size < 1:
@@ -273,6 +281,13 @@ class EngineConfig:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_memory_fraction is not None:
             raise ValueError("give at most one of kv_cache_tokens and kv_cache_memory_fraction")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"
+            )
+        check_distributed(self.distributed_coordinator_address, self.num_processes, self.process_id)
+        if self.num_processes > 1 and self.data_parallel_size > 1:
+            raise ValueError("--num-processes > 1 runs one engine: give --data-parallel-size 1")
 
 
 def set_xla_flags() -> None:
@@ -285,11 +300,46 @@ def set_xla_flags() -> None:
     os.environ["XLA_FLAGS"] = flags.strip()
 
 
-def configure_process(compilation_cache_dir: str | None = None) -> None:
+def check_distributed(coordinator_address: str | None, num_processes: int, process_id: int) -> None:
+    """The --distributed-coordinator-address, --num-processes and --process-id flags, checked."""
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"--process-id must be in [0, --num-processes), and --num-processes >= 1; got "
+            f"{process_id} of {num_processes}"
+        )
+    if num_processes > 1 and not coordinator_address:
+        raise ValueError("--num-processes > 1 needs --distributed-coordinator-address HOST:PORT")
+    host, _, port = (coordinator_address or "").rpartition(":")
+    if coordinator_address and not (host and port.isdigit()):
+        raise ValueError(
+            f"--distributed-coordinator-address must be HOST:PORT, got {coordinator_address!r}"
+        )
+
+
+def initialize_distributed(
+    coordinator_address: str | None, num_processes: int = 1, process_id: int = 0
+) -> None:
+    """`jax.distributed.initialize` (once per process) when a coordinator address is given: then
+    `jax.devices()` lists every process's devices, and one mesh spans them. It must run before
+    jax starts its backend, so entry points call it first (`configure_process` does too)."""
+    check_distributed(coordinator_address, num_processes, process_id)
+    if coordinator_address and not jax.distributed.is_initialized():
+        jax.distributed.initialize(coordinator_address, num_processes, process_id)
+
+
+def configure_process(
+    compilation_cache_dir: str | None = None,
+    *,
+    coordinator_address: str | None = None,
+    num_processes: int = 1,
+    process_id: int = 0,
+) -> None:
     """The process-wide settings an engine runs best with, made by its entry points: XLA flags
-    (`set_xla_flags`) and jax's persistent compilation cache in `compilation_cache_dir` (if
-    given), so a second start skips compiling."""
+    (`set_xla_flags`), `jax.distributed` when a coordinator address is given
+    (`initialize_distributed`), and jax's persistent compilation cache in
+    `compilation_cache_dir` (if given), so a second start skips compiling."""
     set_xla_flags()
+    initialize_distributed(coordinator_address, num_processes, process_id)
     if compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

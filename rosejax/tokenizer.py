@@ -8,7 +8,9 @@ import os
 import weakref
 from collections.abc import Sequence
 
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+# PreTrainedTokenizerFast alone, not AutoTokenizer: resolving an auto class imports
+# transformers' model configs and with them torch, ~6 s of a server's start on a GPU host.
+from transformers import PreTrainedTokenizerFast
 
 # Files that make a directory loadable by AutoTokenizer (any one of them is enough).
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
@@ -44,6 +46,12 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> PreTrainedTokeni
         raise ValueError(f"tokenizer path {source!r} is not a directory")
     # Cleanup strips spaces before punctuation (transformers 4.x may default it on for GPT-2),
     # which would make decode() disagree with the byte stream the detokenizer streams.
+    if local and os.path.isfile(os.path.join(expanded, "tokenizer.json")):
+        return PreTrainedTokenizerFast.from_pretrained(
+            expanded, local_files_only=True, clean_up_tokenization_spaces=False
+        )
+    from transformers import AutoTokenizer  # slow vocab files, hub ids
+
     return AutoTokenizer.from_pretrained(
         expanded if local else source, local_files_only=local, clean_up_tokenization_spaces=False
     )
@@ -56,11 +64,13 @@ def chat_prompt_ids(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     chat_template_kwargs: dict | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """One conversation's prompt ids through the tokenizer's chat template (or `chat_template`):
     the rendered text tokenized without adding special tokens again, which is what
     `tokenizer.apply_chat_template(messages, tokenize=True)` gives (the template writes BOS
-    itself). `chat_template_kwargs` go to the template, e.g. Qwen3's `enable_thinking`."""
+    itself; `add_special_tokens` adds the tokenizer's on top, as vLLM's /tokenize may).
+    `chat_template_kwargs` go to the template, e.g. Qwen3's `enable_thinking`."""
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError(
             "the tokenizer has no chat template (GPT-2's has none): pass chat_template, or "
@@ -73,7 +83,7 @@ def chat_prompt_ids(
         chat_template=chat_template,
         **(chat_template_kwargs or {}),
     )
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

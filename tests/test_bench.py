@@ -643,6 +643,7 @@ def test_plots(tmp_path):
         ),
         ("compare_variants", ["--runs", "--batch", "--decode-steps", "--json"]),
         ("benchmark_data_parallel", ["--data-parallel-size", "--only", "--repeat-runs", "--json"]),
+        ("benchmark_parallel", ["--out-dir", "--tp", "--tpot-model", "--skip-processes"]),
     ],
 )
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short

@@ -56,16 +56,17 @@ def hf_log_softmax(model, ids: list[int]) -> np.ndarray:
 
 
 def check_logprob_dict(entry: dict[int, Logprob], token: int, ref: np.ndarray, top: int) -> None:
-    """One token's dict against the reference row: its own logprob and rank, then the top
-    alternatives in order (ranks 1..top), each logprob within 1e-4."""
-    assert isinstance(entry[token], Logprob)
+    """One token's dict against the reference row: its own logprob and rank (tokens at least
+    as likely), and the top ones in order with ranks 1..top, each logprob within 1e-4."""
+    assert isinstance(entry[token], Logprob) and list(entry)[0] == token
     assert abs(entry[token].logprob - ref[token]) < 1e-4
     assert entry[token].rank == int(np.sum(ref >= ref[token] - 1e-6))
     order = np.argsort(-ref, kind="stable")[:top].tolist()
-    alternatives = [t for t in entry if entry[t].rank <= top and t != token]
-    assert alternatives == [t for t in order if t != token]
-    for rank, t in enumerate(order, 1):
-        assert abs(entry[t].logprob - ref[t]) < 1e-4 and entry[t].rank in (rank, entry[t].rank)
+    assert sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= top) == list(
+        zip(range(1, top + 1), order, strict=True)
+    )
+    for t in order:
+        assert abs(entry[t].logprob - ref[t]) < 1e-4
     assert set(entry) == {token, *order}
 
 

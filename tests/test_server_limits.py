@@ -300,7 +300,8 @@ def test_oversized_body_without_a_length_is_413(served):
 
 def test_long_prompt_is_400_before_tokenizing(served, monkeypatch):
     """A prompt of more characters than can ever fit the context never reaches the tokenizer;
-    one just under that limit is tokenized off the engine thread and refused for its length."""
+    one just under that limit (a large body) is tokenized on the prepare thread, off the engine
+    thread and the event loop, and refused for its length."""
     tokenizer = served.engine.tokenizer
     encode, threads = tokenizer.encode, []
 
@@ -556,3 +557,34 @@ def test_server_compiles_the_rest_on_a_thread_of_its_own():
     loop.stop()
     assert engine.num_compiles == len(programs)
     assert not loop._compiler.is_alive()
+
+
+def test_server_answers_503_while_it_loads_then_serves():
+    """A server listens before its engine exists: /health and every route answer 503 (OpenAI's
+    error shape on the API), then `ready` hands over to the app, which serves and whose
+    lifespan stops the engine thread when the server stops."""
+    from rosejax import LLMEngine
+    from rosejax.serve import create_app
+    from rosejax.serve.loading import LoadingApp
+    from rosejax.serve.protocol import Limits
+    from rosejax.serve.server import ServerThread
+
+    loading = LoadingApp(Limits())
+    with ServerThread(loading) as server:
+        health = httpx.get(server.url + "/health")
+        assert (health.status_code, health.json()) == (503, {"status": "loading"})
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+        assert r.headers["retry-after"]
+        engine = LLMEngine.from_args("random:tiny", max_batch_size=2, block_size=16, warmup=False)
+        app = create_app(engine, served_model_name="gpt2")
+        loading.ready(app)
+        assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+            timeout=120,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert app.state.engine.alive
+    assert not app.state.engine.alive

@@ -180,3 +180,60 @@ def test_missing_tokenizer_files(tmp_path, no_network):
     assert t.encode("Hello world") == [15496, 995]
     with pytest.raises(ValueError, match="not a directory"):
         load_tokenizer("./no/such/model")
+
+
+TOKENIZER_DIRS = [
+    packaged_gpt2_tokenizer_path(),
+    *(
+        os.path.join(os.path.dirname(__file__), "..", "..", "shared", "tokenizers", name)
+        for name in ("qwen3", "llama3")
+    ),
+]
+
+
+@pytest.mark.parametrize("path", TOKENIZER_DIRS, ids=["gpt2", "qwen3", "llama3"])
+def test_local_tokenizer_equals_autotokenizer(path, no_network):
+    """A directory with tokenizer.json loads as PreTrainedTokenizerFast (no model configs, no
+    torch); it encodes, decodes, names its special tokens and renders its chat template as the
+    class AutoTokenizer picks from its tokenizer_config.json."""
+    if not os.path.isdir(path):
+        pytest.skip("needs ../shared/tokenizers")
+    from transformers import AutoTokenizer
+
+    ours = load_tokenizer("unused", path)
+    auto = AutoTokenizer.from_pretrained(
+        path, local_files_only=True, clean_up_tokenization_spaces=False
+    )
+    for text in TEXTS:
+        ids = auto.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == auto.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=True) == auto.decode(
+            ids, skip_special_tokens=True
+        )
+    assert (ours.eos_token, ours.bos_token, ours.all_special_ids, len(ours)) == (
+        auto.eos_token,
+        auto.bos_token,
+        auto.all_special_ids,
+        len(auto),
+    )
+    assert ours.chat_template == auto.chat_template
+    if auto.chat_template:
+        chat = [{"role": "user", "content": TEXTS[4]}, {"role": "assistant", "content": "ok"}]
+        for gen in (True, False):
+            kw = dict(tokenize=True, add_generation_prompt=gen)
+            assert ours.apply_chat_template(chat, **kw) == auto.apply_chat_template(chat, **kw)
+
+
+def test_loading_a_local_tokenizer_imports_no_torch():
+    """The server's start does not pay for importing torch (seconds on a GPU host)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, rosejax, rosejax.engine.data_parallel, rosejax.serve.app\n"
+        "from rosejax.tokenizer import load_tokenizer\n"
+        "load_tokenizer('random:gpt2')\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -58,7 +58,7 @@ class DataParallelEngine:
     server runs each replica on an engine thread of its own instead (`rosejax.serve`)."""
 
     def __init__(self, config: EngineConfig):
-        placements = replica_devices(config.data_parallel_size)
+        placements = replica_devices(config.data_parallel_size, config.tensor_parallel_size)
         one = dataclasses.replace(config, data_parallel_size=1)
         n = len(placements)
         # Threads: the replicas load and compile side by side (XLA compiles without the GIL).

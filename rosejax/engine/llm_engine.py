@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from rosejax.engine.block_manager import BlockAllocator
 from rosejax.engine.request import (
@@ -32,6 +34,12 @@ from rosejax.engine.request import (
 )
 from rosejax.engine.scheduler import Scheduler
 from rosejax.layers.kv_cache import init_kv_cache, kv_cache_bytes_per_block, num_blocks_for
+from rosejax.layers.parallel import (
+    TP_AXIS,
+    shard_params,
+    tensor_parallel_devices,
+    tensor_parallel_mesh,
+)
 from rosejax.model_runner import (
     EXTRA_ROW_FIELDS,
     MAX_MIN_TOKENS_STOP_IDS,
@@ -39,7 +47,7 @@ from rosejax.model_runner import (
     NUM_STOP_IDS,
     ModelRunner,
 )
-from rosejax.models import eos_token_ids, with_context_len
+from rosejax.models import eos_token_ids, family_of, with_context_len
 from rosejax.models.loader import load_model, resolve_dtype
 from rosejax.sampling import COUNT_MASK, PROMPT_BIT, SamplingParams, TokenLogprobs
 from rosejax.settings import (
@@ -93,25 +101,33 @@ class LLMEngine:
         replica: int = 0,
     ):
         """Load the model and tokenizer, size the KV cache, and (on a GPU) compile every bucket.
-        Sets the process-wide XLA flags and compilation cache first (`configure_process`).
+        Sets the process-wide XLA flags, `jax.distributed` and the compilation cache first
+        (`configure_process`).
 
         `devices`: where this engine's params, KV cache and programs live (default: the first
-        local device; one device until tensor parallelism). `replica`: its index among data
-        parallel replicas (`DataParallelEngine`), which gives it a stream of request seeds of
-        its own."""
+        local device; with tensor parallelism the first `tensor_parallel_size` devices, of every
+        process after `jax.distributed`). `replica`: its index among data parallel replicas
+        (`DataParallelEngine`), which gives it a stream of request seeds of its own."""
         if config.data_parallel_size != 1:
             raise ValueError(
                 "an LLMEngine is one replica: data_parallel_size > 1 needs DataParallelEngine "
                 "(rosejax.engine.data_parallel.make_engine builds either)"
             )
-        configure_process(config.compilation_cache_dir)
-        self.devices = tuple(devices or jax.local_devices()[:1])
+        configure_process(
+            config.compilation_cache_dir,
+            coordinator_address=config.distributed_coordinator_address,
+            num_processes=config.num_processes,
+            process_id=config.process_id,
+        )
+        self.devices = tuple(devices or tensor_parallel_devices(config.tensor_parallel_size))
+        # This process's first device of them: where what the build makes lands first.
+        self.home_device = next(d for d in self.devices if d.process_index == jax.process_index())
         try:
             # What is made here lands on this engine's device, never the default one. Programs
             # run where their committed inputs live, and run outside this context: the default
             # device is part of jit's cache key, so a program warmed up inside it would compile
             # again outside.
-            with jax.default_device(self.devices[0]):
+            with jax.default_device(self.home_device):
                 self._build(config, replica)
             # Compiling every bucket up front pays on a GPU (seconds per program, persistent
             # cache); on a CPU it takes minutes for GPT-2, so there buckets compile on first use.
@@ -127,17 +143,26 @@ class LLMEngine:
             ) from e
 
     def _build(self, config: EngineConfig, replica: int) -> None:
-        self.on_cpu = on_cpu = self.devices[0].platform == "cpu"
+        self.on_cpu = on_cpu = self.home_device.platform == "cpu"
         self.engine_config = config
         self.kernels = config.kernels or KernelConfig.for_backend()
         self.dtype = resolve_dtype(
             config.dtype if config.dtype != "auto" else ("float32" if on_cpu else "float16")
         )
+        self.tensor_parallel_size = tp = config.tensor_parallel_size
+        mesh = self._mesh(config)
         start = time.perf_counter()
-        logger.info("loading %s (%s) on %s", config.model, self.dtype.name, self.devices[0])
+        logger.info("loading %s (%s) on %s", config.model, self.dtype.name, list(self.devices))
         self.config, params = load_model(config.model, self.dtype, config.seed)
         if config.max_model_len is not None:
             self.config = with_context_len(self.config, config.max_model_len)
+        cache_sharding = None
+        if mesh is not None:
+            layout = family_of(self.config).shard_layout(self.config)
+            layout.check(tp)
+            params = shard_params(params, layout, mesh)
+            cache_sharding = NamedSharding(mesh, P(TP_AXIS))  # by KV heads
+            logger.info("tensor parallel over %d devices: %s", tp, mesh.devices.tolist())
         self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.token_texts = TokenTexts(self.tokenizer)  # the decoded_token of logprobs
         logger.info("loaded the model and tokenizer in %.1f s", time.perf_counter() - start)
@@ -177,7 +202,9 @@ class LLMEngine:
         num_slots = max(self.max_batch_size, min_batch)
         # A window may add ceil(2K / block_size) + 1 blocks per row: K in flight, K reserved.
         per_row = -(-2 * self.decode_steps // config.block_size) + 1
-        cache = init_kv_cache(self.config, self.allocator.num_blocks, config.block_size, self.dtype)
+        cache = init_kv_cache(
+            self.config, self.allocator.num_blocks, config.block_size, self.dtype, cache_sharding
+        )
         self.runner = ModelRunner(
             self.config,
             params,
@@ -186,7 +213,7 @@ class LLMEngine:
             self.decode_steps,
             num_slots * per_row,
             self.kernels,
-            self.devices[0],
+            self.devices[0] if mesh is None else mesh,
         )
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
         self.seed = config.seed
@@ -207,6 +234,21 @@ class LLMEngine:
         self.prefill_tokens_computed = 0
         self._warm: set[tuple[str, int, int | bool]] = set()  # programs warm-up compiled
 
+    def _mesh(self, config: EngineConfig) -> Mesh | None:
+        """The tensor-parallel mesh over this engine's devices (None for one device), checked
+        before anything is loaded."""
+        tp = config.tensor_parallel_size
+        if len(self.devices) != tp:
+            raise ValueError(
+                f"--tensor-parallel-size {tp} needs {tp} devices, given {self.devices}"
+            )
+        if config.num_processes > 1 and tp != jax.device_count():
+            raise ValueError(
+                f"--tensor-parallel-size ({tp}) must span every process's devices: "
+                f"{config.num_processes} processes hold {jax.device_count()} devices in all"
+            )
+        return None if tp == 1 else tensor_parallel_mesh(self.devices)
+
     @classmethod
     def from_args(cls, model: str, **kwargs) -> LLMEngine:
         """`LLMEngine(EngineConfig(model, **kwargs))`."""
@@ -225,7 +267,8 @@ class LLMEngine:
                 self.block_size,
                 self.dtype,
                 max_num_seqs=self.max_batch_size,
-                device=self.devices[0],
+                device=self.home_device,
+                shards=self.tensor_parallel_size,
                 **budget,
             )
 
@@ -236,9 +279,11 @@ class LLMEngine:
             if on_cpu and fraction is None:  # more than a full context per request is never used
                 full = self.max_batch_size * self.config.max_model_len
                 num_blocks = min(num_blocks, blocks(kv_cache_tokens=full))
-        per_block = kv_cache_bytes_per_block(self.config, self.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(
+            self.config, self.block_size, self.dtype, self.tensor_parallel_size
+        )
         logger.info(
-            "KV cache: %d blocks of %d tokens, %d tokens, %.2f GiB (--kv-cache-tokens or "
+            "KV cache: %d blocks of %d tokens, %d tokens, %.2f GiB a device (--kv-cache-tokens or "
             "--kv-cache-memory-fraction change it)",
             num_blocks - 1,
             self.block_size,
@@ -705,7 +750,7 @@ class LLMEngine:
         self, tokens: list[int], chosen: list[float], lp: TokenLogprobs, top: int
     ) -> SampleLogprobs:
         """vLLM's per-token dicts: {token: Logprob} for each token, then its `top` most likely
-        alternatives (ranks 1..top) that are not the token itself."""
+        (ranks 1..top; a token among them has that rank, as in vLLM)."""
         text = self.token_texts
         ranks = lp.rank.tolist()
         top_ids, top_lps = lp.top_ids[:, :top].tolist(), lp.top_logprobs[:, :top].tolist()
@@ -715,7 +760,6 @@ class LLMEngine:
         ):
             d = {token: Logprob(value, rank, text[token])}
             for i, (alt, alt_value) in enumerate(zip(ids, values, strict=True)):
-                if alt not in d:
-                    d[alt] = Logprob(alt_value, i + 1, text[alt])
+                d[alt] = Logprob(alt_value, i + 1, text[alt])
             dicts.append(d)
         return dicts

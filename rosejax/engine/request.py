@@ -21,8 +21,9 @@ class RequestStatus(enum.Enum):
 @dataclasses.dataclass(slots=True)  # slots: a window at logprobs=5 makes 6 per token
 class Logprob:
     """vLLM's: a token's log-probability under the model's raw distribution, its rank (1 = the
-    most likely; ties share the worst rank, as vLLM counts) and its text (`tokenizer.decode` of
-    the token alone)."""
+    most likely: the generated token's counts the tokens at least as likely, as vLLM's does,
+    unless it is among the top alternatives, whose ranks are their places) and its text
+    (`tokenizer.decode` of the token alone)."""
 
     logprob: float
     rank: int | None = None

@@ -30,23 +30,33 @@ class KVCache:
         return self.k[0].shape[2]
 
 
-def init_kv_cache(config: Any, num_blocks: int, block_size: int, dtype) -> KVCache:
-    """Zero-filled pages for every layer; `num_blocks` counts the scratch block."""
+def init_kv_cache(
+    config: Any,
+    num_blocks: int,
+    block_size: int,
+    dtype,
+    sharding: jax.sharding.Sharding | None = None,
+) -> KVCache:
+    """Zero-filled pages for every layer; `num_blocks` counts the scratch block. With `sharding`
+    (tensor parallelism: split by KV heads), each device allocates only its own shard."""
     if num_blocks < 2 or block_size < 1:
         raise ValueError(
             f"need num_blocks >= 2 (scratch + 1) and block_size >= 1, "
             f"got {num_blocks}, {block_size}"
         )
     shape = (config.num_kv_heads, num_blocks, block_size, config.head_dim)
-    k = [jnp.zeros(shape, dtype) for _ in range(config.num_layers)]
-    v = [jnp.zeros(shape, dtype) for _ in range(config.num_layers)]
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    k = [zeros() for _ in range(config.num_layers)]
+    v = [zeros() for _ in range(config.num_layers)]
     return KVCache(k=k, v=v)
 
 
-def kv_cache_bytes_per_block(config: Any, block_size: int, dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
+def kv_cache_bytes_per_block(config: Any, block_size: int, dtype, shards: int = 1) -> int:
+    """Bytes one block takes across all layers, K and V, on each of `shards` devices that split
+    the KV heads."""
     itemsize = np.dtype(dtype).itemsize
-    return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * itemsize
+    heads = config.num_kv_heads // shards
+    return 2 * config.num_layers * heads * block_size * config.head_dim * itemsize
 
 
 def free_memory_bytes(device: jax.Device | None = None) -> int:
@@ -67,13 +77,15 @@ def num_blocks_for(
     memory_fraction: float | None = None,
     max_num_seqs: int = 1,
     device: jax.Device | None = None,
+    shards: int = 1,
 ) -> int:
     """Total blocks (scratch included) from a token budget or a fraction of free memory.
 
     A token budget is guaranteed to fit however it is split over `max_num_seqs` sequences: each
     sequence may leave its last block partly empty, so that costs up to max_num_seqs - 1 blocks
     more than ceil(tokens / block_size). A memory budget gives whatever fits, scratch included, and
-    must leave at least one block per sequence; the memory is `device`'s (`free_memory_bytes`).
+    must leave at least one block per sequence; the memory is `device`'s (`free_memory_bytes`);
+    with `shards` devices splitting the KV heads, each holds 1/shards of a block.
     """
     if block_size < 1 or max_num_seqs < 1:
         raise ValueError(
@@ -88,7 +100,7 @@ def num_blocks_for(
     if not 0.0 < memory_fraction <= 1.0:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     free = free_memory_bytes(device)
-    per_block = kv_cache_bytes_per_block(config, block_size, dtype)
+    per_block = kv_cache_bytes_per_block(config, block_size, dtype, shards)
     num_blocks = int(free * memory_fraction) // per_block
     if num_blocks - 1 < max_num_seqs:
         raise ValueError(

@@ -11,6 +11,10 @@ by a Pallas kernel or XLA as the `KernelConfig` says.
   `LayerNorm` adds bias and residual in its own kernel (`add_layer_norm`), which also stores
   the sum for the residual stream. Per layer that is one kernel fewer, and the matmul may split
   K over more programs for free.
+- A row-parallel `Linear` (`reduce_axis`, tensor parallelism: `rosejax.layers.parallel`) holds
+  its shard's rows of the kernel: its float32 partial sums are all-reduced over the mesh axis
+  first, and the replicated bias and residual added after, once, rounded where one device's
+  call rounds (so half-precision values match it up to the order of float32 sums).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from pallas_kernels.linear import (
     finish_partial_sums,
     linear,
     linear_partial_sums,
+    linear_partial_sums_reference,
     linear_reference,
+    linear_reference_epilogue,
     linear_supported,
 )
 from rosejax.settings import XLA_KERNELS, KernelConfig
@@ -61,6 +67,7 @@ class Linear(nn.Module):
     activation: str | None = None  # None or "gelu_tanh" (GPT-2's gelu_new)
     kernels: KernelConfig = XLA_KERNELS
     use_bias: bool = True  # False: no bias param (the kernels add zeros)
+    reduce_axis: str | None = None  # row-parallel: psum the partial sums over this mesh axis
 
     @nn.compact
     def __call__(self, x, residual=None, *, defer: bool = False):
@@ -76,10 +83,26 @@ class Linear(nn.Module):
         lead = x.shape[:-1]
         rows = math.prod(lead)
         res = None if residual is None else residual.reshape(rows, self.features)
-        if not pallas_linear_enabled(self.kernels, rows, k, self.features):
+        pallas = pallas_linear_enabled(self.kernels, rows, k, self.features)
+        tiles = self.kernels.tile_kwargs("linear") | {"interpret": self.kernels.interpret}
+        if self.reduce_axis is not None and not pallas:
+            # Rounded where one device's `linear_reference` rounds (the whole product, then each
+            # add), so the shards' sum gives the same half-precision values.
+            product = linear_partial_sums_reference(x.reshape(rows, k), kernel)[0]  # float32
+            product = jax.lax.psum(product, self.reduce_axis).astype(x.dtype)
+            y = linear_reference_epilogue(product, bias, res, activation=self.activation)
+            return y.reshape(*lead, self.features)
+        if self.reduce_axis is not None:
+            partials = linear_partial_sums(x.reshape(rows, k), kernel, **tiles)
+            # The splits summed first: the all-reduce carries one [1, M, N] float32 sum.
+            partials = jax.lax.psum(partials.sum(axis=0, keepdims=True), self.reduce_axis)
+            if defer and residual is not None and self.activation is None:
+                return PendingSum(partials, bias, residual)
+            y = finish_partial_sums(partials, bias, res, activation=self.activation, dtype=x.dtype)
+            return y.reshape(*lead, self.features)
+        if not pallas:
             y = linear_reference(x.reshape(rows, k), kernel, bias, res, activation=self.activation)
             return y.reshape(*lead, self.features)
-        tiles = self.kernels.tile_kwargs("linear") | {"interpret": self.kernels.interpret}
         if defer and residual is not None and self.activation is None:
             return PendingSum(
                 linear_partial_sums(x.reshape(rows, k), kernel, **tiles), bias, residual

@@ -32,7 +32,9 @@ class ModelFamily:
     skip_tensor: Callable[[str], bool]  # checkpoint tensors that are not weights
     params_from_tensors: Callable[..., dict]  # (config, {HF name: array}, dtype) -> params
     random_params: Callable[..., dict]  # (config, seed, dtype) -> params
-    forward: Callable[..., Any]  # (params, config, tokens, cache, meta, logit_indices, *, kernels)
+    # (params, config, tokens, cache, meta, logit_indices, *, kernels, tp)
+    forward: Callable[..., Any]
+    shard_layout: Callable[[Any], Any]  # config -> its params' `ShardLayout` (tensor parallel)
 
 
 _LLAMA = ModelFamily(
@@ -42,6 +44,7 @@ _LLAMA = ModelFamily(
     params_from_tensors=llama_weights.params_from_tensors,
     random_params=llama_weights.random_params,
     forward=llama_model.forward,
+    shard_layout=llama_model.shard_layout,
 )
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -52,6 +55,7 @@ FAMILIES: dict[str, ModelFamily] = {
         params_from_tensors=gpt2_weights.params_from_tensors,
         random_params=gpt2_weights.random_params,
         forward=gpt2_model.forward,
+        shard_layout=gpt2_model.shard_layout,
     ),
     **{model_type: _LLAMA for model_type in llama_config.MODEL_TYPES},
 }

@@ -33,7 +33,9 @@ from rosejax.serve.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Limits,
+    TokenizeRequest,
     parse,
     parse_json,
 )
@@ -194,7 +196,15 @@ def _request_schemas(
                 "enum": [None, *neutral],
             }
         schemas[model.__name__] = schema
+    for model in (TokenizeRequest, DetokenizeRequest):
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
     return schemas
+
+
+# Bodies up to this size are decoded, validated and tokenized on the event loop.
+INLINE_BODY_BYTES = 4096
 
 
 def create_app(
@@ -218,8 +228,9 @@ def create_app(
     if max_prompt_chars is None:  # tokens of at least one character each: past this, never fits
         longest = max(map(len, engine.tokenizer.get_vocab()), default=1)
         max_prompt_chars = context * longest
-    # Decoding, validating, rendering and tokenizing bodies: one at a time, on a thread of its
-    # own (the tokenizer gives up the GIL while it works), so the memory a body costs is bounded.
+    # Decoding, validating, rendering and tokenizing bodies past INLINE_BODY_BYTES: one at a
+    # time, on a thread of its own (the tokenizer gives up the GIL while it works), so the memory
+    # and time a large body costs is bounded and the streams in flight go on meanwhile.
     prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="rosejax-prepare")
 
     @contextlib.asynccontextmanager
@@ -271,13 +282,14 @@ def create_app(
                 param=param,
             )
 
-    def tokenize(prompts: list) -> list[list[int]]:
+    def tokenize(prompts: list, n: int = 1) -> list[list[int]]:
         """Each prompt's token ids (a text's length checked before it is tokenized), for a
-        list of prompts the server can hold at once."""
-        if async_engine.max_in_flight is not None and len(prompts) > async_engine.max_in_flight:
+        list of prompts, of `n` choices each, the server can hold at once."""
+        limit = async_engine.max_in_flight
+        if limit is not None and len(prompts) * n > limit:
             raise APIError(
-                f"this request has {len(prompts)} prompts; the server holds at most "
-                f"{async_engine.max_in_flight} requests at once (--max-batch-size + "
+                f"this request asks for {len(prompts) * n} choices ({len(prompts)} prompts, n="
+                f"{n}); the server holds at most {limit} requests at once (--max-batch-size + "
                 "--max-waiting), so it can never be served: send fewer per request",
                 param="prompt",
                 code="too_many_prompts",
@@ -292,26 +304,56 @@ def create_app(
                 raise APIError(str(e), param="prompt") from e
         return ids
 
-    def check_request(req: CompletionRequest | ChatRequest) -> None:
-        if req.model is not None and req.model != served_model_name:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
             raise APIError(
-                f"the model '{req.model}' does not exist; this server serves '{served_model_name}'",
+                f"the model '{name}' does not exist; this server serves '{served_model_name}'",
                 404,
                 "model",
                 "invalid_request_error",
                 "model_not_found",
             )
+
+    def check_request(req: CompletionRequest | ChatRequest) -> None:
+        check_model(req.model)
         req.check_limits(limits)
+        bias = req.logit_bias_ids()
+        if bias and max(bias) >= engine.config.vocab_size:
+            raise APIError(
+                f"logit_bias token ids must be in [0, {engine.config.vocab_size})",
+                param="logit_bias",
+            )
+
+    def decode_token(token_id: int) -> str:
+        return engine.tokenizer.decode([token_id])
+
+    def formatter(req: CompletionRequest | ChatRequest, chat: bool, **echo: Any) -> Formatter:
+        return Formatter(
+            f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            served_model_name,
+            chat=chat,
+            n=req.choices_per_prompt,
+            logprobs=req.logprob_kwargs().get("logprobs"),
+            decode=decode_token,
+            **echo,
+        )
 
     def prepare_completion(raw: bytes):
         req = parse(parse_json(raw), CompletionRequest, COMPLETION_UNSUPPORTED)
         check_request(req)
-        return req, req.sampling_params(), tokenize(req.prompts())
-
-    def prepare_chat(raw: bytes):
-        req = parse(parse_json(raw), ChatRequest, CHAT_UNSUPPORTED)
-        check_request(req)
         params = req.sampling_params()
+        prompts = req.prompts()
+        ids = tokenize(prompts, req.choices_per_prompt)
+        echo = None
+        if req.echo:  # a text prompt as sent; token ids as they decode
+            echo = [
+                p if isinstance(p, str) else engine.tokenizer.decode(i)
+                for p, i in zip(prompts, ids, strict=True)
+            ]
+        return req, params, ids, formatter(req, False, echo=echo, echo_only=req.echo_only)
+
+    def chat_ids(messages: list, **kwargs: Any) -> list[int]:
+        """A conversation's prompt ids through the chat template; 400 if there is none."""
         tokenizer = engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(
@@ -321,22 +363,35 @@ def create_app(
                 param="messages",
                 code="no_chat_template",
             )
-        messages = [m.as_dict() for m in req.messages]
+        messages = [m.as_dict() for m in messages]
         check_chars(sum(len(m["content"]) for m in messages), "the messages have", "messages")
         try:
             # Token ids, not text: the template writes BOS itself, which encoding its text
             # again would double (Llama 3).
-            prompt = chat_prompt_ids(tokenizer, messages)
+            return chat_prompt_ids(tokenizer, messages, **kwargs)
         except Exception as e:  # jinja errors, e.g. a template that refuses a role order
             raise APIError(
                 f"the chat template failed on these messages: {e}", param="messages"
             ) from e
-        return req, params, tokenize([prompt])
 
-    async def serve(request: Request, prepare, fmt: Formatter) -> Response:
+    def prepare_chat(raw: bytes):
+        req = parse(parse_json(raw), ChatRequest, CHAT_UNSUPPORTED)
+        check_request(req)
+        params = req.sampling_params()
+        ids = tokenize([chat_ids(req.messages)], req.choices_per_prompt)
+        return req, params, ids, formatter(req, True)
+
+    async def prepared(request: Request, prepare) -> Any:
+        """`prepare` of the request's body: on the event loop for a small body (tens of µs),
+        else on the prepare thread. Two thread hops per request, each waiting for the GIL,
+        were most of what 256 requests arriving at once took to reach the engine."""
         raw = await read_body(request, limits)
-        loop = asyncio.get_running_loop()
-        req, params, prompts = await loop.run_in_executor(prepare_pool, prepare, raw)
+        if len(raw) <= INLINE_BODY_BYTES:
+            return prepare(raw)
+        return await asyncio.get_running_loop().run_in_executor(prepare_pool, prepare, raw)
+
+    async def serve(request: Request, prepare) -> Response:
+        req, params, prompts, fmt = await prepared(request, prepare)
         try:
             stream = await async_engine.submit(prompts, params, fmt.id)
         except Overloaded as e:
@@ -370,13 +425,59 @@ def create_app(
 
     @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"), responses=_GENERATION)
     async def completions(request: Request) -> Response:
-        fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", served_model_name, chat=False)
-        return await serve(request, prepare_completion, fmt)
+        return await serve(request, prepare_completion)
 
     @app.post("/v1/chat/completions", openapi_extra=_body("ChatRequest"), responses=_GENERATION)
     async def chat_completions(request: Request) -> Response:
-        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", served_model_name, chat=True)
-        return await serve(request, prepare_chat, fmt)
+        return await serve(request, prepare_chat)
+
+    def tokenize_body(raw: bytes) -> dict[str, Any]:
+        req = parse(parse_json(raw), TokenizeRequest)
+        check_model(req.model)
+        if req.messages is not None:
+            ids = chat_ids(
+                req.messages,
+                add_generation_prompt=req.add_generation_prompt is not False,
+                add_special_tokens=bool(req.add_special_tokens),
+            )
+        else:
+            check_chars(len(req.prompt), "prompt has", "prompt")
+            add_special = req.add_special_tokens is not False
+            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=add_special)
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": strs}
+
+    def detokenize_body(raw: bytes) -> dict[str, Any]:
+        req = parse(parse_json(raw), DetokenizeRequest)
+        check_model(req.model)
+        vocab = engine.config.vocab_size
+        if req.tokens and not (min(req.tokens) >= 0 and max(req.tokens) < vocab):
+            raise APIError(f"tokens must be token ids in [0, {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+    @app.post("/tokenize", openapi_extra=_body("TokenizeRequest"), responses=_ERRORS)
+    async def tokenize_route(request: Request) -> JSONResponse:
+        """vLLM's: a prompt's (or a chat's) token ids, their count and the context length."""
+        return JSONResponse(await prepared(request, tokenize_body))
+
+    @app.post("/detokenize", openapi_extra=_body("DetokenizeRequest"), responses=_ERRORS)
+    async def detokenize_route(request: Request) -> JSONResponse:
+        """vLLM's: the text of token ids."""
+        return JSONResponse(await prepared(request, detokenize_body))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """vLLM's: the tokenizer's class, special tokens and chat template (lm-evaluation-
+        harness finds /tokenize through it)."""
+        tokenizer = engine.tokenizer
+        info: dict[str, Any] = {
+            "tokenizer_class": type(tokenizer).__name__,
+            **tokenizer.special_tokens_map,
+            "model_max_length": context,
+        }
+        if getattr(tokenizer, "chat_template", None):
+            info["chat_template"] = tokenizer.chat_template
+        return info
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 
 from rosejax.engine_args import add_engine_args, engine_kwargs
 from rosejax.serve.protocol import Limits
@@ -131,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("jax").setLevel(logging.WARNING)
     import uvicorn  # noqa: F401 (the serve extra: fail before loading a model if it is missing)
 
-    from rosejax.engine.data_parallel import make_engine
+    from rosejax.engine.data_parallel import make_engine, replica_devices
     from rosejax.serve.app import create_app
+    from rosejax.serve.loading import LoadingApp
     from rosejax.serve.server import make_server
-    from rosejax.settings import EngineConfig
+    from rosejax.settings import EngineConfig, configure_process
 
     try:
         limits = Limits(
@@ -144,41 +146,59 @@ def main(argv: list[str] | None = None) -> int:
             max_stop_chars=args.max_stop_chars,
             read_timeout=args.request_timeout,
         )
-        template = _read_chat_template(args)
         kwargs = engine_kwargs(args)
-        auto = kwargs["warmup"] is None  # compile at start on a GPU, not on a CPU
-        engine = make_engine(
-            EngineConfig(model=args.model, seed=args.seed, **kwargs | {"warmup": False})
-        )
-        # The server compiles what a first request needs before it listens, the rest while
-        # idle: every program up front took minutes on a GPU with an empty compilation cache.
-        background = auto and not engine.on_cpu
-        if background:
-            engine.warmup(engine.warmup_programs()[:3])
-        if template is not None:
-            engine.tokenizer.chat_template = template
-    except (ValueError, OSError) as e:
+        config = EngineConfig(model=args.model, seed=args.seed, **kwargs | {"warmup": False})
+        configure_process(config.compilation_cache_dir)  # before jax starts its backend
+        # Too few devices: refused before listening.
+        replica_devices(config.data_parallel_size, config.tensor_parallel_size)
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = args.served_model_name or args.model
-    app = create_app(
-        engine,
-        served_model_name=name,
-        max_waiting=None if args.max_waiting < 0 else args.max_waiting,
-        limits=limits,
-        warm_in_background=background,
-    )
+    # The server listens at once, answering 503 while the engine loads on another thread.
+    loading = LoadingApp(limits)
     server = make_server(
-        app,
+        loading,
         shutdown_timeout=args.shutdown_timeout,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         access_log=not args.no_access_log,
     )
+    failed: list[str] = []
+
+    def load() -> None:
+        try:
+            template = _read_chat_template(args)
+            engine = make_engine(config)
+            # It compiles what a first request needs before it serves, the rest while idle:
+            # every program up front took minutes on a GPU with an empty compilation cache.
+            background = kwargs["warmup"] is None and not engine.on_cpu
+            if background:
+                engine.warmup(engine.warmup_programs()[:3])
+            if template is not None:
+                engine.tokenizer.chat_template = template
+            app = create_app(
+                engine,
+                served_model_name=args.served_model_name or args.model,
+                max_waiting=None if args.max_waiting < 0 else args.max_waiting,
+                limits=limits,
+                warm_in_background=background,
+            )
+            if not server.should_exit:  # a stop asked for while loading: nothing to serve
+                loading.ready(app)
+        except (ValueError, OSError) as e:
+            failed.append(str(e))
+            print(f"error: {e}", file=sys.stderr)
+            server.should_exit = True
+        except BaseException:
+            failed.append("loading failed")
+            server.should_exit = True
+            raise
+
+    threading.Thread(target=load, name="rosejax-load", daemon=True).start()
     # uvicorn stops gracefully on SIGINT/SIGTERM and then re-raises the signal under the handlers
     # it found; no-op ones make a requested stop exit 0 (the lifespan stopped the engine thread).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
-    return 0
+    return 2 if failed else 0

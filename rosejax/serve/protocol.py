@@ -1,8 +1,8 @@
 """OpenAI request bodies: pydantic models that forbid unknown fields, and explicit refusals.
 
-A field rosejax cannot honour (logprobs, n > 1, penalties, ...) is a 400 that names it: a client
+A field rosejax cannot honour (best_of, suffix, tools, ...) is a 400 that names it: a client
 that asked for it must not get an answer computed without it. Sending such a field with its
-neutral value (n=1, logprobs=null, a 0 penalty) is accepted, as the official clients may do so.
+neutral value (best_of=1, tools=[]) is accepted, as the official clients may do so.
 """
 
 from __future__ import annotations
@@ -72,18 +72,23 @@ class APIError(Exception):
 
 
 # field -> (neutral values that are accepted, why it is refused otherwise)
+# The sampling fields here are parsed, validated and mapped (`_Sampling.sampling_kwargs`), but
+# this build's SamplingParams and RequestOutput do not carry them yet, so asking for one is
+# still a 400; each entry goes once the engine takes its field.
 _COMMON_UNSUPPORTED = {
     "n": ((1,), "only n=1 (one choice per prompt) is supported"),
     "presence_penalty": ((0, 0.0), "penalties are not implemented"),
     "frequency_penalty": ((0, 0.0), "penalties are not implemented"),
+    "repetition_penalty": ((1, 1.0), "penalties are not implemented"),
     "logit_bias": (({},), "logit_bias is not implemented"),
+    "min_tokens": ((0,), "min_tokens is not implemented"),
+    "min_p": ((0, 0.0), "min_p is not implemented"),
 }
 COMPLETION_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
     "logprobs": ((), "logprobs are not implemented"),
     "best_of": ((1,), "best_of is not implemented"),
     "suffix": (("",), "suffix (insertion) is not implemented"),
-    "echo": ((False,), "echo is not implemented"),
 }
 CHAT_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
@@ -107,6 +112,9 @@ class _Body(BaseModel):
     # strict: no "5" -> 5 or true -> 1 coercion; a wrong type is a 400, not a guess.
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    def check(self) -> None:
+        """What the types cannot say: ranges and combinations; APIError(400) naming the field."""
+
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
@@ -115,9 +123,18 @@ class StreamOptions(_Body):
 
 
 def _bounds(**bounds: Any) -> Any:
-    """A field's range, for /openapi.json only (sampling_params() checks it, with its own
-    messages); a JSON schema's bounds leave null alone."""
+    """A field's range, for /openapi.json only (check() or SamplingParams checks it, with its
+    own messages); a JSON schema's bounds leave null alone."""
     return Field(None, json_schema_extra=bounds)
+
+
+# OpenAI's bound on `logprobs` (completions) and `top_logprobs` (chat).
+MAX_LOGPROBS = 20
+
+
+def _require(ok: bool, name: str, what: str, value: Any) -> None:
+    if not ok:
+        raise APIError(f"{name} must be {what}, got {value!r}", param=name)
 
 
 class _Sampling(_Body):
@@ -126,10 +143,18 @@ class _Sampling(_Body):
     temperature: float | None = _bounds(minimum=0)
     top_p: float | None = _bounds(exclusiveMinimum=0, maximum=1)
     top_k: int | None = _bounds(minimum=0)  # extra, as in vLLM
+    min_p: float | None = _bounds(minimum=0, maximum=1)  # extra, as in vLLM
     seed: int | None = _bounds(minimum=-(2**63), maximum=2**64 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extra, as in vLLM
     ignore_eos: bool | None = None  # extra, as in vLLM
+    min_tokens: int | None = _bounds(minimum=0)  # extra, as in vLLM
+    n: int | None = _bounds(minimum=1)
+    presence_penalty: float | None = _bounds(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _bounds(minimum=-2, maximum=2)
+    repetition_penalty: float | None = _bounds(exclusiveMinimum=0)  # extra, as in vLLM
+    # token id, as a decimal string (JSON keys are strings) -> bias added to its logit
+    logit_bias: dict[str, float] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an opaque end-user id; nothing depends on it
@@ -137,23 +162,86 @@ class _Sampling(_Body):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self) -> SamplingParams:
-        max_tokens = self._max_tokens()
-        try:
-            return SamplingParams(
-                max_tokens=16 if max_tokens is None else max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                # Any top_k >= vocab keeps every token; clamp so it fits the engine's int32.
-                top_k=min(self.top_k or 0, 2**31 - 1),
-                top_p=1.0 if self.top_p is None else self.top_p,
-                seed=self.seed,
-                stop=self.stop,
-                stop_token_ids=self.stop_token_ids,
-                ignore_eos=bool(self.ignore_eos),
+    def logprob_kwargs(self) -> dict[str, int]:
+        """SamplingParams' logprobs and prompt_logprobs, as this kind of request asks them."""
+        return {}
+
+    def _check_max_tokens(self) -> None:
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(self, name, None)
+            if value is not None and value <= 0:
+                raise APIError(f"{name} must be > 0, got {value}", param=name)
+
+    def check(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                "stream_options is only allowed with stream=true", param="stream_options"
             )
+        self._check_max_tokens()
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(value is None or -2 <= value <= 2, name, "in [-2, 2]", value)
+        r = self.repetition_penalty
+        _require(r is None or 0 < r < float("inf"), "repetition_penalty", "> 0 (1 = off)", r)
+        _require(self.min_p is None or 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _require(self.n is None or self.n >= 1, "n", ">= 1", self.n)
+        min_tokens, max_tokens = self.min_tokens, self._max_tokens()
+        _require(min_tokens is None or min_tokens >= 0, "min_tokens", ">= 0", min_tokens)
+        if min_tokens and max_tokens is not None and min_tokens > max_tokens:
+            raise APIError(
+                f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})",
+                param="min_tokens",
+            )
+        self.logit_bias_ids()
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """logit_bias with int keys; each key a token id >= 0, each bias in [-100, 100]."""
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            _require(key.isascii() and key.isdecimal(), "logit_bias", "keyed by token ids", key)
+            _require(-100 <= bias <= 100, "logit_bias", "biases in [-100, 100]", bias)
+            out[int(key)] = bias
+        return out
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams' keyword arguments for this request. A field the request left out is
+        left out, so SamplingParams' own default holds."""
+        max_tokens = self._max_tokens()
+        kwargs = dict(
+            max_tokens=16 if max_tokens is None else max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            # Any top_k >= vocab keeps every token; clamp so it fits the engine's int32.
+            top_k=min(self.top_k or 0, 2**31 - 1),
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=bool(self.ignore_eos),
+        )
+        optional = dict(
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias_ids() or None,
+            min_tokens=self.min_tokens,
+            min_p=self.min_p,
+            **self.logprob_kwargs(),
+        )
+        return kwargs | {k: v for k, v in optional.items() if v is not None}
+
+    def sampling_params(self) -> SamplingParams:
+        try:
+            return SamplingParams(**self.sampling_kwargs())
         except ValueError as e:
             first = str(e).split(" ", 1)[0]
             raise APIError(str(e), param=first if first in type(self).model_fields else None) from e
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
@@ -204,6 +292,36 @@ _PROMPT_SCHEMA = {
 class CompletionRequest(_Sampling):
     # Checked by prompts(): a pydantic union would answer with one error per union member.
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
+    max_tokens: int | None = _bounds(minimum=0)  # 0 only with echo: the prompt alone
+    # The top `logprobs` tokens' logprobs at each token, and the token's own.
+    logprobs: int | None = _bounds(minimum=0, maximum=MAX_LOGPROBS)
+    echo: bool | None = False  # the prompt before the completion (with logprobs: theirs too)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt alone."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    def _max_tokens(self) -> int | None:
+        # echo with max_tokens 0 still runs the prompt (its logprobs come from the prefill),
+        # and the one token generated is dropped, as in vLLM.
+        return 1 if self.echo_only else self.max_tokens
+
+    def logprob_kwargs(self) -> dict[str, int]:
+        if self.logprobs is None:
+            return {}
+        if self.echo:
+            return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs}
+        return {"logprobs": self.logprobs}
+
+    def _check_max_tokens(self) -> None:
+        if not self.echo_only:
+            super()._check_max_tokens()
+
+    def check(self) -> None:
+        super().check()
+        n = self.logprobs
+        _require(n is None or 0 <= n <= MAX_LOGPROBS, "logprobs", f"in [0, {MAX_LOGPROBS}]", n)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per choice: a string or a token id list."""
@@ -240,11 +358,52 @@ class ChatMessage(_Body):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = _bounds(minimum=1)
+    logprobs: bool | None = False  # each token's logprob
+    # with logprobs: the `top_logprobs` most likely tokens at each token, and their logprobs
+    top_logprobs: int | None = _bounds(minimum=0, maximum=MAX_LOGPROBS)
+
+    def logprob_kwargs(self) -> dict[str, int]:
+        return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
+
+    def check(self) -> None:
+        super().check()
+        n = self.top_logprobs
+        _require(n is None or 0 <= n <= MAX_LOGPROBS, "top_logprobs", f"in [0, {MAX_LOGPROBS}]", n)
+        if n and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
 
     def _max_tokens(self) -> int | None:
         # max_completion_tokens is the newer name; it wins when both are given, as in OpenAI.
         limit = self.max_completion_tokens
         return self.max_tokens if limit is None else limit
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize body: a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Default: true for a prompt (as /v1/completions encodes it), false for messages (the
+    # template writes them).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None  # messages only; default true
+    return_token_strs: bool | None = False  # also each token's string (the vocabulary's form)
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("give either prompt or messages", param="prompt")
+        if self.add_generation_prompt is not None and self.messages is None:
+            raise APIError(
+                "add_generation_prompt applies to messages only", param="add_generation_prompt"
+            )
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize body: token ids -> {"prompt": their text}."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -299,9 +458,9 @@ def check_text(body: Any) -> None:
                 todo.append((v, (*path, k)))
 
 
-def parse(body: dict[str, Any], model: type[_Sampling], unsupported: dict) -> _Sampling:
+def parse(body: dict[str, Any], model: type[_Body], unsupported: dict | None = None) -> Any:
     """Validate a decoded body; every problem is an APIError(400) naming the field."""
-    for name, (neutral, why) in unsupported.items():
+    for name, (neutral, why) in (unsupported or {}).items():
         if name in body:
             value = body.pop(name)
             if not _neutral(value, neutral):
@@ -328,10 +487,5 @@ def parse(body: dict[str, Any], model: type[_Sampling], unsupported: dict) -> _S
                 code="unsupported_parameter",
             ) from None
         raise APIError(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
-    if req.stream_options is not None and not req.stream:
-        raise APIError("stream_options is only allowed with stream=true", param="stream_options")
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = getattr(req, name, None)
-        if value is not None and value <= 0:
-            raise APIError(f"{name} must be > 0, got {value}", param=name)
+    req.check()
     return req

@@ -1,28 +1,135 @@
-"""OpenAI response bodies and Server-Sent-Event streams for completions and chat completions."""
+"""OpenAI response bodies and Server-Sent-Event streams for completions and chat completions.
+
+Logprobs come from the engine as vLLM hands them out: per token a dict {token id: Logprob}
+(`logprob`, 1-based `rank`, `decoded_token`) holding the token itself and the most likely
+tokens; a prompt's first token has None (nothing before it predicts it).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from rosejax.engine.request import RequestOutput
 from rosejax.serve.engine_loop import EngineError, RequestStream
 from rosejax.serve.protocol import APIError
 
+Decode = Callable[[int], str]  # token id -> its text
+Step = dict[int, Any]  # token id -> Logprob, at one position
 
-def usage(finals: Iterable[RequestOutput]) -> dict[str, int]:
-    finals = list(finals)
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
-    return _usage(prompt, sum(len(o.token_ids) for o in finals))
+
+def choices_of(out: RequestOutput) -> Sequence[Any]:
+    """One prompt's choices, each with `text`, `token_ids`, `logprobs` (when asked for) and
+    `finish_reason`: this build's RequestOutput is its prompt's only choice."""
+    return [out]
+
+
+def _logprob(x: float) -> float:
+    # JSON has no -inf: a token the filters ruled out gets -9999, as in OpenAI and vLLM.
+    return max(x, -9999.0)
+
+
+def _token_text(token_id: int, logprob: Any, decode: Decode) -> str:
+    text = logprob.decoded_token
+    return decode(token_id) if text is None else text
+
+
+def _by_rank(step: Step, top: int, also: int | None = None) -> list[tuple[int, Any]]:
+    """(id, Logprob) of the `top` most likely tokens of a step (and of `also`), by rank."""
+    kept = [(i, lp) for i, lp in step.items() if lp.rank <= top or i == also]
+    return sorted(kept, key=lambda item: item[1].rank)
+
+
+def completion_logprobs(
+    token_ids: Sequence[int],
+    steps: Sequence[Step | None],
+    top: int,
+    decode: Decode,
+    offset: int = 0,
+) -> dict[str, list]:
+    """OpenAI's completions `logprobs` of `token_ids`: each token's text and logprob, a dict
+    {text: logprob} of the `top` most likely tokens and the token itself, and where each token
+    starts in the choice's text (`offset`: where the first one does)."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for token_id, step in zip(token_ids, steps, strict=True):
+        if step is None:
+            token, logprob, best = decode(token_id), None, None
+        else:
+            chosen = step[token_id]
+            token, logprob, best = _token_text(token_id, chosen, decode), chosen.logprob, {}
+            logprob = _logprob(logprob)
+            for i, lp in _by_rank(step, top, also=token_id):
+                # Tokens that share a text (byte fragments) share an entry: the likelier wins.
+                text = _token_text(i, lp, decode)
+                best[text] = max(best.get(text, -9999.0), _logprob(lp.logprob))
+        tokens.append(token)
+        token_logprobs.append(logprob)
+        top_logprobs.append(best)
+        text_offset.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+def _chat_entry(token_id: int, logprob: Any, decode: Decode) -> dict[str, Any]:
+    token = _token_text(token_id, logprob, decode)
+    return {"token": token, "logprob": _logprob(logprob.logprob), "bytes": list(token.encode())}
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], steps: Sequence[Step], top: int, decode: Decode
+) -> dict[str, list]:
+    """OpenAI's chat `logprobs`: per token its text, logprob, UTF-8 bytes and the `top` most
+    likely tokens (`top_logprobs`), most likely first."""
+    content = []
+    for token_id, step in zip(token_ids, steps, strict=True):
+        entry = _chat_entry(token_id, step[token_id], decode)
+        entry["top_logprobs"] = [_chat_entry(i, lp, decode) for i, lp in _by_rank(step, top)]
+        content.append(entry)
+    return {"content": content}
+
+
+@dataclasses.dataclass
+class _Sent:
+    """How much of one choice a stream has sent."""
+
+    chars: int = 0  # of the choice's generated text
+    tokens: int = 0  # of its generated tokens
+    offset: int = 0  # characters of the text the client has, echoed prompt included
+    started: bool = False
+    finished: bool = False
 
 
 class Formatter:
-    """Builds the bodies of one HTTP request: `chat` picks chat.completion over text_completion."""
+    """Builds the bodies of one HTTP request: `chat` picks chat.completion over text_completion.
 
-    def __init__(self, request_id: str, model: str, chat: bool):
+    `n` choices per prompt, prompt i's choice j at index i * n + j. `logprobs`: how many top
+    tokens to list at each token (None: no logprobs). `echo`: each prompt's text, put before
+    its choices' text (their logprobs before theirs); `echo_only`: the prompt alone.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        *,
+        n: int = 1,
+        logprobs: int | None = None,
+        decode: Decode | None = None,
+        echo: Sequence[str] | None = None,
+        echo_only: bool = False,
+    ):
         self.id, self.model, self.chat = request_id, model, chat
+        self.n, self.logprobs, self.decode = n, logprobs, decode
+        self.echo, self.echo_only = echo, echo_only
         self.created = int(time.time())
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict[str, Any]:
@@ -37,21 +144,56 @@ class Formatter:
             "choices": choices,
         }
 
+    def _piece(self, i: int, out: RequestOutput, choice: Any, sent: _Sent) -> tuple[str, Any]:
+        """The text and logprobs of prompt i's `choice` that `sent` says are not sent yet;
+        advances `sent` past them."""
+        if self.echo_only:
+            text, ids, steps = "", [], []
+        else:
+            text, ids = choice.text[sent.chars :], choice.token_ids[sent.tokens :]
+            steps = choice.logprobs[sent.tokens :] if self.logprobs is not None else None
+            sent.chars, sent.tokens = len(choice.text), len(choice.token_ids)
+        if self.echo is not None and not sent.started:
+            text, ids = self.echo[i] + text, [*out.prompt_token_ids, *ids]
+            if self.logprobs is not None:
+                steps = [*out.prompt_logprobs, *steps]
+        sent.started = True
+        logprobs = None
+        if self.logprobs is not None:
+            if self.chat:
+                logprobs = chat_logprobs(ids, steps, self.logprobs, self.decode)
+            else:
+                logprobs = completion_logprobs(ids, steps, self.logprobs, self.decode, sent.offset)
+        sent.offset += len(text)
+        return text, logprobs
+
+    def _finish_reason(self, choice: Any) -> str | None:
+        if self.echo_only and choice.finish_reason is not None:
+            return "length"  # max_tokens 0, reached
+        return choice.finish_reason
+
     def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
-        """The non-streamed body: one choice per prompt, in prompt order."""
+        """The non-streamed body: n choices per prompt, in prompt order."""
         choices = []
         for i, out in enumerate(finals):
-            choice: dict[str, Any] = {"index": i}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": out.text}
-            else:
-                choice["text"] = out.text
-            choice.update(logprobs=None, finish_reason=out.finish_reason)
-            choices.append(choice)
-        return {**self._envelope(choices, False), "usage": usage(finals)}
+            for j, c in enumerate(choices_of(out)):
+                text, logprobs = self._piece(i, out, c, _Sent())
+                body: dict[str, Any] = {"index": i * self.n + j}
+                if self.chat:
+                    body["message"] = {"role": "assistant", "content": text}
+                else:
+                    body["text"] = text
+                body.update(logprobs=logprobs, finish_reason=self._finish_reason(c))
+                choices.append(body)
+        return {**self._envelope(choices, False), "usage": self.usage(finals)}
 
     def chunk(
-        self, index: int, text: str, finish_reason: str | None, role: bool = False
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        role: bool = False,
+        logprobs: Any = None,
     ) -> dict[str, Any]:
         if self.chat:
             delta = (
@@ -62,11 +204,38 @@ class Formatter:
             choice = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text}
-        choice.update(logprobs=None, finish_reason=finish_reason)
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return self._envelope([choice], True)
 
+    def chunks(
+        self, i: int, out: RequestOutput, sent: dict[int, _Sent]
+    ) -> Iterable[tuple[int, int, dict[str, Any]]]:
+        """(choice index, its tokens so far, chunk) for what prompt i's output `out` adds to
+        what `sent` (choice index -> _Sent) says was sent."""
+        for j, c in enumerate(choices_of(out)):
+            index = i * self.n + j
+            s = sent.setdefault(index, _Sent())
+            finish = self._finish_reason(c)
+            if s.finished:
+                continue
+            unsent_prompt = self.echo is not None and not s.started
+            news = unsent_prompt or (not self.echo_only and len(c.text) > s.chars)
+            if not (news or finish):
+                continue
+            text, logprobs = self._piece(i, out, c, s)
+            s.finished = finish is not None
+            tokens = 0 if self.echo_only else len(c.token_ids)
+            yield index, tokens, self.chunk(index, text, finish, logprobs=logprobs)
+
+    def usage(self, finals: Iterable[RequestOutput]) -> dict[str, int]:
+        finals = list(finals)
+        prompt = sum(len(o.prompt_token_ids) for o in finals)
+        if self.echo_only:
+            return _usage(prompt, 0)
+        return _usage(prompt, sum(len(c.token_ids) for o in finals for c in choices_of(o)))
+
     def usage_chunk(self, finals: Iterable[RequestOutput]) -> dict[str, Any]:
-        return {**self._envelope([], True), "usage": usage(finals)}
+        return {**self._envelope([], True), "usage": self.usage(finals)}
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -97,26 +266,25 @@ async def sse(
     Ending early for any reason (the client left and Starlette cancelled us, or an error) aborts
     what is still running, so its KV blocks are freed at once.
     """
-    index = {rid: i for i, rid in enumerate(stream.request_ids)}
+    prompt_of = {rid: i for i, rid in enumerate(stream.request_ids)}
     finals: dict[str, RequestOutput] = {}
-    prompt_tokens = prompt_tokens or [0] * len(index)
+    sent: dict[int, _Sent] = {}
+    prompt_tokens = prompt_tokens or [0] * len(prompt_of)
 
-    def extra(i: int, completion: int) -> dict[str, Any]:
+    def extra(index: int, completion: int) -> dict[str, Any]:
         if continuous_usage:
-            return {"usage": _usage(prompt_tokens[i], completion)}
+            return {"usage": _usage(prompt_tokens[index // fmt.n], completion)}
         return {"usage": None} if include_usage else {}
 
     try:
         if fmt.chat:  # OpenAI opens each chat choice with the assistant role
-            for i in range(len(index)):
-                yield _event({**fmt.chunk(i, "", None, role=True), **extra(i, 0)})
+            for index in range(len(prompt_of) * fmt.n):
+                yield _event({**fmt.chunk(index, "", None, role=True), **extra(index, 0)})
         async for out in stream:
             if out.finished:
                 finals[out.request_id] = out
-            if out.new_text or out.finished:
-                i = index[out.request_id]
-                chunk = fmt.chunk(i, out.new_text, out.finish_reason)
-                yield _event({**chunk, **extra(i, len(out.token_ids))})
+            for index, tokens, chunk in fmt.chunks(prompt_of[out.request_id], out, sent):
+                yield _event({**chunk, **extra(index, tokens)})
         if include_usage:
             yield _event(fmt.usage_chunk(finals.values()))
     except EngineError as e:

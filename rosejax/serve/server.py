@@ -58,17 +58,19 @@ def _h11_with_head_deadline(timeout: float) -> type[H11Protocol]:
 class Server(uvicorn.Server):
     """A uvicorn server for an app of `create_app` (see the module's docstring)."""
 
-    def __init__(self, config: uvicorn.Config, engine: Any, shutdown_timeout: float):
+    def __init__(self, config: uvicorn.Config, app: Any, shutdown_timeout: float):
         super().__init__(config)
-        self.engine, self.shutdown_timeout = engine, shutdown_timeout
+        self.app, self.shutdown_timeout = app, shutdown_timeout
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self.engine.begin_shutdown(self.shutdown_timeout)
+        engine = self.app.state.engine  # None while a LoadingApp still loads
+        if engine is not None:
+            engine.begin_shutdown(self.shutdown_timeout)
         await super().shutdown(sockets)
 
 
 def make_server(app: Any, *, shutdown_timeout: float = 5.0, **uvicorn_kwargs: Any) -> Server:
-    """The server for an app of `create_app`; `uvicorn_kwargs` go to `uvicorn.Config` (host,
+    """The server for an app of `create_app` (or a `LoadingApp`); `uvicorn_kwargs` go to `uvicorn.Config` (host,
     port, log_level, access_log, ...)."""
     timeout = app.state.limits.read_timeout
     config = uvicorn.Config(
@@ -77,7 +79,7 @@ def make_server(app: Any, *, shutdown_timeout: float = 5.0, **uvicorn_kwargs: An
         timeout_graceful_shutdown=shutdown_timeout + _SHUTDOWN_MARGIN_S,
         **uvicorn_kwargs,
     )
-    return Server(config, app.state.engine, shutdown_timeout)
+    return Server(config, app, shutdown_timeout)
 
 
 class ServerThread:

@@ -8,6 +8,9 @@ One forward serves prefill (T tokens per row, padded) and decode (T = 1): each l
 K/V into the cache (the `pallas_kernels.kv_append` dispatcher, or a decode step's attention kernel),
 then attends over the pages (see `rosejax.layers.attention`). Exactly GPT-2: learned positions, pre-LN,
 tanh GELU, 1/sqrt(head_dim), tied LM head.
+
+Under tensor parallelism (`tp`, inside `shard_map`: `rosejax.layers.parallel`) the same code runs
+on one shard's params: its heads of c_attn and the cache, its part of the MLP and of wte.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from rosejax.layers.attention import (
 from rosejax.layers.kv_cache import KVCache
 from rosejax.layers.layer_norm import LayerNorm
 from rosejax.layers.linear import Linear, PendingSum
+from rosejax.layers.parallel import NO_TP, ShardLayout, TensorParallel, embed, gather_vocab
 from rosejax.models.gpt2.config import GPT2Config
 from rosejax.settings import XLA_KERNELS, KernelConfig
 
@@ -35,6 +39,7 @@ from rosejax.settings import XLA_KERNELS, KernelConfig
 class CausalSelfAttention(nn.Module):
     config: GPT2Config
     kernels: KernelConfig
+    tp: TensorParallel
 
     @nn.compact
     def __call__(
@@ -43,8 +48,8 @@ class CausalSelfAttention(nn.Module):
         """residual + attention over x (the layer-normed residual) -> [B, T, E] or its
         `PendingSum`, the caches."""
         b, t, e = x.shape
-        h, d = self.config.n_head, self.config.head_dim
-        qkv = Linear(3 * e, kernels=self.kernels, name="c_attn")(x)  # [B, T, 3E]
+        h, d = self.tp.local(self.config.n_head), self.config.head_dim  # this shard's heads
+        qkv = Linear(3 * h * d, kernels=self.kernels, name="c_attn")(x)  # [B, T, 3HD]
         # The kernels read q, k and v straight out of the projection (heads 0, H and 2H of
         # [B*T, 3H, D], a free reshape): split copies would be a kernel per layer of their own.
         fused = qkv.reshape(b * t, 3 * h, d)
@@ -69,8 +74,8 @@ class CausalSelfAttention(nn.Module):
                 q, k, v, k_cache, v_cache, meta.block_tables, meta.positions, fresh
             )
         # residual + projection, summed by the next layer norm
-        y = Linear(e, kernels=self.kernels, name="c_proj")(
-            out.reshape(b, t, e), residual, defer=True
+        y = Linear(e, kernels=self.kernels, reduce_axis=self.tp.reduce_axis, name="c_proj")(
+            out.reshape(b, t, h * d), residual, defer=True
         )
         return y, k_cache, v_cache
 
@@ -78,44 +83,49 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     config: GPT2Config
     kernels: KernelConfig
+    tp: TensorParallel
 
     @nn.compact
     def __call__(self, x, residual):
         """residual + MLP(x), or its `PendingSum` (the next layer norm sums it)."""
-        x = Linear(self.config.mlp_dim, "gelu_tanh", self.kernels, name="c_fc")(x)  # gelu_new
-        return Linear(self.config.n_embd, kernels=self.kernels, name="c_proj")(
-            x, residual, defer=True
-        )
+        f = self.tp.local(self.config.mlp_dim)
+        x = Linear(f, "gelu_tanh", self.kernels, name="c_fc")(x)  # gelu_new
+        return Linear(
+            self.config.n_embd, kernels=self.kernels, reduce_axis=self.tp.reduce_axis, name="c_proj"
+        )(x, residual, defer=True)
 
 
 class Block(nn.Module):
     config: GPT2Config
     kernels: KernelConfig
+    tp: TensorParallel
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, meta, write_block, write_offset, fresh):
         """x: the residual stream [B, T, E], an array or a `PendingSum`."""
         eps = self.config.layer_norm_epsilon
         x, y = LayerNorm(eps, self.kernels, name="ln_1")(x)
-        x, k_cache, v_cache = CausalSelfAttention(self.config, self.kernels, name="attn")(
+        x, k_cache, v_cache = CausalSelfAttention(self.config, self.kernels, self.tp, name="attn")(
             y, x, k_cache, v_cache, meta, write_block, write_offset, fresh
         )
         x, y = LayerNorm(eps, self.kernels, name="ln_2")(x)
-        return MLP(self.config, self.kernels, name="mlp")(y, x), k_cache, v_cache
+        return MLP(self.config, self.kernels, self.tp, name="mlp")(y, x), k_cache, v_cache
 
 
 class GPT2(nn.Module):
     config: GPT2Config
     dtype: Any
     kernels: KernelConfig
+    tp: TensorParallel
 
     @nn.compact
     def __call__(self, tokens, cache: KVCache, meta: ForwardMetadata, logit_indices=None):
         cfg = self.config
-        wte = nn.Embed(cfg.padded_vocab_size, cfg.n_embd, dtype=self.dtype, name="wte")
+        rows = self.tp.local(cfg.padded_vocab_size)  # this shard's vocabulary rows
+        wte = nn.Embed(rows, cfg.n_embd, dtype=self.dtype, name="wte")
         wpe = nn.Embed(cfg.n_positions, cfg.n_embd, dtype=self.dtype, name="wpe")
         positions = jnp.clip(meta.positions, 0, cfg.n_positions - 1)  # padding may overrun
-        x = wte(tokens) + wpe(positions)  # [B, T, E]
+        x = embed(wte, tokens, self.tp) + wpe(positions)  # [B, T, E]
 
         # The cache slot each token writes, computed once for every layer.
         write_block, write_offset = cache_slots(
@@ -125,7 +135,7 @@ class GPT2(nn.Module):
 
         ks, vs = [], []
         for i in range(cfg.n_layer):  # unrolled: each layer's cache stays its own donated buffer
-            x, k, v = Block(cfg, self.kernels, name=f"h_{i}")(
+            x, k, v = Block(cfg, self.kernels, self.tp, name=f"h_{i}")(
                 x, cache.k[i], cache.v[i], meta, write_block, write_offset, fresh
             )
             ks.append(k)
@@ -137,7 +147,8 @@ class GPT2(nn.Module):
         # In the model's dtype: an fp16 step writes (and its argmax reads) half the bytes of
         # float32 logits, 26 MB less per step at B=256; the values are the same, since the
         # product is rounded to the model's dtype first either way. Sampling upcasts.
-        logits = wte.attend(x)[..., : cfg.vocab_size]  # [B, (T,) V]: the padding rows dropped
+        logits = gather_vocab(wte.attend(x), self.tp)  # [B, (T,) V_pad]
+        logits = logits[..., : cfg.vocab_size]  # the padding rows dropped
         return logits, cache.replace(k=ks, v=vs)
 
 
@@ -150,11 +161,26 @@ def forward(
     logit_indices: jax.Array | None = None,  # [B] int32: return logits of these tokens only
     *,
     kernels: KernelConfig = XLA_KERNELS,
+    tp: TensorParallel = NO_TP,
 ) -> tuple[jax.Array, KVCache]:
     """Run GPT-2 over `tokens`, writing their K/V into `cache`, each op as `kernels` says (XLA by
-    default). Returns (logits, cache): logits are [B, T, V] in the params' dtype, or [B, V] when
-    `logit_indices` is given."""
+    default); with `tp`, on one shard's params and cache (inside shard_map). Returns (logits,
+    cache): logits are [B, T, V] in the params' dtype, or [B, V] when `logit_indices` is given."""
     dtype = params["wte"]["embedding"].dtype
-    return GPT2(config, dtype, kernels).apply(
+    return GPT2(config, dtype, kernels, tp).apply(
         {"params": params}, tokens, cache, meta, logit_indices
+    )
+
+
+def shard_layout(config: GPT2Config) -> ShardLayout:
+    """How tensor parallelism splits GPT-2's params (`rosejax.layers.parallel`)."""
+    e = config.n_embd
+    return ShardLayout(
+        column={"c_attn": (e, e, e), "c_fc": (config.mlp_dim,)},
+        row=("c_proj", "wte"),
+        divisible={
+            "attention heads (n_head)": config.n_head,
+            "MLP hidden units (n_inner)": config.mlp_dim,
+            "vocabulary rows (padded to 128)": config.padded_vocab_size,
+        },
     )

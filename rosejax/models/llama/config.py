@@ -287,6 +287,28 @@ PRESETS: dict[str, LlamaConfig] = {
         bos_token_id=128000,
         eos_token_id=(128001, 128008, 128009),
     ),
+    # Llama-3.1-8B's shape (HF config.json): the tensor-parallel benchmark's model.
+    "llama-3.1-8b": LlamaConfig(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=5e5,
+        rope_type="llama3",
+        rope_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_id=(128001, 128008, 128009),
+    ),
     # Small enough for CPU tests; the GPT-2 vocab so the packaged tokenizer fits it.
     "tiny-qwen3": LlamaConfig(
         model_type="qwen3",

@@ -6,6 +6,10 @@ GPT-2's model, one forward serves prefill (T tokens per row) and decode (T = 1):
 projections are one matmul (`qkv_proj`, fused at load) and gate/up another (`gate_up_proj`); the
 kernels read q, k and v out of the fused [N, Hq + 2H, D] projection after RoPE, K/V are written to
 the cache (or by the decode attention kernel itself) and attended over the pages.
+
+Under tensor parallelism (`tp`, inside `shard_map`: `rosejax.layers.parallel`) the same code runs
+on one shard's params: its query and KV heads and their cache, its part of the MLP's hidden units
+and of the vocabulary.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from rosejax.layers.attention import (
 )
 from rosejax.layers.kv_cache import KVCache
 from rosejax.layers.linear import Linear, PendingSum
+from rosejax.layers.parallel import NO_TP, ShardLayout, TensorParallel, embed, gather_vocab
 from rosejax.layers.rms_norm import RMSNorm
 from rosejax.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 from rosejax.models.llama.config import LlamaConfig
@@ -46,6 +51,7 @@ def inv_freq(config: LlamaConfig):
 class Attention(nn.Module):
     config: LlamaConfig
     kernels: KernelConfig
+    tp: TensorParallel
 
     @nn.compact
     def __call__(
@@ -55,7 +61,8 @@ class Attention(nn.Module):
         the caches. cos, sin: float32 [B*T, D/2], each token's RoPE angles."""
         cfg = self.config
         b, t, e = x.shape
-        hq, h, d = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        hq, h = self.tp.local(cfg.num_attention_heads), self.tp.local(cfg.num_kv_heads)
+        d = cfg.head_dim
         qkv = Linear(
             (hq + 2 * h) * d, kernels=self.kernels, use_bias=cfg.qkv_bias, name="qkv_proj"
         )(x)
@@ -95,56 +102,66 @@ class Attention(nn.Module):
                 meta.seq_lens,
                 self.kernels,
             )
-        y = Linear(e, kernels=self.kernels, use_bias=cfg.o_bias, name="o_proj")(
-            out.reshape(b, t, hq * d), residual, defer=True
-        )
+        y = Linear(
+            e,
+            kernels=self.kernels,
+            use_bias=cfg.o_bias,
+            reduce_axis=self.tp.reduce_axis,
+            name="o_proj",
+        )(out.reshape(b, t, hq * d), residual, defer=True)
         return y, k_cache, v_cache
 
 
 class MLP(nn.Module):
     config: LlamaConfig
     kernels: KernelConfig
+    tp: TensorParallel
 
     @nn.compact
     def __call__(self, x, residual):
         """residual + down(silu(gate x) * up x), or its `PendingSum`."""
         cfg = self.config
-        f = cfg.intermediate_size
+        f = self.tp.local(cfg.intermediate_size)
         gate_up = Linear(2 * f, kernels=self.kernels, use_bias=cfg.mlp_bias, name="gate_up_proj")(x)
         y = jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:]
         return Linear(
-            cfg.hidden_size, kernels=self.kernels, use_bias=cfg.mlp_bias, name="down_proj"
+            cfg.hidden_size,
+            kernels=self.kernels,
+            use_bias=cfg.mlp_bias,
+            reduce_axis=self.tp.reduce_axis,
+            name="down_proj",
         )(y, residual, defer=True)
 
 
 class Block(nn.Module):
     config: LlamaConfig
     kernels: KernelConfig
+    tp: TensorParallel
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, meta, write_block, write_offset, fresh, cos, sin):
         """x: the residual stream [B, T, E], an array or a `PendingSum`."""
         eps = self.config.rms_norm_eps
         x, y = RMSNorm(eps, self.kernels, name="input_layernorm")(x)
-        x, k_cache, v_cache = Attention(self.config, self.kernels, name="self_attn")(
+        x, k_cache, v_cache = Attention(self.config, self.kernels, self.tp, name="self_attn")(
             y, x, k_cache, v_cache, meta, write_block, write_offset, fresh, cos, sin
         )
         x, y = RMSNorm(eps, self.kernels, name="post_attention_layernorm")(x)
-        return MLP(self.config, self.kernels, name="mlp")(y, x), k_cache, v_cache
+        return MLP(self.config, self.kernels, self.tp, name="mlp")(y, x), k_cache, v_cache
 
 
 class LlamaModel(nn.Module):
     config: LlamaConfig
     dtype: Any
     kernels: KernelConfig
+    tp: TensorParallel
 
     @nn.compact
     def __call__(self, tokens, cache: KVCache, meta: ForwardMetadata, logit_indices=None):
         cfg = self.config
-        embed = nn.Embed(
-            cfg.padded_vocab_size, cfg.hidden_size, dtype=self.dtype, name="embed_tokens"
-        )
-        x = embed(tokens)  # [B, T, E]
+        rows = self.tp.local(cfg.padded_vocab_size)  # this shard's vocabulary rows
+        table = nn.Embed(rows, cfg.hidden_size, dtype=self.dtype, name="embed_tokens")
+        x = embed(table, tokens, self.tp)  # [B, T, E]
         write_block, write_offset = cache_slots(
             meta.block_tables, meta.positions, meta.seq_lens, cache.block_size
         )  # [B, T] each
@@ -153,7 +170,7 @@ class LlamaModel(nn.Module):
 
         ks, vs = [], []
         for i in range(cfg.num_hidden_layers):  # unrolled: each layer's cache its own buffer
-            x, k, v = Block(cfg, self.kernels, name=f"layers_{i}")(
+            x, k, v = Block(cfg, self.kernels, self.tp, name=f"layers_{i}")(
                 x, cache.k[i], cache.v[i], meta, write_block, write_offset, fresh, cos, sin
             )
             ks.append(k)
@@ -163,11 +180,10 @@ class LlamaModel(nn.Module):
             x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)[:, 0]  # [B, E]
         _, x = RMSNorm(cfg.rms_norm_eps, self.kernels, name="norm")(x)
         if cfg.tie_word_embeddings:
-            logits = embed.attend(x)
+            logits = table.attend(x)
         else:
-            logits = nn.Dense(
-                cfg.padded_vocab_size, use_bias=False, dtype=self.dtype, name="lm_head"
-            )(x)
+            logits = nn.Dense(rows, use_bias=False, dtype=self.dtype, name="lm_head")(x)
+        logits = gather_vocab(logits, self.tp)  # [B, (T,) V_pad]
         return logits[..., : cfg.vocab_size], cache.replace(k=ks, v=vs)
 
 
@@ -180,10 +196,28 @@ def forward(
     logit_indices: jax.Array | None = None,  # [B] int32: return logits of these tokens only
     *,
     kernels: KernelConfig = XLA_KERNELS,
+    tp: TensorParallel = NO_TP,
 ) -> tuple[jax.Array, KVCache]:
-    """Run the model over `tokens`, writing their K/V into `cache`, each op as `kernels` says.
-    Returns (logits [B, T, V] in the params' dtype, or [B, V] with `logit_indices`, cache)."""
+    """Run the model over `tokens`, writing their K/V into `cache`, each op as `kernels` says;
+    with `tp`, on one shard's params and cache (inside shard_map). Returns (logits [B, T, V] in
+    the params' dtype, or [B, V] with `logit_indices`, cache)."""
     dtype = params["embed_tokens"]["embedding"].dtype
-    return LlamaModel(config, dtype, kernels).apply(
+    return LlamaModel(config, dtype, kernels, tp).apply(
         {"params": params}, tokens, cache, meta, logit_indices
+    )
+
+
+def shard_layout(config: LlamaConfig) -> ShardLayout:
+    """How tensor parallelism splits the family's params (`rosejax.layers.parallel`)."""
+    hq, h, d = config.num_attention_heads, config.num_kv_heads, config.head_dim
+    f, v = config.intermediate_size, config.padded_vocab_size
+    return ShardLayout(
+        column={"qkv_proj": (hq * d, h * d, h * d), "gate_up_proj": (f, f), "lm_head": (v,)},
+        row=("o_proj", "down_proj", "embed_tokens"),
+        divisible={
+            "attention heads (num_attention_heads)": hq,
+            "KV heads (num_key_value_heads)": h,
+            "MLP hidden units (intermediate_size)": f,
+            "vocabulary rows (padded to 128)": v,
+        },
     )
