@@ -96,6 +96,7 @@ class SlotState:
         )
 
 
+SPARSE_FIELDS = ("bias_ids", "bias_values", "bias_until")  # read where has_bias says so
 # Per-row fields a prefill sets from its batch (the bias entries and counts come by `load_row`).
 PREFILL_ROW_FIELDS = ("limit", "temperature", "top_k", "top_p", "seed", "stop_ids")
 # ... and those a batch carries only when some row asks for them, with the value of a row that
@@ -336,14 +337,20 @@ class ModelRunner:
         def move(a):
             return a.at[move_dst].set(a[src], mode="drop")
 
-        counts = state.counts
-        if extras:  # only when something moves: all S rows of them are 78 MB at V=151,936
-            counts = lax.cond(jnp.any(move_src < self.num_slots), move, lambda a: a, counts)
-        state = jax.tree.map(move, state.replace(counts=None)).replace(counts=counts)
+        # A plain program leaves the bias entries and counts where they are: only rows whose
+        # flags (which do move) say so read them, and those rows run the extras programs.
+        held = ("counts",) if extras else ("counts", *SPARSE_FIELDS)
+        kept = {f: getattr(state, f) for f in held}
+        if extras:  # the counts only when something moves: all S rows are 78 MB at V=151,936
+            move_any = jnp.any(move_src < self.num_slots)
+            kept["counts"] = lax.cond(move_any, move, lambda a: a, kept["counts"])
+        state = jax.tree.map(move, state.replace(**dict.fromkeys(held))).replace(**kept)
         state = state.replace(alive=state.alive.at[move_src].set(False, mode="drop"))
         tables = state.block_tables.at[upd_slot, upd_index].set(upd_block, mode="drop")
         state = state.replace(block_tables=tables)
-        rows = jax.tree.map(lambda a: a[:batch], state.replace(counts=None))
+        # The window's rows: the fields its steps read (a plain one none of the extras').
+        unread = ("counts",) if extras else ("counts", *SPARSE_FIELDS, *EXTRA_ROW_FIELDS)
+        rows = jax.tree.map(lambda a: a[:batch], state.replace(**dict.fromkeys(unread)))
         out = jnp.full((self.max_decode_steps, batch), -1, jnp.int32)
         logprobs = None
         if extras:
@@ -408,15 +415,16 @@ class ModelRunner:
             )
             return k + 1, cache, r, out.at[k].set(jnp.where(live, nxt, -1)), *more
 
-        carry = (0, cache, rows, out, *((counts, logprobs) if extras else ()))
+        carry = (0, cache, rows, out, *((state.counts, logprobs) if extras else ()))
         _, cache, rows, out, *more = jax.lax.while_loop(cond, body, carry)
         if extras:
             counts, logprobs = more
         # Only these fields change inside the loop; the rest of the state is as it came in.
         changed = ("tokens", "positions", "alive", "steps")
+        if extras:
+            state = state.replace(counts=counts)
         state = state.replace(
-            counts=counts,
-            **{f: getattr(state, f).at[:batch].set(getattr(rows, f)) for f in changed},
+            **{f: getattr(state, f).at[:batch].set(getattr(rows, f)) for f in changed}
         )
         return out, logprobs, cache, state
 

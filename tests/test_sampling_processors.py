@@ -186,7 +186,7 @@ def test_token_logprobs_match_log_softmax(top):
     assert ids.shape == values.shape == (B, MAX_LOGPROBS)
     np.testing.assert_array_equal(ids[1:, :found], torch.topk(x, found).indices.numpy()[1:])
     np.testing.assert_allclose(
-        values[:, :found], np.take_along_axis(ref, ids[:, :found], 1), atol=1e-6
+        values[:, :found], np.take_along_axis(ref, ids[:, :found], 1), atol=1e-5
     )
     assert np.all(values[:, found:] == -np.inf)  # not looked for: the host never reads them
     if found:
