@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         data_parallel_size=2,
         range_ratio=0.0,
         temperature=0.0,
+        logprobs=None,
         max_concurrency=None,
         continuous_usage_stats=False,
         served_model_name=None,
