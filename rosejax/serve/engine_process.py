@@ -63,6 +63,7 @@ class ReplicaInfo:
     max_batch_size: int
     block_size: int
     platform: str
+    device_ids: list[int]  # of the devices it runs on
     snapshot: dict[str, Any]
 
 
@@ -210,6 +211,7 @@ def _child_main(conn: Connection, config: EngineConfig, replica: int, log_level:
         engine.max_batch_size,
         engine.block_size,
         engine.home_device.platform,
+        [d.id for d in engine.devices],
         engine_snapshot(engine, len(engine.cold_programs()) if background else 0),
     )
     try:
