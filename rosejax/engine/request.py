@@ -32,6 +32,12 @@ class RequestOutput:
     error: str | None = None  # what failed, when finish_reason is "error"
 
 
+def max_output(prompt_len: int, max_tokens: int, max_context: int) -> int:
+    """Tokens a request may generate in all: its max_tokens, or what is left of the model's
+    context; a prompt that fills the context still gets the token its prefill samples."""
+    return max(1, min(max_tokens, max_context - prompt_len))
+
+
 class Request:
     __slots__ = (
         "request_id",
@@ -79,9 +85,7 @@ class Request:
         self.emitted = 0  # characters of `text` already handed out
         self.finish_reason: str | None = None
         self.error: str | None = None
-        # Tokens it may generate in all: its max_tokens, or what is left of the model's context;
-        # a prompt that fills the context still gets the token its prefill samples.
-        self.max_output = max(1, min(params.max_tokens, max_context - len(prompt_token_ids)))
+        self.max_output = max_output(len(prompt_token_ids), params.max_tokens, max_context)
         stop_ids = set(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
