@@ -13,6 +13,9 @@ side: each run's throughput, their median, and median(N replicas) / median(1 rep
     # GPU, 2 cards: issue 21's DP=2 against one GPU (>= 1.8x asked)
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_data_parallel.py \\
         --data-parallel-size 2 --json bench/out/dp2.json
+    # the same, each replica's engine in a process of its own on the HTTP side
+    PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_data_parallel.py \\
+        --data-parallel-size 2 --engine-process --json bench/out/dp2-engine-process.json
     # CPU smoke test, 2 host devices
     XLA_FLAGS=--xla_force_host_platform_device_count=2 PYTHONPATH=. python \\
         bench/benchmark_data_parallel.py --model random:tiny --no-warmup --num-prompts 8 \\
@@ -60,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="more flags for the launched servers, one shell-quoted string",
     )
     g.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="the launched servers run each replica's engine in a process of its own "
+        "(the server's --engine-process); the in-process side is unchanged",
+    )
+    g.add_argument(
         "--launch-timeout",
         type=float,
         default=900.0,
@@ -98,8 +107,14 @@ def summary(throughputs: Sequence[float]) -> dict[str, Any]:
 
 def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[bs.Sample]]) -> dict:
     """A server of `replicas` replicas: the warm-up workloads, then the timed ones."""
+    extra = " --engine-process" if args.engine_process else ""
     server_args = argparse.Namespace(
-        **vars(args) | {"data_parallel_size": replicas, "no_wait_compiled": False}
+        **vars(args)
+        | {
+            "data_parallel_size": replicas,
+            "no_wait_compiled": False,
+            "server_args": args.server_args + extra,
+        }
     )
     offsets = [0.0] * args.num_prompts
     client = bs.pick_client(args.client)
@@ -159,7 +174,7 @@ def ratio(side: dict, n: int) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(common.glue_flag_values(argv, ["--server-args"]))
     if args.num_prompts < 1 or args.output_len < 1 or args.input_len < 1:
         raise SystemExit("--num-prompts, --input-len and --output-len must be >= 1")
     if args.repeat_runs < 1 or args.warmup_runs < 0:

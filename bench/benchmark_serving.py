@@ -40,6 +40,9 @@ finds the programs the server compiled in jax's persistent compilation cache.
     # 256 x 8-token prompts, 256 new tokens each, all at once), HTTP against in process
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_serving.py --launch --in-process \\
         --json bench/out/serve256.json --plot bench/out/serve256.png
+    # the same with the engine loop in a process of its own (the server's --engine-process)
+    PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_serving.py --launch --in-process \\
+        --server-args "--max-waiting -1 --engine-process" --json bench/out/serve256-ep.json
     # GPU, Poisson arrivals toward saturation (a starting rate: raise it until TTFT climbs), SLOs
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_serving.py --launch \\
         --num-prompts 2000 --input-len 128 --output-len 128 --range-ratio 0.5 \\
@@ -1153,7 +1156,7 @@ def run_http_side(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
-    args = p.parse_args(argv)
+    args = p.parse_args(common.glue_flag_values(argv, ["--server-args"]))
     check_args(p, args)
     samples = workload(args)
     offsets = arrival_offsets(len(samples), args.request_rate, args.burstiness, args.seed)

@@ -43,6 +43,23 @@ def new_parser(doc: str) -> argparse.ArgumentParser:
     )
 
 
+def glue_flag_values(argv: Sequence[str] | None, flags: Sequence[str]) -> list[str]:
+    """argv (default: sys.argv[1:]) with each of `flags` joined to its value (`--server-args
+    --engine-process` -> `--server-args=--engine-process`): argparse takes a lone value that
+    starts with "-" for a flag of its own."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in flags and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def ints(text: str) -> list[int]:
     """'1,4' -> [1, 4]."""
     try:

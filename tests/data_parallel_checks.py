@@ -6,13 +6,15 @@ A data-parallel engine of 2 replicas against one engine (fp32, random weights): 
 and seeded sampled tokens for the same prompts, both replicas used, each one's arrays and program
 outputs on its own device, a prompt routed to the replica holding its prefix (a prefix-cache hit
 there); with --server, the same engine behind the HTTP server: concurrent requests answered as
-one engine answers them, per-replica metrics, aborts reaching their replica, /health.
+one engine answers them, per-replica metrics, aborts reaching their replica, /health; with
+--engine-process, only the server, its 2 replicas in processes of their own (devices 0 and 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import time
 
 import httpx
@@ -22,7 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rosejax import LLM, SamplingParams
 from rosejax.serve import create_app
+from rosejax.serve.engine_process import EngineProcesses
 from rosejax.serve.server import ServerThread
+from rosejax.settings import EngineConfig
 
 MODEL = "random:tiny"
 BLOCK = 16
@@ -113,7 +117,9 @@ def idle(url: str) -> dict[str, float]:
         time.sleep(0.05)
 
 
-def check_server(seed: int, one: LLM, dp: LLM) -> None:
+def check_server(seed: int, one: LLM, engine) -> None:
+    """`engine` (a `DataParallelEngine`, or `EngineProcesses` of 2 replicas) behind the server
+    answers as `one` does."""
     rng = np.random.default_rng(seed + 1)
     prompts = [[int(t) for t in rng.integers(0, 50000, rng.integers(2, 12))] for _ in range(16)]
     lengths = [int(rng.integers(2, 12)) for _ in prompts]
@@ -121,7 +127,7 @@ def check_server(seed: int, one: LLM, dp: LLM) -> None:
         one.generate(p, SamplingParams(max_tokens=n, temperature=0), use_tqdm=False)[0].text
         for p, n in zip(prompts, lengths, strict=True)
     ]
-    app = create_app(dp.engine, served_model_name="tiny")
+    app = create_app(engine, served_model_name="tiny")
     with ServerThread(app) as server:
         url = server.url
         before = scrape(url)
@@ -167,11 +173,20 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("seed", type=int)
     p.add_argument("--server", action="store_true")
+    p.add_argument("--engine-process", action="store_true", help="only the server, 2 processes")
     args = p.parse_args()
     assert len(jax.devices()) >= 2, jax.devices()
-    one, dp = check_engine(args.seed)
-    if args.server:
-        check_server(args.seed, one, dp)
+    if args.engine_process:
+        one = LLM(MODEL, **engine_args(args.seed))
+        config = EngineConfig(model=MODEL, data_parallel_size=2, **engine_args(args.seed))
+        engine = EngineProcesses(config)
+        assert [c.info.device_ids for c in engine.children] == [[0], [1]]
+        check_server(args.seed, one, engine)
+        assert multiprocessing.active_children() == []  # the server stopped every child
+    else:
+        one, dp = check_engine(args.seed)
+        if args.server:
+            check_server(args.seed, one, dp.engine)
     print("ok")
 
 

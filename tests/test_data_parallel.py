@@ -151,6 +151,12 @@ def test_two_replicas_give_one_engines_tokens_and_serve_behind_one_server():
     assert out.strip().endswith("ok")
 
 
+@pytest.mark.slow  # a subprocess that spawns two engine processes
+def test_two_replicas_in_engine_processes_give_one_engines_tokens():
+    out = run_with_devices(4, "-m", "tests.data_parallel_checks", str(SEED), "--engine-process")
+    assert out.strip().endswith("ok")
+
+
 @pytest.mark.slow  # launches two servers and builds an engine of two replicas
 def test_benchmark_data_parallel_end_to_end(tmp_path):
     path = tmp_path / "dp.json"

@@ -17,6 +17,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -31,6 +32,8 @@ from rosejax.engine.request import (
     RequestStatus,
     SampleLogprobs,
     SequenceGroup,
+    max_output,
+    request_stop_ids,
 )
 from rosejax.engine.scheduler import Scheduler
 from rosejax.layers.kv_cache import init_kv_cache, kv_cache_bytes_per_block, num_blocks_for
@@ -91,6 +94,51 @@ def _fill_rows(out: np.ndarray, rows: list[list[int]]) -> None:
     out[: len(rows)][np.arange(out.shape[1]) < lens[:, None]] = list(
         itertools.chain.from_iterable(rows)
     )
+
+
+def checked_prompt_ids(prompt: str | Sequence[int], tokenizer: Any, config: Any) -> list[int]:
+    """The prompt's token ids (`tokenizer` encodes a text), checked: not empty, within the
+    model's (`config`) context and vocabulary (ValueError)."""
+    n_pos, vocab = config.max_model_len, config.vocab_size
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    else:  # the length first: a hostile list is not copied
+        ids = list(map(int, prompt)) if len(prompt) <= n_pos else prompt
+    if not ids:
+        raise ValueError("prompt is empty")
+    if len(ids) > n_pos:
+        raise ValueError(f"prompt has {len(ids)} tokens, more than the context ({n_pos})")
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    return ids
+
+
+def check_request(
+    ids: Sequence[int], params: SamplingParams, config: Any, kv_blocks: int, block_size: int
+) -> None:
+    """What `add_request` refuses of a request with checked prompt ids (ValueError): stop token
+    ids or logit_bias ids outside the vocabulary, more stop ids than min_tokens can hold off,
+    more tokens than a KV cache of `kv_blocks` blocks holds. A server with engine processes
+    checks it before a request leaves the API process."""
+    vocab = config.vocab_size
+    for name in ("stop_token_ids", "logit_bias"):
+        values = getattr(params, name) or ()
+        if values and not (min(values) >= 0 and max(values) < vocab):
+            raise ValueError(f"{name} must hold token ids in [0, {vocab})")
+    stop_ids = request_stop_ids(params, eos_token_ids(config))
+    if params.min_tokens and len(stop_ids) > MAX_MIN_TOKENS_STOP_IDS:
+        raise ValueError(
+            f"min_tokens holds off at most {MAX_MIN_TOKENS_STOP_IDS} stop ids (EOS included), "
+            f"this request has {len(stop_ids)}"
+        )
+    need = -(
+        -(len(ids) + max_output(len(ids), params.max_tokens, config.max_model_len)) // block_size
+    )
+    if need > kv_blocks:
+        raise ValueError(
+            f"the KV cache ({kv_blocks} blocks of {block_size}) cannot hold this request "
+            f"({need} blocks); raise kv_cache_tokens"
+        )
 
 
 class LLMEngine:
@@ -388,21 +436,9 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ requests
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        """The prompt's token ids, checked: not empty, within the context and the vocabulary
-        (ValueError). Reads only what never changes, so any thread may call it (a server
-        tokenizes off the engine's thread)."""
-        n_pos, vocab = self.config.max_model_len, self.config.vocab_size
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:  # the length first: a hostile list is not copied
-            ids = list(map(int, prompt)) if len(prompt) <= n_pos else prompt
-        if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) > n_pos:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than the context ({n_pos})")
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        return ids
+        """The prompt's token ids, checked (`checked_prompt_ids`). Reads only what never
+        changes, so any thread may call it (a server tokenizes off the engine's thread)."""
+        return checked_prompt_ids(prompt, self.tokenizer, self.config)
 
     def add_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
@@ -413,11 +449,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.prompt_ids(prompt)
-        n_pos, vocab = self.config.max_model_len, self.config.vocab_size
-        for name in ("stop_token_ids", "logit_bias"):
-            values = getattr(params, name) or ()
-            if values and not (min(values) >= 0 and max(values) < vocab):
-                raise ValueError(f"{name} must hold token ids in [0, {vocab})")
+        check_request(ids, params, self.config, self.allocator.num_blocks - 1, self.block_size)
         sequences = [
             Request(
                 request_id,
@@ -426,23 +458,11 @@ class LLMEngine:
                 0,  # drawn below, once the request is accepted
                 IncrementalDetokenizer(self.tokenizer, vocab_size=self.config.vocab_size),
                 eos_token_ids(self.config),
-                n_pos,
+                self.config.max_model_len,
                 index=i,
             )
             for i in range(params.n)
         ]
-        first = sequences[0]
-        if params.min_tokens and len(first.device_stop_ids) > MAX_MIN_TOKENS_STOP_IDS:
-            raise ValueError(
-                f"min_tokens holds off at most {MAX_MIN_TOKENS_STOP_IDS} stop ids (EOS "
-                f"included), this request has {len(first.device_stop_ids)}"
-            )
-        need = -(-(len(ids) + first.max_output) // self.block_size)
-        if need > self.allocator.num_blocks - 1:
-            raise ValueError(
-                f"the KV cache ({self.allocator.num_blocks - 1} blocks of {self.block_size}) "
-                f"cannot hold this request ({need} blocks); raise kv_cache_tokens"
-            )
         # A request without a seed gets one drawn from the engine's: reproducible for one
         # engine seed and arrival order, a different stream for every request. With a seed,
         # sequence i samples with seed + i (vLLM's rule).

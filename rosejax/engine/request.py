@@ -75,6 +75,20 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
 
 
+def max_output(prompt_len: int, max_tokens: int, max_context: int) -> int:
+    """Tokens a request may generate in all: its max_tokens, or what is left of the model's
+    context; a prompt that fills the context still gets the token its prefill samples."""
+    return max(1, min(max_tokens, max_context - prompt_len))
+
+
+def request_stop_ids(params: SamplingParams, eos_token_id: int | Sequence[int]) -> set[int]:
+    """The ids that end a request's output: its stop_token_ids, and EOS unless ignore_eos."""
+    stop_ids = set(params.stop_token_ids or ())
+    if not params.ignore_eos:
+        stop_ids.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+    return stop_ids
+
+
 class Request:
     """One sequence the scheduler runs: a prompt and the tokens generated after it. A request
     with n > 1 runs as n of them, `index` 0 to n-1, in one `SequenceGroup`."""
@@ -141,12 +155,8 @@ class Request:
         self.emitted = 0  # characters of `text` already handed out
         self.finish_reason: str | None = None
         self.error: str | None = None
-        # Tokens it may generate in all: its max_tokens, or what is left of the model's context;
-        # a prompt that fills the context still gets the token its prefill samples.
-        self.max_output = max(1, min(params.max_tokens, max_context - len(prompt_token_ids)))
-        stop_ids = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids.update([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        self.max_output = max_output(len(prompt_token_ids), params.max_tokens, max_context)
+        stop_ids = request_stop_ids(params, eos_token_id)
         self._stop_ids = frozenset(stop_ids)
         self.device_stop_ids = sorted(stop_ids)  # the engine's device checks the first few
         self.slot = -1  # the row of the device's slot state this request owns while running

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -93,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         "0 = no limit; default: %(default)s",
     )
     p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run each replica's engine loop in a process of its own (spawned; with "
+        "--data-parallel-size N, N processes), so that HTTP work and the engine loops never "
+        "wait for one another's GIL; the API process then only does HTTP, tokenizing and "
+        "checks. Off by default: not yet measured on a GPU",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -134,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rosejax.engine.data_parallel import make_engine, replica_devices
     from rosejax.serve.app import create_app
+    from rosejax.serve.engine_process import EngineProcesses
     from rosejax.serve.loading import LoadingApp
     from rosejax.serve.server import make_server
     from rosejax.settings import EngineConfig, configure_process
@@ -149,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = engine_kwargs(args)
         config = EngineConfig(model=args.model, seed=args.seed, **kwargs | {"warmup": False})
         configure_process(config.compilation_cache_dir)  # before jax starts its backend
-        # Too few devices: refused before listening.
-        replica_devices(config.data_parallel_size, config.tensor_parallel_size)
+        # Too few devices: refused before listening. Engine processes check their own: jax's
+        # backend here would take GPU memory from them.
+        if not args.engine_process:
+            replica_devices(config.data_parallel_size, config.tensor_parallel_size)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -169,12 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     def load() -> None:
         try:
             template = _read_chat_template(args)
-            engine = make_engine(config)
-            # It compiles what a first request needs before it serves, the rest while idle:
-            # every program up front took minutes on a GPU with an empty compilation cache.
-            background = kwargs["warmup"] is None and not engine.on_cpu
-            if background:
-                engine.warmup(engine.warmup_programs()[:3])
+            if args.engine_process:  # each child warms up as below
+                engine = EngineProcesses(dataclasses.replace(config, warmup=kwargs["warmup"]))
+                background = False
+            else:
+                engine = make_engine(config)
+                # It compiles what a first request needs before it serves, the rest while idle:
+                # every program up front took minutes on a GPU with an empty compilation cache.
+                background = kwargs["warmup"] is None and not engine.on_cpu
+                if background:
+                    engine.warmup(engine.warmup_programs()[:3])
             if template is not None:
                 engine.tokenizer.chat_template = template
             app = create_app(
@@ -186,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             if not server.should_exit:  # a stop asked for while loading: nothing to serve
                 loading.ready(app)
-        except (ValueError, OSError) as e:
+            elif args.engine_process:
+                engine.close()
+        except (ValueError, OSError, RuntimeError) as e:
             failed.append(str(e))
             print(f"error: {e}", file=sys.stderr)
             server.should_exit = True

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rosejax.engine.request import RequestOutput
@@ -68,7 +68,7 @@ def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
 class RequestStream:
     """Outputs of one submission (one engine request per prompt), in order per request."""
 
-    def __init__(self, engine: AsyncEngine, sink: _Sink):
+    def __init__(self, engine: EngineFront, sink: _Sink):
         self._engine, self._sink = engine, sink
         self.request_ids = sink.rids
         self._pending = set(sink.rids)
@@ -94,7 +94,166 @@ class RequestStream:
             self._pending.clear()
 
 
-class AsyncEngine:
+_SNAPSHOT_KEYS = (
+    "running",
+    "waiting",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "prefix_hits",
+    "prefix_hit_tokens",
+    "programs_to_compile",
+)
+
+
+def engine_snapshot(engine: Any, programs_left: int) -> dict[str, Any]:
+    """An `LLMEngine`'s scheduler and KV cache gauges for /metrics: a fresh dict each time, so a
+    scrape from another thread reads one consistent view."""
+    alloc, sched = engine.allocator, engine.scheduler
+    values = (
+        len(sched.running),
+        len(sched.waiting),
+        alloc.num_used_blocks,
+        alloc.num_blocks - 1,
+        alloc.prefix_hits,
+        alloc.prefix_hit_tokens,
+        programs_left,
+    )
+    return dict(zip(_SNAPSHOT_KEYS, values, strict=True))
+
+
+def compile_while_idle(
+    engine: Any, idle: threading.Event, stop: threading.Event, poll_s: float, compiled: Callable
+) -> None:
+    """Compile the programs warm-up has not, each one only once no request is in flight
+    (`idle` set; compiling holds the GIL for much of its time, which a step would wait for);
+    `compiled()` after each one."""
+    for program in engine.cold_programs():
+        while not idle.wait(poll_s):
+            if stop.is_set():
+                return
+        if stop.is_set():
+            return
+        try:
+            engine.compile_ahead(program)
+        except Exception:  # serving goes on: the program compiles on first use instead
+            log.exception("compiling %s ahead failed", program)
+        compiled()
+
+
+class EngineFront:
+    """One replica as the app sees it, whatever runs its engine (a thread: `AsyncEngine`; a
+    process: `rosejax.serve.engine_process`): the submissions in flight and their load, their
+    outputs delivered to their sinks with the metrics observed, failures ended with an error.
+    Subclasses say how a request is aborted in the engine (`_abort_in_engine`)."""
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_waiting: int | None,
+        metrics: ServerMetrics | None,
+        replica: int,
+        snapshot: dict[str, Any],
+    ):
+        # In flight past a full batch counts as waiting; more than max_waiting of those -> 429.
+        self.max_waiting, self.max_batch_size = max_waiting, max_batch_size
+        self.max_in_flight = None if max_waiting is None else max_batch_size + max_waiting
+        self._sinks: dict[str, _Sink] = {}
+        # Tokens in flight (`request_cost`) of submissions not ended yet, for routing: added on
+        # submission (the event loop), taken off as each request ends (the engine's side).
+        self._load_lock = threading.Lock()
+        self._load = 0
+        self._costs: dict[str, int] = {}  # request id -> its cost
+        self._cut_at: float | None = None  # set by begin_shutdown: when open requests are ended
+        self.snapshot = snapshot
+        self.metrics = (metrics or ServerMetrics()).replica(replica, lambda: self.snapshot)
+
+    @property
+    def load(self) -> int:
+        """Tokens in flight: each submitted request's prompt and most new tokens, until it ends."""
+        return self._load
+
+    def _add_load(self, tokens: int) -> None:
+        with self._load_lock:
+            self._load += tokens
+
+    def _check_open(self, alive: bool) -> None:
+        if self._cut_at is not None:
+            raise _shutting_down()
+        if not alive:
+            raise EngineError("the engine is not running", 503, "engine_stopped")
+
+    def _overloaded(self, in_flight: int, more: int) -> Overloaded | None:
+        if self.max_in_flight is None or in_flight + more <= self.max_in_flight:
+            return None
+        return Overloaded(
+            f"the server is overloaded: {in_flight} requests in flight, at most "
+            f"{self.max_in_flight} (batch {self.max_batch_size} + max waiting "
+            f"{self.max_waiting}); retry later"
+        )
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Stop these requests (a client went away); ids already ended are ignored."""
+        raise NotImplementedError
+
+    def _abort_in_engine(self, rid: str) -> None:
+        """Stop one request in the engine (its sink is forgotten already)."""
+        raise NotImplementedError
+
+    def _forget(self, rid: str) -> _Sink | None:
+        """Drop an ended request (its sink and its load); its sink, None if it was not here."""
+        sink = self._sinks.pop(rid, None)
+        if sink is not None:
+            self._add_load(-self._costs.pop(rid))
+        return sink
+
+    def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
+        """Hand one step's outputs to their sinks, observing the metrics."""
+        now = time.perf_counter()
+        m = self.metrics
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            n = len(out.new_token_ids)
+            if n:
+                m.generation_tokens.inc(n)
+                last = sink.last.get(out.request_id)
+                if last is None:
+                    m.ttft.observe(now - sink.arrival)
+                    m.prompt_tokens.inc(len(out.prompt_token_ids))
+                else:
+                    m.itl.observe((now - last) / n, n)  # a window hands over n tokens at once
+                sink.last[out.request_id] = now
+            if out.finish_reason == "error":  # the engine ended this one request
+                self._fail_sink(sink, EngineError(f"generating this request failed: {out.error}"))
+                continue
+            if out.finished:
+                self._forget(out.request_id)
+                m.finished(out.finish_reason or "stop").inc()
+                m.e2e.observe(now - sink.arrival)
+            if not sink.put(out) and not out.finished:
+                self._forget(out.request_id)
+                self._abort_in_engine(out.request_id)
+
+    def _fail_sink(self, sink: _Sink, exc: EngineError) -> None:
+        """End one submission with `exc`: its other prompts are aborted."""
+        for rid in sink.rids:
+            if self._forget(rid) is not None:
+                try:
+                    self._abort_in_engine(rid)
+                except Exception:
+                    log.exception("abort of %s failed", rid)
+                self.metrics.finished("error").inc()
+        sink.put(exc)
+
+    def _fail_all(self, exc: EngineError) -> None:
+        for sink in {id(s): s for s in list(self._sinks.values())}.values():
+            self._fail_sink(sink, exc)
+
+
+class AsyncEngine(EngineFront):
+    """An `LLMEngine` run by a thread of this process (see the module)."""
+
     def __init__(
         self,
         engine: Any,
@@ -111,31 +270,25 @@ class AsyncEngine:
         # where it is needed, as without warm-up.
         self._compiler = None
         self._idle = threading.Event()  # set while no request is in flight: compiling may go on
+        self._stop = threading.Event()
         self._programs_left = 0
         if warm_in_background:
             self._programs_left = len(engine.cold_programs())
             self._compiler = threading.Thread(
-                target=self._compile_ahead, name="rosejax-compile", daemon=True
+                target=compile_while_idle,
+                args=(engine, self._idle, self._stop, poll_s, self._compiled),
+                name="rosejax-compile",
+                daemon=True,
             )
-        # In flight past a full batch counts as waiting; more than max_waiting of those -> 429.
-        self.max_waiting = max_waiting
-        self.max_in_flight = None if max_waiting is None else engine.max_batch_size + max_waiting
+        super().__init__(
+            engine.max_batch_size, max_waiting, metrics, replica, engine_snapshot(engine, 0)
+        )
+        self._publish()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}
-        # Tokens in flight (`request_cost`) of submissions not ended yet, for routing: added on
-        # submission (the event loop), taken off as each request ends (this engine's thread).
-        self._load_lock = threading.Lock()
-        self._load = 0
-        self._costs: dict[str, int] = {}  # request id -> its cost; the engine thread's
-        self._stop = threading.Event()
-        self._cut_at: float | None = None  # set by begin_shutdown: when open requests are ended
         self._poll_s = poll_s
         self._thread = threading.Thread(
             target=self._run, name=f"rosejax-engine-{replica}", daemon=True
         )
-        self.snapshot: dict[str, Any] = {}
-        self._publish()
-        self.metrics = (metrics or ServerMetrics()).replica(replica, lambda: self.snapshot)
 
     # ----------------------------------------------------------------- called from other threads
 
@@ -162,23 +315,11 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set() and self._cut_at is None
 
-    @property
-    def load(self) -> int:
-        """Tokens in flight: each submitted request's prompt and most new tokens, until it ends."""
-        return self._load
-
-    def _add_load(self, tokens: int) -> None:
-        with self._load_lock:
-            self._load += tokens
-
     async def submit(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, request_id: str
     ) -> RequestStream:
         """Queue one request per prompt (all or none). ValueError: bad input; Overloaded."""
-        if self._cut_at is not None:
-            raise _shutting_down()
-        if not self.alive:
-            raise EngineError("the engine is not running", 503, "engine_stopped")
+        self._check_open(self.alive)
         loop = asyncio.get_running_loop()
         rids = [f"{request_id}-{i}" for i in range(len(prompts))]
         context = self.engine.config.max_model_len
@@ -217,20 +358,8 @@ class AsyncEngine:
             self._fail_all(_shutting_down())
             self._publish()
 
-    def _compile_ahead(self) -> None:
-        """Compile the programs warm-up has not, each one only once no request is in flight
-        (compiling holds the GIL for much of its time, which a step would wait for)."""
-        for program in self.engine.cold_programs():
-            while not self._idle.wait(self._poll_s):
-                if self._stop.is_set():
-                    return
-            if self._stop.is_set():
-                return
-            try:
-                self.engine.compile_ahead(program)
-            except Exception:  # serving goes on: the program compiles on first use instead
-                log.exception("compiling %s ahead failed", program)
-            self._programs_left -= 1
+    def _compiled(self) -> None:
+        self._programs_left -= 1
 
     def _drain(self, block: bool) -> None:
         try:
@@ -250,12 +379,8 @@ class AsyncEngine:
                     self.engine.abort_request(rid)
                     self.metrics.finished("abort").inc()
 
-    def _forget(self, rid: str) -> _Sink | None:
-        """Drop an ended request (its sink and its load); its sink, None if it was not here."""
-        sink = self._sinks.pop(rid, None)
-        if sink is not None:
-            self._add_load(-self._costs.pop(rid))
-        return sink
+    def _abort_in_engine(self, rid: str) -> None:
+        self.engine.abort_request(rid)
 
     def _add(
         self, sink: _Sink, prompts: list, params: SamplingParams, costs: list[int], accepted
@@ -271,15 +396,9 @@ class AsyncEngine:
                         self.engine.abort_request(rid)
 
         scheduler = self.engine.scheduler
-        in_flight = len(scheduler.running) + len(scheduler.waiting)
-        if self.max_in_flight is not None and in_flight + len(prompts) > self.max_in_flight:
-            return answer(
-                Overloaded(
-                    f"the server is overloaded: {in_flight} requests in flight, at most "
-                    f"{self.max_in_flight} (batch {self.engine.max_batch_size} + max waiting "
-                    f"{self.max_waiting}); retry later"
-                )
-            )
+        overloaded = self._overloaded(len(scheduler.running) + len(scheduler.waiting), len(prompts))
+        if overloaded is not None:
+            return answer(overloaded)
         added: list[str] = []
         try:
             for rid, prompt in zip(sink.rids, prompts, strict=True):
@@ -303,57 +422,7 @@ class AsyncEngine:
             log.exception("engine step failed; failing the requests in flight")
             self._fail_all(EngineError("the engine failed while generating; see the server log"))
             return
-        now = time.perf_counter()
-        m = self.metrics
-        for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is None:
-                continue
-            n = len(out.new_token_ids)
-            if n:
-                m.generation_tokens.inc(n)
-                last = sink.last.get(out.request_id)
-                if last is None:
-                    m.ttft.observe(now - sink.arrival)
-                    m.prompt_tokens.inc(len(out.prompt_token_ids))
-                else:
-                    m.itl.observe((now - last) / n, n)  # a window hands over n tokens at once
-                sink.last[out.request_id] = now
-            if out.finish_reason == "error":  # the engine ended this one request
-                self._fail_sink(sink, EngineError(f"generating this request failed: {out.error}"))
-                continue
-            if out.finished:
-                self._forget(out.request_id)
-                m.finished(out.finish_reason or "stop").inc()
-                m.e2e.observe(now - sink.arrival)
-            if not sink.put(out) and not out.finished:
-                self._forget(out.request_id)
-                self.engine.abort_request(out.request_id)
-
-    def _fail_sink(self, sink: _Sink, exc: EngineError) -> None:
-        """End one submission with `exc`: its other prompts are aborted."""
-        for rid in sink.rids:
-            if self._forget(rid) is not None:
-                try:
-                    self.engine.abort_request(rid)
-                except Exception:
-                    log.exception("abort of %s failed", rid)
-                self.metrics.finished("error").inc()
-        sink.put(exc)
-
-    def _fail_all(self, exc: EngineError) -> None:
-        for sink in {id(s): s for s in self._sinks.values()}.values():
-            self._fail_sink(sink, exc)
+        self._deliver(outputs)
 
     def _publish(self) -> None:
-        """A fresh dict each time, so a scrape from another thread reads one consistent view."""
-        alloc, sched = self.engine.allocator, self.engine.scheduler
-        self.snapshot = {
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "kv_blocks_used": alloc.num_used_blocks,
-            "kv_blocks_total": alloc.num_blocks - 1,
-            "prefix_hits": alloc.prefix_hits,
-            "prefix_hit_tokens": alloc.prefix_hit_tokens,
-            "programs_to_compile": self._programs_left,
-        }
+        self.snapshot = engine_snapshot(self.engine, self._programs_left)

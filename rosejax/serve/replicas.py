@@ -1,5 +1,5 @@
-"""What the app serves from: one `AsyncEngine` (an engine thread) per data-parallel replica, and
-a `Router` that picks each submission's replica by load and prompt prefix.
+"""What the app serves from: one `AsyncEngine` (an engine thread) per data-parallel replica, or
+one `EngineProcess` (`--engine-process`: an engine process) per replica, and a `Router` that picks each submission's replica by load and prompt prefix.
 
 A submission (all prompts of one HTTP request) goes to one replica, whose stream then answers
 for it: its aborts (a client gone) reach that replica alone.
@@ -18,7 +18,8 @@ from rosejax.serve.metrics import ServerMetrics
 
 class ReplicatedEngine:
     """An `LLMEngine` (one replica) or a `DataParallelEngine`'s replicas, each on an engine
-    thread of its own, behind one router; `AsyncEngine`'s interface for the app."""
+    thread of its own, or `EngineProcesses`' replicas, each in a process of its own, behind one
+    router; `AsyncEngine`'s interface for the app."""
 
     def __init__(
         self,
@@ -27,20 +28,22 @@ class ReplicatedEngine:
         metrics: ServerMetrics | None = None,
         warm_in_background: bool = False,
     ):
-        replicas = getattr(engine, "replicas", [engine])
         self.metrics = metrics or ServerMetrics()
-        self.engines = [
-            AsyncEngine(
-                r,
-                max_waiting=max_waiting,
-                metrics=self.metrics,
-                warm_in_background=warm_in_background,
-                replica=i,
-            )
-            for i, r in enumerate(replicas)
-        ]
-        capacity = sum(r.allocator.num_blocks - 1 for r in replicas)
-        self.router = Router(len(replicas), replicas[0].block_size, capacity=capacity)
+        if hasattr(engine, "async_replicas"):  # `EngineProcesses`: a process per replica
+            self.engines = engine.async_replicas(max_waiting, self.metrics)
+        else:
+            self.engines = [
+                AsyncEngine(
+                    r,
+                    max_waiting=max_waiting,
+                    metrics=self.metrics,
+                    warm_in_background=warm_in_background,
+                    replica=i,
+                )
+                for i, r in enumerate(getattr(engine, "replicas", [engine]))
+            ]
+        capacity = sum(e.snapshot["kv_blocks_total"] for e in self.engines)
+        self.router = Router(len(self.engines), engine.block_size, capacity=capacity)
         # One submission goes to one replica, so it must fit one replica's bound.
         self.max_in_flight = self.engines[0].max_in_flight
 

@@ -1,0 +1,509 @@
+"""Engine processes: each replica's engine loop in a process of its own (`--engine-process`), so
+that the API process's event loop (HTTP, JSON, SSE) and the replicas' host loops never wait for
+one another's GIL.
+
+- Start: `EngineProcesses(config)` spawns one child per data-parallel replica (the `spawn`
+  start method: jax must never be forked). Child i sees only its replica's GPUs
+  (`jax_cuda_visible_devices`, set before its backend starts; on a host platform it picks its
+  devices by index as `replica_devices` does), builds its `LLMEngine`, warms up as the server does
+  (the first programs, the rest while idle) and answers "ready" with what the API process needs:
+  the model config, batch size, block size, KV blocks. The API process loads the tokenizer itself.
+- The API process checks each request as `LLMEngine.add_request` would (`checked_prompt_ids`,
+  `check_request`) and counts the requests in flight (429), so an add needs no answer: its
+  commands go out without a round trip, those of one event-loop iteration in one message.
+- Commands in (one pickled list per message): ("add", [(request id, prompt ids)], params),
+  ("abort", [request ids]), ("stop",). Out: ("out", rows, snapshot) once per engine step with
+  anything new, a row being (request id, new token ids, new text, finish reason, error): the
+  child detokenizes (stop strings need the text), the API process only appends.
+- A reader thread in the API process turns those rows into `RequestOutput`s and delivers them
+  as `AsyncEngine` does (`EngineFront._deliver`: metrics observed there).
+- A child that dies: its requests in flight end with a 500, /health answers 503, the log says
+  how it ended. A child whose API process dies sees its pipe close and exits. SIGINT (a terminal
+  sends it to the whole process group) is the API process's to handle: children ignore it and stop
+  when told to, or are terminated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from rosejax.engine.llm_engine import check_request, checked_prompt_ids
+from rosejax.engine.request import RequestOutput
+from rosejax.engine.router import request_cost
+from rosejax.sampling import SamplingParams
+from rosejax.serve.engine_loop import (
+    EngineError,
+    EngineFront,
+    RequestStream,
+    _shutting_down,
+    _Sink,
+    compile_while_idle,
+    engine_snapshot,
+)
+from rosejax.serve.metrics import ServerMetrics
+from rosejax.settings import EngineConfig
+
+log = logging.getLogger("rosejax.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaInfo:
+    """What a child tells the API process once its engine is built."""
+
+    model_config: Any
+    max_batch_size: int
+    block_size: int
+    platform: str
+    device_ids: list[int]  # of the devices it runs on
+    snapshot: dict[str, Any]
+
+
+# --------------------------------------------------------------------------- the child process
+
+
+def _replica_engine(config: EngineConfig, replica: int) -> Any:
+    """Replica `replica`'s `LLMEngine` on its own devices, warmed up as `config.warmup` says
+    (None: as the server does); and whether programs are left to compile while idle."""
+    import jax
+
+    from rosejax.engine.data_parallel import replica_devices
+    from rosejax.engine.llm_engine import LLMEngine
+    from rosejax.settings import configure_process
+
+    configure_process(config.compilation_cache_dir)
+    dp, tp = config.data_parallel_size, config.tensor_parallel_size
+    # Before jax starts its backend: this replica's GPUs only, so it takes no memory on others.
+    jax.config.update(
+        "jax_cuda_visible_devices", ",".join(str(replica * tp + k) for k in range(tp))
+    )
+    devices = jax.local_devices()
+    if devices[0].platform == "cpu":  # host devices are all visible: this replica's by index
+        devices = replica_devices(dp, tp, devices)[replica]
+    elif len(devices) != tp:
+        raise ValueError(
+            f"replica {replica} of --data-parallel-size {dp} needs {tp} devices, found "
+            f"{len(devices)}: lower --data-parallel-size"
+        )
+    one = dataclasses.replace(config, data_parallel_size=1, warmup=False)
+    engine = LLMEngine(one, devices, replica=replica)
+    background = config.warmup is None and not engine.on_cpu
+    if config.warmup or background:
+        engine.warmup(engine.warmup_programs()[:3] if background else None)
+    return engine, background
+
+
+class _EngineLoop:
+    """The child's loop: commands in, one message of outputs per step out (see the module)."""
+
+    def __init__(self, engine: Any, conn: Connection, background: bool, poll_s: float = 0.05):
+        self.engine, self.conn, self.poll_s = engine, conn, poll_s
+        self.idle, self.stop = threading.Event(), threading.Event()
+        self.live: set[str] = set()  # ids of the requests added and not ended
+        self.rows: list[tuple] = []  # what the next message carries
+        self.programs_left = len(engine.cold_programs()) if background else 0
+        self.sent: dict[str, Any] | None = None  # the snapshot last sent
+        if background:
+            threading.Thread(
+                target=compile_while_idle,
+                args=(engine, self.idle, self.stop, poll_s, self._compiled),
+                name="rosejax-compile",
+                daemon=True,
+            ).start()
+
+    def _compiled(self) -> None:
+        self.programs_left -= 1
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                busy = self.engine.has_unfinished_requests()
+                if not busy:
+                    self.idle.set()
+                ready = self.conn.poll(0 if busy else self.poll_s)
+                self.idle.clear()
+                while ready:
+                    for cmd in self.conn.recv():
+                        self._handle(cmd)
+                    ready = self.conn.poll(0)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish()
+        except (EOFError, OSError):  # the API process has gone: nothing to serve
+            log.warning("the API process has gone; this engine process stops")
+        finally:
+            self.stop.set()
+
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, items, params = cmd
+            for rid, ids in items:
+                try:
+                    self.engine.add_request(rid, ids, params)
+                    self.live.add(rid)
+                except Exception as e:  # the API process checked it: not expected
+                    log.exception("adding %s failed", rid)
+                    self.rows.append((rid, [], "", "error", f"adding it failed: {e}"))
+        elif cmd[0] == "abort":
+            for rid in cmd[1]:
+                if rid in self.live:
+                    self.live.discard(rid)
+                    self.engine.abort_request(rid)
+        elif cmd[0] == "stop":
+            self.stop.set()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            # Not one request's fault (the engine ends those itself): a program failed. Every
+            # request in flight may have lost its state; end them all, and serve on.
+            log.exception("engine step failed; failing the requests in flight")
+            for rid in self.live:
+                self.engine.abort_request(rid)
+                why = "the engine failed while generating; see the server log"
+                self.rows.append((rid, [], "", "error", why))
+            self.live.clear()
+            return
+        for out in outputs:
+            if out.finished:
+                self.live.discard(out.request_id)
+            row = (out.request_id, out.new_token_ids, out.new_text, out.finish_reason, out.error)
+            self.rows.append(row)
+
+    def _publish(self) -> None:
+        snapshot = engine_snapshot(self.engine, self.programs_left)
+        if self.rows or snapshot != self.sent:
+            self.conn.send(("out", self.rows, snapshot))
+            self.rows, self.sent = [], snapshot
+
+
+def _child_main(conn: Connection, config: EngineConfig, replica: int, log_level: int) -> None:
+    # Ctrl-C in a terminal reaches the whole process group: the API process decides when to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=log_level,
+        format=f"%(levelname)s: %(name)s [engine {replica}]: %(message)s",
+        force=True,
+    )
+    if log_level > logging.DEBUG:
+        logging.getLogger("jax").setLevel(logging.WARNING)
+    try:
+        engine, background = _replica_engine(config, replica)
+    except Exception as e:
+        if not isinstance(e, ValueError):
+            log.exception("building replica %d's engine failed", replica)
+        try:
+            conn.send(("failed", str(e), isinstance(e, ValueError)))
+        except OSError:
+            pass
+        return
+    info = ReplicaInfo(
+        engine.config,
+        engine.max_batch_size,
+        engine.block_size,
+        engine.home_device.platform,
+        [d.id for d in engine.devices],
+        engine_snapshot(engine, len(engine.cold_programs()) if background else 0),
+    )
+    try:
+        conn.send(("ready", info))
+    except OSError:
+        return
+    _EngineLoop(engine, conn, background).run()
+
+
+# ------------------------------------------------------------------------ the API process
+
+
+def _exit_code(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"{code} ({signal.Signals(-code).name})"
+    return str(code)
+
+
+class _Child:
+    """One replica's process and the API process's end of its pipe."""
+
+    def __init__(self, ctx: Any, config: EngineConfig, replica: int, log_level: int):
+        self.replica = replica
+        self.conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_child_main,
+            args=(child_conn, config, replica, log_level),
+            name=f"rosejax-engine-{replica}",
+            daemon=True,  # multiprocessing terminates it if the API process exits without stop
+        )
+        self.process.start()
+        child_conn.close()  # so that a dead child reads as EOF here
+        self.info: ReplicaInfo | None = None
+
+    def wait_ready(self) -> ReplicaInfo:
+        """Its `ReplicaInfo` once its engine is built; ValueError (bad configuration) or
+        RuntimeError if it failed or died."""
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise RuntimeError(
+                f"the engine process of replica {self.replica} exited with code "
+                f"{_exit_code(self.process.exitcode)} while loading; see the log above"
+            ) from None
+        if msg[0] == "failed":
+            self.process.join(5)
+            raise (ValueError if msg[2] else RuntimeError)(msg[1])
+        self.info = msg[1]
+        return self.info
+
+    def send(self, cmds: list) -> None:
+        try:
+            self.conn.send(cmds)
+        except (OSError, ValueError):  # it has died (the reader tells) or its pipe is closed
+            pass
+
+    def stop(self, timeout: float) -> None:
+        """Tell it to stop and wait `timeout` s; then terminate it, then kill it."""
+        self.send([("stop",)])
+        self.process.join(timeout)
+        if self.process.is_alive():
+            log.warning("engine process %d did not stop; terminating it", self.replica)
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+class _Output:
+    """What the API process keeps of a request in flight to rebuild whole `RequestOutput`s."""
+
+    __slots__ = ("prompt", "tokens", "text")
+
+    def __init__(self, prompt: list[int]):
+        self.prompt, self.tokens, self.text = prompt, [], ""
+
+
+class EngineProcess(EngineFront):
+    """One replica whose engine runs in a child process: `AsyncEngine`'s interface for the app
+    and `ReplicatedEngine` (see the module)."""
+
+    def __init__(
+        self,
+        child: _Child,
+        tokenizer: Any,
+        max_waiting: int | None = None,
+        metrics: ServerMetrics | None = None,
+        poll_s: float = 0.05,
+    ):
+        info = child.info
+        super().__init__(info.max_batch_size, max_waiting, metrics, child.replica, info.snapshot)
+        self.child, self.tokenizer, self.config = child, tokenizer, info.model_config
+        self.block_size = info.block_size
+        self._outputs: dict[str, _Output] = {}
+        self._outbox: list[tuple] = []  # commands not sent yet, in order
+        self._outbox_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # held from taking the outbox to sending it: in order
+        self._flush_scheduled = False
+        self._stopping = False
+        self._died: str | None = None
+        self._poll_s = poll_s
+        self._reader = threading.Thread(
+            target=self._read, name=f"rosejax-engine-{child.replica}-reader", daemon=True
+        )
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self.child.stop(timeout)
+        if self._reader.is_alive():
+            self._reader.join(timeout)
+
+    def begin_shutdown(self, grace: float) -> None:
+        """As `AsyncEngine.begin_shutdown`: refuse new requests now, end open ones in `grace` s."""
+        if self._cut_at is None:
+            self._cut_at = time.monotonic() + grace
+
+    @property
+    def alive(self) -> bool:
+        return (
+            self._reader.is_alive()
+            and self._died is None
+            and not self._stopping
+            and self._cut_at is None
+        )
+
+    async def submit(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, request_id: str
+    ) -> RequestStream:
+        """Queue one request per prompt (all or none). ValueError: bad input; Overloaded."""
+        self._check_open(self.alive)
+        context, kv_blocks = self.config.max_model_len, self.snapshot["kv_blocks_total"]
+        ids = [checked_prompt_ids(p, self.tokenizer, self.config) for p in prompts]
+        for i in ids:
+            check_request(i, params, self.config, kv_blocks, self.block_size)
+        overloaded = self._overloaded(len(self._sinks), len(ids))
+        if overloaded is not None:
+            raise overloaded
+        rids = [f"{request_id}-{i}" for i in range(len(ids))]
+        sink = _Sink(asyncio.get_running_loop(), rids)
+        for rid, i in zip(rids, ids, strict=True):
+            cost = request_cost(len(i), params.max_tokens, context)
+            self._add_load(cost)
+            self._costs[rid] = cost
+            self._outputs[rid] = _Output(i)
+            self._sinks[rid] = sink
+        self._post(("add", list(zip(rids, ids, strict=True)), params))
+        return RequestStream(self, sink)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        gone = [rid for rid in request_ids if self._forget(rid) is not None]
+        if gone:
+            self.metrics.finished("abort").inc(len(gone))
+            self._post(("abort", gone))
+
+    def _abort_in_engine(self, rid: str) -> None:
+        self._post(("abort", [rid]))
+
+    def _forget(self, rid: str) -> _Sink | None:
+        self._outputs.pop(rid, None)
+        return super()._forget(rid)
+
+    # ------------------------------------------------------------- sending commands
+
+    def _post(self, cmd: tuple) -> None:
+        """Send `cmd` after those posted before it: from the event loop once this iteration
+        of it ends (with every command it posted, in one message), from another thread now."""
+        with self._outbox_lock:
+            self._outbox.append(cmd)
+            if self._flush_scheduled:
+                return
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None:
+                self._flush_scheduled = True
+                loop.call_soon(self._flush)
+                return
+        self._flush()
+
+    def _flush(self) -> None:
+        with self._send_lock:
+            with self._outbox_lock:
+                cmds, self._outbox, self._flush_scheduled = self._outbox, [], False
+            if cmds:
+                self.child.send(cmds)
+
+    # ------------------------------------------------------------- the reader thread
+
+    def _read(self) -> None:
+        conn = self.child.conn
+        try:
+            while True:
+                if conn.poll(self._poll_s):
+                    _, rows, self.snapshot = conn.recv()
+                    outputs = [out for row in rows if (out := self._output(*row)) is not None]
+                    self._deliver(outputs)
+                if self._cut_at is not None and time.monotonic() >= self._cut_at and self._sinks:
+                    self._fail_all(_shutting_down())
+        except (EOFError, OSError):
+            pass
+        if self._stopping:
+            self._fail_all(_shutting_down())
+            return
+        self.child.process.join(5)
+        self._died = _exit_code(self.child.process.exitcode)
+        log.error(
+            "the engine process of replica %d (pid %s) died, exit code %s; failing its %d "
+            "requests in flight",
+            self.child.replica,
+            self.child.process.pid,
+            self._died,
+            len(self._sinks),
+        )
+        self._fail_all(
+            EngineError(
+                f"the engine process of replica {self.child.replica} died (exit code "
+                f"{self._died}); see the server log",
+                500,
+                "engine_died",
+            )
+        )
+
+    def _output(
+        self, rid: str, new_ids: list[int], new_text: str, reason: str | None, error: str | None
+    ) -> RequestOutput | None:
+        acc = self._outputs.get(rid)
+        if acc is None:  # aborted meanwhile
+            return None
+        acc.tokens.extend(new_ids)
+        acc.text += new_text
+        finished = reason is not None
+        return RequestOutput(
+            request_id=rid,
+            prompt_token_ids=acc.prompt,
+            # A finished request's list never changes again; a running one's is copied.
+            token_ids=acc.tokens if finished else list(acc.tokens),
+            text=acc.text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=reason,
+            error=error,
+        )
+
+
+class EngineProcesses:
+    """What `create_app` takes in place of an engine when each replica's engine runs in a
+    process of its own: the model's config and tokenizer for the API process's checks, and one
+    child per data-parallel replica (see the module). ValueError: a bad configuration."""
+
+    def __init__(self, config: EngineConfig, log_level: int | None = None):
+        from rosejax.tokenizer import load_tokenizer
+
+        if config.num_processes > 1:
+            raise ValueError("--engine-process does not combine with --num-processes > 1")
+        ctx = multiprocessing.get_context("spawn")  # jax must never be forked
+        level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
+        self.children: list[_Child] = []
+        try:
+            for replica in range(config.data_parallel_size):
+                self.children.append(_Child(ctx, config, replica, level))
+            self.tokenizer = load_tokenizer(config.model, config.tokenizer)  # while they load
+            infos = [child.wait_ready() for child in self.children]
+            platforms = [info.platform for info in infos]
+            if len(set(platforms)) > 1:
+                raise ValueError(
+                    f"the replicas found different devices ({platforms}): --data-parallel-size "
+                    f"{config.data_parallel_size} needs that many GPUs; lower it"
+                )
+        except BaseException:
+            self.close()
+            raise
+        first = infos[0]
+        self.config, self.block_size = first.model_config, first.block_size
+        self.max_batch_size, self.on_cpu = first.max_batch_size, first.platform == "cpu"
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        return checked_prompt_ids(prompt, self.tokenizer, self.config)
+
+    def async_replicas(
+        self, max_waiting: int | None, metrics: ServerMetrics
+    ) -> list[EngineProcess]:
+        """The replicas as the app serves them (`ReplicatedEngine`)."""
+        return [EngineProcess(c, self.tokenizer, max_waiting, metrics) for c in self.children]
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every child (those an app serves stop with it)."""
+        for child in self.children:
+            child.stop(timeout)
