@@ -84,6 +84,8 @@ def test_bad_requests_are_4xx_and_serving_goes_on(served):
         ({"prompt": "the", "stop_token_ids": [50257]}, "stop_token_ids"),
         ({"prompt": [5] * 129}, "prompt"),  # longer than tiny's 128-token context
         ({"prompt": "the", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "the", "n": 2}, "n"),  # one sequence per request crosses the process yet
+        ({"prompt": "the", "logprobs": 1}, "logprobs"),
     ]
     for body, param in cases:
         r = complete(url, **body)

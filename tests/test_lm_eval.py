@@ -34,13 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tests" / "lm_eval_tasks"
 SEED = int(os.environ.get("ROSEJAX_TEST_SEED", random.randrange(2**31)))
 CONTEXT = 128  # every document fits one window, so both backends score the same tokens
-# The loglikelihood tasks need the engine's logprobs and echo with prompt logprobs, which this
-# build's SamplingParams does not take: the server answers them 400 until it does.
-NEEDS_ENGINE_LOGPROBS = pytest.mark.xfail(
-    raises=requests.HTTPError,
-    strict=True,
-    reason="the engine does not compute logprobs yet: the server refuses them (400)",
-)
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +103,7 @@ def test_lm_eval_finds_the_servers_tokenizer(server_url):
 
 @pytest.mark.parametrize(
     "task",
-    [
-        pytest.param("rosejax_mc", marks=NEEDS_ENGINE_LOGPROBS),
-        pytest.param("rosejax_ppl", marks=NEEDS_ENGINE_LOGPROBS),
-        "rosejax_gen",
-    ],
+    ["rosejax_mc", "rosejax_ppl", "rosejax_gen"],
 )
 def test_local_completions_scores_equal_hf(task, hf_scores, server_url):
     args = (

@@ -10,7 +10,6 @@ persistent compilation cache).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -22,6 +21,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rosejax import LLM
+from rosejax.engine.request import CompletionOutput, Logprob
 from rosejax.serve import create_app
 from rosejax.serve.protocol import (
     APIError,
@@ -303,15 +303,6 @@ def test_new_fields_out_of_range_are_400_naming_the_field(model, body, param):
 # ------------------------------------------------------------------------- logprobs bodies
 
 
-@dataclasses.dataclass
-class Logprob:
-    """vLLM's Logprob, as the engine hands it out."""
-
-    logprob: float
-    rank: int
-    decoded_token: str | None
-
-
 VOCAB = 12
 # Two ids share a text, as byte fragments of a multi-byte character do.
 TEXTS = [f"t{i}" for i in range(VOCAB - 2)] + ["\ufffd", "\ufffd"]
@@ -375,15 +366,17 @@ def test_chat_logprobs_shape_and_values():
         assert all(e["bytes"] == list(e["token"].encode()) for e in top)
 
 
-def hand_output(prompt, prompt_steps, token_ids, steps):
-    """One finished prompt's output as the formatter reads it (its only choice)."""
+def hand_output(prompt, prompt_steps, token_ids, steps, finish_reason="length"):
+    """One prompt's output as the formatter reads it: one choice, finished unless
+    `finish_reason` is None."""
+    text = "".join(decode(i) for i in token_ids)
+    choice = CompletionOutput(0, text, token_ids, None, steps, finish_reason)
     return types.SimpleNamespace(
         prompt_token_ids=prompt,
         prompt_logprobs=prompt_steps,
-        text="".join(decode(i) for i in token_ids),
-        token_ids=token_ids,
-        logprobs=steps,
-        finish_reason="length",
+        outputs=[choice],
+        text=text,
+        finish_reason=finish_reason,
     )
 
 
@@ -410,8 +403,8 @@ def test_echo_with_logprobs_puts_the_prompts_first_and_streams_the_same():
     sent: dict = {}
     pieces = []
     for g in range(1, G + 1):
-        partial = hand_output(prompt, prompt_steps, gen[:g], all_steps[P : P + g])
-        partial.finish_reason = None if g < G else "length"
+        finish = None if g < G else "length"
+        partial = hand_output(prompt, prompt_steps, gen[:g], all_steps[P : P + g], finish)
         pieces += [chunk["choices"][0] for _, _, chunk in fmt.chunks(0, partial, sent)]
     assert "".join(p["text"] for p in pieces) == choice["text"]
     for key in ("tokens", "token_logprobs", "text_offset"):

@@ -214,9 +214,9 @@ class EngineFront:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            n = len(out.new_token_ids)
+            n = len(out.new_token_ids)  # the first sequence's: the request's latencies
             if n:
-                m.generation_tokens.inc(n)
+                m.generation_tokens.inc(sum(len(c.new_token_ids) for c in out.outputs) or n)
                 last = sink.last.get(out.request_id)
                 if last is None:
                     m.ttft.observe(now - sink.arrival)

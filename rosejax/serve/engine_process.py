@@ -37,7 +37,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from rosejax.engine.llm_engine import check_request, checked_prompt_ids
-from rosejax.engine.request import RequestOutput
+from rosejax.engine.request import CompletionOutput, RequestOutput
 from rosejax.engine.router import request_cost
 from rosejax.sampling import SamplingParams
 from rosejax.serve.engine_loop import (
@@ -347,6 +347,9 @@ class EngineProcess(EngineFront):
     ) -> RequestStream:
         """Queue one request per prompt (all or none). ValueError: bad input; Overloaded."""
         self._check_open(self.alive)
+        for field, off in (("n", 1), ("logprobs", None), ("prompt_logprobs", None)):
+            if getattr(params, field) != off:  # the child sends one sequence's tokens and text
+                raise ValueError(f"{field} is not served with --engine-process yet")
         context, kv_blocks = self.config.max_model_len, self.snapshot["kv_blocks_total"]
         ids = [checked_prompt_ids(p, self.tokenizer, self.config) for p in prompts]
         for i in ids:
@@ -449,17 +452,20 @@ class EngineProcess(EngineFront):
         acc.tokens.extend(new_ids)
         acc.text += new_text
         finished = reason is not None
+        # A finished request's list never changes again; a running one's is copied.
+        tokens = acc.tokens if finished else list(acc.tokens)
+        only = CompletionOutput(0, acc.text, tokens, None, None, reason, new_ids, new_text)
         return RequestOutput(
             request_id=rid,
             prompt_token_ids=acc.prompt,
-            # A finished request's list never changes again; a running one's is copied.
-            token_ids=acc.tokens if finished else list(acc.tokens),
+            token_ids=tokens,
             text=acc.text,
             new_token_ids=new_ids,
             new_text=new_text,
             finished=finished,
             finish_reason=reason,
             error=error,
+            outputs=[] if reason == "error" else [only],
         )
 
 

@@ -72,28 +72,11 @@ class APIError(Exception):
 
 
 # field -> (neutral values that are accepted, why it is refused otherwise)
-# The sampling fields here are parsed, validated and mapped (`_Sampling.sampling_kwargs`), but
-# this build's SamplingParams and RequestOutput do not carry them yet, so asking for one is
-# still a 400; each entry goes once the engine takes its field.
-_COMMON_UNSUPPORTED = {
-    "n": ((1,), "only n=1 (one choice per prompt) is supported"),
-    "presence_penalty": ((0, 0.0), "penalties are not implemented"),
-    "frequency_penalty": ((0, 0.0), "penalties are not implemented"),
-    "repetition_penalty": ((1, 1.0), "penalties are not implemented"),
-    "logit_bias": (({},), "logit_bias is not implemented"),
-    "min_tokens": ((0,), "min_tokens is not implemented"),
-    "min_p": ((0, 0.0), "min_p is not implemented"),
-}
 COMPLETION_UNSUPPORTED = {
-    **_COMMON_UNSUPPORTED,
-    "logprobs": ((), "logprobs are not implemented"),
     "best_of": ((1,), "best_of is not implemented"),
     "suffix": (("",), "suffix (insertion) is not implemented"),
 }
 CHAT_UNSUPPORTED = {
-    **_COMMON_UNSUPPORTED,
-    "logprobs": ((False,), "logprobs are not implemented"),
-    "top_logprobs": ((0,), "logprobs are not implemented"),
     "tools": (([],), "tool calling is not implemented"),
     "tool_choice": (("none",), "tool calling is not implemented"),
     "functions": (([],), "function calling is not implemented"),

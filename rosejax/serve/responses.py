@@ -22,9 +22,9 @@ Step = dict[int, Any]  # token id -> Logprob, at one position
 
 
 def choices_of(out: RequestOutput) -> Sequence[Any]:
-    """One prompt's choices, each with `text`, `token_ids`, `logprobs` (when asked for) and
-    `finish_reason`: this build's RequestOutput is its prompt's only choice."""
-    return [out]
+    """One prompt's choices (its `n` sequences), each with `text`, `token_ids`, `logprobs` (when
+    asked for) and `finish_reason`."""
+    return out.outputs
 
 
 def _logprob(x: float) -> float:
