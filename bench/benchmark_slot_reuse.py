@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'run':<32} {'survivor TPOT p50 (ms)':>24}")
     print(f"{'fresh engine':<32} {f_ms:>24.4f}")
     print(f"{f'after a burst of {burst}':<32} {b_ms:>24.4f}")
-    print(f"after burst / fresh: {b_ms / f_ms:.3f}", file=sys.stderr)
+    # Both 0 when the survivors' timed tokens came in one delivery (too few --survivor-tokens).
+    ratio = b_ms / f_ms if f_ms else None
+    print(f"after burst / fresh: {ratio if ratio is None else f'{ratio:.3f}'}", file=sys.stderr)
     result["figures"] = {
         "survivors": args.survivors,
         "burst": burst,
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "after_burst_tpot_ms": [x * 1e3 for x in after],
         "fresh_tpot_ms_median": f_ms,
         "after_burst_tpot_ms_median": b_ms,
-        "ratio": b_ms / f_ms,
+        "ratio": ratio,
     }
     common.write_json(args.json, result)
     return 0
