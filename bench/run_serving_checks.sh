@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serving checks of issues 17 and 20 on one GPU, in one call: HTTP against in process (the
+# The serving checks of issues 17 and 20 on one GPU, in one call (steps time-limited, 580 s in all): HTTP against in process (the
 # engine thread, then --engine-process), a quarter of the clients leaving, Poisson arrivals,
 # survivors of a burst, and the cost of logprobs=5. Each step's JSON and log go into OUTDIR; one
 # compilation cache for all, so only the first step compiles from scratch.
@@ -30,21 +30,21 @@ step() {  # name, time limit (s), script and flags
         "$OUT/$name.log" | head -12
 }
 
-step http 240 bench/benchmark_serving.py "${SERVE[@]}" --in-process --warmup-runs 2 \
+step http 180 bench/benchmark_serving.py "${SERVE[@]}" --in-process --warmup-runs 2 \
     --server-log "$OUT/http-server.log" --json "$OUT/http.json"
-step http-engine-process 120 bench/benchmark_serving.py "${SERVE[@]}" --warmup-runs 2 \
+step http-engine-process 90 bench/benchmark_serving.py "${SERVE[@]}" --warmup-runs 2 \
     --server-args "--max-waiting -1 --engine-process" --server-log "$OUT/ep-server.log" \
     --json "$OUT/http-engine-process.json"
-step disconnect 90 bench/benchmark_serving.py "${SERVE[@]}" --disconnect-fraction 0.25 \
+step disconnect 60 bench/benchmark_serving.py "${SERVE[@]}" --disconnect-fraction 0.25 \
     --json "$OUT/disconnect.json"
-step poisson 90 bench/benchmark_serving.py "${SERVE[@]}" --num-prompts $((4 * N)) \
+step poisson 60 bench/benchmark_serving.py "${SERVE[@]}" --num-prompts $((4 * N)) \
     --request-rate "$RATE" --goodput ttft:200 tpot:10 --json "$OUT/poisson.json"
-step slot-reuse 120 bench/benchmark_slot_reuse.py "${ENGINE[@]}" --json "$OUT/slot-reuse.json" \
+step slot-reuse 70 bench/benchmark_slot_reuse.py "${ENGINE[@]}" --json "$OUT/slot-reuse.json" \
     --survivor-tokens "$LEN" --skip-tokens $((LEN / 4)) --burst-tokens $((LEN / 16 + 1))
 for lp in none 5; do
     flag=()
     [[ $lp != none ]] && flag=(--logprobs "$lp")
-    step "logprobs-$lp" 90 bench/benchmark_streaming.py "${ENGINE[@]}" --num-requests "$N" \
+    step "logprobs-$lp" 60 bench/benchmark_streaming.py "${ENGINE[@]}" --num-requests "$N" \
         --max-new-tokens "$LEN" --no-stop-on-eos --no-warmup --no-progress --warmup-runs 1 \
         --repeat-runs 3 "${flag[@]}" --json "$OUT/logprobs-$lp.json"
 done
