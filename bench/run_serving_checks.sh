@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The serving checks of issues 17 and 20 on one GPU, in one call (steps time-limited, 580 s in all): HTTP against in process (the
-# engine thread, then --engine-process), a quarter of the clients leaving, Poisson arrivals,
-# survivors of a burst, and the cost of logprobs=5. Each step's JSON and log go into OUTDIR; one
-# compilation cache for all, so only the first step compiles from scratch.
+# The serving checks of issues 17 and 20 on one GPU, in one call (each step time-limited, 580 s
+# in all): HTTP against in process (the engine thread, then --engine-process), a quarter of the
+# clients leaving, Poisson arrivals, survivors of a burst, and the cost of logprobs=5. Each step's
+# JSON and log go into OUTDIR; one compilation cache for all, so only the first step compiles
+# from scratch.
 #
 #   PYTHONPATH=. JAX_PLATFORMS=cuda bash bench/run_serving_checks.sh OUTDIR
 #
