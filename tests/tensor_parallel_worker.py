@@ -21,15 +21,7 @@ from rosejax import LLM, KernelConfig, SamplingParams
 from rosejax.tokenizer import packaged_gpt2_tokenizer_path
 
 # What the GPU runs (interpreted here): every Pallas kernel, decode attention writing the K/V.
-KERNELS = KernelConfig(
-    kv_append="pallas",
-    attention="pallas",
-    prefill_attention="pallas",
-    layer_norm="pallas",
-    rms_norm="pallas",
-    linear="pallas",
-    interpret=True,
-)
+KERNELS = KernelConfig.for_backend("gpu", interpret=True)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
 

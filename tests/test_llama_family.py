@@ -217,16 +217,7 @@ def test_engine_kernels_match_hf(checkpoint):
     config, _ = load_checkpoint(path, "float32")
     if config.head_dim & (config.head_dim - 1) and jax.default_backend() == "cpu":
         pytest.skip("attention at head dim 24 is XLA's; the other shapes interpret the kernels")
-    kernels = KernelConfig.for_backend(interpret=INTERPRET)
-    if jax.default_backend() == "cpu":  # what for_backend picks on a GPU
-        kernels = KernelConfig(
-            kv_append="pallas",
-            attention="pallas",
-            prefill_attention="pallas",
-            rms_norm="pallas",
-            linear="pallas",
-            interpret=True,
-        )
+    kernels = KernelConfig.for_backend("gpu", interpret=INTERPRET)  # interpreted on a CPU
     # One decode program (interpreted kernels take long to compile), windows of 4 steps; blocks
     # of 16, the smallest the prefill kernel tiles.
     _engine_round_trips(
