@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rosejax.engine.llm_engine import check_request
 from rosejax.engine.request import RequestOutput
 from rosejax.engine.router import request_cost
 from rosejax.sampling import SamplingParams
@@ -54,15 +55,6 @@ class _Sink:
             return True
         except RuntimeError:  # the event loop is closed: nobody will read this
             return False
-
-
-def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
-    if future.done():  # cancelled: the client already left
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)
 
 
 class RequestStream:
@@ -318,20 +310,29 @@ class AsyncEngine(EngineFront):
     async def submit(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, request_id: str
     ) -> RequestStream:
-        """Queue one request per prompt (all or none). ValueError: bad input; Overloaded."""
+        """Queue one request per prompt (all or none). ValueError: bad input; Overloaded.
+
+        Checked here as `add_request` would check them, so the add needs no answer from the
+        engine thread: a round trip per request, each way waiting for the GIL, was most of what
+        a burst of requests took to reach the engine."""
         self._check_open(self.alive)
-        loop = asyncio.get_running_loop()
-        rids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        context = self.engine.config.max_model_len
-        costs = [request_cost(len(p), params.max_tokens, context) for p in prompts]
-        sink, accepted = _Sink(loop, rids), loop.create_future()
-        self._add_load(sum(costs))
-        self._commands.put(("add", sink, list(prompts), params, costs, accepted))
-        try:
-            await accepted
-        except asyncio.CancelledError:  # the client left before the engine answered
-            self.abort(rids)
-            raise
+        engine = self.engine
+        ids = [engine.prompt_ids(p) for p in prompts]
+        kv_blocks = engine.allocator.num_blocks - 1
+        for i in ids:
+            check_request(i, params, engine.config, kv_blocks, engine.block_size)
+        overloaded = self._overloaded(len(self._sinks), len(ids))
+        if overloaded is not None:
+            raise overloaded
+        rids = [f"{request_id}-{i}" for i in range(len(ids))]
+        sink = _Sink(asyncio.get_running_loop(), rids)
+        context = engine.config.max_model_len
+        for rid, i in zip(rids, ids, strict=True):
+            cost = request_cost(len(i), params.max_tokens, context)
+            self._add_load(cost)
+            self._costs[rid] = cost
+            self._sinks[rid] = sink
+        self._commands.put(("add", sink, ids, params))
         return RequestStream(self, sink)
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -382,36 +383,15 @@ class AsyncEngine(EngineFront):
     def _abort_in_engine(self, rid: str) -> None:
         self.engine.abort_request(rid)
 
-    def _add(
-        self, sink: _Sink, prompts: list, params: SamplingParams, costs: list[int], accepted
-    ) -> None:
-        def answer(exc: BaseException | None) -> None:
-            if exc is not None:  # nothing was queued
-                self._add_load(-sum(costs))
+    def _add(self, sink: _Sink, prompts: list, params: SamplingParams) -> None:
+        for rid, prompt in zip(sink.rids, prompts, strict=True):
+            if rid not in self._sinks:  # aborted, or its submission failed, since
+                continue
             try:
-                sink.loop.call_soon_threadsafe(_settle, accepted, exc)
-            except RuntimeError:  # the event loop is closed: nobody waits for these
-                for rid in sink.rids:
-                    if self._forget(rid) is not None:
-                        self.engine.abort_request(rid)
-
-        scheduler = self.engine.scheduler
-        overloaded = self._overloaded(len(scheduler.running) + len(scheduler.waiting), len(prompts))
-        if overloaded is not None:
-            return answer(overloaded)
-        added: list[str] = []
-        try:
-            for rid, prompt in zip(sink.rids, prompts, strict=True):
                 self.engine.add_request(rid, prompt, params)
-                added.append(rid)
-        except Exception as e:  # ValueError: bad input; anything else must not kill the loop
-            for rid in added:
-                self.engine.abort_request(rid)
-            return answer(e)
-        for rid, cost in zip(added, costs, strict=True):
-            self._sinks[rid] = sink
-            self._costs[rid] = cost
-        answer(None)
+            except Exception as e:  # checked at submit: not the client's fault if it fails here
+                log.exception("adding %s failed", rid)
+                return self._fail_sink(sink, EngineError(f"adding this request failed: {e}"))
 
     def _step(self) -> None:
         try:
