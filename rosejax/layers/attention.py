@@ -63,6 +63,15 @@ def cache_slots(
     return block, jnp.where(real, positions % block_size, 0).astype(jnp.int32)
 
 
+def cache_writes(
+    meta: ForwardMetadata, block_size: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # block, offset: int32 [B, T]; fresh: bool[]
+    """What every layer's attention needs of `meta`, computed once per forward: each token's
+    K/V slot (`cache_slots`) and whether no row continues a cached prefix (all start at 0)."""
+    block, offset = cache_slots(meta.block_tables, meta.positions, meta.seq_lens, block_size)
+    return block, offset, jnp.all(meta.positions[:, 0] == 0)
+
+
 def append_kv(
     qkv: jax.Array,  # [N, Hq + 2H, D]: the new tokens' fused q/k/v projection
     k_cache: jax.Array,  # [H, NB, BS, D]

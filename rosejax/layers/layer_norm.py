@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 
 from pallas_kernels.layer_norm import add_layer_norm, layer_norm, layer_norm_reference
-from rosejax.layers.linear import PendingSum
+from rosejax.layers.linear import PendingSum, norm_stream
 from rosejax.settings import XLA_KERNELS, KernelConfig
 
 
@@ -21,22 +21,18 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array | PendingSum) -> tuple[jax.Array, jax.Array]:  # [..., E] each
-        pending = isinstance(x, PendingSum)
-        shape = x.residual.shape if pending else x.shape
-        e = shape[-1]
+        e = (x.residual if isinstance(x, PendingSum) else x).shape[-1]
         scale = self.param("scale", nn.initializers.ones, (e,))
         bias = self.param("bias", nn.initializers.zeros, (e,))
-        if self.kernels.layer_norm == "xla":
-            x = x.value() if pending else x
-            return x, layer_norm_reference(x.reshape(-1, e), scale, bias, eps=self.epsilon).reshape(
-                shape
-            )
-        tiles = self.kernels.tile_kwargs("layer_norm") | {"interpret": self.kernels.interpret}
-        if pending:
-            h, y = add_layer_norm(
-                x.partials, x.bias, x.residual_rows(), scale, bias, eps=self.epsilon, **tiles
-            )
-            return h.reshape(shape), y.reshape(shape)
-        return x, layer_norm(x.reshape(-1, e), scale, bias, eps=self.epsilon, **tiles).reshape(
-            shape
+        k = self.kernels
+        tiles = k.tile_kwargs("layer_norm") | {"interpret": k.interpret}
+        return norm_stream(
+            x,
+            (scale, bias),
+            self.epsilon,
+            k.layer_norm == "xla",
+            layer_norm_reference,
+            layer_norm,
+            add_layer_norm,
+            tiles,
         )

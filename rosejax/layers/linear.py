@@ -20,6 +20,7 @@ by a Pallas kernel or XLA as the `KernelConfig` says.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import flax.struct
@@ -58,6 +59,13 @@ class PendingSum:
     def value(self) -> jax.Array:  # [..., N], the residual's dtype
         h = finish_partial_sums(self.partials, self.bias, self.residual_rows())
         return h.reshape(self.residual.shape)
+
+
+def select_tokens(x: jax.Array | PendingSum, indices: jax.Array) -> jax.Array:
+    """Row b's token indices[b] of the residual stream x [B, T, E] (an array or a PendingSum):
+    [B, E], the only rows whose logits are wanted."""
+    x = x.value() if isinstance(x, PendingSum) else x
+    return jnp.take_along_axis(x, indices[:, None, None], axis=1)[:, 0]
 
 
 class Linear(nn.Module):
@@ -109,3 +117,28 @@ class Linear(nn.Module):
             )
         y = linear(x.reshape(rows, k), kernel, bias, res, activation=self.activation, **tiles)
         return y.reshape(*lead, self.features)
+
+
+def norm_stream(
+    x: jax.Array | PendingSum,  # [..., E]
+    weights: tuple[jax.Array, ...],  # the norm's [E] params: (scale,) or (scale, bias)
+    eps: float,
+    on_xla: bool,
+    reference: Callable,  # (x [N, E], *weights, eps=) -> [N, E]
+    kernel: Callable,  # the Pallas kernel of the same
+    add_kernel: Callable,  # (partials, bias, residual, *weights, eps=, **tiles) -> (h, y)
+    tiles: dict,
+) -> tuple[jax.Array, jax.Array]:  # [..., E] each
+    """A row norm (layer norm, RMSNorm) of the residual stream x, an array or a `PendingSum`:
+    (the stream as an array, its norm). On the Pallas path a pending sum's bias, residual and
+    partial sums are added in the norm's own kernel."""
+    pending = isinstance(x, PendingSum)
+    shape = x.residual.shape if pending else x.shape
+    e = shape[-1]
+    if on_xla:
+        x = x.value() if pending else x
+        return x, reference(x.reshape(-1, e), *weights, eps=eps).reshape(shape)
+    if pending:
+        h, y = add_kernel(x.partials, x.bias, x.residual_rows(), *weights, eps=eps, **tiles)
+        return h.reshape(shape), y.reshape(shape)
+    return x, kernel(x.reshape(-1, e), *weights, eps=eps, **tiles).reshape(shape)

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 
 from pallas_kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
-from rosejax.layers.linear import PendingSum
+from rosejax.layers.linear import PendingSum, norm_stream
 from rosejax.settings import XLA_KERNELS, KernelConfig
 
 
@@ -19,18 +19,17 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array | PendingSum) -> tuple[jax.Array, jax.Array]:  # [..., E] each
-        pending = isinstance(x, PendingSum)
-        shape = x.residual.shape if pending else x.shape
-        e = shape[-1]
+        e = (x.residual if isinstance(x, PendingSum) else x).shape[-1]
         scale = self.param("scale", nn.initializers.ones, (e,))
-        if self.kernels.rms_norm == "xla":
-            x = x.value() if pending else x
-            return x, rms_norm_reference(x, scale, eps=self.epsilon)
-        tiles = self.kernels.tile_kwargs("rms_norm") | {"interpret": self.kernels.interpret}
-        if pending:
-            h, y = add_rms_norm(
-                x.partials, x.bias, x.residual_rows(), scale, eps=self.epsilon, **tiles
-            )
-            return h.reshape(shape), y.reshape(shape)
-        y = rms_norm(x.reshape(-1, e), scale, eps=self.epsilon, **tiles)
-        return x, y.reshape(shape)
+        k = self.kernels
+        tiles = k.tile_kwargs("rms_norm") | {"interpret": k.interpret}
+        return norm_stream(
+            x,
+            (scale,),
+            self.epsilon,
+            k.rms_norm == "xla",
+            rms_norm_reference,
+            rms_norm,
+            add_rms_norm,
+            tiles,
+        )

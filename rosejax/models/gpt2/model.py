@@ -24,13 +24,13 @@ import jax.numpy as jnp
 from rosejax.layers.attention import (
     ForwardMetadata,
     append_kv,
-    cache_slots,
+    cache_writes,
     decode_attention,
     prefill_attention,
 )
 from rosejax.layers.kv_cache import KVCache
 from rosejax.layers.layer_norm import LayerNorm
-from rosejax.layers.linear import Linear, PendingSum
+from rosejax.layers.linear import Linear, select_tokens
 from rosejax.layers.parallel import NO_TP, ShardLayout, TensorParallel, embed, gather_vocab
 from rosejax.models.gpt2.config import GPT2Config
 from rosejax.settings import XLA_KERNELS, KernelConfig
@@ -127,11 +127,7 @@ class GPT2(nn.Module):
         positions = jnp.clip(meta.positions, 0, cfg.n_positions - 1)  # padding may overrun
         x = embed(wte, tokens, self.tp) + wpe(positions)  # [B, T, E]
 
-        # The cache slot each token writes, computed once for every layer.
-        write_block, write_offset = cache_slots(
-            meta.block_tables, meta.positions, meta.seq_lens, cache.block_size
-        )  # [B, T] each
-        fresh = jnp.all(meta.positions[:, 0] == 0)  # no row continues a cached prefix
+        write_block, write_offset, fresh = cache_writes(meta, cache.block_size)
 
         ks, vs = [], []
         for i in range(cfg.n_layer):  # unrolled: each layer's cache stays its own donated buffer
@@ -141,8 +137,7 @@ class GPT2(nn.Module):
             ks.append(k)
             vs.append(v)
         if logit_indices is not None:  # only the rows' last real tokens need logits
-            x = x.value() if isinstance(x, PendingSum) else x
-            x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)[:, 0]  # [B, E]
+            x = select_tokens(x, logit_indices)  # [B, E]
         _, x = LayerNorm(cfg.layer_norm_epsilon, self.kernels, name="ln_f")(x)
         # In the model's dtype: an fp16 step writes (and its argmax reads) half the bytes of
         # float32 logits, 26 MB less per step at B=256; the values are the same, since the

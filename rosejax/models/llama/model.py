@@ -23,12 +23,12 @@ import jax.numpy as jnp
 from rosejax.layers.attention import (
     ForwardMetadata,
     append_kv,
-    cache_slots,
+    cache_writes,
     decode_attention,
     prefill_attention,
 )
 from rosejax.layers.kv_cache import KVCache
-from rosejax.layers.linear import Linear, PendingSum
+from rosejax.layers.linear import Linear, select_tokens
 from rosejax.layers.parallel import NO_TP, ShardLayout, TensorParallel, embed, gather_vocab
 from rosejax.layers.rms_norm import RMSNorm
 from rosejax.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
@@ -162,10 +162,7 @@ class LlamaModel(nn.Module):
         rows = self.tp.local(cfg.padded_vocab_size)  # this shard's vocabulary rows
         table = nn.Embed(rows, cfg.hidden_size, dtype=self.dtype, name="embed_tokens")
         x = embed(table, tokens, self.tp)  # [B, T, E]
-        write_block, write_offset = cache_slots(
-            meta.block_tables, meta.positions, meta.seq_lens, cache.block_size
-        )  # [B, T] each
-        fresh = jnp.all(meta.positions[:, 0] == 0)  # no row continues a cached prefix
+        write_block, write_offset, fresh = cache_writes(meta, cache.block_size)
         cos, sin = rope_cos_sin(meta.positions.reshape(-1), inv_freq(cfg))  # [B*T, D/2] each
 
         ks, vs = [], []
@@ -176,8 +173,7 @@ class LlamaModel(nn.Module):
             ks.append(k)
             vs.append(v)
         if logit_indices is not None:  # only the rows' last real tokens need logits
-            x = x.value() if isinstance(x, PendingSum) else x
-            x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)[:, 0]  # [B, E]
+            x = select_tokens(x, logit_indices)  # [B, E]
         _, x = RMSNorm(cfg.rms_norm_eps, self.kernels, name="norm")(x)
         if cfg.tie_word_embeddings:
             logits = table.attend(x)
