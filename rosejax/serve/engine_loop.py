@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rosejax.engine.llm_engine import check_request
+from rosejax.engine.llm_engine import check_request, checked_prompt_ids
 from rosejax.engine.request import RequestOutput
 from rosejax.engine.router import request_cost
 from rosejax.sampling import SamplingParams
@@ -183,6 +183,36 @@ class EngineFront:
             f"{self.max_waiting}); retry later"
         )
 
+    def _register(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams,
+        request_id: str,
+        tokenizer: Any,
+        config: Any,
+        kv_blocks: int,
+        block_size: int,
+    ) -> tuple[_Sink, list[list[int]]]:
+        """Check one submission as `LLMEngine.add_request` would (ValueError: bad input;
+        Overloaded) and take its requests in flight, so the engine's add needs no answer: a
+        round trip per request, each way waiting for the GIL, was most of what a burst of
+        requests took to reach the engine. Returns its sink and its prompts' token ids."""
+        self._check_open(self.alive)
+        ids = [checked_prompt_ids(p, tokenizer, config) for p in prompts]
+        for i in ids:
+            check_request(i, params, config, kv_blocks, block_size)
+        overloaded = self._overloaded(len(self._sinks), len(ids))
+        if overloaded is not None:
+            raise overloaded
+        rids = [f"{request_id}-{i}" for i in range(len(ids))]
+        sink = _Sink(asyncio.get_running_loop(), rids)
+        for rid, i in zip(rids, ids, strict=True):
+            cost = request_cost(len(i), params.max_tokens, config.max_model_len)
+            self._add_load(cost)
+            self._costs[rid] = cost
+            self._sinks[rid] = sink
+        return sink, ids
+
     def abort(self, request_ids: Sequence[str]) -> None:
         """Stop these requests (a client went away); ids already ended are ignored."""
         raise NotImplementedError
@@ -310,28 +340,18 @@ class AsyncEngine(EngineFront):
     async def submit(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, request_id: str
     ) -> RequestStream:
-        """Queue one request per prompt (all or none). ValueError: bad input; Overloaded.
-
-        Checked here as `add_request` would check them, so the add needs no answer from the
-        engine thread: a round trip per request, each way waiting for the GIL, was most of what
-        a burst of requests took to reach the engine."""
-        self._check_open(self.alive)
+        """Queue one request per prompt (all or none). ValueError: bad input; Overloaded."""
         engine = self.engine
-        ids = [engine.prompt_ids(p) for p in prompts]
         kv_blocks = engine.allocator.num_blocks - 1
-        for i in ids:
-            check_request(i, params, engine.config, kv_blocks, engine.block_size)
-        overloaded = self._overloaded(len(self._sinks), len(ids))
-        if overloaded is not None:
-            raise overloaded
-        rids = [f"{request_id}-{i}" for i in range(len(ids))]
-        sink = _Sink(asyncio.get_running_loop(), rids)
-        context = engine.config.max_model_len
-        for rid, i in zip(rids, ids, strict=True):
-            cost = request_cost(len(i), params.max_tokens, context)
-            self._add_load(cost)
-            self._costs[rid] = cost
-            self._sinks[rid] = sink
+        sink, ids = self._register(
+            prompts,
+            params,
+            request_id,
+            engine.tokenizer,
+            engine.config,
+            kv_blocks,
+            engine.block_size,
+        )
         self._commands.put(("add", sink, ids, params))
         return RequestStream(self, sink)
 

@@ -36,9 +36,8 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from rosejax.engine.llm_engine import check_request, checked_prompt_ids
+from rosejax.engine.llm_engine import checked_prompt_ids
 from rosejax.engine.request import CompletionOutput, RequestOutput
-from rosejax.engine.router import request_cost
 from rosejax.sampling import SamplingParams
 from rosejax.serve.engine_loop import (
     EngineError,
@@ -346,26 +345,16 @@ class EngineProcess(EngineFront):
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, request_id: str
     ) -> RequestStream:
         """Queue one request per prompt (all or none). ValueError: bad input; Overloaded."""
-        self._check_open(self.alive)
         for field, off in (("n", 1), ("logprobs", None), ("prompt_logprobs", None)):
             if getattr(params, field) != off:  # the child sends one sequence's tokens and text
                 raise ValueError(f"{field} is not served with --engine-process yet")
-        context, kv_blocks = self.config.max_model_len, self.snapshot["kv_blocks_total"]
-        ids = [checked_prompt_ids(p, self.tokenizer, self.config) for p in prompts]
-        for i in ids:
-            check_request(i, params, self.config, kv_blocks, self.block_size)
-        overloaded = self._overloaded(len(self._sinks), len(ids))
-        if overloaded is not None:
-            raise overloaded
-        rids = [f"{request_id}-{i}" for i in range(len(ids))]
-        sink = _Sink(asyncio.get_running_loop(), rids)
-        for rid, i in zip(rids, ids, strict=True):
-            cost = request_cost(len(i), params.max_tokens, context)
-            self._add_load(cost)
-            self._costs[rid] = cost
+        kv_blocks = self.snapshot["kv_blocks_total"]
+        sink, ids = self._register(
+            prompts, params, request_id, self.tokenizer, self.config, kv_blocks, self.block_size
+        )
+        for rid, i in zip(sink.rids, ids, strict=True):
             self._outputs[rid] = _Output(i)
-            self._sinks[rid] = sink
-        self._post(("add", list(zip(rids, ids, strict=True)), params))
+        self._post(("add", list(zip(sink.rids, ids, strict=True)), params))
         return RequestStream(self, sink)
 
     def abort(self, request_ids: Sequence[str]) -> None:
