@@ -90,8 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
         logprobs=None,
         max_concurrency=None,
         continuous_usage_stats=False,
+        disconnect_fraction=0.0,
         served_model_name=None,
         server_log=None,
+        no_wait_compiled=False,
     )
     return p
 
@@ -112,7 +114,6 @@ def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[bs.Sa
         **vars(args)
         | {
             "data_parallel_size": replicas,
-            "no_wait_compiled": False,
             "server_args": args.server_args + extra,
         }
     )

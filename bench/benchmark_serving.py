@@ -730,7 +730,7 @@ async def run_http(
     records = [
         Record(i, s.output_len, offsets[i], prompt_len=s.prompt_len) for i, s in enumerate(samples)
     ]
-    f = getattr(args, "disconnect_fraction", 0.0)  # other benches' flags have no disconnects
+    f = args.disconnect_fraction
     for rec in records:  # evenly spread: request i leaves when floor(i * f) steps up
         if int((rec.index + 1) * f) > int(rec.index * f):
             rec.disconnect_after = args.disconnect_after
