@@ -60,7 +60,10 @@ def check_logprob_dict(entry: dict[int, Logprob], token: int, ref: np.ndarray, t
     as likely), and the top ones in order with ranks 1..top, each logprob within 1e-4."""
     assert isinstance(entry[token], Logprob) and list(entry)[0] == token
     assert abs(entry[token].logprob - ref[token]) < 1e-4
-    assert entry[token].rank == int(np.sum(ref >= ref[token] - 1e-6))
+    # Its rank counts the tokens at least as likely; ones within the logprob tolerance of it
+    # may fall either side (the engine's logits are not HF's to the last bit).
+    surely_above = int(np.sum(ref > ref[token] + 1e-4))
+    assert surely_above + 1 <= entry[token].rank <= int(np.sum(ref >= ref[token] - 1e-4))
     order = np.argsort(-ref, kind="stable")[:top].tolist()
     assert sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= top) == list(
         zip(range(1, top + 1), order, strict=True)
