@@ -374,11 +374,12 @@ class LLMEngine:
         the ones a first request needs first (the smallest prefill, the smallest decode bucket
         greedy and sampled), then the rest from the smallest; on a GPU then each decode
         bucket's program with the logits processors and logprobs ("decode-extras", rows,
-        greedy), last (a server compiles them while idle: a CPU compiles them on first use in
-        seconds, and its tests need few). Prefills with them compile on first use."""
+        False: its sampler picks greedy rows by argmax, so it has no greedy twin), last (a
+        server compiles them while idle: a CPU compiles them on first use in seconds, and its
+        tests need few). Prefills with them compile on first use."""
         prefill = [("prefill", b, t) for b, t in sorted(self.prefill_shapes(), key=math.prod)]
         decode = [("decode", b, g) for b in self.decode_buckets for g in (True, False)]
-        extras = [] if self.on_cpu else [("decode-extras", b, g) for _, b, g in decode]
+        extras = [] if self.on_cpu else [("decode-extras", b, False) for b in self.decode_buckets]
         plain = prefill[:1] + decode[:2] + sorted(prefill[1:] + decode[2:], key=lambda p: p[1])
         return plain + extras
 
@@ -664,8 +665,8 @@ class LLMEngine:
             r.blocks_on_device = len(blocks)
             r.inflight += k
         b = _bucket(max(r.slot for r in running) + 1, self.decode_buckets)
-        greedy = all(r.params.temperature == 0 for r in running)
         extras = any(r.extras for r in running)
+        greedy = not extras and all(r.params.temperature == 0 for r in running)
         # A copy: on the CPU jax may alias a numpy argument, and this one is reset at once.
         out = self.runner.decode(b, k, greedy, self._kill.copy(), updates, moves, extras)
         self._kill[:] = False
