@@ -25,7 +25,6 @@ side: each run's throughput, their median, and median(N replicas) / median(1 rep
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
@@ -125,7 +124,7 @@ def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[bs.Sa
         endpoint = server.url + "/v1/completions"
         for i, samples in enumerate(workloads):
             tag = f"http dp={replicas} run {i}"
-            records, duration = asyncio.run(
+            records, duration = bs.run_client(
                 bs.run_http(endpoint, model, samples, offsets, args, client, tag)
             )
             s = bs.summarize(records, duration, [50.0])

@@ -25,10 +25,14 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
 
 from rosejax import LLM, SamplingParams
 from rosejax.engine.request import Request
 from rosejax.serve import create_app
+from rosejax.serve import server as server_module
 from rosejax.serve.protocol import Limits
 from rosejax.serve.server import ServerThread
 
@@ -364,6 +368,29 @@ def test_half_sent_head_is_closed(served):
 
     answer, waited = check_hostile(served, half)
     assert answer == b"" and waited < 5, (answer, waited)
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_each_http_parser_serves_and_closes_a_half_sent_head(parser):
+    """httptools where installed, h11 otherwise: either answers a request and closes a
+    connection whose head stops half-way once the read timeout has passed."""
+    if parser == "httptools" and server_module.HttpToolsProtocol is None:
+        pytest.skip("httptools is not installed")
+    protocol = server_module.http_protocol(parser)
+    app = Starlette(routes=[Route("/ping", lambda _: PlainTextResponse("pong"))])
+    app.state.limits, app.state.engine = Limits(read_timeout=0.5), None
+
+    async def both(port: int) -> tuple[bytes, bytes, float]:
+        served = await raw(port, b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        start = time.monotonic()
+        half = await raw(port, b"GET /ping HTTP/1.1\r\nHost: x\r\n")
+        return served, half, time.monotonic() - start
+
+    with ServerThread(app, http=parser) as server:
+        assert issubclass(server.server.config.http, protocol)
+        served, half, waited = asyncio.run(both(server.port))
+    assert served.startswith(b"HTTP/1.1 200") and served.endswith(b"pong"), served
+    assert half == b"" and 0.4 < waited < 5, (half, waited)
 
 
 # ------------------------------------------------------------------- containment, shutdown

@@ -21,13 +21,18 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+try:  # uvicorn[standard]'s C parser: a streamed event costs a fraction of h11's pure Python
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:
+    HttpToolsProtocol = None
+
 # How long past the shutdown timeout uvicorn waits for the handlers to write their last events.
 _SHUTDOWN_MARGIN_S = 5.0
 
 
-def _h11_with_head_deadline(timeout: float) -> type[H11Protocol]:
-    class H11WithHeadDeadline(H11Protocol):
-        """uvicorn's h11 protocol, closing a connection whose next request head has not
+def _with_head_deadline(protocol: type, timeout: float) -> type:
+    class WithHeadDeadline(protocol):
+        """uvicorn's HTTP protocol, closing a connection whose next request head has not
         arrived `timeout` seconds after the connection opened or its last response ended."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -46,13 +51,27 @@ def _h11_with_head_deadline(timeout: float) -> type[H11Protocol]:
             # A new head makes a new cycle: the same one means none came since the timer began.
             waiting = cycle is None or cycle.response_complete
             if self.cycle is cycle and waiting and not self.transport.is_closing():
-                try:
-                    self.conn.send(h11.ConnectionClosed())
-                except h11.LocalProtocolError:
-                    pass
+                if isinstance(self, H11Protocol):
+                    try:
+                        self.conn.send(h11.ConnectionClosed())
+                    except h11.LocalProtocolError:
+                        pass
                 self.transport.close()
 
-    return H11WithHeadDeadline
+    WithHeadDeadline.__name__ = f"{protocol.__name__}WithHeadDeadline"
+    return WithHeadDeadline
+
+
+def http_protocol(name: str = "auto") -> type:
+    """uvicorn's protocol for `name` (its --http): auto = httptools where it is installed
+    (uvicorn[standard]), else h11."""
+    if name == "h11" or (name == "auto" and HttpToolsProtocol is None):
+        return H11Protocol
+    if name not in ("auto", "httptools"):
+        raise ValueError(f"--http must be auto, h11 or httptools, got {name!r}")
+    if HttpToolsProtocol is None:
+        raise ValueError("--http httptools needs httptools: pip install 'uvicorn[standard]'")
+    return HttpToolsProtocol
 
 
 class Server(uvicorn.Server):
@@ -69,13 +88,17 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def make_server(app: Any, *, shutdown_timeout: float = 5.0, **uvicorn_kwargs: Any) -> Server:
-    """The server for an app of `create_app` (or a `LoadingApp`); `uvicorn_kwargs` go to `uvicorn.Config` (host,
-    port, log_level, access_log, ...)."""
+def make_server(
+    app: Any, *, shutdown_timeout: float = 5.0, http: str = "auto", **uvicorn_kwargs: Any
+) -> Server:
+    """The server for an app of `create_app` (or a `LoadingApp`) with the HTTP protocol `http`
+    (`http_protocol`); `uvicorn_kwargs` go to `uvicorn.Config` (host, port, log_level,
+    access_log, ...)."""
     timeout = app.state.limits.read_timeout
+    protocol = http_protocol(http)
     config = uvicorn.Config(
         app,
-        http=_h11_with_head_deadline(timeout) if timeout else "h11",
+        http=_with_head_deadline(protocol, timeout) if timeout else protocol,
         timeout_graceful_shutdown=shutdown_timeout + _SHUTDOWN_MARGIN_S,
         **uvicorn_kwargs,
     )
