@@ -50,6 +50,12 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+async def _abort(stream: RequestStream) -> None:
+    """`stream.abort` as a response's background task: a sync one would cost every request a
+    hop to Starlette's thread pool and back."""
+    stream.abort()
+
+
 async def _collect(request: Request, stream: RequestStream) -> list[RequestOutput] | None:
     """Every prompt's final output in order, or None if the client left first (then aborted)."""
     finals: dict[str, RequestOutput] = {}
@@ -413,7 +419,7 @@ def create_app(
                 sse(stream, fmt, *usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
-                background=BackgroundTask(stream.abort),
+                background=BackgroundTask(_abort, stream),
             )
         try:
             finals = await _collect(request, stream)
