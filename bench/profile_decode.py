@@ -5,7 +5,8 @@ each `decode_steps` value given (the first run compiles) and reports the median 
 decode step (and each run's) and tokens/s, the step's least bytes (bench/metrics.py) against the
 card's copy bandwidth, the host's dispatch/wait/harvest seconds over the timed runs, and a
 jax.profiler trace of the first timed run when --trace-dir is set (a traced run is slower: read
-its kernel shares, not its times).
+its kernel shares, not its times). --logprobs N: every request asks for N alternatives (the
+decode program with the extras, and the host reading logprobs back).
 
 The engine's kernels are a `KernelConfig` built from the engine's own flags: --kernel FIELD=VALUE
 (an op's implementation, a threshold) and --kernel-tile OP.PARAM=INT, a keyword every call of
@@ -34,7 +35,7 @@ import numpy as np  # noqa: E402
 from bench import metrics as m  # noqa: E402
 from bench.common import configure_process, copy_bandwidth_gbs  # noqa: E402
 from rosejax import EngineConfig, KernelConfig, LLMEngine, SamplingParams  # noqa: E402
-from rosejax.engine_args import add_kernel_args, kernel_config  # noqa: E402
+from rosejax.engine_args import add_kernel_args, add_logprobs_arg, kernel_config  # noqa: E402
 
 
 def resolve_kernels(
@@ -88,11 +89,14 @@ def timed_run(
     new_tokens: int,
     rng: np.random.Generator,
     tag: object,
+    logprobs: int | None = None,
 ) -> tuple[float, float, int]:
-    """`batch` requests of random `prompt_len`-token prompts, `new_tokens` greedy tokens each,
-    all at once -> (decode seconds: from every request holding its first token to the end,
-    end-to-end seconds, tokens)."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    """`batch` requests of random `prompt_len`-token prompts, `new_tokens` greedy tokens each
+    (with `logprobs` alternatives, if not None), all at once -> (decode seconds: from every
+    request holding its first token to the end, end-to-end seconds, tokens)."""
+    params = SamplingParams(
+        max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs
+    )
     for i in range(batch):
         prompt = rng.integers(0, engine.config.vocab_size, prompt_len).tolist()
         engine.add_request(f"{tag}-{i}", prompt, params)
@@ -134,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--trace-dir", default=None, help="write a jax.profiler trace of the first timed run here"
     )
+    add_logprobs_arg(p)
     add_kernel_args(p)
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)
@@ -160,7 +165,9 @@ def main(argv: list[str] | None = None) -> None:
             trace = run == 1 and args.trace_dir
             if trace:
                 jax.profiler.start_trace(args.trace_dir, create_perfetto_trace=True)
-            timed = timed_run(engine, args.batch, args.prompt_len, args.new_tokens, rng, run)
+            timed = timed_run(
+                engine, args.batch, args.prompt_len, args.new_tokens, rng, run, args.logprobs
+            )
             if trace:
                 jax.profiler.stop_trace()
             if run >= 1:

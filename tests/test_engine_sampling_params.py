@@ -121,6 +121,36 @@ def test_logprobs_and_prompt_logprobs_match_hf(checkpoint, llm):
     assert_clean(llm)
 
 
+def test_streamed_logprobs_are_the_final_ones_as_they_grew(checkpoint, llm):
+    """Stepped by hand: each output's logprobs hold one dict per token so far (the new ones
+    last, for the new tokens), and stay what they were while later windows extend the
+    request's: every one is a prefix of the final logprobs."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=9, temperature=0, logprobs=2, prompt_logprobs=1)
+    prompts = random_prompts(2, hi=16)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"stream-{i}", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    finals = {o.request_id: o for o in outputs if o.finished}
+    assert len(finals) == 2
+    for out in outputs:
+        c, final = out.outputs[0], finals[out.request_id].outputs[0]
+        assert (
+            len(c.logprobs) == len(c.token_ids)
+            and c.token_ids == final.token_ids[: len(c.token_ids)]
+        )
+        new = c.logprobs[len(c.token_ids) - len(c.new_token_ids) :]
+        assert all(t in entry for t, entry in zip(c.new_token_ids, new, strict=True))
+        assert c.logprobs == final.logprobs[: len(c.logprobs)]
+    for i, prompt in enumerate(prompts):
+        final = finals[f"stream-{i}"]
+        assert len(final.prompt_logprobs) == len(prompt) and final.prompt_logprobs[0] is None
+        assert [next(iter(d)) for d in final.prompt_logprobs[1:]] == prompt[1:]
+    assert_clean(llm)
+
+
 @pytest.mark.slow
 def test_prompt_logprobs_chunked_and_past_the_prefix_cache(checkpoint, llm):
     """A prompt prefilled in chunks, and one whose blocks are already in the prefix cache

@@ -1,13 +1,15 @@
-"""A request's host record of its tokens: fed a decode window at a time, against a spec."""
+"""A request's host record of its tokens: fed a decode window at a time, against a spec; and
+its logprobs (FlatLogprobs) read as the dicts of their definition."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rosejax.engine.request import Request
-from rosejax.sampling import SamplingParams
+from rosejax.engine.request import FlatLogprobs, Logprob, Request
+from rosejax.sampling import SamplingParams, TokenLogprobs
 from rosejax.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 EOS = 50256
@@ -92,3 +94,54 @@ def test_stop_strings_end_at_the_token_that_completes_one(tok, tokens, cuts, sto
         assert request.output_token_ids == ids and request.finish_reason == reason
         # While running, a tail that could grow into a stop string is held back.
         assert request.text == text if reason else text.startswith(request.take_completion().text)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    windows=st.lists(st.integers(0, 9), max_size=6),
+    top=st.integers(0, 4),
+    capacity=st.integers(0, 8),
+    leading_none=st.booleans(),
+    named=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_flat_logprobs_read_as_vllm_dicts(windows, top, capacity, leading_none, named, seed):
+    """Fed a window at a time (past its capacity), FlatLogprobs reads as vLLM's list of dicts:
+    per token {token: Logprob(its logprob, its rank, its text)}, then the top ones with ranks
+    1..top (a token among them takes its place); a snapshot keeps what it held."""
+    rng = np.random.default_rng(seed)
+    vocab, width = 6, 5  # few ids: the token is often among the top ones
+    texts = {i: f"<{i}>" for i in range(vocab)}
+    flat = FlatLogprobs(top, texts if named else None, leading_none, capacity)
+    want: list = [None] if leading_none else []
+    snapshots = []
+    for t in windows:
+        tokens = rng.integers(0, vocab, t)
+        lp = TokenLogprobs(
+            rng.normal(size=t).astype(np.float32),
+            rng.integers(1, vocab + 1, t).astype(np.int32),
+            rng.integers(0, vocab, (t, width)).astype(np.int32),
+            rng.normal(size=(t, width)).astype(np.float32),
+        )
+        flat.extend(tokens, lp)
+        for i in range(t):
+            token = int(tokens[i])
+            entry = {token: Logprob(float(lp.logprob[i]), int(lp.rank[i]), texts[token])}
+            for place in range(1, top + 1):
+                alt = int(lp.top_ids[i, place - 1])
+                entry[alt] = Logprob(float(lp.top_logprobs[i, place - 1]), place, texts[alt])
+            if not named:
+                entry = {k: Logprob(v.logprob, v.rank, None) for k, v in entry.items()}
+            want.append(entry)
+        snapshots.append((flat.snapshot(), list(want)))
+    assert len(flat) == len(want) and flat == want and list(flat) == want
+    for i in range(-len(want), len(want)):
+        assert flat[i] == want[i]
+        if want[i] is not None:  # the token first, as vLLM's dicts have it
+            assert next(iter(flat[i])) == next(iter(want[i]))
+    for cut in (slice(1, None), slice(None, -2), slice(None, None, 2), slice(3, 1)):
+        assert flat[cut] == want[cut]
+    with pytest.raises(IndexError):
+        flat[len(want)]
+    for snapshot, held in snapshots:
+        assert snapshot == held and len(snapshot) == len(held)

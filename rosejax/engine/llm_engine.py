@@ -26,11 +26,9 @@ from jax.sharding import PartitionSpec as P
 
 from rosejax.engine.block_manager import BlockAllocator
 from rosejax.engine.request import (
-    Logprob,
     Request,
     RequestOutput,
     RequestStatus,
-    SampleLogprobs,
     SequenceGroup,
     max_output,
     request_stop_ids,
@@ -461,6 +459,7 @@ class LLMEngine:
                 eos_token_ids(self.config),
                 self.config.max_model_len,
                 index=i,
+                token_texts=self.token_texts,
             )
             for i in range(params.n)
         ]
@@ -472,9 +471,7 @@ class LLMEngine:
             seed = int(self._seeds.integers(2**64, dtype=np.uint64)) if seed is None else seed + i
             sequence.seed = seed % 2**64  # the device takes a seed's 64 bits as two words
         self._arrivals += 1
-        self._requests[request_id] = SequenceGroup(
-            request_id, sequences, params.prompt_logprobs is not None
-        )
+        self._requests[request_id] = SequenceGroup(request_id, sequences, self.token_texts)
         for sequence in sequences:
             self.scheduler.add(sequence)
 
@@ -745,11 +742,7 @@ class LLMEngine:
             # (the prefill's token, read back before any window) and for each taken but the last
             self.allocator.extend(request.table, request.output_token_ids[-taken - 1 : -1])
         if request.logprobs is not None and taken:
-            lp = TokenLogprobs(*(a[:taken, column] for a in logprobs))
-            chosen = lp.logprob.tolist()
-            request.add_logprobs(
-                self._logprob_dicts(row[:taken], chosen, lp, request.params.logprobs), chosen
-            )
+            request.add_logprobs(TokenLogprobs(*(a[:taken, column] for a in logprobs)))
 
     def _take_prompt_logprobs(self, logprobs: TokenLogprobs, rows) -> None:
         """Record a prefill's prompt logprobs: rows are (request, row, first position, count)."""
@@ -758,29 +751,4 @@ class LLMEngine:
             group = request.group
             if self._requests.get(group.request_id) is not group:
                 continue  # aborted since
-            lp = TokenLogprobs(*(a[row, :count] for a in logprobs))
-            targets = request.prompt_token_ids[start : start + count]
-            group.add_prompt_logprobs(
-                start,
-                self._logprob_dicts(
-                    targets, lp.logprob.tolist(), lp, request.params.prompt_logprobs
-                ),
-            )
-
-    def _logprob_dicts(
-        self, tokens: list[int], chosen: list[float], lp: TokenLogprobs, top: int
-    ) -> SampleLogprobs:
-        """vLLM's per-token dicts: {token: Logprob} for each token, then its `top` most likely
-        (ranks 1..top; a token among them has that rank, as in vLLM)."""
-        text = self.token_texts
-        ranks = lp.rank.tolist()
-        top_ids, top_lps = lp.top_ids[:, :top].tolist(), lp.top_logprobs[:, :top].tolist()
-        dicts = []
-        for token, value, rank, ids, values in zip(
-            tokens, chosen, ranks, top_ids, top_lps, strict=True
-        ):
-            d = {token: Logprob(value, rank, text[token])}
-            for i, (alt, alt_value) in enumerate(zip(ids, values, strict=True)):
-                d[alt] = Logprob(alt_value, i + 1, text[alt])
-            dicts.append(d)
-        return dicts
+            group.add_prompt_logprobs(start, TokenLogprobs(*(a[row, :count] for a in logprobs)))

@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import overload
+
+import numpy as np
 
 from rosejax.engine.block_manager import BlockTable
-from rosejax.sampling import NO_BIAS_UNTIL, SamplingParams
+from rosejax.sampling import NO_BIAS_UNTIL, SamplingParams, TokenLogprobs
 from rosejax.tokenizer import IncrementalDetokenizer
 
 
@@ -30,10 +33,126 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# Per generated token: {token id: Logprob} with the sampled token and the top-N alternatives.
-SampleLogprobs = list[dict[int, Logprob]]
+class FlatLogprobs(Sequence):
+    """Logprobs of a run of tokens, read as vLLM's `list[dict[int, Logprob]]` (index, slice,
+    iterate, len, ==): per token {its id: Logprob, then each of the `top` most likely: Logprob}.
+    Kept as arrays, each position's dict made when it is read: a dict and 1 + top Logprob
+    objects for every token of every request are millions of objects at a full batch, which
+    the garbage collector walks again and again (vLLM's FlatLogprobs, for the same reason).
+    `leading_none`: position 0 is None (a prompt's first token, which nothing predicts).
+    `texts`: id -> decoded_token (None: decoded_token None). `capacity`: tokens the arrays
+    hold before they first grow. Positions are only appended, so `snapshot` shares the arrays."""
+
+    __slots__ = ("top", "texts", "_first", "_len", "_arrays")
+
+    def __init__(
+        self,
+        top: int,
+        texts: Mapping[int, str] | None,
+        leading_none: bool = False,
+        capacity: int = 0,
+    ):
+        self.top, self.texts = top, texts
+        self._first = int(leading_none)  # positions before the arrays' first (None)
+        self._len = 0  # tokens held; the arrays have room for more
+        # tokens [n], their logprobs [n] and ranks [n], the top ids [n, top] and logprobs.
+        self._arrays = (
+            np.empty(capacity, np.int32),
+            np.empty(capacity, np.float32),
+            np.empty(capacity, np.int32),
+            np.empty((capacity, top), np.int32),
+            np.empty((capacity, top), np.float32),
+        )
+
+    def extend(self, tokens: np.ndarray, logprobs: TokenLogprobs) -> None:
+        """Append tokens [t] with their logprobs (numpy `TokenLogprobs` of [t], at least `top`
+        alternatives each)."""
+        n, t = self._len, len(tokens)
+        if n + t > len(self._arrays[0]):  # doubling: a window at a time costs O(1) a token
+            cap = max(n + t, 2 * n)
+            self._arrays = tuple(_resized(a, cap, n) for a in self._arrays)
+        new = (tokens, logprobs.logprob, logprobs.rank, *(a[:, : self.top] for a in logprobs[2:]))
+        for array, values in zip(self._arrays, new, strict=True):
+            array[n : n + t] = values
+        self._len = n + t
+
+    def snapshot(self) -> FlatLogprobs:
+        """The positions held now, unchanged by later `extend`s (no copy)."""
+        view = FlatLogprobs.__new__(FlatLogprobs)
+        view.top, view.texts, view._first = self.top, self.texts, self._first
+        view._len, view._arrays = self._len, self._arrays
+        return view
+
+    def __len__(self) -> int:
+        return self._first + self._len
+
+    @overload
+    def __getitem__(self, index: int) -> dict[int, Logprob] | None: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[int, Logprob] | None]: ...
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return self._dicts(start, stop)
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError("logprobs index out of range")
+        return self._dicts(index % n, index % n + 1)[0]
+
+    def __iter__(self):
+        return iter(self._dicts(0, len(self)))
+
+    def _dicts(self, start: int, stop: int) -> list[dict[int, Logprob] | None]:
+        """Positions [start, stop)'s dicts: the token (its rank as the device counted it), then
+        the top ones (ranks 1..top: a token among them has its place, as in vLLM)."""
+        out: list[dict[int, Logprob] | None] = [None] * max(0, min(stop, self._first) - start)
+        lo, hi = max(start - self._first, 0), max(stop - self._first, 0)
+        if hi <= lo:
+            return out
+        # One conversion to Python values per array, not a numpy scalar per entry.
+        tokens, logprob, rank, top_ids, top_logprobs = (a[lo:hi].tolist() for a in self._arrays)
+        text = _no_text if self.texts is None else self.texts.__getitem__
+        places = range(1, self.top + 1)
+        for token, value, r, ids, values in zip(
+            tokens, logprob, rank, top_ids, top_logprobs, strict=True
+        ):
+            entry = {token: Logprob(value, r, text(token))}
+            for place, alt, alt_value in zip(places, ids, values, strict=True):
+                entry[alt] = Logprob(alt_value, place, text(alt))
+            out.append(entry)
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # a list's equality, so unhashable like a list
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+def _no_text(token_id: int) -> None:
+    return None
+
+
+def _resized(array: np.ndarray, rows: int, keep: int) -> np.ndarray:
+    """`array` with `rows` rows, the first `keep` copied."""
+    out = np.empty((rows, *array.shape[1:]), array.dtype)
+    out[:keep] = array[:keep]
+    return out
+
+
+# Per generated token: {token id: Logprob} with the sampled token and the top-N alternatives
+# (the engine's are FlatLogprobs).
+SampleLogprobs = Sequence[dict[int, Logprob]]
 # Per prompt token: the same given the tokens before it; None for the first.
-PromptLogprobs = list[dict[int, Logprob] | None]
+PromptLogprobs = Sequence[dict[int, Logprob] | None]
 
 
 @dataclasses.dataclass
@@ -73,6 +192,11 @@ class RequestOutput:
     error: str | None = None  # what failed, when finish_reason is "error"
     outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
+
+
+# Tokens a request's logprobs have room for before their arrays first grow (by doubling): all
+# of a short request's; 43 KB at 20 alternatives, held even if it stops early.
+LOGPROBS_CAPACITY = 256
 
 
 def max_output(prompt_len: int, max_tokens: int, max_context: int) -> int:
@@ -133,11 +257,16 @@ class Request:
         eos_token_id: int | Sequence[int],  # one id, or every id that ends a generation
         max_context: int,
         index: int = 0,
+        token_texts: Mapping[int, str] | None = None,  # id -> the decoded_token of logprobs
     ):
         self.request_id = request_id
         self.index = index
         self.group: SequenceGroup | None = None  # set by the group it joins
-        self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
+        self.max_output = max_output(len(prompt_token_ids), params.max_tokens, max_context)
+        self.logprobs: FlatLogprobs | None = None
+        if params.logprobs is not None:
+            room = min(self.max_output, LOGPROBS_CAPACITY)
+            self.logprobs = FlatLogprobs(params.logprobs, token_texts, capacity=room)
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         # Whether its prefill must still compute the prompt's logprobs (one sequence of a group
         # does; cleared once the prefill that ends the prompt is dispatched).
@@ -155,7 +284,6 @@ class Request:
         self.emitted = 0  # characters of `text` already handed out
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.max_output = max_output(len(prompt_token_ids), params.max_tokens, max_context)
         stop_ids = request_stop_ids(params, eos_token_id)
         self._stop_ids = frozenset(stop_ids)
         self.device_stop_ids = sorted(stop_ids)  # the engine's device checks the first few
@@ -222,11 +350,11 @@ class Request:
             self._apply_stop_strings(len(piece))
         return len(taken)
 
-    def add_logprobs(self, entries: SampleLogprobs, logprobs: list[float]) -> None:
-        """Record the logprob dicts of the tokens `add_tokens` just took, and their own
-        logprobs (for the cumulative one)."""
-        self.logprobs.extend(entries)
-        self.cumulative_logprob += sum(logprobs)
+    def add_logprobs(self, logprobs: TokenLogprobs) -> None:
+        """Record the logprobs (numpy, [t]) of the t tokens `add_tokens` just took."""
+        taken = self.output_token_ids[len(self.output_token_ids) - len(logprobs.logprob) :]
+        self.logprobs.extend(np.asarray(taken, np.int32), logprobs)
+        self.cumulative_logprob += sum(logprobs.logprob.tolist())
 
     def _apply_stop_strings(self, piece_len: int) -> None:
         # Only the new piece (and the longest stop string before it) can hold a new match.
@@ -273,7 +401,7 @@ class Request:
             text=self.text if finished else self.text[: self.emitted],
             token_ids=self.output_token_ids if finished else list(self.output_token_ids),
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=logprobs if finished or logprobs is None else list(logprobs),
+            logprobs=logprobs if finished or logprobs is None else logprobs.snapshot(),
             finish_reason=self.finish_reason,
             new_token_ids=new_ids,
             new_text=new_text,
@@ -287,25 +415,35 @@ class SequenceGroup:
 
     __slots__ = ("request_id", "prompt_token_ids", "sequences", "prompt_logprobs", "error")
 
-    def __init__(self, request_id: str, sequences: list[Request], prompt_logprobs: bool):
+    def __init__(
+        self,
+        request_id: str,
+        sequences: list[Request],
+        token_texts: Mapping[int, str] | None = None,  # id -> the decoded_token of logprobs
+    ):
         self.request_id = request_id
         self.prompt_token_ids = sequences[0].prompt_token_ids
         self.sequences = sequences
         for sequence in sequences:
             sequence.group = self
         # Filled position by position as prefills are read back; the first token has none.
-        self.prompt_logprobs: PromptLogprobs | None = [None] if prompt_logprobs else None
+        top = sequences[0].params.prompt_logprobs
+        self.prompt_logprobs: FlatLogprobs | None = None
+        if top is not None:
+            room = len(self.prompt_token_ids) - 1
+            self.prompt_logprobs = FlatLogprobs(top, token_texts, leading_none=True, capacity=room)
         self.error: str | None = None
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.sequences)
 
-    def add_prompt_logprobs(self, start: int, entries: PromptLogprobs) -> None:
-        """The logprob dicts of prompt positions start, start + 1, ...; positions already
-        recorded are skipped (so a prefill read back twice adds nothing twice)."""
-        have = len(self.prompt_logprobs)
-        self.prompt_logprobs.extend(entries[max(0, have - start) :])
+    def add_prompt_logprobs(self, start: int, logprobs: TokenLogprobs) -> None:
+        """The logprobs (numpy, [t]) of prompt positions start, start + 1, ...; positions
+        already recorded are skipped (so a prefill read back twice adds nothing twice)."""
+        skip = max(0, len(self.prompt_logprobs) - start)
+        tokens = np.asarray(self.prompt_token_ids[start + skip : start + len(logprobs.rank)])
+        self.prompt_logprobs.extend(tokens, TokenLogprobs(*(a[skip:] for a in logprobs)))
 
     def fail(self, error: str) -> None:
         """End every sequence because serving one failed (their text so far is not handed out)."""
