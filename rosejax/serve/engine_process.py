@@ -1,6 +1,6 @@
-"""Engine processes: each replica's engine loop in a process of its own (`--engine-process`), so
-that the API process's event loop (HTTP, JSON, SSE) and the replicas' host loops never wait for
-one another's GIL.
+"""Engine processes: each replica's engine loop in a process of its own (the server's default;
+`--no-engine-process` runs it on a thread instead), so that the API process's event loop (HTTP,
+JSON, SSE) and the replicas' host loops never wait for one another's GIL.
 
 - Start: `EngineProcesses(config)` spawns one child per data-parallel replica (the `spawn`
   start method: jax must never be forked). Child i sees only its replica's GPUs

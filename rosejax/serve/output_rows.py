@@ -185,17 +185,4 @@ class RowReader:
                     text,
                 )
             )
-        head = outputs[0]
-        finished = all(s.finish_reason is not None for s in req.sequences)
-        return RequestOutput(
-            request_id=rid,
-            prompt_token_ids=req.prompt,
-            token_ids=head.token_ids,
-            text=head.text,
-            new_token_ids=head.new_token_ids,
-            new_text=head.new_text,
-            finished=finished,
-            finish_reason=head.finish_reason if finished else None,
-            outputs=outputs,
-            prompt_logprobs=req.prompt_logprobs,
-        )
+        return RequestOutput.from_outputs(rid, req.prompt, outputs, req.prompt_logprobs)
