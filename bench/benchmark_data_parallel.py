@@ -13,9 +13,10 @@ side: each run's throughput, their median, and median(N replicas) / median(1 rep
     # GPU, 2 cards: issue 21's DP=2 against one GPU (>= 1.8x asked)
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_data_parallel.py \\
         --data-parallel-size 2 --json bench/out/dp2.json
-    # the same, each replica's engine in a process of its own on the HTTP side
+    # the same, each replica's engine on a thread of the launched server (not in a process of
+    # its own, the server's default) on the HTTP side
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_data_parallel.py \\
-        --data-parallel-size 2 --engine-process --json bench/out/dp2-engine-process.json
+        --data-parallel-size 2 --no-engine-process --json bench/out/dp2-engine-thread.json
     # CPU smoke test, 2 host devices
     XLA_FLAGS=--xla_force_host_platform_device_count=2 PYTHONPATH=. python \\
         bench/benchmark_data_parallel.py --model random:tiny --no-warmup --num-prompts 8 \\
@@ -63,9 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--engine-process",
-        action="store_true",
-        help="the launched servers run each replica's engine in a process of its own "
-        "(the server's --engine-process); the in-process side is unchanged",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the launched servers run each replica's engine in a process of its own (the "
+        "server's default), or with --no-engine-process on a thread of the server's process; "
+        "the in-process side is unchanged",
     )
     g.add_argument(
         "--launch-timeout",
@@ -108,7 +111,7 @@ def summary(throughputs: Sequence[float]) -> dict[str, Any]:
 
 def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[bs.Sample]]) -> dict:
     """A server of `replicas` replicas: the warm-up workloads, then the timed ones."""
-    extra = " --engine-process" if args.engine_process else ""
+    extra = "" if args.engine_process else " --no-engine-process"
     server_args = argparse.Namespace(
         **vars(args)
         | {

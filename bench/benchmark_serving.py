@@ -40,9 +40,10 @@ finds the programs the server compiled in jax's persistent compilation cache.
     # 256 x 8-token prompts, 256 new tokens each, all at once), HTTP against in process
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_serving.py --launch --in-process \\
         --json bench/out/serve256.json --plot bench/out/serve256.png
-    # the same with the engine loop in a process of its own (the server's --engine-process)
+    # the same with the engine loop on a thread of the server's process (--no-engine-process;
+    # the server's default runs it in a process of its own)
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_serving.py --launch --in-process \\
-        --server-args "--max-waiting -1 --engine-process" --json bench/out/serve256-ep.json
+        --server-args "--max-waiting -1 --no-engine-process" --json bench/out/serve256-thread.json
     # GPU, Poisson arrivals toward saturation (a starting rate: raise it until TTFT climbs), SLOs
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_serving.py --launch \\
         --num-prompts 2000 --input-len 128 --output-len 128 --range-ratio 0.5 \\

@@ -45,7 +45,7 @@ def new_parser(doc: str) -> argparse.ArgumentParser:
 
 def glue_flag_values(argv: Sequence[str] | None, flags: Sequence[str]) -> list[str]:
     """argv (default: sys.argv[1:]) with each of `flags` joined to its value (`--server-args
-    --engine-process` -> `--server-args=--engine-process`): argparse takes a lone value that
+    --no-engine-process` -> `--server-args=--no-engine-process`): argparse takes a lone value that
     starts with "-" for a flag of its own."""
     argv = list(sys.argv[1:] if argv is None else argv)
     out: list[str] = []

@@ -119,5 +119,8 @@ def pairwise(**axes) -> list:
     return cases
 
 
-# Parity with the fp32 reference needs true fp32 matmuls; GPUs default to TF32 for them.
+# Parity with the fp32 reference needs true fp32 matmuls; GPUs default to TF32 for them. The
+# processes tests start (engine processes, server subprocesses) read it from the environment:
+# so they compute as this one does, and find its programs in jax's compilation cache.
 jax.config.update("jax_default_matmul_precision", "highest")
+os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"

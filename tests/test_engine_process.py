@@ -1,20 +1,26 @@
-"""The server with its engine in a child process (`--engine-process`): the same texts as the
-engine answers in process (greedy and seeded sampled, whole and streamed), bad requests refused
-in the API process with a 4xx, a client gone freeing its request's KV blocks in the child, a
-child killed mid-request failing its requests with a 500 and /health with a 503, and no child
-left once the server stops. The command line (signals) runs in a subprocess, behind
-`@pytest.mark.slow`; data parallel replicas in processes are in tests/data_parallel_checks.py.
+"""The server with its engine in a child process (`--engine-process`, the default): the same
+texts as the engine answers in process (greedy and seeded sampled, whole and streamed); n > 1,
+logprobs, prompt logprobs with echo and chat logprobs answered with the same JSON as the
+engine-thread path (`--no-engine-process`); every `RequestOutput` of the engine rebuilt equal
+from the rows a child sends; bad requests refused in the API process with a 4xx, a client gone
+freeing its request's KV blocks in the child, a child killed mid-request failing its requests
+with a 500 and /health with a 503, and no child left once the server stops. The command line
+(signals) runs in a subprocess, behind `@pytest.mark.slow`; data parallel replicas in processes
+are in tests/data_parallel_checks.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
+import pickle
 import random
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -22,9 +28,11 @@ import pytest
 from rosejax import LLM, SamplingParams
 from rosejax.serve import create_app
 from rosejax.serve.engine_process import EngineProcesses
+from rosejax.serve.output_rows import RowReader, RowWriter
 from rosejax.serve.server import ServerThread
 from rosejax.settings import EngineConfig
-from tests.test_server import SEED, start_cli, stop_cli, wait_idle
+from rosejax.tokenizer import TokenTexts
+from tests.test_server import SEED, TEMPLATE, start_cli, stop_cli, wait_idle
 
 MODEL = "random:tiny"
 ENGINE = dict(seed=SEED, warmup=False, max_batch_size=8, block_size=16, kv_cache_tokens=1024)
@@ -34,19 +42,89 @@ PROMPTS = [" ".join(_rng.choices(WORDS, k=_rng.randint(2, 8))) for _ in range(4)
 PROMPTS.append([_rng.randrange(50257) for _ in range(_rng.randint(1, 12))])
 GREEDY = dict(max_tokens=12, temperature=0.0)
 SAMPLED = dict(max_tokens=10, temperature=0.9, top_p=0.9, seed=_rng.randrange(2**31))
+# n = 2 with echo and logprobs (the prompt's logprobs, as lm-eval's loglikelihood sends):
+# the module's engine records its outputs step by step (with a stop id that ends one sequence
+# at its first token, found then), and both servers answer it with no compile more.
+RECORDED = dict(
+    prompt=[PROMPTS[1], PROMPTS[4]], n=2, echo=True, logprobs=2, ignore_eos=True, **SAMPLED
+)
+RECORDED["max_tokens"] = 4
+# More requests both paths must answer alike: each compiles programs of its own, so slow.
+FEATURES = [
+    pytest.param(
+        "/v1/completions",
+        dict(prompt=PROMPTS[:2], n=2, logprobs=3, stop=["es"], **SAMPLED),
+        id="n-logprobs-stop",
+    ),
+    pytest.param(
+        "/v1/completions",
+        dict(prompt=[PROMPTS[2], PROMPTS[4]], echo=True, logprobs=1, max_tokens=3, temperature=0),
+        id="echo-logprobs-greedy",
+    ),
+    pytest.param(
+        "/v1/completions",
+        dict(prompt=PROMPTS[3], echo=True, logprobs=1, max_tokens=0),
+        id="echo-only",
+    ),
+    pytest.param(
+        "/v1/chat/completions",
+        dict(
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            n=2,
+            logprobs=True,
+            top_logprobs=2,
+            **SAMPLED,
+        ),
+        id="chat-n-logprobs",
+    ),
+]
+
+
+def record_steps(engine, requests: dict) -> list[list]:
+    """Every step's `RequestOutput`s of `requests` (id -> (prompt, SamplingParams))."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        steps.append(engine.step())
+    return steps
 
 
 @pytest.fixture(scope="module")
 def served():
-    """(base url, the app's replicas, expected greedy and sampled outputs of PROMPTS)."""
+    """The engine-process server (url, replicas) and the engine-thread server (thread_url) on
+    an `LLM`'s engine, which first computed the expected greedy and sampled outputs of
+    PROMPTS and recorded each step's outputs of requests with n > 1 and logprobs (steps)."""
     llm = LLM(MODEL, **ENGINE)
     expected = {
         name: llm.generate(PROMPTS, SamplingParams(**kw), use_tqdm=False)
         for name, kw in (("greedy", GREEDY), ("sampled", SAMPLED))
     }
-    app = create_app(EngineProcesses(EngineConfig(model=MODEL, **ENGINE)), served_model_name="t")
-    with ServerThread(app) as server:
-        yield server.url, app.state.engine.engines, expected
+    # RECORDED's SamplingParams (echo: the prompt's logprobs too); prompt i as request "p{i}".
+    kw = {k: v for k, v in RECORDED.items() if k not in ("prompt", "echo")}
+    params = SamplingParams(**kw, prompt_logprobs=RECORDED["logprobs"])
+    first = llm.generate(RECORDED["prompt"], params, use_tqdm=False)[0].outputs[0].token_ids[0]
+    params = dataclasses.replace(params, stop_token_ids=[first])
+    requests = {f"p{i}": (p, params) for i, p in enumerate(RECORDED["prompt"])}
+    steps = record_steps(llm.engine, requests)
+    prompt_ids = {rid: llm.engine.prompt_ids(p) for rid, (p, _) in requests.items()}
+    engine = EngineProcesses(EngineConfig(model=MODEL, **ENGINE))
+    for tokenizer in (engine.tokenizer, llm.engine.tokenizer):
+        tokenizer.chat_template = TEMPLATE
+    app = create_app(engine, served_model_name="t")
+    thread_app = create_app(llm.engine, served_model_name="t")
+    with ServerThread(app) as server, ServerThread(thread_app) as thread_server:
+        yield SimpleNamespace(
+            url=server.url,
+            engines=app.state.engine.engines,
+            expected=expected,
+            thread_url=thread_server.url,
+            steps=steps,
+            requests=requests,
+            recorded={**RECORDED, "stop_token_ids": [first]},
+            prompt_ids=prompt_ids,
+            token_texts=llm.engine.token_texts,
+        )
     # The lifespan stopped every child: none is left, and each exited when told to or was killed.
     assert multiprocessing.active_children() == []
 
@@ -57,7 +135,7 @@ def complete(url: str, prompt, **kw) -> httpx.Response:
 
 @pytest.mark.parametrize("name", ["greedy", "sampled"])
 def test_texts_equal_the_engine_in_process(served, name):
-    url, _, expected = served
+    url, expected = served.url, served.expected
     kw = GREEDY if name == "greedy" else SAMPLED
     r = complete(url, PROMPTS, **kw)
     assert r.status_code == 200, r.text
@@ -78,14 +156,15 @@ def test_texts_equal_the_engine_in_process(served, name):
 
 
 def test_bad_requests_are_4xx_and_serving_goes_on(served):
-    url, engines, expected = served
+    url, engines, expected = served.url, served.engines, served.expected
     cases = [
         ({"prompt": [1, 2, 99999999]}, "prompt"),  # not a token id
         ({"prompt": "the", "stop_token_ids": [50257]}, "stop_token_ids"),
         ({"prompt": [5] * 129}, "prompt"),  # longer than tiny's 128-token context
         ({"prompt": "the", "max_tokens": -1}, "max_tokens"),
-        ({"prompt": "the", "n": 2}, "n"),  # one sequence per request crosses the process yet
-        ({"prompt": "the", "logprobs": 1}, "logprobs"),
+        ({"prompt": "the", "n": 0}, "n"),
+        ({"prompt": "the", "logprobs": 21}, "logprobs"),
+        ({"prompt": "the", "logit_bias": {"50257": 1}}, "logit_bias"),
     ]
     for body, param in cases:
         r = complete(url, **body)
@@ -97,7 +176,7 @@ def test_bad_requests_are_4xx_and_serving_goes_on(served):
 
 
 def test_client_gone_mid_stream_frees_its_blocks_in_the_child(served):
-    url, _, _ = served
+    url = served.url
     before = wait_idle(url)
     body = {"prompt": "the river", "max_tokens": 100, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -114,9 +193,76 @@ def test_client_gone_mid_stream_frees_its_blocks_in_the_child(served):
     assert 1 <= made < 100, made
 
 
+def test_rows_rebuild_every_output_of_the_engine(served):
+    """Each step's outputs, sent as a child sends them (rows, pickled), come back equal, field
+    by field (Logprob dicts included), to the engine's; a row carries only the sequences that
+    changed."""
+    writer, reader = RowWriter(), RowReader(TokenTexts(served.token_texts.tokenizer))
+    for rid, (_, params) in served.requests.items():
+        reader.expect(rid, served.prompt_ids[rid], params)
+    seen = {rid: 0 for rid in served.requests}
+    early_end = False  # a sequence ended while its sibling went on
+    for outputs in served.steps:
+        rows = pickle.loads(pickle.dumps([writer.row(out) for out in outputs]))
+        for out, row in zip(outputs, rows, strict=True):
+            assert reader.output(row) == out, out.request_id
+            seen[out.request_id] += 1
+            changed = [c.index for c in out.outputs if c.new_token_ids or c.new_text]
+            assert [entry[0] for entry in row[1]] == changed, out
+            early_end |= not out.finished and out.outputs[0].finish_reason is not None
+    assert min(seen.values()) >= 2 and early_end, (seen, f"seed {SEED}")
+
+
+def _without_ids(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+def _streamed(url: str, route: str, body: dict) -> tuple[dict, dict]:
+    """A streamed answer folded per choice (texts, logprob lists and contents joined, the
+    finish reason), and its usage."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    choices: dict[int, dict] = {}
+    with httpx.stream("POST", url + route, json=body, timeout=60) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    for chunk in map(json.loads, lines[:-2]):
+        for c in chunk["choices"]:
+            acc = choices.setdefault(c["index"], {"text": "", "logprobs": {}, "finish": None})
+            acc["text"] += c.get("text", c.get("delta", {}).get("content", ""))
+            for key, values in (c["logprobs"] or {}).items():
+                acc["logprobs"].setdefault(key, []).extend(values)
+            acc["finish"] = c["finish_reason"] or acc["finish"]
+    return choices, json.loads(lines[-2])["usage"]
+
+
+def assert_same_answers(served, route: str, body: dict) -> None:
+    """Both servers answer `body` alike, whole and streamed, with logprobs in every choice."""
+    urls = (served.url, served.thread_url)
+    got, want = (httpx.post(url + route, json=body, timeout=60) for url in urls)
+    assert want.status_code == 200 and got.status_code == 200, (want.text, got.text)
+    want = _without_ids(want.json())
+    assert all(c["logprobs"] for c in want["choices"]), want  # something to compare
+    assert _without_ids(got.json()) == want, f"seed {SEED}"
+    assert _streamed(served.url, route, body) == _streamed(served.thread_url, route, body)
+
+
+def test_n_and_echo_logprobs_answer_as_the_engine_thread_does(served):
+    """n = 2, logprobs, the prompt's logprobs (echo), a sequence ending before its sibling:
+    the same JSON from both paths for the same seeded request."""
+    assert_same_answers(served, "/v1/completions", served.recorded)
+
+
+@pytest.mark.slow  # each compiles programs of its own, in both processes
+@pytest.mark.parametrize(("route", "body"), FEATURES)
+def test_features_answer_as_the_engine_thread_does(served, route, body):
+    """n > 1 with a stop string, greedy echo, echo alone, chat logprobs: the same JSON from
+    both paths for the same seeded request, whole and streamed."""
+    assert_same_answers(served, route, body)
+
+
 # Last of the module: it kills the module server's child.
 def test_killed_child_fails_its_requests_with_500_and_health_503(served):
-    url, engines, _ = served
+    url, engines = served.url, served.engines
     assert httpx.get(url + "/health").status_code == 200
     result: dict = {}
 
@@ -157,7 +303,7 @@ def _children(pid: int) -> set[int]:
 @pytest.mark.slow  # a server subprocess and its engine process
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_cli_engine_process_serves_and_stops_its_children(tmp_path, sig):
-    proc, url, log = start_cli(tmp_path, "--engine-process")
+    proc, url, log = start_cli(tmp_path)  # engine processes: the default
     try:
         children = _children(proc.pid)
         assert children, "no engine process"

@@ -1,10 +1,11 @@
 """The OpenAI-compatible server, driven with the official `openai` client and raw httpx.
 
-One in-process server (uvicorn in a thread) serves most tests. Its engine is the engine of an
-`LLM` that first computed every expected output with `LLM.generate`, so both share one set of
-compiled programs (compiles dominate the CPU time). The command line, overload (429) and signals
-run `python -m rosejax.serve` in a subprocess whose KV cache has the same shape, so it reuses
-those programs from jax's persistent compilation cache.
+One in-process server (uvicorn in a thread, the engine on a thread of its own: the server's
+`--no-engine-process`) serves most tests. Its engine is the engine of an `LLM` that first
+computed every expected output with `LLM.generate`, so both share one set of compiled programs
+(compiles dominate the CPU time). The command line, overload (429) and signals run `python -m
+rosejax.serve` in a subprocess (engine processes, the default, but for the SIGINT test) whose KV
+cache has the same shape, so it reuses those programs from jax's persistent compilation cache.
 """
 
 from __future__ import annotations
@@ -475,7 +476,9 @@ def test_cli_overload_429_no_chat_template_and_sigterm(tmp_path):
 
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_cli_sigint_with_a_stream_open(tmp_path):
-    proc, url, log = start_cli(tmp_path)
+    """The engine on a thread of the server's process (the default's engine processes stop in
+    tests/test_engine_process.py)."""
+    proc, url, log = start_cli(tmp_path, "--no-engine-process")
     try:
         body = {"model": NAME, "prompt": "the", "max_tokens": 100, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:

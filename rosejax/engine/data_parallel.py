@@ -55,7 +55,8 @@ class DataParallelEngine:
     """`data_parallel_size` replicas of one model, each an `LLMEngine` on its own device(s),
     requests routed to them by load and prefix (`Router`). `step` steps every busy replica at
     once, one thread each, and returns all their outputs. Not thread-safe, like `LLMEngine`; a
-    server runs each replica on an engine thread of its own instead (`rosejax.serve`)."""
+    server runs each replica in an engine process (or on an engine thread) of its own instead
+    (`rosejax.serve`)."""
 
     def __init__(self, config: EngineConfig):
         placements = replica_devices(config.data_parallel_size, config.tensor_parallel_size)

@@ -193,6 +193,30 @@ class RequestOutput:
     outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
 
+    @classmethod
+    def from_outputs(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        outputs: list[CompletionOutput],
+        prompt_logprobs: PromptLogprobs | None,
+    ) -> RequestOutput:
+        """A request's output from its sequences' (the flat fields are outputs[0]'s)."""
+        first = outputs[0]
+        finished = all(c.finished() for c in outputs)
+        return cls(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            token_ids=first.token_ids,
+            text=first.text,
+            new_token_ids=first.new_token_ids,
+            new_text=first.new_text,
+            finished=finished,
+            finish_reason=first.finish_reason if finished else None,
+            outputs=outputs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
 
 # Tokens a request's logprobs have room for before their arrays first grow (by doubling): all
 # of a short request's; 43 KB at 20 alternatives, held even if it stops early.
@@ -466,16 +490,6 @@ class SequenceGroup:
                 error=self.error,
             )
         outputs = [s.take_completion() for s in self.sequences]
-        first, finished = outputs[0], self.finished
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt_token_ids,
-            token_ids=first.token_ids,
-            text=first.text,
-            new_token_ids=first.new_token_ids,
-            new_text=first.new_text,
-            finished=finished,
-            finish_reason=first.finish_reason if finished else None,
-            outputs=outputs,
-            prompt_logprobs=self.prompt_logprobs,
+        return RequestOutput.from_outputs(
+            self.request_id, self.prompt_token_ids, outputs, self.prompt_logprobs
         )

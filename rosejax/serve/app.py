@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI-compatible routes over the engine's replicas (one engine thread each,
-`ReplicatedEngine`), shared by every connection.
+"""The FastAPI app: OpenAI-compatible routes over the engine's replicas (`ReplicatedEngine`: an
+engine process each, or an engine thread each), shared by every connection.
 
 A request's way in: its body is read on the event loop against a size and a time limit (413,
 408); then one worker thread, never the engine's and never the event loop, decodes, validates,
@@ -221,9 +221,9 @@ def create_app(
     limits: Limits | None = None,
     warm_in_background: bool = False,
 ) -> FastAPI:
-    """The app for a built `LLMEngine` or `DataParallelEngine`; its lifespan starts and stops
-    the engine threads (one per replica), which compile the programs warm-up has not while idle
-    if `warm_in_background`."""
+    """The app for a built `LLMEngine` or `DataParallelEngine` (an engine thread per replica,
+    which compiles the programs warm-up has not while idle if `warm_in_background`), or for
+    `EngineProcesses` (a process per replica); its lifespan starts and stops them."""
     async_engine = ReplicatedEngine(
         engine, max_waiting=max_waiting, metrics=metrics, warm_in_background=warm_in_background
     )

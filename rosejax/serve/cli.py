@@ -95,11 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--engine-process",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="run each replica's engine loop in a process of its own (spawned; with "
         "--data-parallel-size N, N processes), so that HTTP work and the engine loops never "
-        "wait for one another's GIL; the API process then only does HTTP, tokenizing and "
-        "checks. Off by default: not yet measured on a GPU",
+        "wait for one another's GIL: the API process only does HTTP, JSON, tokenizing and "
+        "checks. On by default; --no-engine-process runs each replica's engine loop on a "
+        "thread of the API process instead (one process in all)",
     )
     p.add_argument(
         "--log-level",
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     threading.Thread(target=load, name="rosejax-load", daemon=True).start()
     # uvicorn stops gracefully on SIGINT/SIGTERM and then re-raises the signal under the handlers
-    # it found; no-op ones make a requested stop exit 0 (the lifespan stopped the engine thread).
+    # it found; no-op ones make a requested stop exit 0 (the lifespan stopped the engines).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()

@@ -1,6 +1,6 @@
-"""Engine processes: each replica's engine loop in a process of its own (`--engine-process`), so
-that the API process's event loop (HTTP, JSON, SSE) and the replicas' host loops never wait for
-one another's GIL.
+"""Engine processes: each replica's engine loop in a process of its own (the server's default;
+`--no-engine-process` runs it on a thread instead), so that the API process's event loop (HTTP,
+JSON, SSE) and the replicas' host loops never wait for one another's GIL.
 
 - Start: `EngineProcesses(config)` spawns one child per data-parallel replica (the `spawn`
   start method: jax must never be forked). Child i sees only its replica's GPUs
@@ -13,10 +13,12 @@ one another's GIL.
   commands go out without a round trip, those of one event-loop iteration in one message.
 - Commands in (one pickled list per message): ("add", [(request id, prompt ids)], params),
   ("abort", [request ids]), ("stop",). Out: ("out", rows, snapshot) once per engine step with
-  anything new, a row being (request id, new token ids, new text, finish reason, error): the
-  child detokenizes (stop strings need the text), the API process only appends.
-- A reader thread in the API process turns those rows into `RequestOutput`s and delivers them
-  as `AsyncEngine` does (`EngineFront._deliver`: metrics observed there).
+  anything new, a row per `RequestOutput` carrying what changed in it
+  (`rosejax.serve.output_rows`: each sequence's new tokens, text, logprobs and finish reason, the
+  prompt's logprobs): the child detokenizes (stop strings need the text), the API process only
+  appends.
+- A reader thread in the API process turns those rows back into the `RequestOutput`s the engine
+  made and delivers them as `AsyncEngine` does (`EngineFront._deliver`: metrics observed there).
 - A child that dies: its requests in flight end with a 500, /health answers 503, the log says
   how it ended. A child whose API process dies sees its pipe close and exits. SIGINT (a terminal
   sends it to the whole process group) is the API process's to handle: children ignore it and stop
@@ -37,7 +39,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from rosejax.engine.llm_engine import checked_prompt_ids
-from rosejax.engine.request import CompletionOutput, RequestOutput
 from rosejax.sampling import SamplingParams
 from rosejax.serve.engine_loop import (
     EngineError,
@@ -49,6 +50,7 @@ from rosejax.serve.engine_loop import (
     engine_snapshot,
 )
 from rosejax.serve.metrics import ServerMetrics
+from rosejax.serve.output_rows import RowReader, RowWriter
 from rosejax.settings import EngineConfig
 
 log = logging.getLogger("rosejax.serve")
@@ -108,6 +110,7 @@ class _EngineLoop:
         self.idle, self.stop = threading.Event(), threading.Event()
         self.live: set[str] = set()  # ids of the requests added and not ended
         self.rows: list[tuple] = []  # what the next message carries
+        self.writer = RowWriter()
         self.programs_left = len(engine.cold_programs()) if background else 0
         self.sent: dict[str, Any] | None = None  # the snapshot last sent
         if background:
@@ -150,11 +153,12 @@ class _EngineLoop:
                     self.live.add(rid)
                 except Exception as e:  # the API process checked it: not expected
                     log.exception("adding %s failed", rid)
-                    self.rows.append((rid, [], "", "error", f"adding it failed: {e}"))
+                    self.rows.append(self.writer.error_row(rid, f"adding it failed: {e}"))
         elif cmd[0] == "abort":
             for rid in cmd[1]:
                 if rid in self.live:
                     self.live.discard(rid)
+                    self.writer.forget(rid)
                     self.engine.abort_request(rid)
         elif cmd[0] == "stop":
             self.stop.set()
@@ -169,14 +173,13 @@ class _EngineLoop:
             for rid in self.live:
                 self.engine.abort_request(rid)
                 why = "the engine failed while generating; see the server log"
-                self.rows.append((rid, [], "", "error", why))
+                self.rows.append(self.writer.error_row(rid, why))
             self.live.clear()
             return
         for out in outputs:
             if out.finished:
                 self.live.discard(out.request_id)
-            row = (out.request_id, out.new_token_ids, out.new_text, out.finish_reason, out.error)
-            self.rows.append(row)
+            self.rows.append(self.writer.row(out))
 
     def _publish(self) -> None:
         snapshot = engine_snapshot(self.engine, self.programs_left)
@@ -281,15 +284,6 @@ class _Child:
             self.process.join(5)
 
 
-class _Output:
-    """What the API process keeps of a request in flight to rebuild whole `RequestOutput`s."""
-
-    __slots__ = ("prompt", "tokens", "text")
-
-    def __init__(self, prompt: list[int]):
-        self.prompt, self.tokens, self.text = prompt, [], ""
-
-
 class EngineProcess(EngineFront):
     """One replica whose engine runs in a child process: `AsyncEngine`'s interface for the app
     and `ReplicatedEngine` (see the module)."""
@@ -298,6 +292,7 @@ class EngineProcess(EngineFront):
         self,
         child: _Child,
         tokenizer: Any,
+        token_texts: Any,
         max_waiting: int | None = None,
         metrics: ServerMetrics | None = None,
         poll_s: float = 0.05,
@@ -306,7 +301,7 @@ class EngineProcess(EngineFront):
         super().__init__(info.max_batch_size, max_waiting, metrics, child.replica, info.snapshot)
         self.child, self.tokenizer, self.config = child, tokenizer, info.model_config
         self.block_size = info.block_size
-        self._outputs: dict[str, _Output] = {}
+        self._outputs = RowReader(token_texts)
         self._outbox: list[tuple] = []  # commands not sent yet, in order
         self._outbox_lock = threading.Lock()
         self._send_lock = threading.Lock()  # held from taking the outbox to sending it: in order
@@ -345,15 +340,12 @@ class EngineProcess(EngineFront):
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, request_id: str
     ) -> RequestStream:
         """Queue one request per prompt (all or none). ValueError: bad input; Overloaded."""
-        for field, off in (("n", 1), ("logprobs", None), ("prompt_logprobs", None)):
-            if getattr(params, field) != off:  # the child sends one sequence's tokens and text
-                raise ValueError(f"{field} is not served with --engine-process yet")
         kv_blocks = self.snapshot["kv_blocks_total"]
         sink, ids = self._register(
             prompts, params, request_id, self.tokenizer, self.config, kv_blocks, self.block_size
         )
         for rid, i in zip(sink.rids, ids, strict=True):
-            self._outputs[rid] = _Output(i)
+            self._outputs.expect(rid, i, params)
         self._post(("add", list(zip(sink.rids, ids, strict=True)), params))
         return RequestStream(self, sink)
 
@@ -367,7 +359,7 @@ class EngineProcess(EngineFront):
         self._post(("abort", [rid]))
 
     def _forget(self, rid: str) -> _Sink | None:
-        self._outputs.pop(rid, None)
+        self._outputs.forget(rid)
         return super()._forget(rid)
 
     # ------------------------------------------------------------- sending commands
@@ -404,7 +396,9 @@ class EngineProcess(EngineFront):
             while True:
                 if conn.poll(self._poll_s):
                     _, rows, self.snapshot = conn.recv()
-                    outputs = [out for row in rows if (out := self._output(*row)) is not None]
+                    outputs = [
+                        out for row in rows if (out := self._outputs.output(row)) is not None
+                    ]
                     self._deliver(outputs)
                 if self._cut_at is not None and time.monotonic() >= self._cut_at and self._sinks:
                     self._fail_all(_shutting_down())
@@ -432,31 +426,6 @@ class EngineProcess(EngineFront):
             )
         )
 
-    def _output(
-        self, rid: str, new_ids: list[int], new_text: str, reason: str | None, error: str | None
-    ) -> RequestOutput | None:
-        acc = self._outputs.get(rid)
-        if acc is None:  # aborted meanwhile
-            return None
-        acc.tokens.extend(new_ids)
-        acc.text += new_text
-        finished = reason is not None
-        # A finished request's list never changes again; a running one's is copied.
-        tokens = acc.tokens if finished else list(acc.tokens)
-        only = CompletionOutput(0, acc.text, tokens, None, None, reason, new_ids, new_text)
-        return RequestOutput(
-            request_id=rid,
-            prompt_token_ids=acc.prompt,
-            token_ids=tokens,
-            text=acc.text,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=finished,
-            finish_reason=reason,
-            error=error,
-            outputs=[] if reason == "error" else [only],
-        )
-
 
 class EngineProcesses:
     """What `create_app` takes in place of an engine when each replica's engine runs in a
@@ -464,7 +433,7 @@ class EngineProcesses:
     child per data-parallel replica (see the module). ValueError: a bad configuration."""
 
     def __init__(self, config: EngineConfig, log_level: int | None = None):
-        from rosejax.tokenizer import load_tokenizer
+        from rosejax.tokenizer import TokenTexts, load_tokenizer
 
         if config.num_processes > 1:
             raise ValueError("--engine-process does not combine with --num-processes > 1")
@@ -475,6 +444,7 @@ class EngineProcesses:
             for replica in range(config.data_parallel_size):
                 self.children.append(_Child(ctx, config, replica, level))
             self.tokenizer = load_tokenizer(config.model, config.tokenizer)  # while they load
+            self.token_texts = TokenTexts(self.tokenizer)  # logprobs' decoded_token, as theirs
             infos = [child.wait_ready() for child in self.children]
             platforms = [info.platform for info in infos]
             if len(set(platforms)) > 1:
@@ -496,7 +466,10 @@ class EngineProcesses:
         self, max_waiting: int | None, metrics: ServerMetrics
     ) -> list[EngineProcess]:
         """The replicas as the app serves them (`ReplicatedEngine`)."""
-        return [EngineProcess(c, self.tokenizer, max_waiting, metrics) for c in self.children]
+        return [
+            EngineProcess(c, self.tokenizer, self.token_texts, max_waiting, metrics)
+            for c in self.children
+        ]
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every child (those an app serves stop with it)."""

@@ -1,9 +1,9 @@
 """Prometheus metrics of one server, in a registry of its own (several servers per process work).
 
-Latencies and token counts are observed by each replica's engine thread as outputs leave
-`step()`, so they measure the engine, not the event loop. Gauges of the scheduler and KV cache come
-from a snapshot that each engine thread publishes after each iteration; the scrape never touches
-an engine. Every engine metric carries the label `replica` (data parallelism; "0" with one).
+Latencies and token counts are observed as each replica's outputs leave `step()` (on its engine
+thread, or on the thread that reads its engine process's messages), so they measure the engine,
+not the event loop. Gauges of the scheduler and KV cache come from a snapshot that each engine
+publishes after each iteration; the scrape never touches an engine. Every engine metric carries the label `replica` (data parallelism; "0" with one).
 """
 
 from __future__ import annotations

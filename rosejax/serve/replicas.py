@@ -1,5 +1,6 @@
-"""What the app serves from: one `AsyncEngine` (an engine thread) per data-parallel replica, or
-one `EngineProcess` (`--engine-process`: an engine process) per replica, and a `Router` that picks each submission's replica by load and prompt prefix.
+"""What the app serves from: one `EngineProcess` (an engine process: the server's default) or
+one `AsyncEngine` (an engine thread: `--no-engine-process`) per data-parallel replica, and a
+`Router` that picks each submission's replica by load and prompt prefix.
 
 A submission (all prompts of one HTTP request) goes to one replica, whose stream then answers
 for it: its aborts (a client gone) reach that replica alone.
