@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing
+import queue
 import signal
 import threading
 import time
@@ -113,6 +114,13 @@ class _EngineLoop:
         self.writer = RowWriter()
         self.programs_left = len(engine.cold_programs()) if background else 0
         self.sent: dict[str, Any] | None = None  # the snapshot last sent
+        # The pipe's two directions each on a thread of their own, so the API process's sends
+        # never wait for a step to end and a step never waits for the API process to read.
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # command lists; None: it has gone
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # messages; None: no more
+        threading.Thread(target=self._receive, name="rosejax-commands", daemon=True).start()
+        self.sender = threading.Thread(target=self._send, name="rosejax-outputs", daemon=True)
+        self.sender.start()
         if background:
             threading.Thread(
                 target=compile_while_idle,
@@ -124,25 +132,51 @@ class _EngineLoop:
     def _compiled(self) -> None:
         self.programs_left -= 1
 
+    def _receive(self) -> None:
+        try:
+            while True:
+                self.inbox.put(self.conn.recv())
+        except (EOFError, OSError):
+            self.inbox.put(None)
+
+    def _send(self) -> None:
+        try:
+            while (message := self.outbox.get()) is not None:
+                self.conn.send(message)
+        except OSError:  # the API process has gone; the receiving thread says so
+            pass
+
+    def _commands(self, wait: float) -> bool:
+        """Handle every command list received, waiting up to `wait` seconds for the first;
+        False once the API process has gone."""
+        try:
+            cmds = self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait()
+            while cmds is not None:
+                for cmd in cmds:
+                    self._handle(cmd)
+                cmds = self.inbox.get_nowait()
+            return False
+        except queue.Empty:
+            return True
+
     def run(self) -> None:
         try:
             while not self.stop.is_set():
                 busy = self.engine.has_unfinished_requests()
                 if not busy:
                     self.idle.set()
-                ready = self.conn.poll(0 if busy else self.poll_s)
+                connected = self._commands(0 if busy else self.poll_s)
                 self.idle.clear()
-                while ready:
-                    for cmd in self.conn.recv():
-                        self._handle(cmd)
-                    ready = self.conn.poll(0)
+                if not connected:  # nothing to serve
+                    log.warning("the API process has gone; this engine process stops")
+                    break
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish()
-        except (EOFError, OSError):  # the API process has gone: nothing to serve
-            log.warning("the API process has gone; this engine process stops")
         finally:
             self.stop.set()
+            self.outbox.put(None)
+            self.sender.join(5)  # the last outputs out before the process ends
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
@@ -184,7 +218,7 @@ class _EngineLoop:
     def _publish(self) -> None:
         snapshot = engine_snapshot(self.engine, self.programs_left)
         if self.rows or snapshot != self.sent:
-            self.conn.send(("out", self.rows, snapshot))
+            self.outbox.put(("out", self.rows, snapshot))
             self.rows, self.sent = [], snapshot
 
 
