@@ -112,9 +112,11 @@ EXTRA_ROW_FIELDS = {
 
 
 def empty_slot_state(num_slots: int, max_blocks: int, vocab: int) -> SlotState:
-    # Every field its own buffer: the state is donated, and a buffer may be donated only once.
-    def z(*shape, dtype=jnp.int32):
-        return jnp.zeros((num_slots, *shape), dtype)
+    """Every row empty, as numpy arrays: the runner puts them on its device(s) in one transfer,
+    where a jnp array per field compiled a program per shape (most of a second on a GPU)."""
+
+    def z(*shape, dtype=np.int32):
+        return np.zeros((num_slots, *shape), dtype)
 
     return SlotState(
         tokens=z(),
@@ -122,22 +124,22 @@ def empty_slot_state(num_slots: int, max_blocks: int, vocab: int) -> SlotState:
         alive=z(dtype=bool),
         steps=z(),
         limit=z(),
-        temperature=z(dtype=jnp.float32),
+        temperature=z(dtype=np.float32),
         top_k=z(),
-        top_p=jnp.ones((num_slots,), jnp.float32),
-        min_p=z(dtype=jnp.float32),
-        seed=z(2, dtype=jnp.uint32),
-        stop_ids=jnp.full((num_slots, NUM_STOP_IDS), -1, jnp.int32),
+        top_p=np.ones((num_slots,), np.float32),
+        min_p=z(dtype=np.float32),
+        seed=z(2, dtype=np.uint32),
+        stop_ids=np.full((num_slots, NUM_STOP_IDS), -1, np.int32),
         block_tables=z(max_blocks),
-        logprobs=jnp.full((num_slots,), -1, jnp.int32),
-        presence=z(dtype=jnp.float32),
-        frequency=z(dtype=jnp.float32),
-        repetition=jnp.ones((num_slots,), jnp.float32),
+        logprobs=np.full((num_slots,), -1, np.int32),
+        presence=z(dtype=np.float32),
+        frequency=z(dtype=np.float32),
+        repetition=np.ones((num_slots,), np.float32),
         has_bias=z(dtype=bool),
         bias_ids=z(NUM_BIAS),
-        bias_values=z(NUM_BIAS, dtype=jnp.float32),
+        bias_values=z(NUM_BIAS, dtype=np.float32),
         bias_until=z(NUM_BIAS),
-        counts=z(vocab, dtype=jnp.uint16),
+        counts=z(vocab, dtype=np.uint16),
     )
 
 
@@ -178,11 +180,12 @@ class ModelRunner:
         self.max_blocks = -(-config.max_model_len // cache.block_size)
         state = empty_slot_state(num_slots, self.max_blocks, config.vocab_size)
         if isinstance(placement, Mesh):
-            state = jax.tree.map(lambda a: place(np.asarray(a), replicated(placement)), state)
+            state = jax.tree.map(lambda a: place(a, replicated(placement)), state)
             self.params, self.cache, self.state = params, cache, state
         else:
             # Committed to the device (no copy where they are made there already): a program
-            # runs where its committed inputs live, so the host's numpy inputs follow them.
+            # runs where its committed inputs live, so the host's numpy inputs follow them. Each
+            # state field is a buffer of its own: the state is donated, a buffer only once.
             self.params, self.cache, self.state = jax.device_put((params, cache, state), placement)
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
         self.compile_seconds = 0.0
