@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 
 import flax.struct
@@ -450,11 +451,16 @@ class ModelRunner:
             return compiled(*args)
         return self._call(program, *args, **static)
 
-    def _compile_ahead(self, key: tuple, program, args: tuple, **static) -> None:
-        """Lower and compile `program` for the shapes of `args`, without running it: safe on a
-        thread other than the one running programs (only shapes are read of the live arrays)."""
+    def _compile_ahead(
+        self, key: tuple, program, args: tuple, pool: Executor | None = None, **static
+    ) -> Callable[[], None]:
+        """Lower `program` for the shapes of `args` (only shapes are read of the live arrays:
+        safe on a thread other than the one running programs) and compile it without running
+        it, on `pool` if given: XLA compiles, and loads from the persistent cache, without the
+        GIL, so the caller may lower the next program meanwhile. Returns what finishes it (waits
+        for the executable and keeps it for `key`)."""
         if key in self._compiled:
-            return
+            return lambda: None
         start = time.perf_counter()
         specs = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(
@@ -462,8 +468,18 @@ class ModelRunner:
             ),
             args,
         )
-        self._compiled[key] = program.lower(*specs, **static).compile()
-        self.compile_seconds += time.perf_counter() - start
+        lowered = program.lower(*specs, **static)
+        if pool is None:
+            executable = lowered.compile()
+            compiled = lambda: executable  # noqa: E731
+        else:
+            compiled = pool.submit(lowered.compile).result
+
+        def finish() -> None:
+            self._compiled[key] = compiled()
+            self.compile_seconds += time.perf_counter() - start
+
+        return finish
 
     def _prefill_args(self, batch: dict[str, np.ndarray]) -> tuple:
         return self.params, self.cache, self.state, batch
@@ -499,10 +515,12 @@ class ModelRunner:
         ids[: len(count_ids)], values[: len(counts)] = count_ids, counts
         self.state = self._call(self._load_row, self.state, np.int32(slot), *bias, ids, values)
 
-    def compile_prefill(self, batch: dict[str, np.ndarray]) -> None:
+    def compile_prefill(
+        self, batch: dict[str, np.ndarray], pool: Executor | None = None
+    ) -> Callable[[], None]:
         """Compile ahead the prefill program of `batch`'s shapes (see `_compile_ahead`)."""
         key, args = self._prefill_key(batch), self._prefill_args(batch)
-        self._compile_ahead(key, self._prefill, args, kernels=self.kernels)
+        return self._compile_ahead(key, self._prefill, args, pool, kernels=self.kernels)
 
     def decode(
         self,
@@ -532,7 +550,9 @@ class ModelRunner:
         out, logprobs, self.cache, self.state = self._run(key, program, args, **static)
         return out, logprobs
 
-    def compile_decode(self, batch: int, greedy: bool, extras: bool = False) -> None:
+    def compile_decode(
+        self, batch: int, greedy: bool, extras: bool = False, pool: Executor | None = None
+    ) -> Callable[[], None]:
         """Compile ahead the decode window of `batch` rows (see `_compile_ahead`)."""
         kill = np.zeros(self.num_slots, bool)
         u = np.zeros((3, self.max_table_updates), np.int32)
@@ -540,7 +560,7 @@ class ModelRunner:
         args = (self.params, self.cache, self.state, kill, *u, *m, np.int32(0))
         static = dict(batch=batch, greedy=greedy, extras=extras, kernels=self.kernels)
         key = ("decode", batch, greedy, extras, self.kernels)
-        self._compile_ahead(key, self._decode_program(batch), args, **static)
+        return self._compile_ahead(key, self._decode_program(batch), args, pool, **static)
 
     def _decode_program(self, batch: int) -> Callable:
         key = (batch, self.kernels)

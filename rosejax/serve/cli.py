@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 # every program up front took minutes on a GPU with an empty compilation cache.
                 background = kwargs["warmup"] is None and not engine.on_cpu
                 if background:
-                    engine.warmup(engine.warmup_programs()[:3])
+                    engine.compile_ahead(*engine.warmup_programs()[:3])
             if template is not None:
                 engine.tokenizer.chat_template = template
             app = create_app(

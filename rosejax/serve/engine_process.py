@@ -97,8 +97,10 @@ def _replica_engine(config: EngineConfig, replica: int) -> Any:
     one = dataclasses.replace(config, data_parallel_size=1, warmup=False)
     engine = LLMEngine(one, devices, replica=replica)
     background = config.warmup is None and not engine.on_cpu
-    if config.warmup or background:
-        engine.warmup(engine.warmup_programs()[:3] if background else None)
+    if background:  # what a first request needs, the rest while idle
+        engine.compile_ahead(*engine.warmup_programs()[:3])
+    elif config.warmup:
+        engine.warmup()
     return engine, background
 
 
