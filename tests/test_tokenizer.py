@@ -14,11 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rosejax.tokenizer import (
+    _TABLES,
     FastTokenizer,
     IncrementalDetokenizer,
     _byte_table,
     load_tokenizer,
     packaged_gpt2_tokenizer_path,
+    warm_tokenizer,
 )
 
 TEXTS = [
@@ -313,6 +315,18 @@ def test_tokenizer_configs_transformers_reads_load_with_transformers(case, tmp_p
         str(path), tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")), {}, None
     )
     assert changes == any(fast.encode(t) != ours.encode(t) for t in texts)
+
+
+def test_warm_tokenizer_makes_what_a_first_request_needs():
+    """Once a server serves it builds the detokenizer's byte table and transformers' tokenizer
+    for the chat template; a template that fails does not fail it."""
+    ours = load_tokenizer("random:gpt2")
+    assert ours not in _TABLES and ours._transformers is None
+    warm_tokenizer(ours)  # no chat template: transformers stays unloaded
+    assert _TABLES[ours][2] == _byte_table(ours, False) and ours._transformers is None
+    ours.chat_template = "{{ raise_exception('no') }}"
+    warm_tokenizer(ours)
+    assert ours._transformers is not None
 
 
 def test_loading_a_local_tokenizer_imports_no_torch():

@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     from rosejax.serve.loading import LoadingApp
     from rosejax.serve.server import make_server
     from rosejax.settings import EngineConfig, configure_process
+    from rosejax.tokenizer import warm_tokenizer
 
     try:
         limits = Limits(
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             if not server.should_exit:  # a stop asked for while loading: nothing to serve
                 loading.ready(app)
+                warm_tokenizer(engine.tokenizer)
             elif args.engine_process:
                 engine.close()
         except (ValueError, OSError, RuntimeError) as e:
