@@ -30,14 +30,16 @@ import time
 import urllib.error
 import urllib.request
 
-# Log line -> phase name; a phase is the first line that matches it.
+# Log line -> phase name; a phase is the first line that matches it (an engine process's lines
+# name it: "rosejax [engine 0]: ...").
+ENGINE = r"rosejax(?: \[engine \d+\])?: "
 PHASES = (
     ("listening", re.compile(r"Uvicorn running on")),
-    ("loading", re.compile(r"rosejax: loading ")),
-    ("loaded", re.compile(r"rosejax: loaded the model and tokenizer")),
-    ("kv_cache", re.compile(r"rosejax: KV cache: ")),
+    ("loading", re.compile(ENGINE + "loading ")),
+    ("loaded", re.compile(ENGINE + "loaded the model and tokenizer")),
+    ("kv_cache", re.compile(ENGINE + "KV cache: ")),
 )
-COMPILED = re.compile(r"rosejax: compiled \w[\w-]* program ")
+COMPILED = re.compile(ENGINE + r"compiled \w[\w-]* program ")
 
 
 def free_port() -> int:
