@@ -28,8 +28,8 @@ def threefry_key_words(seed: int) -> np.ndarray:
 
 def random_params(
     config: Any,
-    seed: int,
-    dtype: str | jnp.dtype,
+    seed: int = 0,
+    dtype: str | jnp.dtype = "float32",
     *,
     shapes: Callable[[Any], dict[str, tuple[int, ...]]],
     from_tensors: Callable[..., dict],

@@ -14,6 +14,7 @@ wte gets zero rows up to `config.padded_vocab_size` (V_pad); the model drops the
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -110,14 +111,11 @@ def _is_scale(name: str) -> bool:
     return name.endswith(".weight") and name.split(".")[-2].startswith("ln_")
 
 
-def random_params(config: GPT2Config, seed: int = 0, dtype: str | jnp.dtype = "float32") -> dict:
-    """GPT-2's initialisation (normal(0, initializer_range), unit LN), drawn on the device
-    (`rosejax.models.random_init`): for benchmarks and tests."""
-    return random_init.random_params(
-        config,
-        seed,
-        dtype,
-        shapes=param_shapes,
-        from_tensors=params_from_tensors,
-        is_scale=_is_scale,
-    )
+# GPT-2's initialisation (normal(0, initializer_range), unit LN), drawn on the device, for
+# benchmarks and tests: random_params(config, seed=0, dtype="float32") -> params.
+random_params = functools.partial(
+    random_init.random_params,
+    shapes=param_shapes,
+    from_tensors=params_from_tensors,
+    is_scale=_is_scale,
+)

@@ -17,6 +17,7 @@ The embedding (or an untied LM head) gets zero rows up to `config.padded_vocab_s
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax.numpy as jnp
@@ -148,14 +149,11 @@ def _is_scale(name: str) -> bool:
     return name.endswith("norm.weight")
 
 
-def random_params(config: LlamaConfig, seed: int = 0, dtype="float32") -> dict:
-    """normal(0, initializer_range) weights, unit norms, zero biases (HF's init), drawn on the
-    device in `dtype` (`rosejax.models.random_init`): for benchmarks and tests."""
-    return random_init.random_params(
-        config,
-        seed,
-        dtype,
-        shapes=param_shapes,
-        from_tensors=params_from_tensors,
-        is_scale=_is_scale,
-    )
+# normal(0, initializer_range) weights, unit norms, zero biases (HF's init), drawn on the device
+# in `dtype`, for benchmarks and tests: random_params(config, seed=0, dtype="float32") -> params.
+random_params = functools.partial(
+    random_init.random_params,
+    shapes=param_shapes,
+    from_tensors=params_from_tensors,
+    is_scale=_is_scale,
+)
