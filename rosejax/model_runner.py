@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 
 import flax.struct
@@ -112,9 +113,11 @@ EXTRA_ROW_FIELDS = {
 
 
 def empty_slot_state(num_slots: int, max_blocks: int, vocab: int) -> SlotState:
-    # Every field its own buffer: the state is donated, and a buffer may be donated only once.
-    def z(*shape, dtype=jnp.int32):
-        return jnp.zeros((num_slots, *shape), dtype)
+    """Every row empty, as numpy arrays: the runner puts them on its device(s) in one transfer,
+    where a jnp array per field compiled a program per shape (most of a second on a GPU)."""
+
+    def z(*shape, dtype=np.int32):
+        return np.zeros((num_slots, *shape), dtype)
 
     return SlotState(
         tokens=z(),
@@ -122,22 +125,22 @@ def empty_slot_state(num_slots: int, max_blocks: int, vocab: int) -> SlotState:
         alive=z(dtype=bool),
         steps=z(),
         limit=z(),
-        temperature=z(dtype=jnp.float32),
+        temperature=z(dtype=np.float32),
         top_k=z(),
-        top_p=jnp.ones((num_slots,), jnp.float32),
-        min_p=z(dtype=jnp.float32),
-        seed=z(2, dtype=jnp.uint32),
-        stop_ids=jnp.full((num_slots, NUM_STOP_IDS), -1, jnp.int32),
+        top_p=np.ones((num_slots,), np.float32),
+        min_p=z(dtype=np.float32),
+        seed=z(2, dtype=np.uint32),
+        stop_ids=np.full((num_slots, NUM_STOP_IDS), -1, np.int32),
         block_tables=z(max_blocks),
-        logprobs=jnp.full((num_slots,), -1, jnp.int32),
-        presence=z(dtype=jnp.float32),
-        frequency=z(dtype=jnp.float32),
-        repetition=jnp.ones((num_slots,), jnp.float32),
+        logprobs=np.full((num_slots,), -1, np.int32),
+        presence=z(dtype=np.float32),
+        frequency=z(dtype=np.float32),
+        repetition=np.ones((num_slots,), np.float32),
         has_bias=z(dtype=bool),
         bias_ids=z(NUM_BIAS),
-        bias_values=z(NUM_BIAS, dtype=jnp.float32),
+        bias_values=z(NUM_BIAS, dtype=np.float32),
         bias_until=z(NUM_BIAS),
-        counts=z(vocab, dtype=jnp.uint16),
+        counts=z(vocab, dtype=np.uint16),
     )
 
 
@@ -178,11 +181,12 @@ class ModelRunner:
         self.max_blocks = -(-config.max_model_len // cache.block_size)
         state = empty_slot_state(num_slots, self.max_blocks, config.vocab_size)
         if isinstance(placement, Mesh):
-            state = jax.tree.map(lambda a: place(np.asarray(a), replicated(placement)), state)
+            state = jax.tree.map(lambda a: place(a, replicated(placement)), state)
             self.params, self.cache, self.state = params, cache, state
         else:
             # Committed to the device (no copy where they are made there already): a program
-            # runs where its committed inputs live, so the host's numpy inputs follow them.
+            # runs where its committed inputs live, so the host's numpy inputs follow them. Each
+            # state field is a buffer of its own: the state is donated, a buffer only once.
             self.params, self.cache, self.state = jax.device_put((params, cache, state), placement)
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
         self.compile_seconds = 0.0
@@ -447,11 +451,16 @@ class ModelRunner:
             return compiled(*args)
         return self._call(program, *args, **static)
 
-    def _compile_ahead(self, key: tuple, program, args: tuple, **static) -> None:
-        """Lower and compile `program` for the shapes of `args`, without running it: safe on a
-        thread other than the one running programs (only shapes are read of the live arrays)."""
+    def _compile_ahead(
+        self, key: tuple, program, args: tuple, pool: Executor | None = None, **static
+    ) -> Callable[[], None]:
+        """Lower `program` for the shapes of `args` (only shapes are read of the live arrays:
+        safe on a thread other than the one running programs) and compile it without running
+        it, on `pool` if given: XLA compiles, and loads from the persistent cache, without the
+        GIL, so the caller may lower the next program meanwhile. Returns what finishes it (waits
+        for the executable and keeps it for `key`)."""
         if key in self._compiled:
-            return
+            return lambda: None
         start = time.perf_counter()
         specs = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(
@@ -459,8 +468,18 @@ class ModelRunner:
             ),
             args,
         )
-        self._compiled[key] = program.lower(*specs, **static).compile()
-        self.compile_seconds += time.perf_counter() - start
+        lowered = program.lower(*specs, **static)
+        if pool is None:
+            executable = lowered.compile()
+            compiled = lambda: executable  # noqa: E731
+        else:
+            compiled = pool.submit(lowered.compile).result
+
+        def finish() -> None:
+            self._compiled[key] = compiled()
+            self.compile_seconds += time.perf_counter() - start
+
+        return finish
 
     def _prefill_args(self, batch: dict[str, np.ndarray]) -> tuple:
         return self.params, self.cache, self.state, batch
@@ -496,10 +515,12 @@ class ModelRunner:
         ids[: len(count_ids)], values[: len(counts)] = count_ids, counts
         self.state = self._call(self._load_row, self.state, np.int32(slot), *bias, ids, values)
 
-    def compile_prefill(self, batch: dict[str, np.ndarray]) -> None:
+    def compile_prefill(
+        self, batch: dict[str, np.ndarray], pool: Executor | None = None
+    ) -> Callable[[], None]:
         """Compile ahead the prefill program of `batch`'s shapes (see `_compile_ahead`)."""
         key, args = self._prefill_key(batch), self._prefill_args(batch)
-        self._compile_ahead(key, self._prefill, args, kernels=self.kernels)
+        return self._compile_ahead(key, self._prefill, args, pool, kernels=self.kernels)
 
     def decode(
         self,
@@ -529,7 +550,9 @@ class ModelRunner:
         out, logprobs, self.cache, self.state = self._run(key, program, args, **static)
         return out, logprobs
 
-    def compile_decode(self, batch: int, greedy: bool, extras: bool = False) -> None:
+    def compile_decode(
+        self, batch: int, greedy: bool, extras: bool = False, pool: Executor | None = None
+    ) -> Callable[[], None]:
         """Compile ahead the decode window of `batch` rows (see `_compile_ahead`)."""
         kill = np.zeros(self.num_slots, bool)
         u = np.zeros((3, self.max_table_updates), np.int32)
@@ -537,7 +560,7 @@ class ModelRunner:
         args = (self.params, self.cache, self.state, kill, *u, *m, np.int32(0))
         static = dict(batch=batch, greedy=greedy, extras=extras, kernels=self.kernels)
         key = ("decode", batch, greedy, extras, self.kernels)
-        self._compile_ahead(key, self._decode_program(batch), args, **static)
+        return self._compile_ahead(key, self._decode_program(batch), args, pool, **static)
 
     def _decode_program(self, batch: int) -> Callable:
         key = (batch, self.kernels)

@@ -59,6 +59,9 @@ def check_engine(seed: int) -> tuple[LLM, LLM]:
     one = LLM(MODEL, **engine_args(seed))
     dp = LLM(MODEL, data_parallel_size=2, **engine_args(seed))
     engine = dp.engine
+    # What a server compiles before it serves, on every replica's devices, then runs on.
+    engine.compile_ahead(*engine.warmup_programs()[:3])
+    assert [r.num_compiles for r in engine.replicas] == [3, 3]
     want = [o.token_ids for o in one.generate(prompts, params, use_tqdm=False)]
     got = [o.token_ids for o in dp.generate(prompts, params, use_tqdm=False)]
     assert got == want, (got, want)

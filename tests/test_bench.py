@@ -644,6 +644,7 @@ def test_plots(tmp_path):
         ("compare_variants", ["--runs", "--batch", "--decode-steps", "--json"]),
         ("benchmark_data_parallel", ["--data-parallel-size", "--only", "--repeat-runs", "--json"]),
         ("benchmark_parallel", ["--out-dir", "--tp", "--tpot-model", "--skip-processes"]),
+        ("benchmark_startup", ["--checkout", "--runs", "--untimed-runs", "--json"]),
     ],
 )
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
@@ -658,6 +659,31 @@ def test_help_as_a_file(script, flags):
     )
     for flag in flags:
         assert flag in out.stdout
+
+
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
+def test_benchmark_startup_end_to_end(tmp_path):
+    """Two starts of a tiny server: each one's phases, read off its log, come in order and
+    before /health answers 200, which it timed."""
+    path = tmp_path / "start.json"
+    server = ["--model", "random:tiny", "--no-warmup", "--max-batch-size", "2"]
+    subprocess.run(
+        [sys.executable, "-m", "bench.benchmark_startup", "--runs", "2", "--untimed-runs", "0"]
+        + ["--json", str(path), "--", *server, "--block-size", "16"],
+        check=True,
+        capture_output=True,
+        cwd=str(_repo()),
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=600,
+    )
+    data = _load(path)
+    assert data["server_args"][:2] == ["--model", "random:tiny"]
+    (runs,) = data["runs"].values()
+    assert len(runs) == 2
+    for phases in runs:
+        order = ["loading", "loaded", "kv_cache", "health_200"]
+        assert [phases[name] for name in order] == sorted(phases[n] for n in order), phases
+        assert 0 < phases["listening"] <= phases["health_200"] < 600
 
 
 def _repo():

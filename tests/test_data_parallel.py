@@ -102,9 +102,26 @@ def test_replica_devices_and_too_few_devices_name_the_flag():
 
 
 def test_serve_cli_refuses_more_replicas_than_devices(capsys):
-    rc = serve_cli.main(["--model", "random:tiny", "--no-warmup", "--data-parallel-size", "3"])
-    assert rc == 2
+    """With the engine on a thread, before it listens (in process: uvicorn, once it runs,
+    binds its log handlers to this test's captured stderr)."""
+    args = ["--model", "random:tiny", "--no-warmup", "--data-parallel-size", "3"]
+    assert serve_cli.main([*args, "--no-engine-process"]) == 2
     assert "--data-parallel-size 3 needs 3 devices" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a server subprocess and its engine processes
+def test_serve_cli_engine_processes_refuse_more_replicas_than_devices():
+    """With engine processes (the default), once a child finds too few devices."""
+    args = ["--model", "random:tiny", "--no-warmup", "--data-parallel-size", "3", "--port", "0"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "rosejax.serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--data-parallel-size 3 needs 3 devices" in proc.stderr
 
 
 def test_metrics_carry_a_replica_label():

@@ -581,11 +581,12 @@ def test_cache_size_is_logged(checkpoint, caplog):
     assert f"KV cache: {blocks} blocks of 8 tokens, {blocks * 8} tokens" in caplog.text
 
 
-def test_warmup_first_programs_then_the_rest_compiled_ahead(checkpoint, caplog):
-    """A server compiles what a first request needs up front and the rest ahead, without running
-    them: the first three are the smallest prefill and decode (greedy and sampled) programs,
-    each program compiled ahead is logged, and the requests then run on those executables
-    (nothing traces again) with HF's greedy tokens."""
+def test_first_programs_compiled_ahead_together_then_the_rest(checkpoint, caplog):
+    """A server compiles what a first request needs up front, together, and the rest ahead one
+    at a time, without running them (or by warm-up, running them): the first three are the
+    smallest prefill and decode (greedy and sampled) programs, each program is traced once and
+    logged, and the requests then run on those executables (nothing traces again) with HF's
+    greedy tokens."""
     caplog.set_level("INFO", logger="rosejax")
     llm = make_llm(checkpoint, max_batch_size=2, decode_steps=2)
     engine = llm.engine
@@ -594,12 +595,14 @@ def test_warmup_first_programs_then_the_rest_compiled_ahead(checkpoint, caplog):
     first = programs[:3]
     assert first[0] == ("prefill", 1, engine.prefill_len_buckets[0])
     assert first[1:] == [("decode", engine.decode_buckets[0], g) for g in (True, False)]
-    engine.warmup(first)
-    assert engine.num_compiles == 3 and "compiled decode program 3/3" in caplog.text
+    engine.compile_ahead(*first, first[0])
+    assert engine.num_compiles == 3 and caplog.text.count("ahead in") == 3
+    engine.warmup(programs[:5])  # two of them not compiled yet
+    assert engine.num_compiles == 5 and " program 2/2 " in caplog.text
     for program in programs:
         engine.compile_ahead(program)
     assert engine.num_compiles == len(programs)
-    assert caplog.text.count("ahead in") == len(programs) - 3
+    assert caplog.text.count("ahead in") == len(programs) - 2
     prompts = random_prompts(2, lo=9, hi=20)  # a prefill shape past the first one
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):

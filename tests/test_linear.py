@@ -100,6 +100,18 @@ def test_module_keeps_leading_axes():
     np.testing.assert_allclose(np.asarray(got).reshape(6, 32), want, rtol=1e-5, atol=1e-5)
 
 
+def test_params_of_the_wrong_shape_or_missing_name_the_param():
+    """The layers take their params as given (no flax init check), but one of another shape
+    than the input asks for, or none, is an error naming it and the module."""
+    x = jnp.zeros((2, 64), jnp.float32)
+    with pytest.raises(
+        ValueError, match=r"param 'kernel' of .* is \(63, 32\), expected \(64, 32\)"
+    ):
+        module(x, jnp.zeros((63, 32)), jnp.zeros(32), None)
+    with pytest.raises(ValueError, match=r"param 'bias' of .* is None, expected \(32,\)"):
+        Linear(32).apply({"params": {"kernel": jnp.zeros((64, 32))}}, x)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

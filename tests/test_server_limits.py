@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import transformers  # noqa: F401 (see below)
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
@@ -509,6 +510,9 @@ def test_the_serve_extra_installs_jinja2():
 def test_a_broken_chat_template_stops_the_start(tmp_path, capsys):
     from rosejax.serve.cli import main
 
+    # The template check renders through transformers, which binds its log handler to the
+    # sys.stderr of its first import: imported with this module, not under capsys (closed after
+    # the test).
     path = tmp_path / "broken.jinja"
     path.write_text("{% for m in messages %}{{ m['content'] }")  # unclosed
     assert main(["--model", MODEL, "--chat-template", str(path), "--port", "1"]) == 2

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 
+import numpy as np
 import pytest
+import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rosejax.tokenizer import (
+    _TABLES,
+    FastTokenizer,
     IncrementalDetokenizer,
     _byte_table,
     load_tokenizer,
     packaged_gpt2_tokenizer_path,
+    warm_tokenizer,
 )
 
 TEXTS = [
@@ -189,33 +195,59 @@ TOKENIZER_DIRS = [
         for name in ("qwen3", "llama3")
     ),
 ]
+TOKENIZER_NAMES = ("gpt2", "qwen3", "llama3")
+SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("path", TOKENIZER_DIRS, ids=["gpt2", "qwen3", "llama3"])
-def test_local_tokenizer_equals_autotokenizer(path, no_network):
-    """A directory with tokenizer.json loads as PreTrainedTokenizerFast (no model configs, no
-    torch); it encodes, decodes, names its special tokens and renders its chat template as the
-    class AutoTokenizer picks from its tokenizer_config.json."""
+@pytest.mark.parametrize(
+    "path, saved",
+    [
+        *(
+            pytest.param(p, False, id=n)
+            for p, n in zip(TOKENIZER_DIRS, TOKENIZER_NAMES, strict=True)
+        ),
+        pytest.param(TOKENIZER_DIRS[1], True, id="qwen3-saved"),  # extra tokens, a .jinja file
+        *(
+            pytest.param(TOKENIZER_DIRS[i], True, id=f"{TOKENIZER_NAMES[i]}-saved", marks=SLOW)
+            for i in (0, 2)
+        ),
+    ],
+)
+def test_local_tokenizer_equals_autotokenizer(path, saved, tmp_path, no_network):
+    """A directory with tokenizer.json (as shipped, or as transformers' save_pretrained writes
+    it) loads as a `FastTokenizer`, without transformers; it encodes, decodes, names its tokens
+    and renders its chat template as the class AutoTokenizer picks from its
+    tokenizer_config.json."""
     if not os.path.isdir(path):
         pytest.skip("needs ../shared/tokenizers")
     from transformers import AutoTokenizer
 
-    ours = load_tokenizer("unused", path)
     auto = AutoTokenizer.from_pretrained(
         path, local_files_only=True, clean_up_tokenization_spaces=False
     )
-    for text in TEXTS:
-        ids = auto.encode(text)
-        assert ours.encode(text) == ids, text
-        assert ours.decode(ids) == auto.decode(ids)
-        assert ours.decode(ids, skip_special_tokens=True) == auto.decode(
-            ids, skip_special_tokens=True
-        )
-    assert (ours.eos_token, ours.bos_token, ours.all_special_ids, len(ours)) == (
-        auto.eos_token,
-        auto.bos_token,
+    if saved:
+        auto.save_pretrained(tmp_path)
+        path = str(tmp_path)
+    ours = load_tokenizer("unused", path)
+    assert isinstance(ours, FastTokenizer)
+    specials = "".join(auto.all_special_tokens[:8])
+    for text in [*TEXTS, f"{specials} x{specials}"]:
+        for add in (True, False):
+            ids = auto.encode(text, add_special_tokens=add)
+            assert ours.encode(text, add_special_tokens=add) == ids, text
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == auto.decode(
+                ids, skip_special_tokens=skip
+            )
+    ids = np.random.default_rng().integers(0, len(auto), 200).tolist()
+    assert ours.decode(ids) == auto.decode(ids)
+    assert ours.convert_ids_to_tokens(ids) == auto.convert_ids_to_tokens(ids)
+    assert ours.special_tokens_map == auto.special_tokens_map
+    assert ours.get_vocab() == auto.get_vocab() and len(ours) == len(auto)
+    assert (ours.eos_token_id, ours.bos_token_id, ours.all_special_ids) == (
+        auto.eos_token_id,
+        auto.bos_token_id,
         auto.all_special_ids,
-        len(auto),
     )
     assert ours.chat_template == auto.chat_template
     if auto.chat_template:
@@ -225,8 +257,81 @@ def test_local_tokenizer_equals_autotokenizer(path, no_network):
             assert ours.apply_chat_template(chat, **kw) == auto.apply_chat_template(chat, **kw)
 
 
+def _edit_config(**keys):
+    def edit(path):
+        with open(path / "tokenizer_config.json") as f:
+            config = json.load(f)
+        with open(path / "tokenizer_config.json", "w") as f:
+            json.dump(config | keys, f)
+
+    return edit
+
+
+def _add_file(name, text):
+    return lambda path: (path / name).write_text(text)
+
+
+# tokenizer_config.json edits and files that transformers reads, and whether they change what
+# it encodes (from tokenizer.json's own tokens).
+TRANSFORMERS_READS = {
+    "a token made special": (_edit_config(additional_special_tokens=["Hello"]), True),
+    "a new special token": (_edit_config(additional_special_tokens=["<|im_start|>"]), True),
+    "split_special_tokens": (_edit_config(split_special_tokens=True), True),
+    "re-flagged added token": (
+        _edit_config(
+            added_tokens_decoder={
+                "50256": {
+                    "content": "<|endoftext|>",
+                    "lstrip": True,
+                    "normalized": False,
+                    "rstrip": True,
+                    "single_word": False,
+                    "special": True,
+                }
+            }
+        ),
+        True,
+    ),
+    "an unknown key": (_edit_config(do_lower_case=True), False),
+    "special_tokens_map.json": (_add_file("special_tokens_map.json", "{}"), False),
+    "a mistral model": (_add_file("config.json", '{"model_type": "mistral"}'), False),
+}
+
+
+@pytest.mark.parametrize("case", TRANSFORMERS_READS)
+def test_tokenizer_configs_transformers_reads_load_with_transformers(case, tmp_path):
+    """Where transformers would encode otherwise than tokenizer.json alone, or might, the
+    tokenizer is transformers' own class; where it does, a `FastTokenizer` would differ."""
+    from transformers import PreTrainedTokenizerFast
+
+    edit, changes = TRANSFORMERS_READS[case]
+    path = tmp_path / "tok"
+    shutil.copytree(packaged_gpt2_tokenizer_path(), path)
+    edit(path)
+    ours = load_tokenizer("unused", str(path))
+    assert isinstance(ours, PreTrainedTokenizerFast)
+    texts = ["Helloworld", " <|endoftext|>Hello<|endoftext|> x", "<|im_start|>hi"]
+    fast = FastTokenizer(
+        str(path), tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")), {}, None
+    )
+    assert changes == any(fast.encode(t) != ours.encode(t) for t in texts)
+
+
+def test_warm_tokenizer_makes_what_a_first_request_needs():
+    """Once a server serves it builds the detokenizer's byte table and transformers' tokenizer
+    for the chat template; a template that fails does not fail it."""
+    ours = load_tokenizer("random:gpt2")
+    assert ours not in _TABLES and ours._transformers is None
+    warm_tokenizer(ours)  # no chat template: transformers stays unloaded
+    assert _TABLES[ours][2] == _byte_table(ours, False) and ours._transformers is None
+    ours.chat_template = "{{ raise_exception('no') }}"
+    warm_tokenizer(ours)
+    assert ours._transformers is not None
+
+
 def test_loading_a_local_tokenizer_imports_no_torch():
-    """The server's start does not pay for importing torch (seconds on a GPU host)."""
+    """The server's start does not pay for importing transformers or torch (seconds on a GPU
+    host)."""
     import subprocess
     import sys
 
@@ -235,5 +340,6 @@ def test_loading_a_local_tokenizer_imports_no_torch():
         "from rosejax.tokenizer import load_tokenizer\n"
         "load_tokenizer('random:gpt2')\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

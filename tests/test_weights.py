@@ -14,6 +14,7 @@ from safetensors.numpy import load_file, save_file
 from rosejax.models.gpt2.config import PRESETS, GPT2Config
 from rosejax.models.gpt2.weights import param_shapes, random_params
 from rosejax.models.loader import load_checkpoint, load_model
+from rosejax.models.random_init import threefry_key_words
 from tests.conftest import make_hf_checkpoint
 
 SHAPE = dict(vocab_size=301, n_positions=32, n_embd=48, n_layer=2, n_head=3)
@@ -141,6 +142,46 @@ def test_random_params_cover_every_tensor():
     padding = (config.padded_vocab_size - config.vocab_size) * config.n_embd  # zero wte rows
     assert sum(x.size for x in jax.tree.leaves(params)) == config.num_params() + padding
     assert len(jax.tree.leaves(params)) == len(param_shapes(config))
+
+
+def test_random_params_are_hf_init_drawn_on_the_device_per_seed():
+    """normal(0, initializer_range) matrices, unit LN scales, zero biases and padding rows; the
+    same seed the same weights, another seed others; made on the default device."""
+    config = PRESETS["tiny"]
+    seed = int(np.random.default_rng().integers(1 << 30))
+    device = jax.devices()[-1]
+    with jax.default_device(device):
+        params = random_params(config, seed=seed)
+    assert {x.devices().pop() for x in jax.tree.leaves(params)} == {device}
+    again = random_params(config, seed=seed)
+    other = random_params(config, seed=seed + 1)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert a.dtype == np.float32
+    layer = params["h_0"]
+    for ln in ("ln_1", "ln_2"):
+        np.testing.assert_array_equal(np.asarray(layer[ln]["scale"]), 1.0)
+        np.testing.assert_array_equal(np.asarray(layer[ln]["bias"]), 0.0)
+    np.testing.assert_array_equal(np.asarray(layer["mlp"]["c_fc"]["bias"]), 0.0)
+    wte = np.asarray(params["wte"]["embedding"])
+    np.testing.assert_array_equal(wte[config.vocab_size :], 0.0)
+    drawn = np.concatenate(
+        [wte[: config.vocab_size].ravel(), np.asarray(layer["attn"]["c_attn"]["kernel"]).ravel()]
+    )
+    assert abs(drawn.mean()) < 0.1 * config.initializer_range
+    assert abs(drawn.std() / config.initializer_range - 1) < 0.05
+    kernel = np.asarray(layer["attn"]["c_attn"]["kernel"])
+    assert not np.array_equal(kernel, np.asarray(other["h_0"]["attn"]["c_attn"]["kernel"]))
+    assert not np.array_equal(kernel, np.asarray(params["h_1"]["attn"]["c_attn"]["kernel"]))
+
+
+def test_random_key_words_are_jax_keys():
+    """The host-made key of a seed is `jax.random.key(seed)` in [0, 2**32), and 64-bit seeds
+    beyond it keep their high bits."""
+    for seed in (0, 1, int(np.random.default_rng().integers(2**32))):
+        key = jax.random.key_data(jax.random.key(seed))
+        np.testing.assert_array_equal(threefry_key_words(seed), np.asarray(key))
+    assert threefry_key_words(2**40 + 3).tolist() == [2**8, 3]
 
 
 def test_local_dir_from_hf_config(saved):

@@ -97,6 +97,10 @@ class DataParallelEngine:
         """Compile `programs` (default: every one) on every replica, side by side."""
         list(self._pool.map(lambda r: r.warmup(programs), self.replicas))
 
+    def compile_ahead(self, *programs: tuple[str, int, int | bool]) -> None:
+        """`LLMEngine.compile_ahead` on every replica, side by side."""
+        list(self._pool.map(lambda r: r.compile_ahead(*programs), self.replicas))
+
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         return self.replicas[0].prompt_ids(prompt)
 

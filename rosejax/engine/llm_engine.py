@@ -17,6 +17,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -199,7 +200,11 @@ class LLMEngine:
         mesh = self._mesh(config)
         start = time.perf_counter()
         logger.info("loading %s (%s) on %s", config.model, self.dtype.name, list(self.devices))
-        self.config, params = load_model(config.model, self.dtype, config.seed)
+        # The tokenizer loads beside the weights: its parse (Rust) gives up the GIL.
+        with ThreadPoolExecutor(1, thread_name_prefix="rosejax-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, config.model, config.tokenizer)
+            self.config, params = load_model(config.model, self.dtype, config.seed)
+            self.tokenizer = tokenizer.result()
         if config.max_model_len is not None:
             self.config = with_context_len(self.config, config.max_model_len)
         cache_sharding = None
@@ -209,7 +214,6 @@ class LLMEngine:
             params = shard_params(params, layout, mesh)
             cache_sharding = NamedSharding(mesh, P(TP_AXIS))  # by KV heads
             logger.info("tensor parallel over %d devices: %s", tp, mesh.devices.tolist())
-        self.tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.token_texts = TokenTexts(self.tokenizer)  # the decoded_token of logprobs
         logger.info("loaded the model and tokenizer in %.1f s", time.perf_counter() - start)
         self.block_size = config.block_size
@@ -411,26 +415,37 @@ class LLMEngine:
             )
         return time.perf_counter() - start
 
-    def compile_ahead(self, program: tuple[str, int, int | bool]) -> None:
-        """Compile one program of `warmup_programs()` without running it, logging it. Unlike
-        `warmup`, any thread may call this while another serves: a server compiles what its
-        first requests did not need on a thread of its own, so no request waits for it."""
-        if program in self._warm:
+    def compile_ahead(self, *programs: tuple[str, int, int | bool]) -> None:
+        """Compile `programs` of `warmup_programs()` without running them, logging each: each
+        one is traced and lowered here while the ones before it compile (or load from the
+        persistent cache) on threads, which XLA does without the GIL. Unlike `warmup`, any
+        thread may call this while another serves: a server compiles what a first request needs
+        so before it serves, and the rest on a thread of its own while idle, so no request
+        waits for it."""
+        todo = [p for p in dict.fromkeys(programs) if p not in self._warm]
+        if not todo:
             return
-        t0 = time.perf_counter()
-        kind, rows, arg = program
-        if kind == "prefill":
-            self.runner.compile_prefill(self._prefill_batch([], [], [], rows, arg, False))
-        else:
-            self.runner.compile_decode(rows, arg, kind == "decode-extras")
-        self._warm.add(program)
-        logger.info(
-            "compiled %s program (%s rows, %s) ahead in %.1f s",
-            kind,
-            rows,
-            f"{arg} tokens" if kind == "prefill" else "greedy" if arg else "sampled",
-            time.perf_counter() - t0,
-        )
+        with ThreadPoolExecutor(len(todo), thread_name_prefix="rosejax-compile") as pool:
+            started = []
+            for program in todo:
+                t0 = time.perf_counter()
+                kind, rows, arg = program
+                if kind == "prefill":
+                    batch = self._prefill_batch([], [], [], rows, arg, False)
+                    finish = self.runner.compile_prefill(batch, pool)
+                else:
+                    finish = self.runner.compile_decode(rows, arg, kind == "decode-extras", pool)
+                started.append((program, t0, finish))
+            for (kind, rows, arg), t0, finish in started:
+                finish()
+                self._warm.add((kind, rows, arg))
+                logger.info(
+                    "compiled %s program (%s rows, %s) ahead in %.1f s",
+                    kind,
+                    rows,
+                    f"{arg} tokens" if kind == "prefill" else "greedy" if arg else "sampled",
+                    time.perf_counter() - t0,
+                )
 
     # ------------------------------------------------------------------------------ requests
 

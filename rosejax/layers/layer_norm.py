@@ -8,7 +8,7 @@ import flax.linen as nn
 import jax
 
 from pallas_kernels.layer_norm import add_layer_norm, layer_norm, layer_norm_reference
-from rosejax.layers.linear import PendingSum, norm_stream
+from rosejax.layers.linear import PendingSum, given_param, norm_stream
 from rosejax.settings import XLA_KERNELS, KernelConfig
 
 
@@ -22,8 +22,8 @@ class LayerNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array | PendingSum) -> tuple[jax.Array, jax.Array]:  # [..., E] each
         e = (x.residual if isinstance(x, PendingSum) else x).shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (e,))
-        bias = self.param("bias", nn.initializers.zeros, (e,))
+        scale = given_param(self, "scale", (e,))
+        bias = given_param(self, "bias", (e,))
         k = self.kernels
         tiles = k.tile_kwargs("layer_norm") | {"interpret": k.interpret}
         return norm_stream(

@@ -68,6 +68,19 @@ def select_tokens(x: jax.Array | PendingSum, indices: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, indices[:, None, None], axis=1)[:, 0]
 
 
+def given_param(module: nn.Module, name: str, shape: tuple[int, ...]) -> jax.Array:
+    """`module`'s param `name`, which must have `shape`. rosejax's params are built (and their
+    shapes checked) by each family's `params_from_tensors`, never by flax's init, so this is
+    `module.param` without its check of the value against its initializer's output: an
+    `eval_shape` per param per trace, a fifth of the time tracing a program takes (seconds of a
+    server's start)."""
+    value = module.get_variable("params", name)
+    if value is None or value.shape != shape:
+        got = None if value is None else value.shape
+        raise ValueError(f"param {name!r} of {module.scope.path_text} is {got}, expected {shape}")
+    return value
+
+
 class Linear(nn.Module):
     """flax's `nn.Dense` (kernel [in, out], bias), then `activation` and `+ residual`."""
 
@@ -83,9 +96,9 @@ class Linear(nn.Module):
         whose sum only a `LayerNorm` reads), a `PendingSum` instead when there is a residual, no
         activation, and the call is the Pallas kernel's; otherwise the array as without it."""
         k = x.shape[-1]
-        kernel = self.param("kernel", nn.initializers.lecun_normal(), (k, self.features))
+        kernel = given_param(self, "kernel", (k, self.features))
         if self.use_bias:
-            bias = self.param("bias", nn.initializers.zeros, (self.features,))
+            bias = given_param(self, "bias", (self.features,))
         else:
             bias = jnp.zeros((self.features,), kernel.dtype)
         lead = x.shape[:-1]

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 
 from pallas_kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
-from rosejax.layers.linear import PendingSum, norm_stream
+from rosejax.layers.linear import PendingSum, given_param, norm_stream
 from rosejax.settings import XLA_KERNELS, KernelConfig
 
 
@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array | PendingSum) -> tuple[jax.Array, jax.Array]:  # [..., E] each
         e = (x.residual if isinstance(x, PendingSum) else x).shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (e,))
+        scale = given_param(self, "scale", (e,))
         k = self.kernels
         tiles = k.tile_kwargs("rms_norm") | {"interpret": k.interpret}
         return norm_stream(

@@ -152,10 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn  # noqa: F401 (the serve extra: fail before loading a model if it is missing)
 
     from rosejax.engine.data_parallel import make_engine, replica_devices
-    from rosejax.serve.app import create_app
-    from rosejax.serve.engine_process import EngineProcesses
-    from rosejax.serve.loading import LoadingApp
-    from rosejax.serve.server import make_server
     from rosejax.settings import EngineConfig, configure_process
 
     try:
@@ -169,13 +165,27 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = engine_kwargs(args)
         config = EngineConfig(model=args.model, seed=args.seed, **kwargs | {"warmup": False})
         configure_process(config.compilation_cache_dir)  # before jax starts its backend
-        # Too few devices: refused before listening. Engine processes check their own: jax's
-        # backend here would take GPU memory from them.
-        if not args.engine_process:
+        template = _read_chat_template(args)
+        if args.engine_process:
+            # Spawned first: the children import jax and build their engines (each warms up as
+            # below) while this process imports its HTTP stack and starts listening.
+            from rosejax.serve.engine_process import EngineProcesses
+
+            processes = EngineProcesses(
+                dataclasses.replace(config, warmup=kwargs["warmup"]), wait=False
+            )
+        else:
+            # Too few devices: refused before listening. Engine processes check their own:
+            # jax's backend here would take GPU memory from them.
             replica_devices(config.data_parallel_size, config.tensor_parallel_size)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad flags, a chat template missing or broken
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from rosejax.serve.app import create_app
+    from rosejax.serve.loading import LoadingApp
+    from rosejax.serve.server import make_server
+    from rosejax.tokenizer import warm_tokenizer
+
     # The server listens at once, answering 503 while the engine loads on another thread.
     loading = LoadingApp(limits)
     server = make_server(
@@ -191,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def load() -> None:
         try:
-            template = _read_chat_template(args)
-            if args.engine_process:  # each child warms up as below
-                engine = EngineProcesses(dataclasses.replace(config, warmup=kwargs["warmup"]))
+            if args.engine_process:
+                engine = processes
+                engine.wait_ready()
                 background = False
             else:
                 engine = make_engine(config)
@@ -201,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 # every program up front took minutes on a GPU with an empty compilation cache.
                 background = kwargs["warmup"] is None and not engine.on_cpu
                 if background:
-                    engine.warmup(engine.warmup_programs()[:3])
+                    engine.compile_ahead(*engine.warmup_programs()[:3])
             if template is not None:
                 engine.tokenizer.chat_template = template
             app = create_app(
@@ -213,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             if not server.should_exit:  # a stop asked for while loading: nothing to serve
                 loading.ready(app)
+                warm_tokenizer(engine.tokenizer)
             elif args.engine_process:
                 engine.close()
         except (ValueError, OSError, RuntimeError) as e:

@@ -98,8 +98,10 @@ def _replica_engine(config: EngineConfig, replica: int) -> Any:
     one = dataclasses.replace(config, data_parallel_size=1, warmup=False)
     engine = LLMEngine(one, devices, replica=replica)
     background = config.warmup is None and not engine.on_cpu
-    if config.warmup or background:
-        engine.warmup(engine.warmup_programs()[:3] if background else None)
+    if background:  # what a first request needs, the rest while idle
+        engine.compile_ahead(*engine.warmup_programs()[:3])
+    elif config.warmup:
+        engine.warmup()
     return engine, background
 
 
@@ -466,25 +468,39 @@ class EngineProcesses:
     process of its own: the model's config and tokenizer for the API process's checks, and one
     child per data-parallel replica (see the module). ValueError: a bad configuration."""
 
-    def __init__(self, config: EngineConfig, log_level: int | None = None):
+    def __init__(self, config: EngineConfig, log_level: int | None = None, wait: bool = True):
+        """Spawn the children and load the tokenizer; with `wait`, `wait_ready` too (without
+        it, the caller does other work while the children build their engines: the server
+        imports its HTTP stack)."""
         from rosejax.tokenizer import TokenTexts, load_tokenizer
 
         if config.num_processes > 1:
             raise ValueError("--engine-process does not combine with --num-processes > 1")
         ctx = multiprocessing.get_context("spawn")  # jax must never be forked
         level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
+        self.data_parallel_size = config.data_parallel_size
         self.children: list[_Child] = []
         try:
             for replica in range(config.data_parallel_size):
                 self.children.append(_Child(ctx, config, replica, level))
             self.tokenizer = load_tokenizer(config.model, config.tokenizer)  # while they load
             self.token_texts = TokenTexts(self.tokenizer)  # logprobs' decoded_token, as theirs
+        except BaseException:
+            self.close()
+            raise
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until every child's engine is built (ValueError, RuntimeError: one failed; then
+        every child is stopped)."""
+        try:
             infos = [child.wait_ready() for child in self.children]
             platforms = [info.platform for info in infos]
             if len(set(platforms)) > 1:
                 raise ValueError(
                     f"the replicas found different devices ({platforms}): --data-parallel-size "
-                    f"{config.data_parallel_size} needs that many GPUs; lower it"
+                    f"{self.data_parallel_size} needs that many GPUs; lower it"
                 )
         except BaseException:
             self.close()

@@ -14,12 +14,14 @@ wte gets zero rows up to `config.padded_vocab_size` (V_pad); the model drops the
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rosejax.models import random_init
 from rosejax.models.gpt2.config import GPT2Config
 
 # Buffers that hub checkpoints carry beside the weights (the causal mask), and the LM head, which
@@ -104,20 +106,16 @@ def params_from_tensors(
     return params
 
 
-def random_params(config: GPT2Config, seed: int = 0, dtype: str | jnp.dtype = "float32") -> dict:
-    """GPT-2's initialisation (normal(0, initializer_range), unit LN), for benchmarks and tests."""
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for name, shape in param_shapes(config).items():
-        if ".ln_" in name or name.startswith("ln_f"):
-            value = (
-                np.ones(shape, np.float32)
-                if name.endswith("weight")
-                else np.zeros(shape, np.float32)
-            )
-        elif name.endswith("bias"):
-            value = np.zeros(shape, np.float32)
-        else:  # drawn in float32: 4x faster than float64 draws, seconds of a server's start
-            value = rng.standard_normal(shape, np.float32) * np.float32(config.initializer_range)
-        tensors[name] = value
-    return params_from_tensors(config, tensors, dtype)
+def _is_scale(name: str) -> bool:
+    """A layer norm's scale (`h.0.ln_1.weight`, `ln_f.weight`)."""
+    return name.endswith(".weight") and name.split(".")[-2].startswith("ln_")
+
+
+# GPT-2's initialisation (normal(0, initializer_range), unit LN), drawn on the device, for
+# benchmarks and tests: random_params(config, seed=0, dtype="float32") -> params.
+random_params = functools.partial(
+    random_init.random_params,
+    shapes=param_shapes,
+    from_tensors=params_from_tensors,
+    is_scale=_is_scale,
+)

@@ -17,12 +17,12 @@ The embedding (or an untied LM head) gets zero rows up to `config.padded_vocab_s
 
 from __future__ import annotations
 
+import functools
 import re
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
+from rosejax.models import random_init
 from rosejax.models.llama.config import LlamaConfig
 
 # RoPE buffers that older checkpoints carry beside the weights.
@@ -144,19 +144,16 @@ def params_from_tensors(config: LlamaConfig, tensors: dict, dtype) -> dict:
     return params
 
 
-def random_params(config: LlamaConfig, seed: int = 0, dtype="float32") -> dict:
-    """normal(0, initializer_range) weights, unit norms, zero biases (HF's init), drawn on the
-    device in `dtype`: for benchmarks and tests."""
-    key = jax.random.key(seed)
-    tensors = {}
-    for i, (name, shape) in enumerate(param_shapes(config).items()):
-        if "norm" in name:
-            tensors[name] = jnp.ones(shape, dtype)
-        elif name.endswith("bias"):
-            tensors[name] = jnp.zeros(shape, dtype)
-        else:
-            std = np.float32(config.initializer_range)
-            tensors[name] = (jax.random.normal(jax.random.fold_in(key, i), shape) * std).astype(
-                dtype
-            )
-    return params_from_tensors(config, tensors, dtype)
+def _is_scale(name: str) -> bool:
+    """A norm's scale (input_layernorm, post_attention_layernorm, q_norm, k_norm, norm)."""
+    return name.endswith("norm.weight")
+
+
+# normal(0, initializer_range) weights, unit norms, zero biases (HF's init), drawn on the device
+# in `dtype`, for benchmarks and tests: random_params(config, seed=0, dtype="float32") -> params.
+random_params = functools.partial(
+    random_init.random_params,
+    shapes=param_shapes,
+    from_tensors=params_from_tensors,
+    is_scale=_is_scale,
+)

@@ -1,0 +1,67 @@
+"""Random weights of a preset shape (`random:<preset>`): HF's init, normal(0, initializer_range)
+matrices, unit norm scales and zero biases, drawn on the device in one compiled program.
+
+The program draws every tensor and builds the params pytree from them with the family's own
+`params_from_tensors` (vocabulary padding, fused projections), so nothing is drawn on the host or
+copied to the device: on a GPU it runs in milliseconds, where numpy drew GPT-2's 124M weights in
+seconds of a server's start. Deterministic for a seed: tensor i is drawn from
+`fold_in(key(seed), i)`, in float32, then cast.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def threefry_key_words(seed: int) -> np.ndarray:
+    """The data of a threefry key for `seed`, made on the host (no program of its own to
+    compile): its high and low 32 bits (two's complement for a negative seed): for a seed
+    in [0, 2**32) `jax.random.key(seed)`'s, and beyond it every 64-bit seed its own key."""
+    return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
+
+
+def random_params(
+    config: Any,
+    seed: int = 0,
+    dtype: str | jnp.dtype = "float32",
+    *,
+    shapes: Callable[[Any], dict[str, tuple[int, ...]]],
+    from_tensors: Callable[..., dict],
+    is_scale: Callable[[str], bool],
+) -> dict:
+    """A family's params for `config`: `shapes(config)` names every HF tensor and its shape,
+    `is_scale(name)` says which are norm scales (ones); other `.bias` tensors are zeros, the rest
+    normal draws; `from_tensors(config, tensors, dtype)` builds the pytree."""
+    return _draw(
+        threefry_key_words(seed),
+        config=config,
+        dtype=jnp.dtype(dtype),
+        shapes=shapes,
+        from_tensors=from_tensors,
+        is_scale=is_scale,
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "dtype", "shapes", "from_tensors", "is_scale")
+)
+def _draw(key_words, *, config, dtype, shapes, from_tensors, is_scale) -> dict:
+    key = jax.random.wrap_key_data(key_words, impl="threefry2x32")
+    std = np.float32(config.initializer_range)
+    tensors = {}
+    for i, (name, shape) in enumerate(shapes(config).items()):
+        if is_scale(name):
+            tensors[name] = jnp.ones(shape, dtype)
+        elif name.endswith("bias"):
+            tensors[name] = jnp.zeros(shape, dtype)
+        else:
+            tensors[name] = (jax.random.normal(jax.random.fold_in(key, i), shape) * std).astype(
+                dtype
+            )
+    return from_tensors(config, tensors, dtype)
