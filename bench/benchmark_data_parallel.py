@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-process",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="the launched servers run each replica's engine in a process of its own (the "
-        "server's default), or with --no-engine-process on a thread of the server's process; "
+        help="the launched servers (one replica and N) run each replica's engine in a process "
+        "of its own, or with --no-engine-process on a thread of the server's process; "
         "the in-process side is unchanged",
     )
     g.add_argument(
@@ -111,7 +111,7 @@ def summary(throughputs: Sequence[float]) -> dict[str, Any]:
 
 def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[bs.Sample]]) -> dict:
     """A server of `replicas` replicas: the warm-up workloads, then the timed ones."""
-    extra = "" if args.engine_process else " --no-engine-process"
+    extra = " --engine-process" if args.engine_process else " --no-engine-process"
     server_args = argparse.Namespace(
         **vars(args)
         | {

@@ -9,8 +9,9 @@
 #   PYTHONPATH=. JAX_PLATFORMS=cuda bash bench/run_serving_checks.sh OUTDIR
 #
 # MODEL (env, default random:gpt2), N (streams, 256), LEN (new tokens, 256), RATE (Poisson
-# requests/s, 300) size it; SERVE_B (default --no-engine-process: the engine loop on a thread
-# of the server's process) is the second server's flags beside the default server's; a CPU smoke run: MODEL=random:tiny N=8 LEN=8 RATE=20.
+# requests/s, 300) size it; SERVE_B (default --engine-process: the engine loop in a process
+# of its own) is the second server's flags beside the default server's (one replica: the
+# engine on a thread); a CPU smoke run: MODEL=random:tiny N=8 LEN=8 RATE=20.
 set -uo pipefail
 OUT=$(mkdir -p "${1:-bench/out/serving}" && cd "${1:-bench/out/serving}" && pwd)
 PY=${PYTHON:-python3}
@@ -18,7 +19,7 @@ MODEL=${MODEL:-random:gpt2}
 N=${N:-256}
 LEN=${LEN:-256}
 RATE=${RATE:-300}
-SERVE_B=${SERVE_B:---no-engine-process}
+SERVE_B=${SERVE_B:---engine-process}
 CACHE=${CACHE:-$OUT/jax-cache}
 ENGINE=(--model "$MODEL" --max-batch-size "$N" --compilation-cache-dir "$CACHE")
 RUN=(--num-prompts "$N" --output-len "$LEN" --no-progress)

@@ -111,7 +111,8 @@ def test_serve_cli_refuses_more_replicas_than_devices(capsys):
 
 @pytest.mark.slow  # a server subprocess and its engine processes
 def test_serve_cli_engine_processes_refuse_more_replicas_than_devices():
-    """With engine processes (the default), once a child finds too few devices."""
+    """With engine processes (the default with several replicas), once a child finds too few
+    devices."""
     args = ["--model", "random:tiny", "--no-warmup", "--data-parallel-size", "3", "--port", "0"]
     proc = subprocess.run(
         [sys.executable, "-m", "rosejax.serve", *args],

@@ -303,7 +303,7 @@ def _children(pid: int) -> set[int]:
 @pytest.mark.slow  # a server subprocess and its engine process
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_cli_engine_process_serves_and_stops_its_children(tmp_path, sig):
-    proc, url, log = start_cli(tmp_path)  # engine processes: the default
+    proc, url, log = start_cli(tmp_path, "--engine-process")
     try:
         children = _children(proc.pid)
         assert children, "no engine process"

@@ -476,9 +476,9 @@ def test_cli_overload_429_no_chat_template_and_sigterm(tmp_path):
 
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_cli_sigint_with_a_stream_open(tmp_path):
-    """The engine on a thread of the server's process (the default's engine processes stop in
-    tests/test_engine_process.py)."""
-    proc, url, log = start_cli(tmp_path, "--no-engine-process")
+    """The default server of one replica: its engine on a thread of the server's process
+    (engine processes stop in tests/test_engine_process.py)."""
+    proc, url, log = start_cli(tmp_path)
     try:
         body = {"model": NAME, "prompt": "the", "max_tokens": 100, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:

@@ -96,12 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="run each replica's engine loop in a process of its own (spawned; with "
         "--data-parallel-size N, N processes), so that HTTP work and the engine loops never "
         "wait for one another's GIL: the API process only does HTTP, JSON, tokenizing and "
-        "checks. On by default; --no-engine-process runs each replica's engine loop on a "
-        "thread of the API process instead (one process in all)",
+        "checks; --no-engine-process runs each replica's engine loop on a thread of the API "
+        "process (one process in all). Default: processes with --data-parallel-size > 1 (one "
+        "GIL does not hold several engines' host work), a thread with one replica (it served "
+        "256 streams faster on an H100)",
     )
     p.add_argument(
         "--log-level",
@@ -166,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(model=args.model, seed=args.seed, **kwargs | {"warmup": False})
         configure_process(config.compilation_cache_dir)  # before jax starts its backend
         template = _read_chat_template(args)
+        if args.engine_process is None:
+            args.engine_process = config.data_parallel_size > 1
         if args.engine_process:
             # Spawned first: the children import jax and build their engines (each warms up as
             # below) while this process imports its HTTP stack and starts listening.

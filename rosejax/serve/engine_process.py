@@ -1,6 +1,7 @@
-"""Engine processes: each replica's engine loop in a process of its own (the server's default;
-`--no-engine-process` runs it on a thread instead), so that the API process's event loop (HTTP,
-JSON, SSE) and the replicas' host loops never wait for one another's GIL.
+"""Engine processes: each replica's engine loop in a process of its own (`--engine-process`, the
+server's default with several replicas; with one, the loop runs on a thread), so that the API
+process's event loop (HTTP, JSON, SSE) and the replicas' host loops never wait for one
+another's GIL.
 
 - Start: `EngineProcesses(config)` spawns one child per data-parallel replica (the `spawn`
   start method: jax must never be forked). Child i sees only its replica's GPUs
