@@ -768,7 +768,9 @@ async def run_http(
                 reader.finish()
 
         async def one(rec: Record, body: dict) -> None:
-            await asyncio.sleep(max(0.0, start + rec.scheduled_s - time.perf_counter()))
+            # Again while early: uvloop's timers have millisecond resolution and may fire early.
+            while (wait := start + rec.scheduled_s - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
             async with sem or contextlib.nullcontext():
                 rec.sent_s = time.perf_counter() - start
                 try:
