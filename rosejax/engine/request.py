@@ -76,6 +76,17 @@ class FlatLogprobs(Sequence):
             array[n : n + t] = values
         self._len = n + t
 
+    def arrays_from(self, position: int) -> tuple[np.ndarray, ...]:
+        """Copies of the arrays' rows of positions [position, len) (leading Nones have none):
+        what `extend_arrays` appends elsewhere, a few small arrays to pickle."""
+        lo = max(position - self._first, 0)
+        return tuple(a[lo : self._len].copy() for a in self._arrays)
+
+    def extend_arrays(self, arrays: tuple[np.ndarray, ...]) -> None:
+        """Append another FlatLogprobs' `arrays_from`."""
+        tokens, *logprobs = arrays
+        self.extend(tokens, TokenLogprobs(*logprobs))
+
     def snapshot(self) -> FlatLogprobs:
         """The positions held now, unchanged by later `extend`s (no copy)."""
         view = FlatLogprobs.__new__(FlatLogprobs)

@@ -1,48 +1,21 @@
 """What an engine process sends the API process for each `RequestOutput` of a step (a row), and
 the `RequestOutput` the API process rebuilds from it, equal to the one the engine made.
 
-A row carries only what the API process has not seen, in plain lists (cheap to pickle):
-(request id, sequences, prompt logprobs, error), `sequences` holding one entry per sequence
-that changed this step: (index, new token ids, new text, finish reason, new logprobs,
-cumulative logprob). Logprob dicts travel packed (`pack_logprobs`): their token ids, logprobs
-and ranks as flat lists; each token's text (`Logprob.decoded_token`) is looked up again on
-the API process's side, in a `TokenTexts` of the same tokenizer, as the engine did.
+A row carries only what the API process has not seen, in plain lists and arrays (cheap to
+pickle): (request id, sequences, prompt logprobs, error), `sequences` holding one entry per
+sequence that changed this step: (index, new token ids, new text, finish reason, new logprobs,
+cumulative logprob). Logprobs travel as the engine keeps them, `FlatLogprobs`' arrays
+(`arrays_from`), and are kept so on the API process's side, whose `FlatLogprobs` read each
+token's text (`Logprob.decoded_token`) from a `TokenTexts` of the same tokenizer, as the
+engine's do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import islice
 from typing import Any
 
-from rosejax.engine.request import CompletionOutput, Logprob, RequestOutput
+from rosejax.engine.request import CompletionOutput, FlatLogprobs, RequestOutput
 from rosejax.sampling import SamplingParams
-
-# Logprob dicts, one per token (None: a prompt's first token), as
-# (entries per token, 0 for None; their token ids; logprobs; ranks).
-PackedLogprobs = tuple[list[int], list[int], list[float], list[int]]
-
-
-def pack_logprobs(steps: Sequence[dict[int, Logprob] | None]) -> PackedLogprobs:
-    """Flat lists of the dicts' entries, in their order (see `PackedLogprobs`)."""
-    given = [step for step in steps if step is not None]
-    return (
-        [0 if step is None else len(step) for step in steps],
-        [i for step in given for i in step],
-        [lp.logprob for step in given for lp in step.values()],
-        [lp.rank for step in given for lp in step.values()],
-    )
-
-
-def unpack_logprobs(packed: PackedLogprobs, texts: Any) -> list[dict[int, Logprob] | None]:
-    """The dicts `pack_logprobs` packed; `texts`: token id -> its text (a `TokenTexts`)."""
-    widths, ids, values, ranks = packed
-    entries = zip(ids, values, ranks, strict=True)
-    steps: list[dict[int, Logprob] | None] = []
-    for width in widths:
-        step = {i: Logprob(v, r, texts[i]) for i, v, r in islice(entries, width)}
-        steps.append(step if width else None)
-    return steps
 
 
 class _Seen:
@@ -72,7 +45,7 @@ class RowWriter:
         prompt = None
         have = out.prompt_logprobs
         if have is not None and len(have) > seen.prompt_logprobs:
-            prompt = pack_logprobs(have[seen.prompt_logprobs :])
+            prompt = have.arrays_from(seen.prompt_logprobs)
             seen.prompt_logprobs = len(have)
         sequences = []
         for c in out.outputs:
@@ -81,7 +54,7 @@ class RowWriter:
                 continue
             logprobs = None
             if c.logprobs is not None:  # the new tokens' are the last ones
-                logprobs = pack_logprobs(c.logprobs[len(c.logprobs) - len(c.new_token_ids) :])
+                logprobs = c.logprobs.arrays_from(len(c.logprobs) - len(c.new_token_ids))
             sequences.append(
                 (
                     c.index,
@@ -113,21 +86,24 @@ class _Sequence:
 
     __slots__ = ("tokens", "text", "logprobs", "cumulative_logprob", "finish_reason")
 
-    def __init__(self, logprobs: bool):
+    def __init__(self, logprobs: FlatLogprobs | None):
         self.tokens: list[int] = []
         self.text = ""
-        self.logprobs: list[dict[int, Logprob]] | None = [] if logprobs else None
-        self.cumulative_logprob: float | None = 0.0 if logprobs else None
+        self.logprobs = logprobs
+        self.cumulative_logprob: float | None = None if logprobs is None else 0.0
         self.finish_reason: str | None = None
 
 
 class _Request:
     __slots__ = ("prompt", "sequences", "prompt_logprobs")
 
-    def __init__(self, prompt: list[int], params: SamplingParams):
+    def __init__(self, prompt: list[int], params: SamplingParams, texts: Any):
+        def flat(top: int | None, **kw: Any) -> FlatLogprobs | None:
+            return None if top is None else FlatLogprobs(top, texts, **kw)
+
         self.prompt = prompt
-        self.sequences = [_Sequence(params.logprobs is not None) for _ in range(params.n)]
-        self.prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None
+        self.sequences = [_Sequence(flat(params.logprobs)) for _ in range(params.n)]
+        self.prompt_logprobs = flat(params.prompt_logprobs, leading_none=True)
 
 
 class RowReader:
@@ -140,7 +116,7 @@ class RowReader:
 
     def expect(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
         """A request sent to the engine: its rows will follow."""
-        self._requests[rid] = _Request(prompt, params)
+        self._requests[rid] = _Request(prompt, params, self.texts)
 
     def forget(self, rid: str) -> None:
         """A request ended or aborted: its rows, if any still come, are dropped."""
@@ -158,20 +134,21 @@ class RowReader:
                 rid, req.prompt, first.tokens, first.text, [], "", True, "error", error
             )
         if prompt is not None:
-            req.prompt_logprobs.extend(unpack_logprobs(prompt, self.texts))
+            req.prompt_logprobs.extend_arrays(prompt)
         new = {}
         for index, ids, text, reason, logprobs, cumulative in changed:
             s = req.sequences[index]
             s.tokens.extend(ids)
             s.text += text
             if logprobs is not None:
-                s.logprobs.extend(unpack_logprobs(logprobs, self.texts))
+                s.logprobs.extend_arrays(logprobs)
             s.cumulative_logprob, s.finish_reason = cumulative, reason
             new[index] = (ids, text)
         outputs = []
         for index, s in enumerate(req.sequences):
             ids, text = new.get(index, ([], ""))
-            # A finished sequence's lists never change again; a running one's are copied.
+            # A finished sequence's lists never change again; a running one's are copied (its
+            # logprobs snapshot: no copy).
             ended = s.finish_reason is not None
             outputs.append(
                 CompletionOutput(
@@ -179,7 +156,7 @@ class RowReader:
                     s.text,
                     s.tokens if ended else list(s.tokens),
                     s.cumulative_logprob,
-                    s.logprobs if ended or s.logprobs is None else list(s.logprobs),
+                    s.logprobs if ended or s.logprobs is None else s.logprobs.snapshot(),
                     s.finish_reason,
                     ids,
                     text,
