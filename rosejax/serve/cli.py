@@ -168,9 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(model=args.model, seed=args.seed, **kwargs | {"warmup": False})
         configure_process(config.compilation_cache_dir)  # before jax starts its backend
         template = _read_chat_template(args)
-        if args.engine_process is None:
-            args.engine_process = config.data_parallel_size > 1
-        if args.engine_process:
+        in_processes = args.engine_process
+        if in_processes is None:  # the default: processes for several replicas only
+            in_processes = config.data_parallel_size > 1
+        if in_processes:
             # Spawned first: the children import jax and build their engines (each warms up as
             # below) while this process imports its HTTP stack and starts listening.
             from rosejax.serve.engine_process import EngineProcesses
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def load() -> None:
         try:
-            if args.engine_process:
+            if in_processes:
                 engine = processes
                 engine.wait_ready()
                 background = False
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             if not server.should_exit:  # a stop asked for while loading: nothing to serve
                 loading.ready(app)
                 warm_tokenizer(engine.tokenizer)
-            elif args.engine_process:
+            elif in_processes:
                 engine.close()
         except (ValueError, OSError, RuntimeError) as e:
             failed.append(str(e))
