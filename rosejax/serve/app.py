@@ -1,5 +1,6 @@
-"""The FastAPI app: OpenAI-compatible routes over the engine's replicas (`ReplicatedEngine`: an
-engine process each, or an engine thread each), shared by every connection.
+"""The app: OpenAI-compatible routes over the engine's replicas (`ReplicatedEngine`: an engine
+process each, or an engine thread each), shared by every connection. The two generation routes
+are plain ASGI (`rosejax.serve.asgi.ServingApp`), the rest FastAPI's.
 
 A request's way in: its body is read on the event loop against a size and a time limit (413,
 408); then one worker thread, never the engine's and never the event loop, decodes, validates,
@@ -11,20 +12,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from rosejax.engine.request import RequestOutput
+from rosejax.serve.asgi import (
+    ClientGone,
+    Receive,
+    Send,
+    ServingApp,
+    openapi_paths,
+    read_body,
+    send_events,
+    send_json,
+    until_disconnect,
+)
 from rosejax.serve.engine_loop import EngineError, Overloaded, RequestStream
 from rosejax.serve.metrics import CONTENT_TYPE, ServerMetrics
 from rosejax.serve.protocol import (
@@ -43,20 +54,10 @@ from rosejax.serve.replicas import ReplicatedEngine
 from rosejax.serve.responses import Formatter, sse
 from rosejax.tokenizer import chat_prompt_ids
 
-
-async def _until_disconnect(request: Request) -> None:
-    """Returns once the client has gone (the body is read already, so only that can arrive)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+log = logging.getLogger("rosejax.serve")
 
 
-async def _abort(stream: RequestStream) -> None:
-    """`stream.abort` as a response's background task: a sync one would cost every request a
-    hop to Starlette's thread pool and back."""
-    stream.abort()
-
-
-async def _collect(request: Request, stream: RequestStream) -> list[RequestOutput] | None:
+async def _collect(receive: Receive, stream: RequestStream) -> list[RequestOutput] | None:
     """Every prompt's final output in order, or None if the client left first (then aborted)."""
     finals: dict[str, RequestOutput] = {}
 
@@ -66,7 +67,7 @@ async def _collect(request: Request, stream: RequestStream) -> list[RequestOutpu
                 finals[out.request_id] = out
 
     work = asyncio.ensure_future(consume())
-    gone = asyncio.ensure_future(_until_disconnect(request))
+    gone = asyncio.ensure_future(until_disconnect(receive))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
@@ -77,42 +78,6 @@ async def _collect(request: Request, stream: RequestStream) -> list[RequestOutpu
         for task in (work, gone):
             task.cancel()
         stream.abort()
-
-
-async def read_body(request: Request, limits: Limits) -> bytes:
-    """The whole body: 413 past `max_body_bytes` (before reading any of it when the client
-    says its length), 408 if it has not arrived within `read_timeout` seconds."""
-    too_large = APIError(
-        f"the request body is larger than this server's limit ({limits.max_body_bytes} bytes, "
-        "--max-request-bytes)",
-        413,
-        code="request_too_large",
-        headers={"Connection": "close"},  # the rest of the body is never read
-    )
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limits.max_body_bytes:
-        raise too_large
-    chunks: list[bytes] = []
-    size = 0
-
-    async def read() -> None:
-        nonlocal size
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_body_bytes:
-                raise too_large
-            chunks.append(chunk)
-
-    try:
-        await asyncio.wait_for(read(), limits.read_timeout or None)
-    except asyncio.TimeoutError:
-        raise APIError(
-            f"the request body did not arrive within {limits.read_timeout:g} s (--request-timeout)",
-            408,
-            code="request_timeout",
-            headers={"Connection": "close"},
-        ) from None
-    return b"".join(chunks)
 
 
 class _ErrorDetail(BaseModel):
@@ -220,7 +185,7 @@ def create_app(
     metrics: ServerMetrics | None = None,
     limits: Limits | None = None,
     warm_in_background: bool = False,
-) -> FastAPI:
+) -> ServingApp:
     """The app for a built `LLMEngine` or `DataParallelEngine` (an engine thread per replica,
     which compiles the programs warm-up has not while idle if `warm_in_background`), or for
     `EngineProcesses` (a process per replica); its lifespan starts and stops them."""
@@ -240,7 +205,7 @@ def create_app(
     prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="rosejax-prepare")
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: ServingApp):
         async_engine.start()
         try:
             yield
@@ -248,17 +213,22 @@ def create_app(
             async_engine.stop()
             prepare_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="rosejax", summary="OpenAI-compatible GPT-2 server", lifespan=lifespan)
+    app = ServingApp(title="rosejax", summary="OpenAI-compatible GPT-2 server", lifespan=lifespan)
     app.state.engine = async_engine
     app.state.limits = limits
     created = int(time.time())
 
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
+    def rejected(e: APIError) -> APIError:
+        """`e`, counted in the metrics' rejections."""
         if 400 <= e.status < 500 and e.status != 429:
             metrics.rejected.labels("invalid").inc()
         elif e.status == 429:
             metrics.rejected.labels("overloaded").inc()
+        return e
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        rejected(e)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
@@ -270,8 +240,8 @@ def create_app(
             headers=e.headers,  # 405's Allow
         )
 
-    @app.exception_handler(ClientDisconnect)
-    async def client_gone(_: Request, e: ClientDisconnect) -> Response:
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, e: ClientGone) -> Response:
         return Response(status_code=499)  # gone while sending its body; nothing was queued
 
     @app.exception_handler(Exception)
@@ -387,19 +357,18 @@ def create_app(
         ids = tokenize([chat_ids(req.messages)], req.choices_per_prompt)
         return req, params, ids, formatter(req, True)
 
-    async def prepared(request: Request, prepare) -> Any:
+    async def prepared(scope: dict[str, Any], receive: Receive, prepare) -> Any:
         """`prepare` of the request's body: on the event loop for a small body (tens of µs),
         else on the prepare thread. Two thread hops per request, each waiting for the GIL,
         were most of what 256 requests arriving at once took to reach the engine."""
-        raw = await read_body(request, limits)
+        raw = await read_body(scope, receive, limits)
         if len(raw) <= INLINE_BODY_BYTES:
             return prepare(raw)
         return await asyncio.get_running_loop().run_in_executor(prepare_pool, prepare, raw)
 
-    async def serve(request: Request, prepare) -> Response:
-        req, params, prompts, fmt = await prepared(request, prepare)
+    async def submit(req: Any, params: Any, prompts: list[list[int]], fmt: Formatter) -> Any:
         try:
-            stream = await async_engine.submit(prompts, params, fmt.id)
+            return await async_engine.submit(prompts, params, fmt.id)
         except Overloaded as e:
             raise APIError(
                 str(e),
@@ -413,29 +382,53 @@ def create_app(
         except ValueError as e:  # the engine's own checks: stop ids, over the KV cache, ...
             first = str(e).split(" ", 1)[0]  # "stop_token_ids must be ...": name the field
             raise APIError(str(e), param=first if first in type(req).model_fields else None) from e
-        if req.stream:
-            usage = (req.include_usage, req.continuous_usage, [len(p) for p in prompts])
-            return StreamingResponse(
-                sse(stream, fmt, *usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-                background=BackgroundTask(_abort, stream),
-            )
+
+    async def generate(scope: dict[str, Any], receive: Receive, send: Send, prepare) -> None:
+        """A completion or chat completion, as plain ASGI (`rosejax.serve.asgi`)."""
         try:
-            finals = await _collect(request, stream)
-        except EngineError as e:
-            raise APIError(str(e), e.status, type="server_error", code=e.code) from e
-        if finals is None:  # nobody is listening; 499 as in nginx, for the access log
-            return Response(status_code=499)
-        return JSONResponse(fmt.response(finals))
+            req, params, prompts, fmt = await prepared(scope, receive, prepare)
+            stream = await submit(req, params, prompts, fmt)
+            if req.stream:
+                usage = (req.include_usage, req.continuous_usage, [len(p) for p in prompts])
+                return await send_events(send, receive, sse(stream, fmt, *usage), stream.close)
+            try:
+                finals = await _collect(receive, stream)
+            except EngineError as e:
+                raise APIError(str(e), e.status, type="server_error", code=e.code) from e
+        except APIError as e:
+            return await send_json(send, e.status, rejected(e).body(), e.headers)
+        except ClientGone:  # gone while sending its body; nothing was queued
+            return
+        except Exception as e:
+            log.exception("serving %s failed", scope["path"])
+            error = APIError(f"internal error: {e}", 500, type="server_error")
+            return await send_json(send, 500, error.body())
+        if finals is not None:  # else nobody is listening
+            await send_json(send, 200, fmt.response(finals))
 
-    @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"), responses=_GENERATION)
-    async def completions(request: Request) -> Response:
-        return await serve(request, prepare_completion)
+    async def completions(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        await generate(scope, receive, send, prepare_completion)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body("ChatRequest"), responses=_GENERATION)
-    async def chat_completions(request: Request) -> Response:
-        return await serve(request, prepare_chat)
+    async def chat_completions(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        await generate(scope, receive, send, prepare_chat)
+
+    app.fast_routes.update(
+        {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+    )
+    fast_operations = {
+        "/v1/completions": {
+            "summary": "Completions",
+            "operationId": "completions",
+            **_body("CompletionRequest"),
+            "responses": _GENERATION,
+        },
+        "/v1/chat/completions": {
+            "summary": "Chat Completions",
+            "operationId": "chat_completions",
+            **_body("ChatRequest"),
+            "responses": _GENERATION,
+        },
+    }
 
     def tokenize_body(raw: bytes) -> dict[str, Any]:
         req = parse(parse_json(raw), TokenizeRequest)
@@ -464,12 +457,12 @@ def create_app(
     @app.post("/tokenize", openapi_extra=_body("TokenizeRequest"), responses=_ERRORS)
     async def tokenize_route(request: Request) -> JSONResponse:
         """vLLM's: a prompt's (or a chat's) token ids, their count and the context length."""
-        return JSONResponse(await prepared(request, tokenize_body))
+        return JSONResponse(await prepared(request.scope, request.receive, tokenize_body))
 
     @app.post("/detokenize", openapi_extra=_body("DetokenizeRequest"), responses=_ERRORS)
     async def detokenize_route(request: Request) -> JSONResponse:
         """vLLM's: the text of token ids."""
-        return JSONResponse(await prepared(request, detokenize_body))
+        return JSONResponse(await prepared(request.scope, request.receive, detokenize_body))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
@@ -517,6 +510,7 @@ def create_app(
             schema = get_openapi(
                 title=app.title, version=app.version, summary=app.summary, routes=app.routes
             )
+            schema["paths"] = {**openapi_paths(fast_operations), **schema["paths"]}
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             schemas = _request_schemas(engine, served_model_name, limits, max_prompt_chars)
             components.update(schemas)

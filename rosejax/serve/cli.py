@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     from rosejax.serve.app import create_app
     from rosejax.serve.loading import LoadingApp
     from rosejax.serve.server import make_server
+    from rosejax.settings import freeze_heap
     from rosejax.tokenizer import warm_tokenizer
 
     # The server listens at once, answering 503 while the engine loads on another thread.
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             if not server.should_exit:  # a stop asked for while loading: nothing to serve
                 loading.ready(app)
                 warm_tokenizer(engine.tokenizer)
+                freeze_heap()
             elif in_processes:
                 engine.close()
         except (ValueError, OSError, RuntimeError) as e:

@@ -57,6 +57,9 @@ class _Sink:
             return False
 
 
+_CLOSED = object()  # what `RequestStream.close` puts in its queue
+
+
 class RequestStream:
     """Outputs of one submission (one engine request per prompt), in order per request."""
 
@@ -72,6 +75,8 @@ class RequestStream:
         if not self._pending:
             raise StopAsyncIteration
         item = await self._sink.queue.get()
+        if item is _CLOSED:
+            raise StopAsyncIteration
         if isinstance(item, BaseException):
             self._pending.clear()  # the engine has dropped them already
             raise item
@@ -84,6 +89,12 @@ class RequestStream:
         if self._pending:
             self._engine.abort(sorted(self._pending))
             self._pending.clear()
+
+    def close(self) -> None:
+        """The client has gone: `abort`, and end an iteration waiting for the next output
+        (none comes). Called on the event loop that iterates."""
+        self.abort()
+        self._sink.queue.put_nowait(_CLOSED)
 
 
 _SNAPSHOT_KEYS = (

@@ -53,7 +53,7 @@ from rosejax.serve.engine_loop import (
 )
 from rosejax.serve.metrics import ServerMetrics
 from rosejax.serve.output_rows import RowReader, RowWriter
-from rosejax.settings import EngineConfig
+from rosejax.settings import EngineConfig, freeze_heap
 
 log = logging.getLogger("rosejax.serve")
 
@@ -257,6 +257,7 @@ def _child_main(conn: Connection, config: EngineConfig, replica: int, log_level:
         conn.send(("ready", info))
     except OSError:
         return
+    freeze_heap()
     _EngineLoop(engine, conn, background).run()
 
 
