@@ -11,7 +11,8 @@
 # MODEL (env, default random:gpt2), N (streams, 256), LEN (new tokens, 256), RATE (Poisson
 # requests/s, 300) size it; SERVE_B (default --engine-process: the engine loop in a process
 # of its own) is the second server's flags beside the default server's (one replica: the
-# engine on a thread); a CPU smoke run: MODEL=random:tiny N=8 LEN=8 RATE=20.
+# engine on a thread); a CPU smoke run: MODEL=random:tiny N=8 LEN=8 RATE=20. CHECKS=http runs the
+# HTTP steps alone (no h11 server, slot reuse or logprobs).
 set -uo pipefail
 OUT=$(mkdir -p "${1:-bench/out/serving}" && cd "${1:-bench/out/serving}" && pwd)
 PY=${PYTHON:-python3}
@@ -20,6 +21,7 @@ N=${N:-256}
 LEN=${LEN:-256}
 RATE=${RATE:-300}
 SERVE_B=${SERVE_B:---engine-process}
+CHECKS=${CHECKS:-all}
 CACHE=${CACHE:-$OUT/jax-cache}
 ENGINE=(--model "$MODEL" --max-batch-size "$N" --compilation-cache-dir "$CACHE")
 RUN=(--num-prompts "$N" --output-len "$LEN" --no-progress)
@@ -83,7 +85,9 @@ step poisson 40 bench/benchmark_serving.py --base-url "$URL" --num-prompts $((4 
     --output-len "$LEN" --no-progress --request-rate "$RATE" --goodput ttft:200 tpot:10 \
     --warmup-runs 0 --json "$OUT/poisson.json"
 unserve
-for side in b h11; do
+sides=(b h11)
+[[ $CHECKS == http ]] && sides=(b)
+for side in "${sides[@]}"; do
     flags=($SERVE_B)
     [[ $side == h11 ]] && flags=(--http h11)
     serve "$side" 90 "${flags[@]}"
@@ -91,6 +95,7 @@ for side in b h11; do
         --warmup-runs 2 --json "$OUT/http-$side.json"
     unserve
 done
+[[ $CHECKS == http ]] && exit 0
 step slot-reuse 60 bench/benchmark_slot_reuse.py "${ENGINE[@]}" --json "$OUT/slot-reuse.json" \
     --survivor-tokens "$LEN" --skip-tokens $((LEN / 4)) --burst-tokens $((LEN / 16 + 1))
 for lp in none 5; do
