@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -66,6 +67,7 @@ import importlib.util
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import shlex
 import signal
@@ -131,13 +133,27 @@ def slo(text: str) -> tuple[str, float]:
     return name, ms
 
 
+def default_client_processes() -> int:
+    """A client process per four cores, at most 8: one process reading 256 streams (aiohttp,
+    JSON per event) added ~130 ms to every request's TTFT against a server that costs nothing."""
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
 def add_client_arg(g: argparse._ActionsContainer) -> None:
-    """--client: the HTTP library (`pick_client`)."""
+    """--client: the HTTP library (`pick_client`); --client-processes."""
     g.add_argument(
         "--client",
         choices=["auto", "aiohttp", "httpx"],
         default="auto",
         help="HTTP library; auto = aiohttp if installed, else httpx",
+    )
+    g.add_argument(
+        "--client-processes",
+        type=int,
+        default=default_client_processes(),
+        help="client processes sharing the requests (request i goes to process i mod N, all on "
+        "one clock), so the client is not what the latencies measure; default: one per four "
+        "cores, at most 8 (%(default)s here)",
     )
 
 
@@ -337,6 +353,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--burstiness must be > 0")
     if not 0 <= args.disconnect_fraction < 1 or args.disconnect_after < 1:
         p.error("--disconnect-fraction must be in [0, 1) and --disconnect-after >= 1")
+    if args.client_processes < 1:
+        p.error("--client-processes must be >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error("--max-concurrency must be >= 1")
     if args.warmup_runs < 0 or args.request_timeout <= 0:
@@ -734,45 +752,52 @@ async def run_http(
     args: argparse.Namespace,
     client: str,
     tag: str = "http",
+    indexes: Sequence[int] | None = None,
+    start_at: float | None = None,
+    max_concurrency: int | None = None,
 ) -> tuple[list[Record], float]:
-    """Send samples[i] at offsets[i] (at most --max-concurrency in flight), stream each answer;
-    returns one Record per sample and the duration (start to the last stream's end)."""
+    """Send samples[i] at offsets[i] after `start_at` (a `time.monotonic()` instant; default:
+    now), at most `max_concurrency` in flight, and stream each answer; returns one Record per
+    sample (numbered by `indexes`, default 0, 1, ...) and the duration (start to the last
+    stream's end)."""
     bar = None
     if not args.no_progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(samples), desc=tag, unit="req", leave=False, mininterval=0.5)
-    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    indexes = range(len(samples)) if indexes is None else indexes
     records = [
-        Record(i, s.output_len, offsets[i], prompt_len=s.prompt_len) for i, s in enumerate(samples)
+        Record(i, s.output_len, offsets[k], prompt_len=s.prompt_len)
+        for k, (i, s) in enumerate(zip(indexes, samples, strict=True))
     ]
     f = args.disconnect_fraction
     for rec in records:  # evenly spread: request i leaves when floor(i * f) steps up
         if int((rec.index + 1) * f) > int(rec.index * f):
             rec.disconnect_after = args.disconnect_after
-    async with open_session(client, args.max_concurrency) as post_lines:
-        start = time.perf_counter()
+    async with open_session(client, max_concurrency) as post_lines:
+        start = time.monotonic() if start_at is None else start_at
 
         async def consume(rec: Record, body: dict) -> None:
             reader = _StreamReader(rec)
             try:
                 async with contextlib.aclosing(post_lines(url, body)) as lines:
                     async for raw in lines:
-                        reader.line(raw, time.perf_counter() - start)
+                        reader.line(raw, time.monotonic() - start)
                         if rec.disconnected:  # closing the response drops the connection
                             return
             except Exception as e:  # refused, reset, HTTP error, bad JSON
                 rec.error = rec.error or f"{type(e).__name__}: {e}"[:300]
             finally:
-                rec.end_s = time.perf_counter() - start
+                rec.end_s = time.monotonic() - start
                 reader.finish()
 
         async def one(rec: Record, body: dict) -> None:
             # Again while early: uvloop's timers have millisecond resolution and may fire early.
-            while (wait := start + rec.scheduled_s - time.perf_counter()) > 0:
+            while (wait := start + rec.scheduled_s - time.monotonic()) > 0:
                 await asyncio.sleep(wait)
             async with sem or contextlib.nullcontext():
-                rec.sent_s = time.perf_counter() - start
+                rec.sent_s = time.monotonic() - start
                 try:
                     await asyncio.wait_for(consume(rec, body), args.request_timeout)
                 except asyncio.TimeoutError:
@@ -786,7 +811,7 @@ async def run_http(
                 for r, s in zip(records, samples, strict=True)
             )
         )
-        duration = time.perf_counter() - start
+        duration = time.monotonic() - start
     if bar is not None:
         bar.close()
     return records, duration
@@ -1153,6 +1178,58 @@ def workload(args: argparse.Namespace) -> list[Sample]:
     return random_dataset(args, args.seed)
 
 
+def _import_client(client: str) -> None:
+    importlib.import_module(client)
+    if importlib.util.find_spec("uvloop"):
+        importlib.import_module("uvloop")
+
+
+def _client_process(
+    url: str,
+    model: str,
+    samples: list[Sample],
+    offsets: list[float],
+    indexes: list[int],
+    args: argparse.Namespace,
+    client: str,
+    start_at: float,
+    max_concurrency: int | None,
+) -> tuple[list[Record], float]:
+    return run_client(
+        run_http(url, model, samples, offsets, args, client, "", indexes, start_at, max_concurrency)
+    )
+
+
+def run_http_processes(
+    pool: concurrent.futures.Executor,
+    processes: int,
+    url: str,
+    model: str,
+    samples: Sequence[Sample],
+    offsets: Sequence[float],
+    args: argparse.Namespace,
+    client: str,
+) -> tuple[list[Record], float]:
+    """`run_http` with request i in client process i mod `processes` of `pool`, all timed from
+    one instant (CLOCK_MONOTONIC is the machine's, not a process's); --max-concurrency shared
+    out among them."""
+    quiet = argparse.Namespace(**vars(args) | {"no_progress": True})
+    start_at = time.monotonic() + 0.2  # every process waiting when it comes
+    futures = []
+    for k in range(processes):
+        idx = list(range(k, len(samples), processes))
+        limit = None
+        if args.max_concurrency:
+            limit = args.max_concurrency // processes + (k < args.max_concurrency % processes)
+        part = ([samples[i] for i in idx], [offsets[i] for i in idx], idx)
+        futures.append(
+            pool.submit(_client_process, url, model, *part, quiet, client, start_at, limit)
+        )
+    parts = [f.result() for f in futures]
+    records = sorted((r for recs, _ in parts for r in recs), key=lambda r: r.index)
+    return records, max(d for _, d in parts)
+
+
 def run_http_side(
     args: argparse.Namespace,
     url: str,
@@ -1163,12 +1240,41 @@ def run_http_side(
 ) -> tuple[list[Record], float, str]:
     model = args.served_model_name or served_model(url)
     endpoint = url + "/v1/completions"
-    for r, ws in enumerate(warmups):
-        recs, _ = run_client(run_http(endpoint, model, ws, offsets, args, client, f"warm-up {r}"))
-        bad = [x.error for x in recs if not x.ok]
-        if bad:
-            print(f"warm-up {r}: {len(bad)} requests failed, e.g. {bad[0]}", file=sys.stderr)
-    records, duration = run_client(run_http(endpoint, model, samples, offsets, args, client))
+    processes = min(args.client_processes, len(samples), args.max_concurrency or len(samples))
+
+    def run(batch: Sequence[Sample], tag: str) -> tuple[list[Record], float]:
+        if processes == 1:
+            return run_client(
+                run_http(
+                    endpoint,
+                    model,
+                    batch,
+                    offsets,
+                    args,
+                    client,
+                    tag,
+                    None,
+                    None,
+                    args.max_concurrency,
+                )
+            )
+        return run_http_processes(pool, processes, endpoint, model, batch, offsets, args, client)
+
+    with contextlib.ExitStack() as stack:
+        if processes > 1:
+            ctx = multiprocessing.get_context("spawn")  # never fork a process that may run jax
+            pool = stack.enter_context(
+                concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx)
+            )
+            # Each process started and its client imported before any clock starts.
+            for f in [pool.submit(_import_client, client) for _ in range(processes)]:
+                f.result()
+        for r, ws in enumerate(warmups):
+            recs, _ = run(ws, f"warm-up {r}")
+            bad = [x.error for x in recs if not x.ok]
+            if bad:
+                print(f"warm-up {r}: {len(bad)} requests failed, e.g. {bad[0]}", file=sys.stderr)
+        records, duration = run(samples, "http")
     return records, duration, model
 
 

@@ -117,13 +117,15 @@ def test_multi_step_windows_equal_single_steps(checkpoint, shared_llm, temperatu
     assert outs[1] == outs[7]
 
 
-def test_auto_window_length(checkpoint):
+@pytest.mark.parametrize("first_finish", [9, 3])
+def test_auto_window_length(checkpoint, first_finish):
     """'auto': short windows while slots are free, long ones when full, cut to the first finish
-    while requests wait for a slot."""
+    while requests wait for a slot, but never below the open-slot window (a window of a step or
+    two costs every row its fixed overhead)."""
     from rosejax.engine.llm_engine import AUTO_OPEN_STEPS
 
     engine = make_llm(checkpoint, max_batch_size=2).engine
-    for i, n in enumerate((20, 9, 30)):
+    for i, n in enumerate((20, first_finish, 30)):
         engine.add_request(
             f"r{i}", random_prompts(1)[0], SamplingParams(max_tokens=n, temperature=0)
         )
@@ -131,7 +133,8 @@ def test_auto_window_length(checkpoint):
     assert engine._window(running) == AUTO_OPEN_STEPS  # nothing admitted yet: slots free
     engine.step()  # admits r0 and r1; r2 waits for a slot
     assert len(running) == 2 and engine.scheduler.waiting
-    assert engine._window(running) == 9  # r1 may finish after 9 tokens: refill its slot then
+    # r1 may finish after `first_finish` tokens: its slot is refilled then.
+    assert engine._window(running) == max(first_finish, AUTO_OPEN_STEPS)
     engine.abort_request("r2")
     assert engine._window(running) == engine.decode_steps == 32  # full, nobody waiting
     while engine.has_unfinished_requests():

@@ -650,14 +650,16 @@ class LLMEngine:
     def _window(self, running: list[Request]) -> int:
         """Steps for the next decode window. Fixed when the user chose them; under "auto", the
         full `decode_steps` while the batch is full and nobody waits (throughput), until the
-        first running request may finish while requests wait for a slot (its slot is refilled at
-        once), and AUTO_OPEN_STEPS while slots are free (a request arriving now starts within
-        that many)."""
+        first running request may finish while requests wait for a slot (its slot is refilled
+        then), and AUTO_OPEN_STEPS while slots are free (a request arriving now starts within
+        that many). No window is shorter than AUTO_OPEN_STEPS: under steady arrivals the first
+        finish was often a step or two away, and windows that short cost every row the window's
+        fixed overhead, for one slot idle a few steps."""
         if not self.auto_steps:
             return self.decode_steps
         if self.scheduler.waiting and len(running) >= self.max_batch_size:
             left = min(r.remaining - r.inflight for r in running)
-            return int(min(self.decode_steps, max(left, 1)))
+            return int(min(self.decode_steps, max(left, AUTO_OPEN_STEPS)))
         if len(running) < self.max_batch_size:
             return min(self.decode_steps, AUTO_OPEN_STEPS)
         return self.decode_steps
