@@ -122,14 +122,13 @@ def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[bs.Sa
     offsets = [0.0] * args.num_prompts
     client = bs.pick_client(args.client)
     runs = []
-    with bs.LaunchedServer(server_args) as server:
-        model = bs.served_model(server.url)
-        endpoint = server.url + "/v1/completions"
+    with (
+        bs.LaunchedServer(server_args) as server,
+        bs.Clients(args, server.url, bs.served_model(server.url), client) as clients,
+    ):
         for i, samples in enumerate(workloads):
             tag = f"http dp={replicas} run {i}"
-            records, duration = bs.run_client(
-                bs.run_http(endpoint, model, samples, offsets, args, client, tag)
-            )
+            records, duration = clients.run(samples, offsets, tag)
             s = bs.summarize(records, duration, [50.0])
             if s["failed"] or s["output_len_mismatches"]:
                 raise SystemExit(f"{tag}: {s['failed']} failed, errors {s['errors']}")

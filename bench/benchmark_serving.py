@@ -1200,34 +1200,66 @@ def _client_process(
     )
 
 
-def run_http_processes(
-    pool: concurrent.futures.Executor,
-    processes: int,
-    url: str,
-    model: str,
-    samples: Sequence[Sample],
-    offsets: Sequence[float],
-    args: argparse.Namespace,
-    client: str,
-) -> tuple[list[Record], float]:
-    """`run_http` with request i in client process i mod `processes` of `pool`, all timed from
-    one instant (CLOCK_MONOTONIC is the machine's, not a process's); --max-concurrency shared
-    out among them."""
-    quiet = argparse.Namespace(**vars(args) | {"no_progress": True})
-    start_at = time.monotonic() + 0.2  # every process waiting when it comes
-    futures = []
-    for k in range(processes):
-        idx = list(range(k, len(samples), processes))
-        limit = None
-        if args.max_concurrency:
-            limit = args.max_concurrency // processes + (k < args.max_concurrency % processes)
-        part = ([samples[i] for i in idx], [offsets[i] for i in idx], idx)
-        futures.append(
-            pool.submit(_client_process, url, model, *part, quiet, client, start_at, limit)
+class Clients:
+    """Runs workloads against one server's /v1/completions: in this process, or with request i
+    in client process i mod --client-processes, all timed from one instant (CLOCK_MONOTONIC is
+    the machine's, not a process's) and --max-concurrency shared out among them."""
+
+    def __init__(self, args: argparse.Namespace, url: str, model: str, client: str):
+        self.args, self.endpoint, self.model, self.client = (
+            args,
+            url + "/v1/completions",
+            model,
+            client,
         )
-    parts = [f.result() for f in futures]
-    records = sorted((r for recs, _ in parts for r in recs), key=lambda r: r.index)
-    return records, max(d for _, d in parts)
+        self.processes = min(args.client_processes, args.max_concurrency or args.client_processes)
+        self.pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> Clients:
+        if self.processes > 1:
+            ctx = multiprocessing.get_context("spawn")  # never fork a process that may run jax
+            self.pool = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=ctx)
+            # Each process started and its client imported before any clock starts.
+            for f in [self.pool.submit(_import_client, self.client) for _ in range(self.processes)]:
+                f.result()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+    def run(
+        self, samples: Sequence[Sample], offsets: Sequence[float], tag: str
+    ) -> tuple[list[Record], float]:
+        """One Record per sample, and the duration (start to the last stream's end)."""
+        args, n = self.args, min(self.processes, len(samples))
+        if n == 1:
+            return run_client(
+                run_http(
+                    self.endpoint,
+                    self.model,
+                    samples,
+                    offsets,
+                    args,
+                    self.client,
+                    tag,
+                    max_concurrency=args.max_concurrency,
+                )
+            )
+        quiet = argparse.Namespace(**vars(args) | {"no_progress": True})
+        start_at = time.monotonic() + 0.2  # every process waiting when it comes
+        futures = []
+        for k in range(n):
+            idx = list(range(k, len(samples), n))
+            limit = None
+            if args.max_concurrency:
+                limit = args.max_concurrency // n + (k < args.max_concurrency % n)
+            part = ([samples[i] for i in idx], [offsets[i] for i in idx], idx)
+            job = (self.endpoint, self.model, *part, quiet, self.client, start_at, limit)
+            futures.append(self.pool.submit(_client_process, *job))
+        parts = [f.result() for f in futures]
+        records = sorted((r for recs, _ in parts for r in recs), key=lambda r: r.index)
+        return records, max(d for _, d in parts)
 
 
 def run_http_side(
@@ -1239,42 +1271,13 @@ def run_http_side(
     client: str,
 ) -> tuple[list[Record], float, str]:
     model = args.served_model_name or served_model(url)
-    endpoint = url + "/v1/completions"
-    processes = min(args.client_processes, len(samples), args.max_concurrency or len(samples))
-
-    def run(batch: Sequence[Sample], tag: str) -> tuple[list[Record], float]:
-        if processes == 1:
-            return run_client(
-                run_http(
-                    endpoint,
-                    model,
-                    batch,
-                    offsets,
-                    args,
-                    client,
-                    tag,
-                    None,
-                    None,
-                    args.max_concurrency,
-                )
-            )
-        return run_http_processes(pool, processes, endpoint, model, batch, offsets, args, client)
-
-    with contextlib.ExitStack() as stack:
-        if processes > 1:
-            ctx = multiprocessing.get_context("spawn")  # never fork a process that may run jax
-            pool = stack.enter_context(
-                concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx)
-            )
-            # Each process started and its client imported before any clock starts.
-            for f in [pool.submit(_import_client, client) for _ in range(processes)]:
-                f.result()
+    with Clients(args, url, model, client) as clients:
         for r, ws in enumerate(warmups):
-            recs, _ = run(ws, f"warm-up {r}")
+            recs, _ = clients.run(ws, offsets, f"warm-up {r}")
             bad = [x.error for x in recs if not x.ok]
             if bad:
                 print(f"warm-up {r}: {len(bad)} requests failed, e.g. {bad[0]}", file=sys.stderr)
-        records, duration = run(samples, "http")
+        records, duration = clients.run(samples, offsets, "http")
     return records, duration, model
 
 
@@ -1294,6 +1297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "client": f"{client_version(client)} on {client_loop()}",
+        "client_processes": args.client_processes,
         "launched": args.launch,
     }
 

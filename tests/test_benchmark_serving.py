@@ -207,6 +207,8 @@ def test_poisson_run_against_its_records(server, tmp_path):
         "ttft:40",
         "tpot:20",
         "e2el:300",
+        "--client-processes",  # requests 0, 2, 4 in one, 1, 3, 5 in the other, on one clock
+        "2",
     )
     recs = check_run(res, "http", 6)
     assert res["config"]["model"] == "tiny" and res["results"]["http"]["goodput"]["slo_ms"] == {
@@ -262,6 +264,8 @@ def test_all_at_once_jsonl_with_a_concurrency_cap(server, tmp_path, client):
         "90",
         "--client",
         client,
+        "--client-processes",  # one request in flight each
+        "2",
     )
     assert res["config"]["client"].startswith(client)
     recs = check_run(res, "http", 4, percentiles=(50, 90))
