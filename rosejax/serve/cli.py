@@ -12,8 +12,6 @@ import threading
 from rosejax.engine_args import add_engine_args, engine_kwargs
 from rosejax.serve.protocol import Limits
 
-SWITCH_INTERVAL_S = 0.005
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -115,17 +113,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     p.add_argument(
-        "--gil-switch-interval",
-        type=float,
-        default=SWITCH_INTERVAL_S,
-        metavar="SECONDS",
-        help="how long a thread may keep the GIL while another waits for it "
-        "(sys.setswitchinterval; Python's default is 0.005): the HTTP event loop and the engine "
-        "thread share one GIL, and each time the engine's thread gives it up around a device "
-        "call it waited up to this long to get it back from a busy event loop; "
-        "default: %(default)s",
-    )
-    p.add_argument(
         "--http",
         default="auto",
         choices=["auto", "httptools", "h11"],
@@ -160,10 +147,6 @@ def _read_chat_template(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.gil_switch_interval <= 0:
-        print("error: --gil-switch-interval must be > 0", file=sys.stderr)
-        return 2
-    sys.setswitchinterval(args.gil_switch_interval)
     level = args.log_level.upper()
     logging.basicConfig(level=level, format="%(levelname)s: %(name)s: %(message)s")
     if level != "DEBUG":  # jax's INFO lines (backends it probed and did not find) are noise here
