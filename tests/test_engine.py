@@ -255,9 +255,11 @@ def test_stop_token_ids_stop_strings_and_context_limit(checkpoint, shared_llm):
         use_tqdm=False,
     )[0]
     assert out.token_ids == full[: full.index(stop_id) + 1] and out.finish_reason == "stop"
-    # A stop string: the text of a few middle tokens; nothing from it onwards is returned.
+    # A stop string: the text of two middle tokens; nothing from it onwards is returned. Not a
+    # pair that splits a character's bytes (its text then is not in the whole text's).
     text = llm.engine.tokenizer.decode(full)
-    stop = llm.engine.tokenizer.decode(full[12:14])
+    pairs = (llm.engine.tokenizer.decode(full[i : i + 2]) for i in range(12, len(full) - 1))
+    stop = next(p for p in pairs if p.strip() and "\ufffd" not in p and p in text)
     out = llm.generate(
         [prompt], SamplingParams(max_tokens=24, temperature=0, stop=[stop]), use_tqdm=False
     )[0]
