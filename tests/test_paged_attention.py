@@ -267,8 +267,9 @@ def test_prefill_attention_matches_oracle(cached):
     new = [int(n) for n in rng.integers(1, 12, len(cached))]
     q, k, v, k_cache, v_cache, tables, positions = make_prefill_case(rng, cached, new)
     fresh = not any(cached)
+    seq_lens = np.asarray(cached, np.int32) + np.asarray(new, np.int32)
     out = np.asarray(
-        jax.jit(prefill_attention)(q, k, v, k_cache, v_cache, tables, positions, fresh)
+        jax.jit(prefill_attention)(q, k, v, k_cache, v_cache, tables, positions, fresh, seq_lens)
     )
     for row, (c, n) in enumerate(zip(cached, new, strict=True)):
         for t in range(n):  # a query at position c + t sees keys 0..c + t
