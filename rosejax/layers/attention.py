@@ -219,15 +219,15 @@ def paged_attention_xla(
         key_pos = c * chunk + jnp.arange(chunk)  # [C]
         key_ok = key_pos[None, :] < num_keys[:, None]  # [B, C]
         k = k_cache[:, pages].reshape(h, b, chunk, d)  # [H, B, C, D]
-        # Unwritten slots may hold anything, NaN included, and 0 * NaN is NaN.
+        # Zeroed where a row has no key: unwritten slots may hold anything (NaN, and 0 * NaN is
+        # NaN), and a padded row, all of whose scores are _NEG_INF, weighs each slot exp(0) = 1.
         v = jnp.where(key_ok[None, :, :, None], v_cache[:, pages].reshape(h, b, chunk, d), 0)
         s = jnp.einsum("btkgd,kbcd->bkgtc", qg, k, preferred_element_type=jnp.float32)
         visible = (key_pos[None, None, :] <= positions[:, :, None]) & key_ok[:, None, :]
         visible = visible[:, None, None]  # [B, 1, 1, T, C]
         s = jnp.where(visible, s / math.sqrt(d), _NEG_INF)  # [B, H, G, T, C]
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        # Masked, not just -inf-scored: a row with no key yet has m_new = _NEG_INF too.
-        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)  # [B, H, G, T, C]
+        p = jnp.exp(s - m_new[..., None])  # [B, H, G, T, C]
         alpha = jnp.exp(m - m_new)
         pv = jnp.einsum(
             "bkgtc,kbcd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
