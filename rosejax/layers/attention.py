@@ -187,7 +187,7 @@ def paged_attention_xla(
     j // (Hq / H), each KV page once for its group.
 
     Flash attention over the block tables: a loop over chunks of `pages_per_chunk` pages (None:
-    about DEFAULT_CHUNK_TOKENS keys) gathers the chunk's pages of every row and folds them into
+    about DEFAULT_CHUNK_TOKENS keys; at most the table) gathers the chunk's pages of every row and folds them into
     a running max, sum and numerator in float32; it stops after the chunk that holds the batch's
     last key needed, so the rows' lengths, not the table's MB * BS (the model's context), set
     what it reads. A row's pages past its own keys read scratch block 0 instead."""
@@ -195,13 +195,13 @@ def paged_attention_xla(
     h, _, bs, _ = k_cache.shape
     if hq % h:
         raise ValueError(f"{hq} query heads are not a multiple of the cache's {h} KV heads")
-    if pages_per_chunk is None:
-        pages_per_chunk = max(1, DEFAULT_CHUNK_TOKENS // bs)
-    if pages_per_chunk < 1:
+    if pages_per_chunk is not None and pages_per_chunk < 1:
         raise ValueError(f"pages_per_chunk must be >= 1, got {pages_per_chunk}")
+    mb = block_tables.shape[1]
+    # No chunk longer than the table: a short one would be padded with pages never needed.
+    pages_per_chunk = min(pages_per_chunk or max(1, DEFAULT_CHUNK_TOKENS // bs), mb)
     group, chunk = hq // h, pages_per_chunk * bs
     # Whole chunks of table: a dynamic_slice that overran the end would be shifted back.
-    mb = block_tables.shape[1]
     tables = jnp.pad(block_tables, ((0, 0), (0, -mb % pages_per_chunk)))  # [B, MB']
     # Keys each row needs: through its last query, never past its length.
     num_keys = jnp.minimum(jnp.max(positions, axis=1) + 1, seq_lens)  # [B]
