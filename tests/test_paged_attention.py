@@ -297,12 +297,19 @@ def test_prefill_attention_matches_oracle(cached):
 
 # ------------------------------------- the chunked XLA paths: only the pages that hold keys count
 
-POISONS = {"nan": np.nan, "huge": 1e30}
+# Every axis's first value is the hardest: GQA, an odd head dim and block size, several chunks.
+LIVE_AXES = dict(
+    group=[2, 4, 1],
+    d=[80, 128, 64],
+    bs=[5, 16],
+    pages_per_chunk={"chunk4": 4, "default": None, "chunk1": 1},
+    poison={"nan": np.nan, "huge": 1e30},
+)
 
 
 def slow_after_first(cases: list) -> list:
     """`pairwise` cases with all but the first under `-m slow`: the first (every axis's first
-    value: the hardest path) keeps the default run to seconds."""
+    value) keeps the default run to seconds."""
     slow = [pytest.param(*c.values, id=c.id, marks=pytest.mark.slow) for c in cases[1:]]
     return cases[:1] + slow
 
@@ -327,17 +334,7 @@ def make_live_case(rng, seq_lens, t, h, hq, d, bs, mb, poison):
 
 
 @pytest.mark.parametrize(
-    "b,group,d,bs,pages_per_chunk,poison",
-    slow_after_first(
-        pairwise(
-            b=[8, 3, 1],
-            group=[2, 4, 1],
-            d=[80, 128, 64],
-            bs=[5, 16],
-            pages_per_chunk={"chunk4": 4, "default": None, "chunk1": 1},
-            poison=POISONS,
-        )
-    ),
+    "b,group,d,bs,pages_per_chunk,poison", slow_after_first(pairwise(b=[8, 3, 1], **LIVE_AXES))
 )
 def test_xla_decode_reads_only_live_keys(b, group, d, bs, pages_per_chunk, poison):
     """The engine's XLA decode attention on caches poisoned wherever a row has no key (NaN or
@@ -364,16 +361,7 @@ def test_xla_decode_reads_only_live_keys(b, group, d, bs, pages_per_chunk, poiso
 
 
 @pytest.mark.parametrize(
-    "group,d,bs,pages_per_chunk,poison",
-    slow_after_first(
-        pairwise(
-            group=[4, 2, 1],
-            d=[96, 128, 64],
-            bs=[5, 16],
-            pages_per_chunk={"chunk4": 4, "default": None, "chunk1": 1},
-            poison=POISONS,
-        )
-    ),
+    "group,d,bs,pages_per_chunk,poison", slow_after_first(pairwise(**LIVE_AXES))
 )
 def test_xla_prefill_reads_only_live_keys(group, d, bs, pages_per_chunk, poison):
     """Prefill chunks continuing cached prefixes (a block's worth, one token, an odd count, a
