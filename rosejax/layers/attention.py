@@ -239,7 +239,10 @@ def paged_attention_xla(
         jnp.zeros((b, h, group, t), jnp.float32),
         jnp.zeros((b, h, group, t, d), jnp.float32),
     )
-    _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    if tables.shape[1] == pages_per_chunk:  # one chunk is the table: no loop to compile or run
+        _, denom, acc = body(0, init)
+    else:
+        _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
     out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [B, H, G, T, D]; no keys: zeros
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
 
