@@ -187,10 +187,11 @@ def paged_attention_xla(
     j // (Hq / H), each KV page once for its group.
 
     Flash attention over the block tables: a loop over chunks of `pages_per_chunk` pages (None:
-    about DEFAULT_CHUNK_TOKENS keys; at most the table) gathers the chunk's pages of every row and folds them into
-    a running max, sum and numerator in float32; it stops after the chunk that holds the batch's
-    last key needed, so the rows' lengths, not the table's MB * BS (the model's context), set
-    what it reads. A row's pages past its own keys read scratch block 0 instead."""
+    about DEFAULT_CHUNK_TOKENS keys; at most the table) gathers the chunk's pages of every row
+    and folds them into a running max, sum and numerator in float32; it stops after the chunk
+    that holds the batch's last key needed, so the rows' lengths, not the table's MB * BS (the
+    model's context), set what it reads. A row's pages past its own keys read scratch block 0
+    instead."""
     b, t, hq, d = q.shape
     h, _, bs, _ = k_cache.shape
     if hq % h:
