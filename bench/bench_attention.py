@@ -1,5 +1,8 @@
 """Paged decode attention microbench: rosejax's Pallas kernel, jax's Pallas GPU paged_attention op,
-and the XLA gather reference, at GPT-2 dims (H=12, D=64), fp16.
+the engine's chunked XLA path (`paged_decode_attention_xla`, per `--xla-chunk-pages`) and the XLA
+gather reference, at GPT-2 dims (H=12, D=64), fp16. `--table-tokens` gives each row a block table
+longer than its context, padded with scratch block 0 as the engine pads it (its max model len):
+what the gather reference reads, and the chunked path does not.
 
 Each implementation runs `--iters` times inside one jitted fori_loop (each output feeds the next
 query), so Python dispatch stays out; median over `--repeats` calls. GB/s counts the K and V bytes
@@ -26,6 +29,7 @@ from pallas_kernels.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from rosejax.layers.attention import paged_decode_attention_xla  # noqa: E402
 
 
 def jax_op(q, k, v, tables, lengths, *, pages_per_compute_block, k_splits):
@@ -43,8 +47,12 @@ def jax_op(q, k, v, tables, lengths, *, pages_per_compute_block, k_splits):
     )
 
 
-def impls(interpret: bool, warps: list[int], stages: list[int]) -> dict:
+def impls(interpret: bool, warps: list[int], stages: list[int], chunk_pages: list[int]) -> dict:
     out = {"xla": paged_decode_attention_reference}
+    for n in chunk_pages:
+        out[f"xla_chunked_p{n}" if n else "xla_chunked"] = functools.partial(
+            paged_decode_attention_xla, pages_per_chunk=n or None
+        )
     for w in warps:
         for s in stages:
             out[f"rosejax_w{w}_s{s}"] = functools.partial(
@@ -64,6 +72,18 @@ def main() -> None:
     p.add_argument("--num-warps", default="1,2,4,8", help="comma list of the kernel's warps")
     p.add_argument("--num-stages", default="2", help="comma list of the kernel's pipeline stages")
     p.add_argument("--no-jax-op", action="store_true", help="skip jax's paged_attention op")
+    p.add_argument(
+        "--xla-chunk-pages",
+        default="0",
+        help="comma list of the chunked XLA path's pages per chunk (0: its default)",
+    )
+    p.add_argument(
+        "--table-tokens",
+        type=int,
+        default=0,
+        help="tokens each row's block table covers, past the context in scratch block 0 "
+        "(the engine's max model len, e.g. 40960); 0: the context",
+    )
     add_kernel_bench_args(p)
     args = p.parse_args()
     interpret = args.quick or jax.default_backend() == "cpu"
@@ -82,15 +102,20 @@ def main() -> None:
         nb = 1 + b * mb
         k = jnp.asarray(rng.normal(size=(h, nb, bs, d)), jnp.float16)
         v = jnp.asarray(rng.normal(size=(h, nb, bs, d)), jnp.float16)
-        tables = jnp.asarray(1 + rng.permutation(nb - 1).reshape(b, mb), jnp.int32)
+        live = 1 + rng.permutation(nb - 1).reshape(b, mb)
+        tables = np.zeros((b, max(mb, -(-args.table_tokens // bs))), np.int32)
+        tables[:, :mb] = live
+        tables = jnp.asarray(tables)
         lengths = jnp.full((b,), ctx, jnp.int32)
         q = jnp.asarray(rng.normal(size=(b, h, d)), jnp.float16)
-        ref = np.asarray(paged_decode_attention_reference(q, k, v, tables, lengths), np.float32)
+        ref = paged_decode_attention_reference(q, k, v, jnp.asarray(live, jnp.int32), lengths)
+        ref = np.asarray(ref, np.float32)
         bytes_ = b * ctx * h * d * 2 * 2
         variants = impls(
             interpret,
             [int(w) for w in args.num_warps.split(",")],
             [int(s) for s in args.num_stages.split(",")],
+            [int(n) for n in args.xla_chunk_pages.split(",")],
         )
         if args.no_jax_op:
             variants = {n: f for n, f in variants.items() if not n.startswith("jax_op")}
@@ -111,6 +136,7 @@ def main() -> None:
                 dict(
                     B=b,
                     context=ctx,
+                    table_tokens=tables.shape[1] * bs,
                     block_size=bs,
                     impl=name,
                     us=us,

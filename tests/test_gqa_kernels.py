@@ -1,6 +1,6 @@
 """Grouped-query decode attention (Hq query heads over H KV heads) and RMSNorm: every
-implementation (the Pallas kernels, interpreted on a CPU, and the XLA references) against numpy
-oracles, at head dims 64 and 128."""
+implementation (the Pallas kernels, interpreted on a CPU, and the XLA references; the engine's
+chunked XLA prefill attention too) against numpy oracles, at head dims 64 and 128."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from pallas_kernels.rms_norm import (
     rms_norm,
     rms_norm_reference,
 )
+from rosejax.layers.attention import paged_attention_xla
 from tests.conftest import INTERPRET
 from tests.test_paged_attention import TOL, make_case, oracle
 
@@ -175,6 +176,7 @@ def test_add_rms_norm_matches_oracle(impl, splits):
 PREFILL_IMPLS = {
     "pallas": functools.partial(paged_prefill_attention, block_q=16, interpret=INTERPRET),
     "reference": jax.jit(paged_prefill_attention_reference),
+    "xla": jax.jit(paged_attention_xla),
 }
 
 

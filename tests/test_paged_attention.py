@@ -1,5 +1,6 @@
-"""Paged decode attention (and its fused K/V append): the Pallas kernels and the XLA references
-against a numpy oracle."""
+"""Paged decode attention (and its fused K/V append): the Pallas kernels, the XLA references and
+the engine's chunked XLA path against a numpy oracle; the chunked XLA paths (decode and prefill)
+against the references on caches poisoned with NaN wherever a row has no keys."""
 
 from __future__ import annotations
 
@@ -16,7 +17,16 @@ from pallas_kernels.paged_attention import (
     paged_decode_attention_append_reference,
     paged_decode_attention_reference,
 )
-from rosejax.layers.attention import causal_attention_xla, prefill_attention
+from pallas_kernels.paged_prefill_attention import paged_prefill_attention_reference
+from rosejax.layers.attention import (
+    cache_slots,
+    causal_attention_xla,
+    decode_attention,
+    paged_attention_xla,
+    paged_decode_attention_xla,
+    prefill_attention,
+)
+from rosejax.settings import KernelConfig
 from tests.conftest import INTERPRET, pairwise
 
 IMPLS = {
@@ -25,6 +35,7 @@ IMPLS = {
         paged_decode_attention, prefetch_table=True, interpret=INTERPRET
     ),
     "reference": jax.jit(paged_decode_attention_reference),
+    "xla": jax.jit(paged_decode_attention_xla),
 }
 APPEND_IMPLS = {
     "pallas": functools.partial(paged_decode_attention_append, interpret=INTERPRET),
@@ -267,8 +278,9 @@ def test_prefill_attention_matches_oracle(cached):
     new = [int(n) for n in rng.integers(1, 12, len(cached))]
     q, k, v, k_cache, v_cache, tables, positions = make_prefill_case(rng, cached, new)
     fresh = not any(cached)
+    seq_lens = np.asarray(cached, np.int32) + np.asarray(new, np.int32)
     out = np.asarray(
-        jax.jit(prefill_attention)(q, k, v, k_cache, v_cache, tables, positions, fresh)
+        jax.jit(prefill_attention)(q, k, v, k_cache, v_cache, tables, positions, fresh, seq_lens)
     )
     for row, (c, n) in enumerate(zip(cached, new, strict=True)):
         for t in range(n):  # a query at position c + t sees keys 0..c + t
@@ -281,3 +293,117 @@ def test_prefill_attention_matches_oracle(cached):
         dense = np.asarray(causal_attention_xla(q, k, v, positions))
         for row, n in enumerate(new):
             np.testing.assert_allclose(dense[row, :n], out[row, :n], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------- the chunked XLA paths: only the pages that hold keys count
+
+# Every axis's first value is the hardest: GQA, an odd head dim and block size, several chunks.
+LIVE_AXES = dict(
+    group=[2, 4, 1],
+    d=[80, 128, 64],
+    bs=[5, 16],
+    pages_per_chunk={"chunk4": 4, "default": None, "chunk1": 1},
+    poison={"nan": np.nan, "huge": 1e30},
+)
+
+
+def slow_after_first(cases: list) -> list:
+    """`pairwise` cases with all but the first under `-m slow`: the first (every axis's first
+    value) keeps the default run to seconds."""
+    slow = [pytest.param(*c.values, id=c.id, marks=pytest.mark.slow) for c in cases[1:]]
+    return cases[:1] + slow
+
+
+def make_live_case(rng, seq_lens, t, h, hq, d, bs, mb, poison):
+    """Caches whose slots below each row's seq_lens hold random K/V and every other slot (a row's
+    last page past its length, its unfilled pages, scratch block 0) `poison`, and the same caches
+    with zeros there, for the references (which read every page); each row its own pages in
+    random order, and queries q [B, t, Hq, D]."""
+    b = len(seq_lens)
+    num_blocks = 1 + b * mb
+    tables = (1 + rng.permutation(num_blocks - 1)).reshape(b, mb).astype(np.int32)
+    k, v = np.full((2, h, num_blocks, bs, d), poison, np.float32)
+    clean_k, clean_v = np.zeros((2, h, num_blocks, bs, d), np.float32)
+    for row, n in enumerate(seq_lens):
+        for pos in range(n):
+            blk, off = tables[row, pos // bs], pos % bs
+            k[:, blk, off] = clean_k[:, blk, off] = rng.normal(size=(h, d))
+            v[:, blk, off] = clean_v[:, blk, off] = rng.normal(size=(h, d))
+    q = rng.normal(size=(b, t, hq, d)).astype(np.float32)
+    return q, (k, v), (clean_k, clean_v), tables
+
+
+@pytest.mark.parametrize(
+    "b,group,d,bs,pages_per_chunk,poison", slow_after_first(pairwise(b=[8, 3, 1], **LIVE_AXES))
+)
+def test_xla_decode_reads_only_live_keys(b, group, d, bs, pages_per_chunk, poison):
+    """The engine's XLA decode attention on caches poisoned wherever a row has no key (NaN or
+    1e30) equals the gathering reference on clean caches. Rows: one token, a full table, a padded
+    row (length 0: zeros), a block boundary and one past it, two blocks, random lengths."""
+    rng = np.random.default_rng()
+    h, mb = 2, 6
+    edges = [1, mb * bs, 0, bs, bs + 1, 2 * bs, *rng.integers(1, mb * bs + 1, 2)]
+    lengths = np.asarray(edges[:b], np.int32)
+    hq = h * group
+    q, poisoned, clean, tables = make_live_case(rng, lengths, 1, h, hq, d, bs, mb, poison)
+    # The model's call: the fused projection, its K/V heads after the queries (noise here).
+    qkv = np.concatenate([q[:, 0], rng.normal(size=(b, 2 * h, d)).astype(np.float32)], axis=1)
+    attend = jax.jit(
+        functools.partial(
+            paged_decode_attention_xla, num_q_heads=hq, pages_per_chunk=pages_per_chunk
+        )
+    )
+    out = np.asarray(attend(qkv, *poisoned, tables, lengths))
+    want = paged_decode_attention_reference(qkv, *clean, tables, lengths, num_q_heads=hq)
+    assert out.shape == (b, hq, d) and np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.all(out[lengths == 0] == 0)
+
+
+@pytest.mark.parametrize(
+    "group,d,bs,pages_per_chunk,poison", slow_after_first(pairwise(**LIVE_AXES))
+)
+def test_xla_prefill_reads_only_live_keys(group, d, bs, pages_per_chunk, poison):
+    """Prefill chunks continuing cached prefixes (a block's worth, one token, an odd count, a
+    chunk that fills the table), a fresh row and a padded row (seq_lens 0), all padded to T as
+    the engine pads them (padding tokens' positions run on past the row's length), on poisoned
+    caches: equal to the gathering reference on clean caches, every token."""
+    rng = np.random.default_rng()
+    h, mb, t = 2, 6, 7
+    cached = np.asarray([bs, 1, 2 * bs + 3, mb * bs - t, 0, 0], np.int32)
+    new = np.asarray([t, 3, 5, t, 4, 0], np.int32)
+    seq_lens = cached + new
+    positions = cached[:, None] + np.arange(t, dtype=np.int32)[None, :]  # [B, T]
+    q, poisoned, clean, tables = make_live_case(rng, seq_lens, t, h, h * group, d, bs, mb, poison)
+    attend = jax.jit(functools.partial(paged_attention_xla, pages_per_chunk=pages_per_chunk))
+    out = np.asarray(attend(q, *poisoned, tables, positions, seq_lens))
+    want = paged_prefill_attention_reference(q, *clean, tables, positions, seq_lens)
+    assert out.shape == q.shape and np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.all(out[-1] == 0)
+
+
+@pytest.mark.parametrize(
+    "kernels",
+    [KernelConfig(), KernelConfig(attention="pallas", interpret=True)],
+    ids=["xla", "pallas-untiled"],
+)
+def test_decode_attention_xla_path(kernels):
+    """The model's decode call (append the step's K/V, then attend) where XLA serves it: asked
+    for, or a cache the Pallas kernel does not tile (head dim 96, block size 12). Caches and
+    output equal the append reference's."""
+    rng = np.random.default_rng()
+    b, h, group, d, bs, mb = 4, 2, 2, 96, 12, 3
+    hq = h * group
+    _, k, v, tables, lengths = make_case(rng, b, h, d, bs, mb, "float32")
+    lengths = lengths.at[2].set(0)  # a padded row: writes scratch block 0, gives zeros
+    qkv = jnp.asarray(rng.normal(size=(b, hq + 2 * h, d)), jnp.float32)
+    # A padded row's position is any past its length (0 here), as the engine's dead rows have.
+    block, offset = cache_slots(tables, jnp.maximum(lengths - 1, 0)[:, None], lengths, bs)
+    want = paged_decode_attention_append_reference(qkv, k, v, tables, lengths, num_q_heads=hq)
+    got = jax.jit(decode_attention, static_argnames=["kernels", "num_q_heads"])(
+        qkv, k, v, tables, lengths, block[:, 0], offset[:, 0], kernels, num_q_heads=hq
+    )
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(got[0])[2] == 0)

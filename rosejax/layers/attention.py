@@ -6,12 +6,14 @@ them itself and takes the new token from its projection. Prefill, prefix-cached 
 blocks are already there) and decode therefore see the same cache. Query token `t` of row `b` at
 absolute position `p` sees the keys at logical positions `0..p` of its block table.
 
-- `prefill_attention`: any number of queries per row, plain XLA. A batch in which no row continues
-  a cached prefix (every chunk starts at position 0) attends among its own tokens
-  (`causal_attention_xla`); otherwise every row's pages are gathered (`paged_attention_xla`).
+- `prefill_attention`: any number of queries per row: the Pallas flash-attention kernel, or XLA.
+  In XLA a batch in which no row continues a cached prefix (every chunk starts at position 0)
+  attends among its own tokens (`causal_attention_xla`); otherwise `paged_attention_xla` walks the
+  rows' pages a chunk at a time, as far as the batch's last query needs.
 - `decode_attention`: one query per row, K/V written and attended in one call: rosejax's Pallas
   kernel (`pallas_kernels/paged_attention.py`), which writes the K/V itself unless
-  `kernels.fused_kv_append` is off (then `append_kv` does), or XLA, as the `KernelConfig` says.
+  `kernels.fused_kv_append` is off (then `append_kv` does), or XLA (`paged_decode_attention_xla`,
+  the same chunked walk), as the `KernelConfig` says and for caches the kernel does not tile.
 - `append_kv`: the `kv_append` dispatcher's kernels (or its XLA scatter), for prefill chunks and
   unfused decode steps.
 """
@@ -29,7 +31,6 @@ from pallas_kernels.paged_attention import (
     decode_kernel_supported,
     paged_decode_attention,
     paged_decode_attention_append,
-    paged_decode_attention_reference,
 )
 from pallas_kernels.paged_prefill_attention import (
     paged_prefill_attention,
@@ -127,7 +128,7 @@ def decode_attention(
     if pallas:
         out = paged_decode_attention(qkv, k_cache, v_cache, block_tables, seq_lens, **tiles)
     else:
-        out = paged_decode_attention_reference(
+        out = paged_decode_attention_xla(
             qkv, k_cache, v_cache, block_tables, seq_lens, num_q_heads=num_q_heads
         )
     return out, k_cache, v_cache
@@ -142,14 +143,13 @@ def prefill_attention(
     block_tables: jax.Array,  # [B, MB] int32
     positions: jax.Array,  # [B, T] int32
     fresh: jax.Array,  # bool[]: no row continues a cached prefix (every chunk starts at 0)
-    seq_lens: jax.Array | None = None,  # [B] int32; with `kernels`, for the Pallas kernel
+    seq_lens: jax.Array,  # [B] int32, the row's length once this chunk is in
     kernels: KernelConfig | None = None,
 ) -> jax.Array:  # [B, T, Hq, D]
     """XLA, or (`kernels.prefill_attention` "pallas", pages it tiles) the Pallas flash-attention
-    kernel over the pages, which reads only the pages below each query tile's last position."""
+    kernel over the pages. Both read only the pages below the queries' last positions."""
     if (
         kernels is not None
-        and seq_lens is not None
         and kernels.prefill_attention == "pallas"
         and prefill_kernel_supported(k_cache.shape[3], k_cache.shape[2])
     ):
@@ -157,35 +157,121 @@ def prefill_attention(
         return paged_prefill_attention(
             q, k_cache, v_cache, block_tables, positions, seq_lens, **tiles
         )
-    # Gathering whole block tables reads MB * block_size keys per row (the model's full context)
-    # however short the prompts: for 8-token prompts that was most of a prefill's time.
+    # A fresh batch's keys are its own chunk's: no page gather at all.
     return jax.lax.cond(
         fresh,
         lambda: causal_attention_xla(q, k, v, positions),
-        lambda: paged_attention_xla(q, k_cache, v_cache, block_tables, positions),
+        lambda: paged_attention_xla(q, k_cache, v_cache, block_tables, positions, seq_lens),
     )
 
 
 _NEG_INF = -1e30
+# Keys each step of the XLA paged attention's loop reads per row (8 pages at block size 16): fewer
+# waste less of a row's last chunk, more mean fewer steps. Not measured on a GPU yet.
+DEFAULT_CHUNK_TOKENS = 128
 
 
 def paged_attention_xla(
-    q: jax.Array,  # [B, T, Hq, D]
+    q: jax.Array,  # [B, T, Hq, D], Hq a multiple of H (grouped queries)
     k_cache: jax.Array,  # [H, NB, BS, D]
     v_cache: jax.Array,  # [H, NB, BS, D]
     block_tables: jax.Array,  # [B, MB] int32
     positions: jax.Array,  # [B, T] int32, absolute position of each query
+    seq_lens: jax.Array,  # [B] int32, the row's length (0: a padded row)
+    *,
+    pages_per_chunk: int | None = None,
 ) -> jax.Array:  # [B, T, Hq, D]
-    """Plain XLA, any number of queries per row: query (b, t) sees the row's cached keys at
-    logical positions 0..positions[b, t]. Gathers each row's pages (all MB of them); softmax in
-    float32. Prefill runs this when a row continues a cached prefix."""
-    b, t, _, d = q.shape
-    h = k_cache.shape[0]
-    context = block_tables.shape[1] * k_cache.shape[2]
-    k = k_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
-    v = v_cache[:, block_tables].reshape(h, b, context, d)  # [H, B, L, D]
-    visible = jnp.arange(context)[None, None, :] <= positions[:, :, None]  # [B, T, L]
-    return _masked_attention(q, k, v, visible)
+    """Plain XLA, any number of queries per row, any head dim and block size: query (b, t) sees
+    the row's cached keys at logical positions 0..positions[b, t] below seq_lens[b] (the Pallas
+    prefill kernel's semantics); a row with seq_lens 0 gives zeros. Query head j reads KV head
+    j // (Hq / H), each KV page once for its group.
+
+    Flash attention over the block tables: a loop over chunks of `pages_per_chunk` pages (None:
+    about DEFAULT_CHUNK_TOKENS keys; at most the table) gathers the chunk's pages of every row
+    and folds them into a running max, sum and numerator in float32; it stops after the chunk
+    that holds the batch's last key needed, so the rows' lengths, not the table's MB * BS (the
+    model's context), set what it reads. A row's pages past its own keys read scratch block 0
+    instead."""
+    b, t, hq, d = q.shape
+    h, _, bs, _ = k_cache.shape
+    if hq % h:
+        raise ValueError(f"{hq} query heads are not a multiple of the cache's {h} KV heads")
+    if pages_per_chunk is not None and pages_per_chunk < 1:
+        raise ValueError(f"pages_per_chunk must be >= 1, got {pages_per_chunk}")
+    mb = block_tables.shape[1]
+    # No chunk longer than the table: a short one would be padded with pages never needed.
+    pages_per_chunk = min(pages_per_chunk or max(1, DEFAULT_CHUNK_TOKENS // bs), mb)
+    group, chunk = hq // h, pages_per_chunk * bs
+    # Whole chunks of table: a dynamic_slice that overran the end would be shifted back.
+    tables = jnp.pad(block_tables, ((0, 0), (0, -mb % pages_per_chunk)))  # [B, MB']
+    # Keys each row needs: through its last query, never past its length.
+    num_keys = jnp.minimum(jnp.max(positions, axis=1) + 1, seq_lens)  # [B]
+    num_chunks = jnp.minimum(
+        (jnp.max(num_keys) + chunk - 1) // chunk, tables.shape[1] // pages_per_chunk
+    )
+    qg = q.reshape(b, t, h, group, d)
+
+    def body(c, carry):
+        m, denom, acc = carry  # [B, H, G, T], [B, H, G, T], [B, H, G, T, D] float32
+        pages = jax.lax.dynamic_slice_in_dim(tables, c * pages_per_chunk, pages_per_chunk, 1)
+        first_key = (c * pages_per_chunk + jnp.arange(pages_per_chunk)) * bs  # [P]
+        # Every row's dead pages are the same block: on a GPU those reads hit the L2 cache.
+        pages = jnp.where(first_key[None, :] < num_keys[:, None], pages, 0)  # [B, P]
+        key_pos = c * chunk + jnp.arange(chunk)  # [C]
+        key_ok = key_pos[None, :] < num_keys[:, None]  # [B, C]
+        k = k_cache[:, pages].reshape(h, b, chunk, d)  # [H, B, C, D]
+        # Zeroed where a row has no key: unwritten slots may hold anything (NaN, and 0 * NaN is
+        # NaN), and a padded row, all of whose scores are _NEG_INF, weighs each slot exp(0) = 1.
+        v = jnp.where(key_ok[None, :, :, None], v_cache[:, pages].reshape(h, b, chunk, d), 0)
+        s = jnp.einsum("btkgd,kbcd->bkgtc", qg, k, preferred_element_type=jnp.float32)
+        visible = (key_pos[None, None, :] <= positions[:, :, None]) & key_ok[:, None, :]
+        visible = visible[:, None, None]  # [B, 1, 1, T, C]
+        s = jnp.where(visible, s / math.sqrt(d), _NEG_INF)  # [B, H, G, T, C]
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.exp(s - m_new[..., None])  # [B, H, G, T, C]
+        alpha = jnp.exp(m - m_new)
+        pv = jnp.einsum(
+            "bkgtc,kbcd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
+        )
+        return m_new, denom * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
+
+    init = (
+        jnp.full((b, h, group, t), _NEG_INF, jnp.float32),
+        jnp.zeros((b, h, group, t), jnp.float32),
+        jnp.zeros((b, h, group, t, d), jnp.float32),
+    )
+    if tables.shape[1] == pages_per_chunk:  # one chunk is the table: no loop to compile or run
+        _, denom, acc = body(0, init)
+    else:
+        _, denom, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [B, H, G, T, D]; no keys: zeros
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
+
+
+def paged_decode_attention_xla(
+    q: jax.Array,  # [B, H' >= Hq, D]: the first Hq heads are the queries
+    k_cache: jax.Array,  # [H, NB, BS, D]
+    v_cache: jax.Array,  # [H, NB, BS, D]
+    block_tables: jax.Array,  # [B, MB] int32
+    lengths: jax.Array,  # [B] int32
+    *,
+    num_q_heads: int | None = None,  # Hq, a multiple of H; None: H
+    pages_per_chunk: int | None = None,
+) -> jax.Array:  # [B, Hq, D]
+    """`paged_decode_attention` in XLA: each row's one query, at position lengths[b] - 1, over
+    the row's first lengths[b] cached tokens through `paged_attention_xla`, which reads only the
+    chunks of pages the longest row fills. A padded row (length 0) gives zeros."""
+    hq = num_q_heads or k_cache.shape[0]
+    out = paged_attention_xla(
+        q[:, None, :hq],
+        k_cache,
+        v_cache,
+        block_tables,
+        (lengths - 1)[:, None],
+        lengths,
+        pages_per_chunk=pages_per_chunk,
+    )
+    return out[:, 0]
 
 
 def causal_attention_xla(
@@ -194,8 +280,8 @@ def causal_attention_xla(
     v: jax.Array,  # [B, T, H, D]
     positions: jax.Array,  # [B, T] int32, increasing along T
 ) -> jax.Array:  # [B, T, Hq, D]
-    """Causal attention among a chunk's own tokens: what `paged_attention_xla` computes when no
-    row has anything cached before its chunk, without gathering the rows' whole block tables."""
+    """Causal attention among a chunk's own tokens: what `paged_attention_xla` computes (for the
+    real tokens) when no row has anything cached before its chunk, without a page gather."""
     visible = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
     return _masked_attention(q, k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3), visible)
 

@@ -71,7 +71,7 @@ class CausalSelfAttention(nn.Module):
             )
             q, k, v = (a.reshape(b, t, h, d) for a in jnp.split(qkv, 3, axis=-1))
             out = prefill_attention(
-                q, k, v, k_cache, v_cache, meta.block_tables, meta.positions, fresh
+                q, k, v, k_cache, v_cache, meta.block_tables, meta.positions, fresh, meta.seq_lens
             )
         # residual + projection, summed by the next layer norm
         y = Linear(e, kernels=self.kernels, reduce_axis=self.tp.reduce_axis, name="c_proj")(
