@@ -209,7 +209,8 @@ class _EngineLoop:
         if pipe == 0:
             return
         gone = [rid for rid, owner in self.owner.items() if owner == pipe]
-        log.warning("API server %d has gone; aborting its %d requests", pipe, len(gone))
+        level = logging.WARNING if gone else logging.INFO
+        log.log(level, "API server %d has gone; aborting its %d requests", pipe, len(gone))
         for rid in gone:
             self._abort(rid)
 
