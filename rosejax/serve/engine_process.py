@@ -344,7 +344,7 @@ class EngineLink:
                 f"{self.exit_code()} while loading; see the log above"
             ) from None
         if msg[0] == "failed":
-            self.exit_code()
+            self.exit_code()  # the spawning side waits for it to end
             raise (ValueError if msg[2] else RuntimeError)(msg[1])
         self.info = msg[1]
         return self.info
