@@ -11,8 +11,9 @@
 # MODEL (env, default random:gpt2), N (streams, 256), LEN (new tokens, 256), RATE (Poisson
 # requests/s, 300) size it; SERVE_B (default --engine-process: the engine loop in a process
 # of its own) is the second server's flags beside the default server's (one replica: the
-# engine on a thread); a CPU smoke run: MODEL=random:tiny N=8 LEN=8 RATE=20. CHECKS=http runs the
-# HTTP steps alone (no h11 server, slot reuse or logprobs).
+# engine on a thread); SERVE_B="--api-server-count 4" puts four API server processes (one
+# listening socket) in front of the engine process. A CPU smoke run: MODEL=random:tiny N=8 LEN=8
+# RATE=20. CHECKS=http runs the HTTP steps alone (no h11 server, slot reuse or logprobs).
 set -uo pipefail
 OUT=$(mkdir -p "${1:-bench/out/serving}" && cd "${1:-bench/out/serving}" && pwd)
 PY=${PYTHON:-python3}

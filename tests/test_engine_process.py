@@ -20,6 +20,7 @@ import random
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
@@ -32,7 +33,7 @@ from rosejax.serve.output_rows import RowReader, RowWriter
 from rosejax.serve.server import ServerThread
 from rosejax.settings import EngineConfig
 from rosejax.tokenizer import TokenTexts
-from tests.test_server import SEED, TEMPLATE, start_cli, stop_cli, wait_idle
+from tests.test_server import SEED, TEMPLATE, metrics, start_cli, stop_cli, wait_idle
 
 MODEL = "random:tiny"
 ENGINE = dict(seed=SEED, warmup=False, max_batch_size=8, block_size=16, kv_cache_tokens=1024)
@@ -108,15 +109,27 @@ def served():
     requests = {f"p{i}": (p, params) for i, p in enumerate(RECORDED["prompt"])}
     steps = record_steps(llm.engine, requests)
     prompt_ids = {rid: llm.engine.prompt_ids(p) for rid, (p, _) in requests.items()}
-    engine = EngineProcesses(EngineConfig(model=MODEL, **ENGINE))
-    for tokenizer in (engine.tokenizer, llm.engine.tokenizer):
+    # A second API server (`--api-server-count 2`) on the same child, as another API server
+    # process connects: through the pipe ends the first hands it.
+    config = EngineConfig(model=MODEL, **ENGINE)
+    engine = EngineProcesses(config, api_servers=2)
+    (links,) = engine.api_server_links()
+    second = EngineProcesses(config, links=links)
+    for tokenizer in (engine.tokenizer, second.tokenizer, llm.engine.tokenizer):
         tokenizer.chat_template = TEMPLATE
     app = create_app(engine, served_model_name="t")
+    second_app = create_app(second, served_model_name="t")
     thread_app = create_app(llm.engine, served_model_name="t")
-    with ServerThread(app) as server, ServerThread(thread_app) as thread_server:
+    with (
+        ServerThread(app) as server,
+        ServerThread(thread_app) as thread_server,
+        ServerThread(second_app) as second_server,
+    ):
         yield SimpleNamespace(
             url=server.url,
             engines=app.state.engine.engines,
+            second_url=second_server.url,
+            second_engines=second_app.state.engine.engines,
             expected=expected,
             thread_url=thread_server.url,
             steps=steps,
@@ -258,6 +271,58 @@ def test_features_answer_as_the_engine_thread_does(served, route, body):
     """n > 1 with a stop string, greedy echo, echo alone, chat logprobs: the same JSON from
     both paths for the same seeded request, whole and streamed."""
     assert_same_answers(served, route, body)
+
+
+def test_two_api_servers_share_the_engine_process(served):
+    """Requests through both API servers at once: each gets its own outputs, equal to the
+    engine's in process, and the child counts each server's requests apart."""
+    before = metrics(served.url)
+    urls = [served.url, served.second_url] * 4
+    with ThreadPoolExecutor(len(urls)) as pool:
+        answers = list(pool.map(lambda u: complete(u, PROMPTS, **GREEDY), urls))
+    want = [o.text for o in served.expected["greedy"]]
+    for r in answers:
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in r.json()["choices"]] == want, f"seed {SEED}"
+    wait_idle(served.second_url)
+    for url in (served.url, served.second_url):  # the engine's count, seen by either server
+        m = metrics(url)
+        for server in ("0", "1"):
+            key = f"rosejax_api_server_requests_total{{api_server={server}}}"
+            assert m[key] - before[key] == 4 * len(PROMPTS), (url, server)
+    # The per-request counters are each server's own: the second counted its 4 requests only.
+    finished = "rosejax_requests_finished_total{reason=length}"
+    second = metrics(served.second_url)[finished]
+    assert second == 4 * len(PROMPTS), second
+
+
+def test_api_server_gone_aborts_its_requests_and_the_child_serves_on(served):
+    """The second API server's pipe closes mid-request (its process died): the child aborts
+    that server's request, freeing its blocks, and serves the first server on."""
+    body = dict(max_tokens=120, ignore_eos=True, temperature=0)
+    wait_idle(served.url)
+    start = time.monotonic()
+    assert complete(served.url, "the", **body).status_code == 200
+    whole = time.monotonic() - start  # the request run to its end
+    result: dict = {}
+    asker = threading.Thread(
+        target=lambda: result.update(r=complete(served.second_url, "the", **body))
+    )
+    asker.start()
+    deadline = time.monotonic() + 30
+    while not served.engines[0].snapshot["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.monotonic()
+    served.second_engines[0].stop(5)  # closes its end of the pipe
+    m = wait_idle(served.url)
+    freed = time.monotonic() - start
+    assert m["rosejax_kv_blocks_used"] == 0 and m["rosejax_requests_running"] == 0
+    assert freed < whole / 2, (freed, whole)  # aborted, not run to its end
+    asker.join(30)
+    assert result["r"].status_code == 503, result["r"].text
+    r = complete(served.url, PROMPTS[0], **GREEDY)
+    assert r.json()["choices"][0]["text"] == served.expected["greedy"][0].text
+    assert served.engines[0].alive
 
 
 # Last of the module: it kills the module server's child.

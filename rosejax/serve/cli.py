@@ -6,8 +6,11 @@ import argparse
 import dataclasses
 import logging
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from rosejax.engine_args import add_engine_args, engine_kwargs
 from rosejax.serve.protocol import Limits
@@ -103,7 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
         "checks; --no-engine-process runs each replica's engine loop on a thread of the API "
         "process (one process in all). Default: processes with --data-parallel-size > 1 (one "
         "GIL does not hold several engines' host work), a thread with one replica (it served "
-        "256 streams faster on an H100)",
+        "256 streams faster on an H100); processes with --api-server-count > 1 too",
+    )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="API server processes (HTTP, JSON, tokenizing, checks) in front of the engine "
+        "processes, all accepting on one listening socket, as vLLM's flag: one event loop "
+        "admitting a burst of hundreds of requests delays every first token. N > 1 runs the "
+        "engine in engine processes (not with --no-engine-process); this process is API "
+        "server 0 and spawns the others. Each API server bounds its own share of "
+        "--max-waiting (429 past max-batch-size + ceil(max-waiting / N) requests in flight "
+        "through it: it cannot see the others' without a round trip). /metrics answers from "
+        "whichever process accepted the scrape: the engine gauges and "
+        "rosejax_api_server_requests_total are the engine's and equal in all; the request "
+        "counters and latency histograms are that process's requests only; /health is that "
+        "process's. default: %(default)s",
     )
     p.add_argument(
         "--log-level",
@@ -147,16 +167,21 @@ def _read_chat_template(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = args.log_level.upper()
-    logging.basicConfig(level=level, format="%(levelname)s: %(name)s: %(message)s")
-    if level != "DEBUG":  # jax's INFO lines (backends it probed and did not find) are noise here
-        logging.getLogger("jax").setLevel(logging.WARNING)
+    configure_logging(args.log_level)
     import uvicorn  # noqa: F401 (the serve extra: fail before loading a model if it is missing)
 
     from rosejax.engine.data_parallel import make_engine, replica_devices
     from rosejax.settings import EngineConfig, configure_process
 
+    api_servers = None
     try:
+        if args.api_server_count < 1:
+            raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
+        if args.api_server_count > 1 and args.engine_process is False:
+            raise ValueError(
+                "--api-server-count > 1 needs the engine in engine processes (the API server "
+                "processes share them): drop --no-engine-process"
+            )
         limits = Limits(
             max_body_bytes=args.max_request_bytes,
             max_prompt_chars=args.max_prompt_chars,
@@ -169,23 +194,89 @@ def main(argv: list[str] | None = None) -> int:
         configure_process(config.compilation_cache_dir)  # before jax starts its backend
         template = _read_chat_template(args)
         in_processes = args.engine_process
-        if in_processes is None:  # the default: processes for several replicas only
-            in_processes = config.data_parallel_size > 1
+        if in_processes is None:  # the default: processes for several replicas, or API servers
+            in_processes = config.data_parallel_size > 1 or args.api_server_count > 1
         if in_processes:
             # Spawned first: the children import jax and build their engines (each warms up as
             # below) while this process imports its HTTP stack and starts listening.
             from rosejax.serve.engine_process import EngineProcesses
 
             processes = EngineProcesses(
-                dataclasses.replace(config, warmup=kwargs["warmup"]), wait=False
+                dataclasses.replace(config, warmup=kwargs["warmup"]),
+                wait=False,
+                api_servers=args.api_server_count,
             )
+            if args.api_server_count > 1:
+                from rosejax.serve.api_servers import ApiServers
+
+                # On failure it closes the engine processes.
+                api_servers = ApiServers(args, config, limits, template, processes)
         else:
             # Too few devices: refused before listening. Engine processes check their own:
             # jax's backend here would take GPU memory from them.
             replica_devices(config.data_parallel_size, config.tensor_parallel_size)
-    except (ValueError, OSError) as e:  # bad flags, a chat template missing or broken
+    except (ValueError, OSError) as e:  # bad flags, a chat template missing or broken, a port
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+    def build() -> tuple[Any, bool, Callable[[], None] | None]:
+        if in_processes:
+            processes.wait_ready()
+            return processes, False, processes.close
+        engine = make_engine(config)
+        # It compiles what a first request needs before it serves, the rest while idle:
+        # every program up front took minutes on a GPU with an empty compilation cache.
+        background = kwargs["warmup"] is None and not engine.on_cpu
+        if background:
+            engine.compile_ahead(*engine.warmup_programs()[:3])
+        return engine, background, None
+
+    if api_servers is None:
+        return run_server(args, limits, template, build, max_waiting(args, 1))
+    try:
+        return run_server(
+            args,
+            limits,
+            template,
+            build,
+            max_waiting(args, args.api_server_count),
+            sock=api_servers.sock,
+            on_shutdown=api_servers.begin_shutdown,
+        )
+    finally:
+        api_servers.stop()
+
+
+def configure_logging(log_level: str, name: str = "") -> None:
+    """The server's log format at `log_level`, naming the process (`name`) where it is one of
+    several API servers."""
+    level = log_level.upper()
+    logging.basicConfig(level=level, format=f"%(levelname)s: %(name)s{name}: %(message)s")
+    if level != "DEBUG":  # jax's INFO lines (backends it probed and did not find) are noise here
+        logging.getLogger("jax").setLevel(logging.WARNING)
+
+
+def max_waiting(args: argparse.Namespace, api_servers: int) -> int | None:
+    """The --max-waiting bound of one of `api_servers` API server processes: its share,
+    rounded up (None: no bound)."""
+    if args.max_waiting < 0:
+        return None
+    return -(-args.max_waiting // api_servers)
+
+
+def run_server(
+    args: argparse.Namespace,
+    limits: Limits,
+    template: str | None,
+    build: Callable[[], tuple[Any, bool, Callable[[], None] | None]],
+    max_waiting: int | None,
+    sock: socket.socket | None = None,
+    on_shutdown: Callable[[], None] | None = None,
+) -> int:
+    """Serve until SIGINT/SIGTERM: at once a `LoadingApp` (503s) on `sock` (or on --host and
+    --port), then the app over the engine that `build()` returns on a thread of its own (the
+    engine, whether to compile the rest while idle, and how to close it if a stop comes first).
+    Returns the exit code."""
     from rosejax.serve.app import create_app
     from rosejax.serve.loading import LoadingApp
     from rosejax.serve.server import make_server
@@ -197,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     server = make_server(
         loading,
         shutdown_timeout=args.shutdown_timeout,
+        on_shutdown=on_shutdown,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
@@ -207,23 +299,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def load() -> None:
         try:
-            if in_processes:
-                engine = processes
-                engine.wait_ready()
-                background = False
-            else:
-                engine = make_engine(config)
-                # It compiles what a first request needs before it serves, the rest while idle:
-                # every program up front took minutes on a GPU with an empty compilation cache.
-                background = kwargs["warmup"] is None and not engine.on_cpu
-                if background:
-                    engine.compile_ahead(*engine.warmup_programs()[:3])
+            engine, background, close = build()
             if template is not None:
                 engine.tokenizer.chat_template = template
             app = create_app(
                 engine,
                 served_model_name=args.served_model_name or args.model,
-                max_waiting=None if args.max_waiting < 0 else args.max_waiting,
+                max_waiting=max_waiting,
                 limits=limits,
                 warm_in_background=background,
             )
@@ -231,8 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                 loading.ready(app)
                 warm_tokenizer(engine.tokenizer)
                 freeze_heap()
-            elif in_processes:
-                engine.close()
+            elif close is not None:
+                close()
         except (ValueError, OSError, RuntimeError) as e:
             failed.append(str(e))
             print(f"error: {e}", file=sys.stderr)
@@ -247,5 +329,5 @@ def main(argv: list[str] | None = None) -> int:
     # it found; no-op ones make a requested stop exit 0 (the lifespan stopped the engines).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    server.run(sockets=None if sock is None else [sock])
     return 2 if failed else 0

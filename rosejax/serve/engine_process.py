@@ -107,23 +107,41 @@ def _replica_engine(config: EngineConfig, replica: int) -> Any:
 
 
 class _EngineLoop:
-    """The child's loop: commands in, one message of outputs per step out (see the module)."""
+    """The child's loop: commands in, one message of outputs per step out (see the module).
 
-    def __init__(self, engine: Any, conn: Connection, background: bool, poll_s: float = 0.05):
-        self.engine, self.conn, self.poll_s = engine, conn, poll_s
+    With several API server processes (`--api-server-count`) it has a pipe to each: it
+    remembers which one added each request, sends each only its own requests' rows (the
+    snapshot to all), takes an abort only from the request's owner and a stop only from API
+    server 0, and stops then once every other API server's pipe has closed. A pipe of another
+    API server that closes aborts that server's requests; the loop serves the rest on."""
+
+    def __init__(
+        self, engine: Any, conns: Sequence[Connection], background: bool, poll_s: float = 0.05
+    ):
+        self.engine, self.poll_s = engine, poll_s
         self.idle, self.stop = threading.Event(), threading.Event()
-        self.live: set[str] = set()  # ids of the requests added and not ended
-        self.rows: list[tuple] = []  # what the next message carries
+        self.stop_asked = False  # API server 0 said stop: stop once no other pipe is open
+        self.open = set(range(len(conns)))  # the API servers whose pipe is open
+        self.owner: dict[str, int] = {}  # request added and not ended -> its API server
+        self.added = [0] * len(conns)  # requests each API server added
+        self.rows: list[list[tuple]] = [[] for _ in conns]  # what each next message carries
         self.writer = RowWriter()
         self.programs_left = len(engine.cold_programs()) if background else 0
         self.sent: dict[str, Any] | None = None  # the snapshot last sent
-        # The pipe's two directions each on a thread of their own, so the API process's sends
-        # never wait for a step to end and a step never waits for the API process to read.
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # command lists; None: it has gone
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # messages; None: no more
-        threading.Thread(target=self._receive, name="rosejax-commands", daemon=True).start()
-        self.sender = threading.Thread(target=self._send, name="rosejax-outputs", daemon=True)
-        self.sender.start()
+        # Each pipe's two directions each on a thread of their own, so an API process's sends
+        # never wait for a step to end and a step never waits for an API process to read.
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # (pipe, command list or None)
+        self.outboxes = [queue.SimpleQueue() for _ in conns]  # messages; None: no more
+        self.senders = []
+        for i, conn in enumerate(conns):
+            name = f"rosejax-commands-{i}"
+            threading.Thread(target=self._receive, args=(i, conn), name=name, daemon=True).start()
+            sender = threading.Thread(
+                target=self._send, args=(conn, self.outboxes[i]), name=f"rosejax-outputs-{i}"
+            )
+            sender.daemon = True
+            sender.start()
+            self.senders.append(sender)
         if background:
             threading.Thread(
                 target=compile_while_idle,
@@ -135,42 +153,45 @@ class _EngineLoop:
     def _compiled(self) -> None:
         self.programs_left -= 1
 
-    def _receive(self) -> None:
+    def _receive(self, pipe: int, conn: Connection) -> None:
         try:
             while True:
-                self.inbox.put(self.conn.recv())
+                self.inbox.put((pipe, conn.recv()))
         except (EOFError, OSError):
-            self.inbox.put(None)
+            self.inbox.put((pipe, None))
 
-    def _send(self) -> None:
+    @staticmethod
+    def _send(conn: Connection, outbox: queue.SimpleQueue) -> None:
         try:
-            while (message := self.outbox.get()) is not None:
-                self.conn.send(message)
-        except OSError:  # the API process has gone; the receiving thread says so
+            while (message := outbox.get()) is not None:
+                conn.send(message)
+        except OSError:  # that API process has gone; the receiving thread says so
             pass
 
-    def _commands(self, wait: float) -> bool:
-        """Handle every command list received, waiting up to `wait` seconds for the first;
-        False once the API process has gone."""
+    def _commands(self, wait: float) -> None:
+        """Handle every command list received, waiting up to `wait` seconds for the first."""
         try:
-            cmds = self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait()
-            while cmds is not None:
-                for cmd in cmds:
-                    self._handle(cmd)
-                cmds = self.inbox.get_nowait()
-            return False
+            item = self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait()
+            while True:
+                pipe, cmds = item
+                if cmds is None:
+                    self._closed(pipe)
+                else:
+                    for cmd in cmds:
+                        self._handle(pipe, cmd)
+                item = self.inbox.get_nowait()
         except queue.Empty:
-            return True
+            pass
 
     def run(self) -> None:
         try:
-            while not self.stop.is_set():
+            while not (self.stop_asked and self.open <= {0}):
                 busy = self.engine.has_unfinished_requests()
                 if not busy:
                     self.idle.set()
-                connected = self._commands(0 if busy else self.poll_s)
+                self._commands(0 if busy else self.poll_s)
                 self.idle.clear()
-                if not connected:  # nothing to serve
+                if 0 not in self.open:  # nothing to serve
                     log.warning("the API process has gone; this engine process stops")
                     break
                 if self.engine.has_unfinished_requests():
@@ -178,27 +199,43 @@ class _EngineLoop:
                 self._publish()
         finally:
             self.stop.set()
-            self.outbox.put(None)
-            self.sender.join(5)  # the last outputs out before the process ends
+            for outbox in self.outboxes:
+                outbox.put(None)
+            for sender in self.senders:
+                sender.join(5)  # the last outputs out before the process ends
 
-    def _handle(self, cmd: tuple) -> None:
+    def _closed(self, pipe: int) -> None:
+        self.open.discard(pipe)
+        if pipe == 0:
+            return
+        gone = [rid for rid, owner in self.owner.items() if owner == pipe]
+        level = logging.WARNING if gone else logging.INFO
+        log.log(level, "API server %d has gone; aborting its %d requests", pipe, len(gone))
+        for rid in gone:
+            self._abort(rid)
+
+    def _abort(self, rid: str) -> None:
+        del self.owner[rid]
+        self.writer.forget(rid)
+        self.engine.abort_request(rid)
+
+    def _handle(self, pipe: int, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, items, params = cmd
+            self.added[pipe] += len(items)
             for rid, ids in items:
                 try:
                     self.engine.add_request(rid, ids, params)
-                    self.live.add(rid)
+                    self.owner[rid] = pipe
                 except Exception as e:  # the API process checked it: not expected
                     log.exception("adding %s failed", rid)
-                    self.rows.append(self.writer.error_row(rid, f"adding it failed: {e}"))
+                    self.rows[pipe].append(self.writer.error_row(rid, f"adding it failed: {e}"))
         elif cmd[0] == "abort":
             for rid in cmd[1]:
-                if rid in self.live:
-                    self.live.discard(rid)
-                    self.writer.forget(rid)
-                    self.engine.abort_request(rid)
-        elif cmd[0] == "stop":
-            self.stop.set()
+                if self.owner.get(rid) == pipe:
+                    self._abort(rid)
+        elif cmd[0] == "stop" and pipe == 0:
+            self.stop_asked = True
 
     def _step(self) -> None:
         try:
@@ -207,25 +244,34 @@ class _EngineLoop:
             # Not one request's fault (the engine ends those itself): a program failed. Every
             # request in flight may have lost its state; end them all, and serve on.
             log.exception("engine step failed; failing the requests in flight")
-            for rid in self.live:
+            why = "the engine failed while generating; see the server log"
+            for rid, pipe in self.owner.items():
                 self.engine.abort_request(rid)
-                why = "the engine failed while generating; see the server log"
-                self.rows.append(self.writer.error_row(rid, why))
-            self.live.clear()
+                self.rows[pipe].append(self.writer.error_row(rid, why))
+            self.owner.clear()
             return
         for out in outputs:
+            pipe = self.owner.get(out.request_id)
+            if pipe is None:  # its API server has gone
+                continue
             if out.finished:
-                self.live.discard(out.request_id)
-            self.rows.append(self.writer.row(out))
+                del self.owner[out.request_id]
+            self.rows[pipe].append(self.writer.row(out))
 
     def _publish(self) -> None:
         snapshot = engine_snapshot(self.engine, self.programs_left)
-        if self.rows or snapshot != self.sent:
-            self.outbox.put(("out", self.rows, snapshot))
-            self.rows, self.sent = [], snapshot
+        if len(self.added) > 1:
+            snapshot["api_server_requests"] = list(self.added)
+        changed = snapshot != self.sent
+        for pipe in self.open:
+            if self.rows[pipe] or changed:
+                self.outboxes[pipe].put(("out", self.rows[pipe], snapshot))
+        self.rows, self.sent = [[] for _ in self.rows], snapshot
 
 
-def _child_main(conn: Connection, config: EngineConfig, replica: int, log_level: int) -> None:
+def _child_main(
+    conns: list[Connection], config: EngineConfig, replica: int, log_level: int
+) -> None:
     # Ctrl-C in a terminal reaches the whole process group: the API process decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
@@ -235,15 +281,20 @@ def _child_main(conn: Connection, config: EngineConfig, replica: int, log_level:
     )
     if log_level > logging.DEBUG:
         logging.getLogger("jax").setLevel(logging.WARNING)
+
+    def tell_all(msg: tuple) -> None:
+        for conn in conns:
+            try:
+                conn.send(msg)
+            except OSError:  # that API process has gone
+                pass
+
     try:
         engine, background = _replica_engine(config, replica)
     except Exception as e:
         if not isinstance(e, ValueError):
             log.exception("building replica %d's engine failed", replica)
-        try:
-            conn.send(("failed", str(e), isinstance(e, ValueError)))
-        except OSError:
-            pass
+        tell_all(("failed", str(e), isinstance(e, ValueError)))
         return
     info = ReplicaInfo(
         engine.config,
@@ -253,12 +304,9 @@ def _child_main(conn: Connection, config: EngineConfig, replica: int, log_level:
         [d.id for d in engine.devices],
         engine_snapshot(engine, len(engine.cold_programs()) if background else 0),
     )
-    try:
-        conn.send(("ready", info))
-    except OSError:
-        return
+    tell_all(("ready", info))
     freeze_heap()
-    _EngineLoop(engine, conn, background).run()
+    _EngineLoop(engine, conns, background).run()
 
 
 # ------------------------------------------------------------------------ the API process
@@ -270,21 +318,20 @@ def _exit_code(code: int | None) -> str:
     return str(code)
 
 
-class _Child:
-    """One replica's process and the API process's end of its pipe."""
+class EngineLink:
+    """An API process's end of one replica's engine process pipe: what `EngineProcess` talks
+    through. This class is the end of an API server process that did not spawn the engine
+    process (`--api-server-count`; picklable while spawning that API server): it cannot wait
+    for the engine process, and stopping only closes this end (the engine process aborts this
+    API server's requests left and serves the others on)."""
 
-    def __init__(self, ctx: Any, config: EngineConfig, replica: int, log_level: int):
-        self.replica = replica
-        self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_child_main,
-            args=(child_conn, config, replica, log_level),
-            name=f"rosejax-engine-{replica}",
-            daemon=True,  # multiprocessing terminates it if the API process exits without stop
-        )
-        self.process.start()
-        child_conn.close()  # so that a dead child reads as EOF here
+    def __init__(self, replica: int, conn: Connection, pid: int | None):
+        self.replica, self.conn, self.pid = replica, conn, pid
         self.info: ReplicaInfo | None = None
+
+    def exit_code(self) -> str:
+        """How the engine process ended, as far as this process can tell."""
+        return "unknown (not this API process's child)"
 
     def wait_ready(self) -> ReplicaInfo:
         """Its `ReplicaInfo` once its engine is built; ValueError (bad configuration) or
@@ -292,13 +339,12 @@ class _Child:
         try:
             msg = self.conn.recv()
         except EOFError:
-            self.process.join(5)
             raise RuntimeError(
                 f"the engine process of replica {self.replica} exited with code "
-                f"{_exit_code(self.process.exitcode)} while loading; see the log above"
+                f"{self.exit_code()} while loading; see the log above"
             ) from None
         if msg[0] == "failed":
-            self.process.join(5)
+            self.exit_code()  # the spawning side waits for it to end
             raise (ValueError if msg[2] else RuntimeError)(msg[1])
         self.info = msg[1]
         return self.info
@@ -308,6 +354,35 @@ class _Child:
             self.conn.send(cmds)
         except (OSError, ValueError):  # it has died (the reader tells) or its pipe is closed
             pass
+
+    def stop(self, timeout: float) -> None:
+        self.conn.close()
+
+
+class _Child(EngineLink):
+    """One replica's process and the spawning API process's end of its pipe; with
+    `api_servers` > 1, a pipe more for each other API server process, whose ends (`links`)
+    the caller hands to those processes and then closes here."""
+
+    def __init__(
+        self, ctx: Any, config: EngineConfig, replica: int, log_level: int, api_servers: int = 1
+    ):
+        pipes = [ctx.Pipe() for _ in range(api_servers)]
+        self.process = ctx.Process(
+            target=_child_main,
+            args=([child_end for _, child_end in pipes], config, replica, log_level),
+            name=f"rosejax-engine-{replica}",
+            daemon=True,  # multiprocessing terminates it if the API process exits without stop
+        )
+        self.process.start()
+        for _, child_end in pipes:
+            child_end.close()  # so that a dead child reads as EOF here
+        super().__init__(replica, pipes[0][0], self.process.pid)
+        self.links = [EngineLink(replica, end, self.process.pid) for end, _ in pipes[1:]]
+
+    def exit_code(self) -> str:
+        self.process.join(5)
+        return _exit_code(self.process.exitcode)
 
     def stop(self, timeout: float) -> None:
         """Tell it to stop and wait `timeout` s; then terminate it, then kill it."""
@@ -328,7 +403,7 @@ class EngineProcess(EngineFront):
 
     def __init__(
         self,
-        child: _Child,
+        child: EngineLink,
         tokenizer: Any,
         token_texts: Any,
         max_waiting: int | None = None,
@@ -445,13 +520,12 @@ class EngineProcess(EngineFront):
         if self._stopping:
             self._fail_all(_shutting_down())
             return
-        self.child.process.join(5)
-        self._died = _exit_code(self.child.process.exitcode)
+        self._died = self.child.exit_code()
         log.error(
             "the engine process of replica %d (pid %s) died, exit code %s; failing its %d "
             "requests in flight",
             self.child.replica,
-            self.child.process.pid,
+            self.child.pid,
             self._died,
             len(self._sinks),
         )
@@ -470,10 +544,19 @@ class EngineProcesses:
     process of its own: the model's config and tokenizer for the API process's checks, and one
     child per data-parallel replica (see the module). ValueError: a bad configuration."""
 
-    def __init__(self, config: EngineConfig, log_level: int | None = None, wait: bool = True):
-        """Spawn the children and load the tokenizer; with `wait`, `wait_ready` too (without
-        it, the caller does other work while the children build their engines: the server
-        imports its HTTP stack)."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_level: int | None = None,
+        wait: bool = True,
+        api_servers: int = 1,
+        links: Sequence[EngineLink] | None = None,
+    ):
+        """Spawn the children (with a pipe each for `api_servers` API processes: this one and
+        those `api_server_links` are for) and load the tokenizer; or, given `links` (another
+        API server's ends, one per replica), connect to children spawned elsewhere. With
+        `wait`, `wait_ready` too (without it, the caller does other work while the children
+        build their engines: the server imports its HTTP stack)."""
         from rosejax.tokenizer import TokenTexts, load_tokenizer
 
         if config.num_processes > 1:
@@ -481,10 +564,10 @@ class EngineProcesses:
         ctx = multiprocessing.get_context("spawn")  # jax must never be forked
         level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
         self.data_parallel_size = config.data_parallel_size
-        self.children: list[_Child] = []
+        self.children: list[EngineLink] = list(links or [])
         try:
-            for replica in range(config.data_parallel_size):
-                self.children.append(_Child(ctx, config, replica, level))
+            for replica in range(0 if links else config.data_parallel_size):
+                self.children.append(_Child(ctx, config, replica, level, api_servers))
             self.tokenizer = load_tokenizer(config.model, config.tokenizer)  # while they load
             self.token_texts = TokenTexts(self.tokenizer)  # logprobs' decoded_token, as theirs
         except BaseException:
@@ -492,6 +575,10 @@ class EngineProcesses:
             raise
         if wait:
             self.wait_ready()
+
+    def api_server_links(self) -> list[list[EngineLink]]:
+        """For each other API server process (1, 2, ...), its pipe ends: one per replica."""
+        return [list(links) for links in zip(*(c.links for c in self.children), strict=True)]
 
     def wait_ready(self) -> None:
         """Wait until every child's engine is built (ValueError, RuntimeError: one failed; then

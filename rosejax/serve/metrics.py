@@ -4,6 +4,11 @@ Latencies and token counts are observed as each replica's outputs leave `step()`
 thread, or on the thread that reads its engine process's messages), so they measure the engine,
 not the event loop. Gauges of the scheduler and KV cache come from a snapshot that each engine
 publishes after each iteration; the scrape never touches an engine. Every engine metric carries the label `replica` (data parallelism; "0" with one).
+
+With several API server processes (`--api-server-count N`) each has its own metrics: the engine
+gauges (from the engine processes' snapshots) and `rosejax_api_server_requests_total` are equal
+in every process's scrape; the request counters and latency histograms count only the requests
+of the process that answered the scrape.
 """
 
 from __future__ import annotations
@@ -84,6 +89,21 @@ class _SnapshotCollector(Collector):
             metric = family(name, doc, labels=["replica"])
             for replica, snap in snaps.items():
                 metric.add_metric([replica], snap.get(key, 0))
+            yield metric
+        # Several API server processes (`--api-server-count`): each one's requests, as the
+        # engine processes count them, so every API server's scrape shows them all.
+        by_server = {
+            r: s["api_server_requests"] for r, s in snaps.items() if "api_server_requests" in s
+        }
+        if by_server:
+            metric = CounterMetricFamily(
+                "rosejax_api_server_requests",
+                "Requests (one per prompt) each API server process added to the engine.",
+                labels=["replica", "api_server"],
+            )
+            for replica, counts in by_server.items():
+                for server, count in enumerate(counts):
+                    metric.add_metric([replica, str(server)], count)
             yield metric
 
 

@@ -15,6 +15,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -77,11 +78,19 @@ def http_protocol(name: str = "auto") -> type:
 class Server(uvicorn.Server):
     """A uvicorn server for an app of `create_app` (see the module's docstring)."""
 
-    def __init__(self, config: uvicorn.Config, app: Any, shutdown_timeout: float):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        app: Any,
+        shutdown_timeout: float,
+        on_shutdown: Callable[[], None] | None = None,
+    ):
         super().__init__(config)
-        self.app, self.shutdown_timeout = app, shutdown_timeout
+        self.app, self.shutdown_timeout, self.on_shutdown = app, shutdown_timeout, on_shutdown
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.on_shutdown is not None:  # the other API server processes stop meanwhile
+            self.on_shutdown()
         engine = self.app.state.engine  # None while a LoadingApp still loads
         if engine is not None:
             engine.begin_shutdown(self.shutdown_timeout)
@@ -89,11 +98,16 @@ class Server(uvicorn.Server):
 
 
 def make_server(
-    app: Any, *, shutdown_timeout: float = 5.0, http: str = "auto", **uvicorn_kwargs: Any
+    app: Any,
+    *,
+    shutdown_timeout: float = 5.0,
+    http: str = "auto",
+    on_shutdown: Callable[[], None] | None = None,
+    **uvicorn_kwargs: Any,
 ) -> Server:
     """The server for an app of `create_app` (or a `LoadingApp`) with the HTTP protocol `http`
-    (`http_protocol`); `uvicorn_kwargs` go to `uvicorn.Config` (host, port, log_level,
-    access_log, ...)."""
+    (`http_protocol`), calling `on_shutdown()` as its shutdown begins; `uvicorn_kwargs` go to
+    `uvicorn.Config` (host, port, log_level, access_log, ...)."""
     timeout = app.state.limits.read_timeout
     protocol = http_protocol(http)
     config = uvicorn.Config(
@@ -102,7 +116,7 @@ def make_server(
         timeout_graceful_shutdown=shutdown_timeout + _SHUTDOWN_MARGIN_S,
         **uvicorn_kwargs,
     )
-    return Server(config, app, shutdown_timeout)
+    return Server(config, app, shutdown_timeout, on_shutdown)
 
 
 class ServerThread:

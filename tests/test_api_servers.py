@@ -1,0 +1,141 @@
+"""`python -m rosejax.serve --api-server-count 2` in a subprocess: concurrent streamed and whole
+completions equal to the engine's own greedy outputs, served by both API server processes (the
+engine process counts each one's requests); a client leaving mid-stream frees its KV blocks; an
+API server killed is logged while the other serves on; SIGINT to the main process stops the whole
+tree. The engine process's pipe per API server is tested in process in
+tests/test_engine_process.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from rosejax import LLM, SamplingParams
+from tests.test_engine_process import ENGINE, MODEL, PROMPTS, _children, complete
+from tests.test_server import SEED, metrics, start_cli, stop_cli, wait_idle
+
+GREEDY = dict(max_tokens=8, temperature=0.0)
+TEXTS = [p for p in PROMPTS if isinstance(p, str)]
+
+
+def _streamed_text(url: str, prompt: str) -> str:
+    body = {"prompt": prompt, "stream": True, "model": "tiny", **GREEDY}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return "".join(json.loads(line)["choices"][0]["text"] for line in lines[:-1])
+
+
+def _whole_text(url: str, prompt: str) -> str:
+    r = complete(url, prompt, model="tiny", **GREEDY)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _served_by(url: str) -> list[float]:
+    m = metrics(url)
+    return [m.get(f"rosejax_api_server_requests_total{{api_server={i}}}", 0) for i in (0, 1)]
+
+
+def _api_server_pid(port: int, pids: set[int]) -> int:
+    """Which of `pids` (the main process's children) holds the listening socket on `port`."""
+    inodes = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":  # LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    holders = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in fds}
+        except OSError:  # gone, or an fd closed meanwhile
+            continue
+        if links & inodes:
+            holders.append(pid)
+    assert len(holders) == 1, (holders, inodes)
+    return holders[0]
+
+
+@pytest.mark.slow  # a server subprocess, its API server process and its engine process
+def test_two_api_servers_serve_alike_free_blocks_and_stop_on_sigint(tmp_path):
+    proc, url, log = start_cli(tmp_path, "--api-server-count", "2")
+    try:
+        llm = LLM(MODEL, **{**ENGINE, "max_batch_size": 2, "kv_cache_tokens": 1120})
+        want = {
+            p: o.text
+            for p, o in zip(
+                TEXTS, llm.generate(TEXTS, SamplingParams(**GREEDY), use_tqdm=False), strict=True
+            )
+        }
+        # Many at once, each on a connection of its own: whichever process accepts it serves it.
+        jobs = [(f, p) for p in TEXTS for f in (_streamed_text, _whole_text)] * 3
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(lambda job: job[0](url, job[1]), jobs))
+        assert got == [want[p] for _, p in jobs], f"seed {SEED}"
+        served = _served_by(url)
+        for _ in range(40):  # one process may have won every accept of that burst
+            if min(served) > 0:
+                break
+            assert _whole_text(url, TEXTS[0]) == want[TEXTS[0]]
+            served = _served_by(url)
+        assert min(served) > 0 and sum(served) >= len(jobs), served
+
+        # A client leaving mid-stream: its request is aborted (ends long before it would).
+        body = {"prompt": "the river", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
+        start = time.monotonic()
+        assert complete(url, **body).status_code == 200
+        whole = time.monotonic() - start
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+            start = time.monotonic()
+        m = wait_idle(url)
+        freed = time.monotonic() - start
+        assert m["rosejax_kv_blocks_used"] == 0 and m["rosejax_requests_running"] == 0
+        assert freed < whole / 2, (freed, whole)
+
+        # An API server process killed: logged, and the main process serves on alone.
+        children = _children(proc.pid)
+        port = int(url.rsplit(":", 1)[1])
+        api_server = _api_server_pid(port, children)
+        os.kill(api_server, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{api_server}/stat") and time.monotonic() < deadline:
+            with open(f"/proc/{api_server}/stat") as f:
+                if f.read().split()[2] == "Z":  # ended, not yet reaped
+                    break
+            time.sleep(0.05)
+        for p in TEXTS:
+            assert _whole_text(url, p) == want[p]
+        assert httpx.get(url + "/health").status_code == 200
+    except BaseException:
+        proc.kill()
+        raise
+    start = time.monotonic()
+    stop_cli(proc, log, signal.SIGINT)  # to the main process only: it stops the others
+    assert time.monotonic() - start < 10
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in children):
+        assert time.monotonic() < deadline, f"left behind: {children}"
+        time.sleep(0.1)
+    log_text = (tmp_path / "server.log").read_text()
+    assert "exited with code -9; the others serve on" in log_text, log_text
+
+
+def test_api_server_count_needs_engine_processes(capsys):
+    from rosejax.serve.cli import main
+
+    assert main(["--model", MODEL, "--api-server-count", "2", "--no-engine-process"]) == 2
+    assert "drop --no-engine-process" in capsys.readouterr().err
+    assert main(["--model", MODEL, "--api-server-count", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
