@@ -132,6 +132,37 @@ def test_two_api_servers_serve_alike_free_blocks_and_stop_on_sigint(tmp_path):
     assert "exited with code -9; the others serve on" in log_text, log_text
 
 
+@pytest.mark.slow  # a server subprocess with two engine processes and two API servers
+def test_two_api_servers_in_front_of_two_replicas(tmp_path, monkeypatch):
+    """Data parallelism behind several API servers: every answer is the engine's own, and each
+    API server's requests reach both replicas (the engine processes count them)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_force_host_platform_device_count=4")
+    proc, url, log = start_cli(tmp_path, "--api-server-count", "2", "--data-parallel-size", "2")
+    try:
+        llm = LLM(MODEL, **{**ENGINE, "max_batch_size": 2, "kv_cache_tokens": 1120})
+        outs = llm.generate(TEXTS, SamplingParams(**GREEDY), use_tqdm=False)
+        want = {p: o.text for p, o in zip(TEXTS, outs, strict=True)}
+        jobs = [(f, p) for p in TEXTS for f in (_streamed_text, _whole_text)] * 4
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(lambda job: job[0](url, job[1]), jobs))
+        assert got == [want[p] for _, p in jobs], f"seed {SEED}"
+        served = metrics(url, per_replica=True)
+        counts = {
+            (a, r): served.get(f"rosejax_api_server_requests_total{{api_server={a},replica={r}}}")
+            for a in (0, 1)
+            for r in (0, 1)
+        }
+        assert all(c is not None for c in counts.values()), counts
+        assert sum(counts.values()) == len(jobs), counts
+        for r in (0, 1):  # the router spreads the load over both replicas
+            assert counts[(0, r)] + counts[(1, r)] > 0, counts
+    except BaseException:
+        proc.kill()
+        raise
+    stop_cli(proc, log, signal.SIGINT)
+
+
 def test_api_server_count_needs_engine_processes(capsys):
     from rosejax.serve.cli import main
 
