@@ -452,13 +452,13 @@ class ModelRunner:
         return self._call(program, *args, **static)
 
     def _compile_ahead(
-        self, key: tuple, program, args: tuple, pool: Executor | None = None, **static
+        self, key: tuple, program, args: tuple, pool: Executor, **static
     ) -> Callable[[], None]:
         """Lower `program` for the shapes of `args` (only shapes are read of the live arrays:
         safe on a thread other than the one running programs) and compile it without running
-        it, on `pool` if given: XLA compiles, and loads from the persistent cache, without the
-        GIL, so the caller may lower the next program meanwhile. Returns what finishes it (waits
-        for the executable and keeps it for `key`)."""
+        it, on `pool`: XLA compiles, and loads from the persistent cache, without the GIL, so
+        the caller may lower the next program meanwhile. Returns what finishes it (waits for the
+        executable and keeps it for `key`)."""
         if key in self._compiled:
             return lambda: None
         start = time.perf_counter()
@@ -468,15 +468,10 @@ class ModelRunner:
             ),
             args,
         )
-        lowered = program.lower(*specs, **static)
-        if pool is None:
-            executable = lowered.compile()
-            compiled = lambda: executable  # noqa: E731
-        else:
-            compiled = pool.submit(lowered.compile).result
+        compiling = pool.submit(program.lower(*specs, **static).compile)
 
         def finish() -> None:
-            self._compiled[key] = compiled()
+            self._compiled[key] = compiling.result()
             self.compile_seconds += time.perf_counter() - start
 
         return finish
@@ -515,9 +510,7 @@ class ModelRunner:
         ids[: len(count_ids)], values[: len(counts)] = count_ids, counts
         self.state = self._call(self._load_row, self.state, np.int32(slot), *bias, ids, values)
 
-    def compile_prefill(
-        self, batch: dict[str, np.ndarray], pool: Executor | None = None
-    ) -> Callable[[], None]:
+    def compile_prefill(self, batch: dict[str, np.ndarray], pool: Executor) -> Callable[[], None]:
         """Compile ahead the prefill program of `batch`'s shapes (see `_compile_ahead`)."""
         key, args = self._prefill_key(batch), self._prefill_args(batch)
         return self._compile_ahead(key, self._prefill, args, pool, kernels=self.kernels)
@@ -551,7 +544,7 @@ class ModelRunner:
         return out, logprobs
 
     def compile_decode(
-        self, batch: int, greedy: bool, extras: bool = False, pool: Executor | None = None
+        self, batch: int, greedy: bool, extras: bool, pool: Executor
     ) -> Callable[[], None]:
         """Compile ahead the decode window of `batch` rows (see `_compile_ahead`)."""
         kill = np.zeros(self.num_slots, bool)
