@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn  # noqa: F401 (the serve extra: fail before loading a model if it is missing)
 
     from rosejax.engine.data_parallel import make_engine, replica_devices
+    from rosejax.serve.engine_loop import warm_for_serving
     from rosejax.settings import EngineConfig, configure_process
 
     api_servers = None
@@ -224,12 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             processes.wait_ready()
             return processes, False, processes.close
         engine = make_engine(config)
-        # It compiles what a first request needs before it serves, the rest while idle:
-        # every program up front took minutes on a GPU with an empty compilation cache.
-        background = kwargs["warmup"] is None and not engine.on_cpu
-        if background:
-            engine.compile_ahead(*engine.warmup_programs()[:3])
-        return engine, background, None
+        return engine, warm_for_serving(engine, kwargs["warmup"]), None
 
     if api_servers is None:
         return run_server(args, limits, template, build, max_waiting(args, 1))

@@ -125,6 +125,23 @@ def engine_snapshot(engine: Any, programs_left: int) -> dict[str, Any]:
     return dict(zip(_SNAPSHOT_KEYS, values, strict=True))
 
 
+# `warmup_programs()`' first ones: the smallest prefill, the smallest decode greedy and sampled.
+FIRST_PROGRAMS = 3
+
+
+def warm_for_serving(engine: Any, warmup: bool | None) -> bool:
+    """Compile what a server's engine needs before it serves, as `warmup` (the engine flags')
+    says: None on a GPU, what a first request needs (the rest compile while idle,
+    `compile_while_idle`: every program up front took minutes with an empty compilation
+    cache); True, every program. Returns whether programs are left for `compile_while_idle`."""
+    background = warmup is None and not engine.on_cpu
+    if background:
+        engine.compile_ahead(*engine.warmup_programs()[:FIRST_PROGRAMS])
+    elif warmup:
+        engine.warmup()
+    return background
+
+
 def compile_while_idle(
     engine: Any, idle: threading.Event, stop: threading.Event, poll_s: float, compiled: Callable
 ) -> None:

@@ -50,6 +50,7 @@ from rosejax.serve.engine_loop import (
     _Sink,
     compile_while_idle,
     engine_snapshot,
+    warm_for_serving,
 )
 from rosejax.serve.metrics import ServerMetrics
 from rosejax.serve.output_rows import RowReader, RowWriter
@@ -98,12 +99,7 @@ def _replica_engine(config: EngineConfig, replica: int) -> Any:
         )
     one = dataclasses.replace(config, data_parallel_size=1, warmup=False)
     engine = LLMEngine(one, devices, replica=replica)
-    background = config.warmup is None and not engine.on_cpu
-    if background:  # what a first request needs, the rest while idle
-        engine.compile_ahead(*engine.warmup_programs()[:3])
-    elif config.warmup:
-        engine.warmup()
-    return engine, background
+    return engine, warm_for_serving(engine, config.warmup)
 
 
 class _EngineLoop:
