@@ -325,6 +325,9 @@ class EngineLink:
         self.replica, self.conn, self.pid = replica, conn, pid
         self.info: ReplicaInfo | None = None
 
+    def join(self) -> None:
+        """Wait a few seconds for the engine process to end (only its spawner can)."""
+
     def exit_code(self) -> str:
         """How the engine process ended, as far as this process can tell."""
         return "unknown (not this API process's child)"
@@ -340,7 +343,7 @@ class EngineLink:
                 f"{self.exit_code()} while loading; see the log above"
             ) from None
         if msg[0] == "failed":
-            self.exit_code()  # the spawning side waits for it to end
+            self.join()
             raise (ValueError if msg[2] else RuntimeError)(msg[1])
         self.info = msg[1]
         return self.info
@@ -376,8 +379,11 @@ class _Child(EngineLink):
         super().__init__(replica, pipes[0][0], self.process.pid)
         self.links = [EngineLink(replica, end, self.process.pid) for end, _ in pipes[1:]]
 
-    def exit_code(self) -> str:
+    def join(self) -> None:
         self.process.join(5)
+
+    def exit_code(self) -> str:
+        self.join()
         return _exit_code(self.process.exitcode)
 
     def stop(self, timeout: float) -> None:
