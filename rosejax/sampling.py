@@ -44,6 +44,13 @@ import numpy as np
 from jax import lax
 
 
+def seed_words(seeds: int | np.ndarray) -> np.ndarray:  # u32[..., 2]
+    """64-bit seeds (an int of any sign, taken mod 2**64, or a uint64 array) as threefry key
+    data [hi, lo], made on the host: for a seed in [0, 2**32) `jax.random.key(seed)`'s."""
+    s = np.asarray(seeds % 2**64 if isinstance(seeds, int) else seeds, np.uint64)
+    return np.stack([s >> np.uint64(32), s & np.uint64(0xFFFFFFFF)], axis=-1).astype(np.uint32)
+
+
 def _order_key(x: jax.Array) -> jax.Array:
     """f32 -> u32 with the same order (IEEE bits, negatives flipped), so selection is exact."""
     bits = lax.bitcast_convert_type(x, jnp.uint32)

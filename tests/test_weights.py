@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 from rosejax.models.gpt2.config import PRESETS, GPT2Config
 from rosejax.models.gpt2.weights import param_shapes, random_params
 from rosejax.models.loader import load_checkpoint, load_model
-from rosejax.models.random_init import threefry_key_words
+from rosejax.sampling import seed_words
 from tests.conftest import make_hf_checkpoint
 
 SHAPE = dict(vocab_size=301, n_positions=32, n_embd=48, n_layer=2, n_head=3)
@@ -180,8 +180,8 @@ def test_random_key_words_are_jax_keys():
     beyond it keep their high bits."""
     for seed in (0, 1, int(np.random.default_rng().integers(2**32))):
         key = jax.random.key_data(jax.random.key(seed))
-        np.testing.assert_array_equal(threefry_key_words(seed), np.asarray(key))
-    assert threefry_key_words(2**40 + 3).tolist() == [2**8, 3]
+        np.testing.assert_array_equal(seed_words(seed), np.asarray(key))
+    assert seed_words(2**40 + 3).tolist() == [2**8, 3]
 
 
 def test_local_dir_from_hf_config(saved):

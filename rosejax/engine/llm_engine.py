@@ -51,7 +51,13 @@ from rosejax.model_runner import (
 )
 from rosejax.models import eos_token_ids, family_of, with_context_len
 from rosejax.models.loader import load_model, resolve_dtype
-from rosejax.sampling import COUNT_MASK, PROMPT_BIT, SamplingParams, TokenLogprobs
+from rosejax.sampling import (
+    COUNT_MASK,
+    PROMPT_BIT,
+    SamplingParams,
+    TokenLogprobs,
+    seed_words,
+)
 from rosejax.settings import (
     DEFAULT_GPU_MIN_DECODE_BATCH,
     EngineConfig,
@@ -631,8 +637,7 @@ class LLMEngine:
         # top_k >= vocab keeps everything, like 0; clamping keeps it inside int32.
         batch["top_k"][:n] = [min(p.top_k, self.config.vocab_size) for p in params]
         batch["top_p"][:n] = [max(p.top_p, _F32_TINY) for p in params]
-        seeds = np.fromiter((r.seed for r in requests), np.uint64, n)
-        batch["seed"][:n, 0], batch["seed"][:n, 1] = seeds >> np.uint64(32), seeds  # [hi, lo]
+        batch["seed"][:n] = seed_words(np.fromiter((r.seed for r in requests), np.uint64, n))
         batch["steps"][:n] = [len(r.output_token_ids) for r in requests]
         batch["limit"][:n] = [r.max_output for r in requests]
         if any(r.extras for r in requests):  # the other program, with the extras' fields

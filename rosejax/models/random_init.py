@@ -18,12 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def threefry_key_words(seed: int) -> np.ndarray:
-    """The data of a threefry key for `seed`, made on the host (no program of its own to
-    compile): its high and low 32 bits (two's complement for a negative seed): for a seed
-    in [0, 2**32) `jax.random.key(seed)`'s, and beyond it every 64-bit seed its own key."""
-    return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
+from rosejax.sampling import seed_words
 
 
 def random_params(
@@ -39,7 +34,7 @@ def random_params(
     `is_scale(name)` says which are norm scales (ones); other `.bias` tensors are zeros, the rest
     normal draws; `from_tensors(config, tensors, dtype)` builds the pytree."""
     return _draw(
-        threefry_key_words(seed),
+        seed_words(seed),  # on the host: no program of its own to compile
         config=config,
         dtype=jnp.dtype(dtype),
         shapes=shapes,
