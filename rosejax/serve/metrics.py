@@ -3,7 +3,8 @@
 Latencies and token counts are observed as each replica's outputs leave `step()` (on its engine
 thread, or on the thread that reads its engine process's messages), so they measure the engine,
 not the event loop. Gauges of the scheduler and KV cache come from a snapshot that each engine
-publishes after each iteration; the scrape never touches an engine. Every engine metric carries the label `replica` (data parallelism; "0" with one).
+publishes after each iteration; the scrape never touches an engine. Every engine metric carries
+the label `replica` (data parallelism; "0" with one).
 
 With several API server processes (`--api-server-count N`) each has its own metrics: the engine
 gauges (from the engine processes' snapshots) and `rosejax_api_server_requests_total` are equal
