@@ -8,11 +8,13 @@ tokens each, EOS ignored, all at once; defaults: GPT-2 124M shape, random weight
 prompts, 256 new tokens, max batch 256 per replica). Each side runs --warmup-runs untimed copies
 (fresh prompts, same lengths) then --repeat-runs timed ones; a run's output throughput is its
 completion tokens over first send to last finish (benchmark_serving's definition). Reported per
-side: each run's throughput, their median, and median(N replicas) / median(1 replica).
+side: each run's throughput, their median, and median(N replicas) / median(1 replica). Both
+sides run the same requests, or with --per-replica the N-replica side N times as many: half of
+256 streams leaves each GPU at 128 rows, where a step costs most of what 256 rows cost.
 
-    # GPU, 2 cards: issue 21's DP=2 against one GPU (>= 1.8x asked)
+    # GPU, 2 cards: issue 21's DP=2 against one GPU (>= 1.8x asked), each GPU at 256 streams
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_data_parallel.py \\
-        --data-parallel-size 2 --json bench/out/dp2.json
+        --data-parallel-size 2 --per-replica --json bench/out/dp2.json
     # the same, each replica's engine on a thread of the launched server (not in a process of
     # its own, the server's default) on the HTTP side
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_data_parallel.py \\
@@ -46,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=int, default=256, help="requests per run")
+    g.add_argument(
+        "--per-replica",
+        action="store_true",
+        help="--num-prompts requests per replica: the N-replica side runs N times as many at "
+        "once, so each device serves the one-device workload (throughput at capacity); "
+        "without it both sides run the same requests",
+    )
     g.add_argument("--input-len", type=int, default=8, help="prompt tokens")
     g.add_argument("--output-len", type=int, default=256, help="new tokens per request")
     g.add_argument(
@@ -100,13 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def summary(throughputs: Sequence[float]) -> dict[str, Any]:
+def summary(throughputs: Sequence[float], requests: int) -> dict[str, Any]:
     return {
+        "requests": requests,  # per run
         "output_throughput_tok_s": list(throughputs),
         "median": statistics.median(throughputs),
         "min": min(throughputs),
         "max": max(throughputs),
     }
+
+
+def side_workload(args: argparse.Namespace, samples: list[bs.Sample], replicas: int):
+    """What a side of `replicas` replicas runs of one run's `samples` (num_prompts x N of them
+    with --per-replica)."""
+    return samples if args.per_replica and replicas > 1 else samples[: args.num_prompts]
 
 
 def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[bs.Sample]]) -> dict:
@@ -119,7 +135,6 @@ def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[bs.Sa
             "server_args": args.server_args + extra,
         }
     )
-    offsets = [0.0] * args.num_prompts
     client = bs.pick_client(args.client)
     runs = []
     with (
@@ -128,13 +143,15 @@ def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[bs.Sa
     ):
         for i, samples in enumerate(workloads):
             tag = f"http dp={replicas} run {i}"
-            records, duration = clients.run(samples, offsets, tag)
+            samples = side_workload(args, samples, replicas)
+            records, duration = clients.run(samples, [0.0] * len(samples), tag)
             s = bs.summarize(records, duration, [50.0])
             if s["failed"] or s["output_len_mismatches"]:
                 raise SystemExit(f"{tag}: {s['failed']} failed, errors {s['errors']}")
             runs.append(s["output_throughput"])
             print(f"{tag}: {s['output_throughput']:,.0f} tok/s", file=sys.stderr)
-    return summary(runs[args.warmup_runs :]) | {"server_start_seconds": server.start_seconds}
+    timed = summary(runs[args.warmup_runs :], len(samples))
+    return timed | {"server_start_seconds": server.start_seconds}
 
 
 def run_in_process(args: argparse.Namespace, workloads: list[list[bs.Sample]]) -> dict:
@@ -145,15 +162,16 @@ def run_in_process(args: argparse.Namespace, workloads: list[list[bs.Sample]]) -
     configure_process(args.compilation_cache_dir)  # before the backend starts
     engine, build_s = common.make_engine(args)
     sides = {"1": engine.replicas[0], str(args.data_parallel_size): engine}
-    offsets = [0.0] * args.num_prompts
     runs: dict[str, list[float]] = {k: [] for k in sides}
-    for i, samples in enumerate(workloads):
-        params = [
-            SamplingParams(max_tokens=s.output_len, temperature=0.0, ignore_eos=True)
-            for s in samples
-        ]
+    for i, run_samples in enumerate(workloads):
         for key, side in sides.items():
             tag = f"in-process dp={key} run {i}"
+            samples = side_workload(args, run_samples, int(key))
+            offsets = [0.0] * len(samples)
+            params = [
+                SamplingParams(max_tokens=s.output_len, temperature=0.0, ignore_eos=True)
+                for s in samples
+            ]
             traces, _ = common.run_workload(
                 side, [s.prompt for s in samples], params, offsets, tag, not args.no_progress
             )
@@ -161,7 +179,8 @@ def run_in_process(args: argparse.Namespace, workloads: list[list[bs.Sample]]) -
             s = bs.summarize(records, duration, [50.0])
             runs[key].append(s["output_throughput"])
             print(f"{tag}: {s['output_throughput']:,.0f} tok/s", file=sys.stderr)
-    out = {k: summary(v[args.warmup_runs :]) for k, v in runs.items()}
+    n = {k: len(side_workload(args, workloads[0], int(k))) for k in sides}
+    out = {k: summary(v[args.warmup_runs :], n[k]) for k, v in runs.items()}
     return out | {
         "build_seconds": build_s,
         "environment": common.environment(engine),
@@ -184,8 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = args.data_parallel_size
     if n < 2:
         raise SystemExit("--data-parallel-size must be >= 2: the replicas set beside one")
-    # Fresh prompts every run (no prefix-cache hits), the same lengths.
-    base = bs.random_dataset(args, args.seed)
+    # Fresh prompts every run (no prefix-cache hits), the same lengths; enough for N replicas.
+    total = args.num_prompts * (n if args.per_replica else 1)
+    base = bs.random_dataset(argparse.Namespace(**vars(args) | {"num_prompts": total}), args.seed)
     workloads = [
         bs.warmup_samples(base, r, args) for r in range(args.warmup_runs + args.repeat_runs)
     ]

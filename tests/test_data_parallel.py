@@ -180,7 +180,7 @@ def test_benchmark_data_parallel_end_to_end(tmp_path):
     path = tmp_path / "dp.json"
     engine = ["--model", "random:tiny", "--no-warmup", "--max-batch-size", "4", "--block-size"]
     engine += ["16", "--kv-cache-tokens", "512", "--decode-steps", "4", "--seed", str(SEED)]
-    workload = ["--num-prompts", "6", "--input-len", "4", "--output-len", "5"]
+    workload = ["--num-prompts", "6", "--input-len", "4", "--output-len", "5", "--per-replica"]
     runs = ["--warmup-runs", "2", "--repeat-runs", "3", "--no-progress", "--json", str(path)]
     out = run_with_devices(2, "bench/benchmark_data_parallel.py", *engine, *workload, *runs)
     data = json.loads(path.read_text())
@@ -190,6 +190,7 @@ def test_benchmark_data_parallel_end_to_end(tmp_path):
         for k in ("1", "2"):
             tok_s = r[k]["output_throughput_tok_s"]
             assert len(tok_s) == 3 and min(tok_s) > 0 and r[k]["median"] == sorted(tok_s)[1]
+            assert r[k]["requests"] == 6 * int(k)  # --per-replica: each replica gets 6
         assert r["ratio"] == pytest.approx(r["2"]["median"] / r["1"]["median"])
         assert f"{r['ratio']:.3f}" in out
     devices = data["in_process"]["devices"]  # one device each, not the same one
