@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import inspect
 import os
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -344,6 +345,21 @@ def configure_process(
     if compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def select_gpus(indices: Sequence[int], flag: str) -> None:
+    """Let this process see only these of the GPUs it was given (positions in
+    CUDA_VISIBLE_DEVICES when set), numbered from 0; before jax starts its backend. CUDA
+    renumbers them, where jax_cuda_visible_devices keeps their ids and jax's programs then
+    refuse them ("Device id 1 is out of range [0, 1)"). ValueError, naming `flag`, if fewer
+    GPUs were given."""
+    given = _env("CUDA_VISIBLE_DEVICES")
+    ids = given.split(",") if given else None
+    if ids is not None and max(indices) >= len(ids):
+        raise ValueError(
+            f"{flag} needs GPU {max(indices)} of CUDA_VISIBLE_DEVICES={given!r}: lower {flag}"
+        )
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] if ids else str(i) for i in indices)
 
 
 def freeze_heap() -> None:

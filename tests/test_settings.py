@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from rosejax.settings import EngineConfig, KernelConfig
+from rosejax.settings import EngineConfig, KernelConfig, select_gpus
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -84,6 +84,23 @@ def test_engine_config_reads_the_environment_when_made(monkeypatch):
 def _sources(*packages: str):
     for package in packages:
         yield from sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize(
+    ("given", "indices", "expected"),
+    [("", [2, 3], "2,3"), ("7,5,3", [1, 2], "5,3"), ("GPU-a,GPU-b", [0], "GPU-a")],
+)
+def test_select_gpus_picks_positions_of_the_given_gpus(monkeypatch, given, indices, expected):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", given)  # restored after the test
+    select_gpus(indices, "--data-parallel-size")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == expected
+
+
+def test_select_gpus_beyond_the_given_names_the_flag(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    with pytest.raises(ValueError, match="lower --data-parallel-size"):
+        select_gpus([2, 3], "--data-parallel-size")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
 
 
 def test_only_the_settings_module_reads_the_environment():

@@ -5,10 +5,11 @@ another's GIL.
 
 - Start: `EngineProcesses(config)` spawns one child per data-parallel replica (the `spawn`
   start method: jax must never be forked). Child i sees only its replica's GPUs
-  (`jax_cuda_visible_devices`, set before its backend starts; on a host platform it picks its
-  devices by index as `replica_devices` does), builds its `LLMEngine`, warms up as the server does
-  (the first programs, the rest while idle) and answers "ready" with what the API process needs:
-  the model config, batch size, block size, KV blocks. The API process loads the tokenizer itself.
+  (CUDA_VISIBLE_DEVICES, `rosejax.settings.select_gpus`, set before its backend starts; on a host
+  platform it picks its devices by index as `replica_devices` does), builds its `LLMEngine`,
+  warms up as the server does (the first programs, the rest while idle) and answers "ready" with
+  what the API process needs: the model config, batch size, block size, KV blocks. The API
+  process loads the tokenizer itself.
 - The API process checks each request as `LLMEngine.add_request` would (`checked_prompt_ids`,
   `check_request`) and counts the requests in flight (429), so an add needs no answer: its
   commands go out without a round trip, those of one event-loop iteration in one message.
@@ -81,14 +82,12 @@ def _replica_engine(config: EngineConfig, replica: int) -> Any:
 
     from rosejax.engine.data_parallel import replica_devices
     from rosejax.engine.llm_engine import LLMEngine
-    from rosejax.settings import configure_process
+    from rosejax.settings import configure_process, select_gpus
 
-    configure_process(config.compilation_cache_dir)
     dp, tp = config.data_parallel_size, config.tensor_parallel_size
     # Before jax starts its backend: this replica's GPUs only, so it takes no memory on others.
-    jax.config.update(
-        "jax_cuda_visible_devices", ",".join(str(replica * tp + k) for k in range(tp))
-    )
+    select_gpus([replica * tp + k for k in range(tp)], "--data-parallel-size")
+    configure_process(config.compilation_cache_dir)
     devices = jax.local_devices()
     if devices[0].platform == "cpu":  # host devices are all visible: this replica's by index
         devices = replica_devices(dp, tp, devices)[replica]
