@@ -170,3 +170,17 @@ def test_api_server_count_needs_engine_processes(capsys):
     assert "drop --no-engine-process" in capsys.readouterr().err
     assert main(["--model", MODEL, "--api-server-count", "0"]) == 2
     assert "at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("cores", "replicas", "engine_process", "expected"),
+    [(16, 1, None, 4), (16, 2, None, 4), (32, 2, None, 8), (64, 1, True, 4), (2, 1, None, 1)]
+    + [(32, 2, False, 1)],
+)
+def test_default_api_server_count_follows_replicas_and_cores(
+    monkeypatch, cores, replicas, engine_process, expected
+):
+    from rosejax.serve import cli
+
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert cli.default_api_server_count(replicas, engine_process) == expected

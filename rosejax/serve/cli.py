@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import sys
@@ -111,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-server-count",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
         help="API server processes (HTTP, JSON, tokenizing, checks) in front of the engine "
         "processes, all accepting on one listening socket, as vLLM's flag: one event loop "
@@ -123,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         "whichever process accepted the scrape: the engine gauges and "
         "rosejax_api_server_requests_total are the engine's and equal in all; the request "
         "counters and latency histograms are that process's requests only; /health is that "
-        "process's. default: %(default)s",
+        "process's. Default: 4 per replica, at most a quarter of this machine's cores, at least "
+        "1 (on a 16-core H100 host 4 served 256 streams at 0.81-0.88 of the engine's in-process "
+        "throughput, 1 at 0.58-0.64, 8 at 0.80); 1 with --no-engine-process",
     )
     p.add_argument(
         "--log-level",
@@ -165,6 +168,15 @@ def _read_chat_template(args: argparse.Namespace) -> str | None:
     return template
 
 
+def default_api_server_count(data_parallel_size: int, engine_process: bool | None) -> int:
+    """--api-server-count when not given: 4 per replica, at most a quarter of the cores this
+    process may run on, at least 1; 1 when the engine runs on a thread of this process."""
+    if engine_process is False:
+        return 1
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(4 * data_parallel_size, cores // 4))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
@@ -176,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
 
     api_servers = None
     try:
+        if args.api_server_count is None:
+            args.api_server_count = default_api_server_count(
+                args.data_parallel_size, args.engine_process
+            )
         if args.api_server_count < 1:
             raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
         if args.api_server_count > 1 and args.engine_process is False:
