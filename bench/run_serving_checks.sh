@@ -9,10 +9,11 @@
 #   PYTHONPATH=. JAX_PLATFORMS=cuda bash bench/run_serving_checks.sh OUTDIR
 #
 # MODEL (env, default random:gpt2), N (streams, 256), LEN (new tokens, 256), RATE (Poisson
-# requests/s, 300) size it; SERVE_B (default --api-server-count 4: four API server processes on
-# one listening socket in front of an engine process) is the second server's flags beside the
-# default server's (one replica: the engine on a thread); SERVE_B=--engine-process is one API
-# process in front of the engine process. A CPU smoke run: MODEL=random:tiny N=8 LEN=8
+# requests/s, 300) size it; SERVE_B (default --api-server-count 1: one process, the engine on a
+# thread) is the second server's flags beside the default server's (on a GPU host of 16 cores or
+# more: four API server processes on one listening socket in front of an engine process);
+# SERVE_B="--api-server-count 1 --engine-process" is one API process in front of the engine
+# process. A CPU smoke run: MODEL=random:tiny N=8 LEN=8
 # RATE=20. CHECKS=http runs the HTTP steps alone (no h11 server, slot reuse or logprobs).
 set -uo pipefail
 OUT=$(mkdir -p "${1:-bench/out/serving}" && cd "${1:-bench/out/serving}" && pwd)
@@ -21,7 +22,7 @@ MODEL=${MODEL:-random:gpt2}
 N=${N:-256}
 LEN=${LEN:-256}
 RATE=${RATE:-300}
-SERVE_B=${SERVE_B:---api-server-count 4}
+SERVE_B=${SERVE_B:---api-server-count 1}
 CHECKS=${CHECKS:-all}
 CACHE=${CACHE:-$OUT/jax-cache}
 ENGINE=(--model "$MODEL" --max-batch-size "$N" --compilation-cache-dir "$CACHE")
