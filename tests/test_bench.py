@@ -151,6 +151,16 @@ def test_flops_and_roofline_ratios():
     assert m.mean_decode_context(8, 256) == 136  # steps 1..255 attend 9..263 tokens
 
 
+def test_prefill_flops_by_hand():
+    from bench.benchmark_long_context import prefill_flops
+
+    cfg = PRESETS["gpt2"]
+    layers = 12 * (4 * 768**2 + 2 * 768 * 3072)  # per token
+    head = 50257 * 768  # the last token's logits only
+    attention = 4 * 12 * 768 * (1 + 2 + 3)  # token i attends to i keys
+    assert prefill_flops(cfg, 3) == 2 * (3 * layers + head) + attention
+
+
 def test_roofline_tiny_by_hand():
     cfg = PRESETS["tiny"]  # vocab 50257, 128 positions, E 64, 2 layers, fp32 here
     e, f, v = 64, 256, 50257
@@ -645,6 +655,7 @@ def test_plots(tmp_path):
         ("benchmark_data_parallel", ["--data-parallel-size", "--only", "--repeat-runs", "--json"]),
         ("benchmark_parallel", ["--out-dir", "--tp", "--tpot-model", "--skip-processes"]),
         ("benchmark_startup", ["--checkout", "--runs", "--untimed-runs", "--json"]),
+        ("benchmark_long_context", ["--context-len", "--output-len", "--peak-tflops"]),
     ],
 )
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
@@ -659,6 +670,24 @@ def test_help_as_a_file(script, flags):
     )
     for flag in flags:
         assert flag in out.stdout
+
+
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
+def test_benchmark_long_context_end_to_end(tmp_path):
+    """One run of a 100-token prompt: its TTFT and decode against floors from the given peaks."""
+    from bench.benchmark_long_context import main, prefill_flops
+
+    path = tmp_path / "long.json"
+    argv = ["--model", "random:tiny", "--context-len", "100", "--output-len", "9", "--no-warmup"]
+    argv += ["--warmup-runs", "0", "--repeat-runs", "1", "--no-progress", "--json", str(path)]
+    assert main([*argv, "--peak-tflops", "2", "--bandwidth-gbs", "50"]) == 0
+    data = _load(path)
+    (run,) = data["runs"]
+    assert run["requests"]["completion_tokens"] == [9] and run["requests"]["prompt_tokens"] == [100]
+    floors = data["floors"]
+    assert floors["ttft_floor_ms"] == pytest.approx(prefill_flops(PRESETS["tiny"], 100) / 2e9)
+    step = m.decode_step_bytes(PRESETS["tiny"], 1, 100 + 9 / 2, dtype_bytes=4)["total"]
+    assert floors["decode_floor_ms"] == pytest.approx(step / 50e9 * 1e3)
 
 
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
