@@ -530,11 +530,14 @@ class LLMEngine:
         prefilled = self._admit()
         running = list(self.scheduler.running)  # every running request holds a slot
         decoded = False
+        # Exact behind a prefill: it left each new row's first token, position, step count and
+        # alive flag (off if that token already ends the row) in its slot, where windows read.
         if running and (self.prefill_overlap or not prefilled):
             decoded = self._dispatch_decode(running)
         self.host_seconds["dispatch"] += time.perf_counter() - t0
+        keep = 1 if prefilled or decoded else 0  # the newest program: the device runs it now
         touched: dict[str, SequenceGroup] = {}
-        while len(self._pending) > (prefilled or decoded):
+        while len(self._pending) > keep:
             self._harvest(*self._pending.popleft(), touched)
         outputs = []
         for group in touched.values():
