@@ -155,6 +155,13 @@ def add_engine_args(
         "--decode-steps", type=parse_decode_steps, default="auto", help=DECODE_STEPS_HELP
     )
     p.add_argument(
+        "--no-prefill-overlap",
+        action="store_true",
+        help="a step that prefills decodes nothing, for A/B timings (by default the running "
+        "requests' decode window goes out right behind each prefill, before its first tokens "
+        "are read back)",
+    )
+    p.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="turn off prefix caching (sharing KV blocks of equal prompt prefixes)",
@@ -235,6 +242,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         decode_steps=args.decode_steps,
+        prefill_overlap=not args.no_prefill_overlap,
         enable_prefix_caching=not args.no_prefix_cache,
         warmup=False if args.no_warmup else None,
         kernels=kernel_config(args.kernel, args.kernel_tile),

@@ -247,6 +247,9 @@ class EngineConfig:
     prefill_chunk_tokens: int | None = None
     prefill_max_batch_size: int | None = None  # requests per prefill; default max_batch_size
     decode_steps: int | str = "auto"  # steps per decode window, or "auto"
+    # A step that prefills also dispatches the running requests' decode window right behind the
+    # prefill, before reading its first tokens back. Off: that step decodes nothing (an A/B).
+    prefill_overlap: bool = True
     # The smallest decode program: smaller batches pad to it. None: 1 on a CPU, 16 on a GPU.
     min_decode_batch: int | None = dataclasses.field(default_factory=_default_min_decode_batch)
     kernels: KernelConfig | None = None  # None: KernelConfig.for_backend()

@@ -80,9 +80,11 @@ def test_arrivals_lengths_and_flag_types():
 def test_launch_passes_the_engine_flags_through():
     extra = ["--kernel", "attention=xla", "--kernel-tile", "linear.num_warps=2"]
     extra += ["--decode-steps", "4", "--no-prefix-cache", "--dtype", "float32"]
+    extra += ["--no-prefill-overlap"]
     args = bs.build_parser().parse_args([*ENGINE_FLAGS, *extra])
     served = serve_cli.build_parser().parse_args(bs.server_argv(args))
     assert engine_kwargs(served) == engine_kwargs(args)
+    assert engine_kwargs(served)["prefill_overlap"] is False
     assert (served.model, served.seed) == ("random:tiny", 3)
 
 

@@ -118,23 +118,28 @@ def test_multi_step_windows_equal_single_steps(checkpoint, shared_llm, temperatu
 
 
 @pytest.mark.parametrize("first_finish", [9, 3])
-def test_auto_window_length(checkpoint, first_finish):
+def test_auto_window_length(checkpoint, first_finish, monkeypatch):
     """'auto': short windows while slots are free, long ones when full, cut to the first finish
     while requests wait for a slot, but never below the open-slot window (a window of a step or
     two costs every row its fixed overhead)."""
     from rosejax.engine.llm_engine import AUTO_OPEN_STEPS
 
     engine = make_llm(checkpoint, max_batch_size=2).engine
+    windows = []
+    decode = engine.runner.decode
+    monkeypatch.setattr(
+        engine.runner, "decode", lambda b, k, *a: windows.append(k) or decode(b, k, *a)
+    )
     for i, n in enumerate((20, first_finish, 30)):
         engine.add_request(
             f"r{i}", random_prompts(1)[0], SamplingParams(max_tokens=n, temperature=0)
         )
     running = engine.scheduler.running
     assert engine._window(running) == AUTO_OPEN_STEPS  # nothing admitted yet: slots free
-    engine.step()  # admits r0 and r1; r2 waits for a slot
+    engine.step()  # admits r0 and r1 and dispatches their first window; r2 waits for a slot
     assert len(running) == 2 and engine.scheduler.waiting
     # r1 may finish after `first_finish` tokens: its slot is refilled then.
-    assert engine._window(running) == max(first_finish, AUTO_OPEN_STEPS)
+    assert windows == [max(first_finish, AUTO_OPEN_STEPS)]
     engine.abort_request("r2")
     assert engine._window(running) == engine.decode_steps == 32  # full, nobody waiting
     while engine.has_unfinished_requests():
@@ -170,6 +175,113 @@ def test_requests_added_mid_decode(checkpoint, shared_llm):
                 done[out.request_id] = out
     check_greedy(checkpoint, [done[f"r{i}"] for i in range(4)], prompts)
     assert_clean(engine)
+
+
+def run_waves(engine, waves: dict, aborts: dict, monkeypatch) -> tuple[dict, list]:
+    """Step `engine`, adding waves[i] ({id: (prompt, params)}) before step i and aborting the
+    ids aborts[i] right after it. Returns the final outputs by id and each step's events:
+    ("prefill", rows that end their prompt, requests running then), ("decode",) and ("read",
+    program kind)."""
+    events: list[list[tuple]] = []
+    prefill, decode, harvest = engine.runner.prefill, engine.runner.decode, engine._harvest
+
+    def log(*event):
+        events[-1].append(event)
+
+    def logged_prefill(batch):  # with the rows that end their prompt, and the requests running
+        ends = int(np.sum(batch["slots"] < engine.runner.num_slots))
+        log("prefill", ends, len(engine.scheduler.running))
+        return prefill(batch)
+
+    monkeypatch.setattr(engine.runner, "prefill", logged_prefill)
+    monkeypatch.setattr(engine.runner, "decode", lambda *a: log("decode") or decode(*a))
+    monkeypatch.setattr(engine, "_harvest", lambda kind, *a: log("read", kind) or harvest(kind, *a))
+    finals = {}
+    while engine.has_unfinished_requests() or len(events) <= max(waves):
+        for rid, (prompt, params) in waves.get(len(events), {}).items():
+            engine.add_request(rid, prompt, params)
+        events.append([])
+        for out in engine.step():
+            assert out.request_id not in finals
+            if out.finished:
+                finals[out.request_id] = out
+        assert len(engine._pending) <= 1  # the host reads all but the newest program back
+        for rid in aborts.get(len(events) - 1, ()):
+            engine.abort_request(rid)
+    return finals, events
+
+
+@pytest.mark.parametrize(
+    "extras", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["plain", "extras"]
+)
+def test_prefill_and_its_window_go_out_back_to_back(checkpoint, shared_llm, monkeypatch, extras):
+    """Requests arrive in waves between steps: one whose first token is a stop id, one with
+    max_tokens=1, one aborted right after its admission, prompts prefilled in chunks, one that
+    hits the prefix cache, n=2 (and with `extras` one with a penalty, logprobs and prompt
+    logprobs). Every step that prefills while requests run dispatches their decode window
+    right behind the prefill, before reading anything back (with that off, such a step decodes
+    nothing); both ways give HF's greedy tokens and the same seeded samples (and logprobs)."""
+    engine = shared_llm(max_batch_size=8, decode_steps=3, prefill_chunk_tokens=16).engine
+    greedy = functools.partial(SamplingParams, temperature=0.0)
+    a, c, f = random_prompts(3, lo=20, hi=21)
+    first = _hf_greedy(checkpoint[1], tuple(c), 1)[0]
+    f = a[:16] + f[:5]  # a's first two blocks, in the prefix cache once a's first chunk ran
+    waves = {
+        0: {
+            "a": (a, greedy(max_tokens=12)),
+            "b": ([4, 5, 6], SamplingParams(max_tokens=12, seed=5)),
+        },
+        2: {
+            "c": (c, greedy(max_tokens=12, stop_token_ids=[first])),
+            "d": (random_prompts(1)[0], greedy(max_tokens=1)),
+            "e": (random_prompts(1)[0], greedy(max_tokens=20)),
+        },
+        3: {"f": (f, greedy(max_tokens=12)), "g": (random_prompts(1, 40, 41)[0], greedy())},
+        5: {"h": ([7, 8], SamplingParams(max_tokens=8, seed=9, n=2, top_k=30))},
+        8: {"i": (random_prompts(1)[0], greedy(max_tokens=12))},
+    }
+    if extras:
+        extra = SamplingParams(seed=3, repetition_penalty=1.3, logprobs=2, prompt_logprobs=1)
+        waves[3]["j"] = (a[:18], extra)
+    prompts = {rid: p for wave in waves.values() for rid, p in wave.items()}
+    runs = {}
+    for overlap in (True, False):  # the prefix cache then holds every prompt: run it second
+        monkeypatch.setattr(engine, "prefill_overlap", overlap)
+        hits = engine.allocator.prefix_hit_tokens
+        runs[overlap] = run_waves(engine, waves, {2: ["e"]}, monkeypatch)
+        assert_clean(engine)
+        if overlap:
+            assert engine.allocator.prefix_hit_tokens - hits >= 16
+    for overlap, (finals, events) in runs.items():
+        assert sorted(finals) == sorted(set(prompts) - {"e"})
+        for rid in "acdfgi":
+            n = len(finals[rid].token_ids)
+            assert finals[rid].token_ids == _hf_greedy(checkpoint[1], tuple(prompts[rid][0]), n)
+        assert finals["c"].token_ids == [first] and finals["c"].finish_reason == "stop"
+        assert len(finals["d"].token_ids) == 1 and finals["d"].finish_reason == "length"
+        assert [len(finals[r].token_ids) for r in "afgi"] == [12, 12, 16, 12]
+        # Steps that prefilled first tokens while requests were running.
+        prefilling = [e for e in events if e and e[0][0] == "prefill" and min(e[0][1:]) > 0]
+        assert prefilling
+        for step in prefilling:
+            # Dispatches first, then reads (oldest first); a decode right behind the prefill.
+            kinds = [e[0] for e in step]
+            assert kinds == sorted(kinds, key=lambda k: k == "read")
+            assert (kinds[:2] == ["prefill", "decode"]) == overlap, step
+    on, off = (
+        {r: [(c.token_ids, c.text) for c in o.outputs] for r, o in runs[x][0].items()}
+        for x in (True, False)
+    )
+    assert on == off
+    if extras:
+        j = [runs[x][0]["j"] for x in (True, False)]
+        assert len(j[0].outputs[0].logprobs) == 16 and len(j[0].prompt_logprobs) == 18
+        on, off = (list(o.outputs[0].logprobs) + list(o.prompt_logprobs[1:]) for o in j)
+        for got, want in zip(on, off, strict=True):
+            assert got.keys() == want.keys()
+            assert [v.logprob for v in got.values()] == pytest.approx(
+                [v.logprob for v in want.values()], abs=1e-5
+            )
 
 
 def test_prefix_caching_same_outputs_fewer_prefill_tokens(checkpoint, shared_llm):

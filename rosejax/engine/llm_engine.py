@@ -2,8 +2,9 @@
 
 The verbs are JetStream's and vLLM's: `add_request`, `step`, `abort_request`. A `step` admits
 waiting requests (one prefill program), reserves KV blocks for the next decode window and
-dispatches it, and only then reads back the *previous* window's tokens: the device never waits for
-the host's bookkeeping. The device stops rows itself (EOS, stop ids, token budget); the host
+dispatches it right behind the prefill (the new rows decode from the first tokens the prefill
+left in their slots), and only then reads back the *previous* window's tokens and the prefill's:
+the device never waits for the host's bookkeeping. The device stops rows itself (EOS, stop ids, token budget); the host
 stops them for what only it can see (stop strings) and tells the device at the next window.
 """
 
@@ -226,6 +227,7 @@ class LLMEngine:
         self.max_batch_size = config.max_batch_size
         # "auto": long windows for throughput, cut short when a waiting request could be admitted.
         self.auto_steps = config.decode_steps == "auto"
+        self.prefill_overlap = config.prefill_overlap
         self.decode_steps = AUTO_FULL_STEPS if self.auto_steps else config.decode_steps
         self.allocator = BlockAllocator(
             self._num_blocks(on_cpu), config.block_size, config.enable_prefix_caching
@@ -520,19 +522,33 @@ class LLMEngine:
     # ---------------------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Admit and prefill, dispatch the next decode window, then return the outputs of the
-        oldest work still in flight (the device runs ahead while the host reads them)."""
+        """Admit and prefill, dispatch the next decode window right behind the prefill (the new
+        rows decode from the first tokens it left in their slots), then read back every program
+        in flight but the newest, oldest first, while the device runs that one; one output per
+        request that gained something."""
         t0 = time.perf_counter()
-        dispatched = self._admit()
+        prefilled = self._admit()
         running = list(self.scheduler.running)  # every running request holds a slot
-        if running and not dispatched:
-            dispatched = self._dispatch_decode(running)
+        decoded = False
+        # Exact behind a prefill: it left each new row's first token, position, step count and
+        # alive flag (off if that token already ends the row) in its slot, where windows read.
+        if running and (self.prefill_overlap or not prefilled):
+            decoded = self._dispatch_decode(running)
         self.host_seconds["dispatch"] += time.perf_counter() - t0
-        if self._pending and (len(self._pending) > 1 or not dispatched):
-            return self._harvest(*self._pending.popleft())
-        return []
+        keep = 1 if prefilled or decoded else 0  # the newest program: the device runs it now
+        touched: dict[str, SequenceGroup] = {}
+        while len(self._pending) > keep:
+            self._harvest(*self._pending.popleft(), touched)
+        outputs = []
+        for group in touched.values():
+            outputs.append(group.take_output())
+            if group.finished:
+                del self._requests[group.request_id]
+        return outputs
 
     def _admit(self) -> bool:
+        """Prefill the next admitted requests (and chunk); whether a prefill with first tokens
+        went out."""
         plan = self.scheduler.admit()
         if plan is None:
             return False
@@ -567,7 +583,6 @@ class LLMEngine:
         if roster or prompt_rows:
             prompt = (prompt_logprobs, prompt_rows) if prompt_rows else None
             self._pending.append(("prefill", first, logprobs, roster, 0, prompt))
-        # With no first token to read back, the running requests decode in this step too.
         return bool(done)
 
     def _load_row(self, request: Request) -> None:
@@ -708,10 +723,17 @@ class LLMEngine:
         return moves
 
     def _harvest(
-        self, kind: str, tokens: jax.Array, logprobs: TokenLogprobs, roster, k: int, prompt
-    ) -> list[RequestOutput]:
+        self,
+        kind: str,
+        tokens: jax.Array,
+        logprobs: TokenLogprobs,
+        roster,
+        k: int,
+        prompt,
+        touched: dict[str, SequenceGroup],
+    ) -> None:
         """Read back a dispatched program's tokens (and logprobs, if a request asked) and feed
-        them to their requests; one output per request that gained something."""
+        them to their requests, whose groups join `touched`."""
         t0 = time.perf_counter()
         tokens = np.asarray(tokens)  # waits for that program only
         t1 = time.perf_counter()
@@ -726,7 +748,6 @@ class LLMEngine:
         if prompt is not None:
             self._take_prompt_logprobs(*prompt)
         decoded = kind == "decode"
-        touched: dict[str, SequenceGroup] = {}
         for request, epoch, column in roster:
             if request.epoch != epoch or request.status != RequestStatus.RUNNING:
                 continue  # preempted or aborted since: its tokens here are void
@@ -747,13 +768,7 @@ class LLMEngine:
                     self._release(sequence)
             if request.finished:
                 self._release(request)
-        outputs = []
-        for group in touched.values():
-            outputs.append(group.take_output())
-            if group.finished:
-                del self._requests[group.request_id]
         self.host_seconds["harvest"] += time.perf_counter() - t1
-        return outputs
 
     def _take(
         self, request: Request, row: list[int], decoded: bool, logprobs: TokenLogprobs, column
