@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from pallas_kernels.linear import linear_supported
 from rosejax import LLM, KernelConfig, SamplingParams
 from rosejax.layers.attention import ForwardMetadata
 from rosejax.layers.kv_cache import init_kv_cache
@@ -236,11 +237,13 @@ def small_qwen3(tmp_path_factory):
     return str(path), make_checkpoint(path, "qwen3", seed=5, **kwargs)
 
 
-def check_decode_fuses_qk_rope(path, monkeypatch, dtype):
+def check_decode_fusions(path, monkeypatch, dtype):
     """A decode step whose attention kernel takes q and k before their q/k RMSNorm and RoPE
-    (`fused_qk_rope`) gives the logits and caches of the step that runs them in XLA first: bit
-    for bit in float32 without a q/k norm, within a rounding of the dtype otherwise (the norm's
-    rsqrt may differ in its last bit between XLA's vectorized one and the kernel's)."""
+    (`fused_qk_rope`) and whose down projection takes the gate/up projection (`fused_swiglu`)
+    gives the logits and caches of the step that runs both in XLA: bit for bit in float32
+    without a q/k norm, within a rounding of the dtype otherwise (the norm's rsqrt may differ in
+    its last bit between XLA's vectorized one and the kernel's)."""
+    from rosejax.layers import linear as linear_layer
     from rosejax.models.llama import model as llama_model
 
     config, params = load_checkpoint(path, dtype)
@@ -248,7 +251,7 @@ def check_decode_fuses_qk_rope(path, monkeypatch, dtype):
     tables, num_blocks = contiguous_layout(b, prompt + 1)
     rng = np.random.default_rng()
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, (b, prompt + 1)), jnp.int32)
-    # A jit of its own: traced here, so the spy below sees every call.
+    # A jit of its own: traced here, so the spies below see every call.
     forward = jax.jit(
         lambda *args, kernels=XLA_KERNELS: family_of(config).forward(*args, kernels=kernels),
         static_argnums=1,
@@ -260,21 +263,37 @@ def check_decode_fuses_qk_rope(path, monkeypatch, dtype):
     cache = init_kv_cache(config, num_blocks, BLOCK_SIZE, jnp.dtype(dtype))
     _, cache = forward(params, config, tokens[:, :prompt], cache, meta)
     step = ForwardMetadata(positions=lengths[:, None], seq_lens=lengths + 1, block_tables=tables)
-    ropes = []
+    ropes, swiglus = [], []
     decode_attention = llama_model.decode_attention
     monkeypatch.setattr(
         llama_model,
         "decode_attention",
         lambda *a, rope=None, **k: ropes.append(rope) or decode_attention(*a, rope=rope, **k),
     )
+    partial_sums = linear_layer.linear_partial_sums
+    monkeypatch.setattr(
+        linear_layer,
+        "linear_partial_sums",
+        lambda *a, **k: swiglus.append(k.get("swiglu_input", False)) or partial_sums(*a, **k),
+    )
     results = {}
     for fused in (True, False):
-        kernels = KernelConfig(attention="pallas", fused_qk_rope=fused, interpret=INTERPRET)
+        kernels = KernelConfig(
+            attention="pallas",
+            linear="pallas",
+            fused_qk_rope=fused,
+            fused_swiglu=fused,
+            interpret=INTERPRET,
+        )
         results[fused] = forward(params, config, tokens[:, prompt:], cache, step, kernels=kernels)
+    layers = config.num_hidden_layers
     pallas = config.head_dim & (config.head_dim - 1) == 0  # the kernel tiles powers of two
-    assert [r is not None for r in ropes] == [pallas] * config.num_hidden_layers + [False] * (
-        config.num_hidden_layers
-    )
+    assert [r is not None for r in ropes] == [pallas] * layers + [False] * layers
+    # The deferred projections, o_proj and down_proj, where the matmul kernel tiles them.
+    if linear_supported(config.intermediate_size, config.hidden_size):
+        assert swiglus == [False, True] * layers + [False, False] * layers
+    else:
+        assert not swiglus
     exact = dtype == "float32" and not config.qk_norm
     for got, want in zip(
         jax.tree.leaves(results[True]), jax.tree.leaves(results[False]), strict=True
@@ -284,14 +303,14 @@ def check_decode_fuses_qk_rope(path, monkeypatch, dtype):
         np.testing.assert_allclose(got, want, rtol=0, atol=step_size)
 
 
-def test_decode_kernel_normalizes_and_rotates_as_xla(small_qwen3, monkeypatch):
-    check_decode_fuses_qk_rope(small_qwen3[0], monkeypatch, "bfloat16")
+def test_decode_fusions_match_xla(small_qwen3, monkeypatch):
+    check_decode_fusions(small_qwen3[0], monkeypatch, "bfloat16")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_kernel_normalizes_and_rotates_every_shape(checkpoint, monkeypatch, dtype):
-    check_decode_fuses_qk_rope(checkpoint[0], monkeypatch, dtype)
+def test_decode_fusions_match_xla_every_shape(checkpoint, monkeypatch, dtype):
+    check_decode_fusions(checkpoint[0], monkeypatch, dtype)
 
 
 def test_sharded_and_half_precision_checkpoints(small_qwen3, tmp_path):

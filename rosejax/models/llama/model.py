@@ -1,7 +1,8 @@
 """The Llama-style decoder in Flax, as a pure function of a params pytree and a paged KV cache.
 
 Pre-norm blocks with RMSNorm, grouped-query attention with RoPE (optionally Qwen3's per-head
-q/k RMSNorm before it), SwiGLU MLP (down(silu(gate x) * up x)), tied or untied LM head. As in
+q/k RMSNorm before it), SwiGLU MLP (down(silu(gate x) * up x), the silu * up in the down projection's Pallas kernel
+where it runs: `KernelConfig.fused_swiglu`), tied or untied LM head. As in
 GPT-2's model, one forward serves prefill (T tokens per row) and decode (T = 1): the q, k and v
 projections are one matmul (`qkv_proj`, fused at load) and gate/up another (`gate_up_proj`); the
 kernels read q, k and v out of the fused [N, Hq + 2H, D] projection after RoPE, K/V are written to
@@ -135,14 +136,13 @@ class MLP(nn.Module):
         cfg = self.config
         f = self.tp.local(cfg.intermediate_size)
         gate_up = Linear(2 * f, kernels=self.kernels, use_bias=cfg.mlp_bias, name="gate_up_proj")(x)
-        y = jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:]
         return Linear(
             cfg.hidden_size,
             kernels=self.kernels,
             use_bias=cfg.mlp_bias,
             reduce_axis=self.tp.reduce_axis,
             name="down_proj",
-        )(y, residual, defer=True)
+        )(gate_up, residual, defer=True, swiglu_input=True)
 
 
 class Block(nn.Module):
