@@ -1,13 +1,13 @@
 """The Llama-style decoder in Flax, as a pure function of a params pytree and a paged KV cache.
 
 Pre-norm blocks with RMSNorm, grouped-query attention with RoPE (optionally Qwen3's per-head
-q/k RMSNorm before it), SwiGLU MLP (down(silu(gate x) * up x), the silu * up in the down projection's Pallas kernel
-where it runs: `KernelConfig.fused_swiglu`), tied or untied LM head. As in
+q/k RMSNorm before it), SwiGLU MLP (down(silu(gate x) * up x)), tied or untied LM head. As in
 GPT-2's model, one forward serves prefill (T tokens per row) and decode (T = 1): the q, k and v
 projections are one matmul (`qkv_proj`, fused at load) and gate/up another (`gate_up_proj`); the
 kernels read q, k and v out of the fused [N, Hq + 2H, D] projection after RoPE, K/V are written to
 the cache (or by the decode attention kernel itself, which then also takes q and k before their
 q/k norm and RoPE and applies both: `KernelConfig.fused_qk_rope`) and attended over the pages.
+The down projection's Pallas kernel computes silu(gate) * up itself (`KernelConfig.fused_swiglu`).
 
 Under tensor parallelism (`tp`, inside `shard_map`: `rosejax.layers.parallel`) the same code runs
 on one shard's params: its query and KV heads and their cache, its part of the MLP's hidden units
