@@ -27,6 +27,7 @@ from pallas_kernels.qk_norm_rope import qk_norm_rope_reference as _qk_norm_rope_
 from pallas_kernels.rms_norm import (
     add_rms_norm,
     add_rms_norm_reference,
+    default_block_rows,
     rms_norm,
     rms_norm_reference,
 )
@@ -273,6 +274,7 @@ NORM_IMPLS = {
 }
 ADD_NORM_IMPLS = {
     "pallas": functools.partial(add_rms_norm, interpret=INTERPRET),
+    "pallas_rows4": functools.partial(add_rms_norm, block_rows=4, interpret=INTERPRET),
     "reference": jax.jit(add_rms_norm_reference, static_argnames="eps"),
 }
 NORM_TOL = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 2e-3}
@@ -302,7 +304,7 @@ def test_rms_norm_matches_oracle(impl, shape, dtype):
 def test_add_rms_norm_matches_oracle(impl, splits):
     """h = residual + the linear's partial sums + its bias, and rms_norm(h)."""
     rng = np.random.default_rng()
-    m, k, n = 4, 48, 96
+    m, k, n = 5, 48, 96  # rows4: a full tile and one of a single row
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.float32)
     chunks = np.array_split(np.arange(k), splits)
@@ -314,6 +316,21 @@ def test_add_rms_norm_matches_oracle(impl, splits):
     want_h = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(bias) + residual
     np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(y), rms_oracle(want_h, scale, 1e-5), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "n,e,want",
+    [
+        (1, 1024, 1),  # a decode step of one row
+        (256, 1024, 1),  # Qwen3-0.6B's B=256 norms: 256 programs already
+        (1024, 1024, 4),
+        (6144, 128, 16),  # q/k norms of B=256 (16 + 8 heads): 24 rows a program at most
+        (600, 96, 2),  # an odd width, tiled as 128
+        (4096, 8192, 1),  # rows too wide to stack
+    ],
+)
+def test_default_block_rows(n, e, want):
+    assert default_block_rows(n, e) == want
 
 
 # ---------------------------------------------------------------------- paged prefill attention
