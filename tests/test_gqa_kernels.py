@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.linear import linear_partial_sums_reference
+from pallas_kernels.linear import linear_partial_sums, linear_partial_sums_reference
 from pallas_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_append,
@@ -375,3 +375,33 @@ def test_paged_prefill_matches_oracle(impl, h, group, d, cached):
         for i in range(n):
             want = gqa_oracle(q[row, i][None], k, v, tables[row][None], [c + i + 1], group)
             np.testing.assert_allclose(out[row, i][None], want, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------- Triton lowering
+
+
+def test_fused_decode_kernels_lower_to_triton():
+    """The kernels a Qwen3-0.6B decode step fuses (the attention with q/k norm and RoPE, the
+    down projection with SwiGLU, RMSNorm several rows a program) lower to Triton for a GPU,
+    here too: the Pallas-to-Triton lowering rejects what Triton cannot tile (shapes not powers
+    of two, unsupported ops) before any GPU is needed."""
+    b, h, group, d, bs = 16, 8, 2, 128, 64
+    dt = jnp.bfloat16
+    qkv = jnp.zeros((b, h * (group + 2), d), dt)
+    cache = jnp.zeros((h, 9, bs, d), dt)
+    tables, lengths = jnp.zeros((b, 8), jnp.int32), jnp.ones((b,), jnp.int32)
+    rope = (jnp.zeros((b, d // 2), jnp.float32),) * 2
+    calls = {
+        "attention": (
+            lambda *a: paged_decode_attention_append(*a, num_q_heads=h * group),
+            (qkv, cache, cache, tables, lengths, rope, (jnp.ones(d, dt),) * 2),
+        ),
+        "swiglu": (
+            lambda x, w: linear_partial_sums(x, w, swiglu_input=True),
+            (jnp.zeros((16, 2 * 3072), dt), jnp.zeros((3072, 1024), dt)),
+        ),
+        "rms_norm": (rms_norm, (jnp.zeros((6144, d), dt), jnp.ones(d, dt))),
+    }
+    for name, (fn, args) in calls.items():
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text, name
