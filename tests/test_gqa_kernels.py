@@ -228,12 +228,14 @@ def check_rope_append(impl, shape, qk_norm, dtype):
 
 @pytest.mark.parametrize(
     "impl,shape,qk_norm,dtype",
-    pairwise(impl=list(ROPE_IMPLS), shape=ROPE_SHAPES, qk_norm=[True, False], dtype=list(ROPE_TOL)),
+    pairwise(
+        impl=list(ROPE_IMPLS), shape=ROPE_SHAPES[:2], qk_norm=[True, False], dtype=list(ROPE_TOL)
+    ),
 )
 def test_append_normalizes_and_rotates(impl, shape, qk_norm, dtype):
     """q and k normalized (Qwen3) and rotated in the kernel, as the XLA path does before it: the
     new K/V land in their slots (poisoned first), the output attends over them, a padded row
-    gives zeros and writes scratch."""
+    gives zeros and writes scratch. Every case of the product (group 1 too): below."""
     check_rope_append(impl, shape, qk_norm, dtype)
 
 

@@ -254,11 +254,12 @@ def gate_up_case(rng, m, k, dtype):
     )
 
 
+@pytest.mark.slow  # `swiglu` itself meets HF in the Llama-family tests
 @pytest.mark.parametrize(
     "impl,shape,dtype", pairwise(impl=list(SWIGLU_IMPLS), shape=SHAPES[1:3], dtype=list(TOL))
 )
 def test_swiglu_input_matches_numpy(impl, shape, dtype):
-    """residual + silu(gate) @ w * up + b from the gate/up projection [M, 2K]."""
+    """residual + (silu(gate) * up) @ w + b from the gate/up projection [M, 2K]."""
     rng = np.random.default_rng()
     m, k, n = shape
     x = gate_up_case(rng, m, k, dtype)
