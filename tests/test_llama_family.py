@@ -241,8 +241,9 @@ def check_decode_fusions(path, monkeypatch, dtype):
     """A decode step whose attention kernel takes q and k before their q/k RMSNorm and RoPE
     (`fused_qk_rope`) and whose down projection takes the gate/up projection (`fused_swiglu`)
     gives the logits and caches of the step that runs both in XLA: bit for bit in float32
-    without a q/k norm, within a rounding of the dtype otherwise (the norm's rsqrt may differ in
-    its last bit between XLA's vectorized one and the kernel's)."""
+    without a q/k norm on a CPU, within a rounding of the dtype otherwise (the norm's rsqrt may
+    differ in its last bit between XLA's vectorized one and the kernel's; a GPU may fuse the
+    rotation's multiply-adds)."""
     from rosejax.layers import linear as linear_layer
     from rosejax.models.llama import model as llama_model
 
@@ -294,7 +295,7 @@ def check_decode_fusions(path, monkeypatch, dtype):
         assert swiglus == [False, True] * layers + [False, False] * layers
     else:
         assert not swiglus
-    exact = dtype == "float32" and not config.qk_norm
+    exact = INTERPRET and dtype == "float32" and not config.qk_norm  # a GPU may fuse a mul-add
     for got, want in zip(
         jax.tree.leaves(results[True]), jax.tree.leaves(results[False]), strict=True
     ):
