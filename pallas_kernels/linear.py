@@ -15,8 +15,12 @@ stream more than `max_k_steps` tiles: each program then writes its float32 parti
 kernel, or the next layer norm: `pallas_kernels.layer_norm.add_layer_norm`). The default of 4
 tiles was measured on GPT-2 small only (`DEFAULT_MAX_K_STEPS`).
 
-Layout: x [M, K]; w [K, N] (flax's Dense kernel); b [N]; residual [M, N] or None; out [M, N];
-partial sums [S, M, N] float32.
+With `swiglu` the kernel's input is a SwiGLU MLP's gate/up projection [M, 2K], and each x tile
+is silu(gate) * up of its [BM, BK] tiles of both halves, computed as it is loaded (`swiglu`'s
+rounding): the elementwise kernel XLA runs between the two matmuls of a Llama-style MLP goes.
+
+Layout: x [M, K] (with swiglu [M, 2K], gate then up); w [K, N] (flax's Dense kernel); b [N];
+residual [M, N] or None; out [M, N]; partial sums [S, M, N] float32.
 """
 
 from __future__ import annotations
@@ -101,6 +105,19 @@ def _epilogue(y, bias, residual, activation: str | None):
     return y
 
 
+def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:  # same shape and dtype -> that
+    """silu(gate) * up as HF's MLP rounds it: silu in float32 rounded to the dtype, the product
+    rounded again (a product of two values of the dtype is exact in float32)."""
+    silu = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
+    return (silu.astype(jnp.float32) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+def swiglu(x: jax.Array) -> jax.Array:  # [..., 2K]: gate then up -> [..., K], x's dtype
+    """A SwiGLU MLP's hidden activation from its fused gate/up projection: `silu_mul`."""
+    gate, up = jnp.split(x, 2, axis=-1)
+    return silu_mul(gate, up)
+
+
 def finish_partial_sums(
     partials: jax.Array,  # [S, M, N] float32
     b: jax.Array,  # [N]
@@ -116,7 +133,7 @@ def finish_partial_sums(
 
 
 def linear_kernel(
-    x_ref,  # [M, K]
+    x_ref,  # [M, K]; with swiglu [M, 2K]
     w_ref,  # [K, N]
     *refs,  # partial sums: o_ref [S, M, N] float32;
     #         else b_ref [N], (residual_ref [M, N],) o_ref [M, N]
@@ -127,9 +144,10 @@ def linear_kernel(
     steps_per_split: int,  # tiles of K each program streams (the last split's may be fewer)
     activation: str | None,
     partial_sums: bool,
+    swiglu_input: bool,
 ):
     o_ref = refs[-1]
-    m = x_ref.shape[0]
+    m, k = x_ref.shape[0], w_ref.shape[0]
     first_row = pl.program_id(1) * block_m
     rows, cols = pl.ds(first_row, block_m), pl.ds(pl.program_id(0) * block_n, block_n)
     row_ok = (first_row + jnp.arange(block_m) < m)[:, None]  # [BM, 1]: rows past M are padding
@@ -138,6 +156,9 @@ def linear_kernel(
         x = plgpu.load(
             x_ref.at[rows, pl.ds(i * block_k, block_k)], mask=row_ok, other=0.0
         )  # [BM, BK]
+        if swiglu_input:  # x is the gate tile; its up tile lies K columns on
+            up = plgpu.load(x_ref.at[rows, pl.ds(k + i * block_k, block_k)], mask=row_ok, other=0.0)
+            x = silu_mul(x, up)
         w = w_ref[pl.ds(i * block_k, block_k), cols]  # [BK, BN]
         # float32 weights: full precision, not TF32 (a float32 model is there to match HF).
         precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
@@ -173,14 +194,15 @@ _STATIC_ARGS = [
 ]
 
 
-@functools.partial(jax.jit, static_argnames=["activation", *_STATIC_ARGS])
+@functools.partial(jax.jit, static_argnames=["activation", "swiglu_input", *_STATIC_ARGS])
 def linear(
-    x: jax.Array,  # [M, K]
+    x: jax.Array,  # [M, K]; with swiglu_input [M, 2K]
     w: jax.Array,  # [K, N]
     b: jax.Array,  # [N]
     residual: jax.Array | None = None,  # [M, N]
     *,
     activation: str | None = None,
+    swiglu_input: bool = False,
     block_m: int = DEFAULT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
     block_k: int = DEFAULT_BLOCK_K,
@@ -192,16 +214,20 @@ def linear(
     """activation(x @ w + b) + residual, float32 inside, for few rows (a program's tile is
     [min(block_m, next_power_of_2(max(M, 16))), block_n]). block_n / block_k shrink to the largest
     power of two dividing N / K. K is split over programs when one would stream more than
-    `max_k_steps` tiles of block_k; the epilogue then runs after their sum, in XLA."""
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or b.shape != (w.shape[1],):
-        raise ValueError(f"need x [M, K], w [K, N], b [N], got {x.shape}, {w.shape}, {b.shape}")
-    (m, k), n = x.shape, w.shape[1]
+    `max_k_steps` tiles of block_k; the epilogue then runs after their sum, in XLA. With
+    `swiglu_input`, x holds a gate and an up half and the product is `swiglu(x) @ w`."""
+    _check_input(x, w, swiglu_input)
+    if b.shape != (w.shape[1],):
+        raise ValueError(f"need b [N] for w {w.shape}, got {b.shape}")
+    (m, k), n = (x.shape[0], w.shape[0]), w.shape[1]
     if residual is not None and residual.shape != (m, n):
         raise ValueError(f"residual must be [{m}, {n}], got {residual.shape}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     tiles = _tiles(m, k, n, block_m, block_n, block_k, max_k_steps)
-    launch = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    launch = dict(
+        num_warps=num_warps, num_stages=num_stages, swiglu_input=swiglu_input, interpret=interpret
+    )
     if tiles["splits"] > 1:
         partials = _pallas_linear(x, w, (), tiles, None, **launch)
         return finish_partial_sums(partials, b, residual, activation=activation, dtype=x.dtype)
@@ -210,11 +236,20 @@ def linear(
     )
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC_ARGS)
+def _check_input(x: jax.Array, w: jax.Array, swiglu_input: bool) -> None:
+    """x [M, K] (with swiglu_input [M, 2K]) against w [K, N]."""
+    k = 2 * w.shape[0] if swiglu_input else w.shape[0]
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != k:
+        need = "[M, 2K]" if swiglu_input else "[M, K]"
+        raise ValueError(f"need x {need} and w [K, N], got {x.shape}, {w.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=["swiglu_input", *_STATIC_ARGS])
 def linear_partial_sums(
-    x: jax.Array,  # [M, K]
+    x: jax.Array,  # [M, K]; with swiglu_input [M, 2K]
     w: jax.Array,  # [K, N]
     *,
+    swiglu_input: bool = False,
     block_m: int = DEFAULT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
     block_k: int = DEFAULT_BLOCK_K,
@@ -225,12 +260,20 @@ def linear_partial_sums(
 ) -> jax.Array:  # [S, M, N] float32, S >= 1 splits of K
     """x @ w as float32 partial sums over S splits of K (S = 1 when no program would stream more
     than `max_k_steps` tiles), for a consumer that applies the epilogue itself
-    (`finish_partial_sums`, `pallas_kernels.layer_norm.add_layer_norm`)."""
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"need x [M, K], w [K, N], got {x.shape}, {w.shape}")
-    tiles = _tiles(x.shape[0], x.shape[1], w.shape[1], block_m, block_n, block_k, max_k_steps)
+    (`finish_partial_sums`, `pallas_kernels.layer_norm.add_layer_norm`). `swiglu_input` as
+    `linear`'s."""
+    _check_input(x, w, swiglu_input)
+    tiles = _tiles(x.shape[0], *w.shape, block_m, block_n, block_k, max_k_steps)
     return _pallas_linear(
-        x, w, (), tiles, None, num_warps=num_warps, num_stages=num_stages, interpret=interpret
+        x,
+        w,
+        (),
+        tiles,
+        None,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        swiglu_input=swiglu_input,
+        interpret=interpret,
     )
 
 
@@ -238,7 +281,16 @@ _GRID_ONLY = ("m_tiles", "splits")
 
 
 def _pallas_linear(
-    x, w, operands, tiles: dict, activation, *, num_warps: int, num_stages: int, interpret: bool
+    x,
+    w,
+    operands,
+    tiles: dict,
+    activation,
+    *,
+    num_warps: int,
+    num_stages: int,
+    swiglu_input: bool,
+    interpret: bool,
 ) -> jax.Array:
     """The kernel over x, w and `operands`: bias and residual, or none for partial sums."""
     (m, _), n = x.shape, w.shape[1]
@@ -256,13 +308,14 @@ def _pallas_linear(
             linear_kernel,
             activation=activation,
             partial_sums=partial_sums,
+            swiglu_input=swiglu_input,
             **{k: v for k, v in tiles.items() if k not in _GRID_ONLY},
         ),
         grid=(n // tiles["block_n"], tiles["m_tiles"], tiles["splits"]),
         out_shape=out,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"{name}_n{tiles['block_n']}",
+        name=f"{name}{'_swiglu' if swiglu_input else ''}_n{tiles['block_n']}",
     )(x, w, *operands)
 
 

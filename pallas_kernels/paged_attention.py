@@ -18,7 +18,9 @@ no q out of it first.
 `paged_decode_attention_append` attends as if each row's new K/V (heads Hq..Hq+2H of that projection)
 were already in its slot, taking them from the projection, and writes them into the slot after
 its page loop. A decode step then needs no `kv_append` kernel: one kernel a layer fewer, out of
-the ~100 small kernels that bound a one-request step.
+the ~100 small kernels that bound a one-request step. Given `rope` (and `qk_norm`), it also
+rotates (and first normalizes) the q and k heads it reads, as the model's XLA path would before
+the call (`pallas_kernels.qk_norm_rope`): the projection goes to it straight from the matmul.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
+from pallas_kernels.qk_norm_rope import check_qk_norm_rope, load_head, qk_norm_rope_reference
 
 _NEG_INF = -1e30
 
@@ -112,14 +115,18 @@ def paged_decode_attention_append_kernel(
     v_cache_in_ref,  # [H, NB, BS, D], aliased to v_cache_ref
     block_tables_ref,  # [B, MB]
     lengths_ref,  # [B]
-    o_ref,  # [B, Hq, D]
-    k_cache_ref,  # [H, NB, BS, D]
-    v_cache_ref,  # [H, NB, BS, D]
-    *,
+    *refs,  # with rope: cos_ref, sin_ref [B, D/2]; with qk_norm: q_scale_ref, k_scale_ref [D];
+    #         then o_ref [B, Hq, D], k_cache_ref, v_cache_ref [H, NB, BS, D]
     sm_scale: float,
     prefetch_table: bool,
     group: int,
+    rope: bool,
+    qk_norm: bool,
+    eps: float,
 ):
+    o_ref, k_cache_ref, v_cache_ref = refs[-3:]
+    rope_refs = refs[:2] if rope else None
+    q_scale_ref, k_scale_ref = refs[2:4] if qk_norm else (None, None)
     b, h = pl.program_id(0), pl.program_id(1)
     num_heads, block_size = k_cache_ref.shape[0], k_cache_ref.shape[2]
     num_q_heads = num_heads * group
@@ -128,11 +135,14 @@ def paged_decode_attention_append_kernel(
     # slot that this launch writes (a row's write slot is private to it: shared blocks are full,
     # and a shared partial block is copied before anyone writes into it).
     heads = [h * group + g for g in range(group)]
-    qs = tuple(qkv_ref[b, j, :].astype(jnp.float32) * sm_scale for j in heads)  # [D] each
+    qs = tuple(
+        load_head(qkv_ref, b, j, rope_refs, q_scale_ref, eps).astype(jnp.float32) * sm_scale
+        for j in heads
+    )  # [D] each
     states = _attend_pages(
         qs, k_cache_in_ref, v_cache_in_ref, block_tables_ref, b, h, length - 1, prefetch_table
     )
-    k_new = qkv_ref[b, num_q_heads + h, :]  # [D]
+    k_new = load_head(qkv_ref, b, num_q_heads + h, rope_refs, k_scale_ref, eps)  # [D]
     v_new = qkv_ref[b, num_q_heads + num_heads + h, :]  # [D]
     k_f, v_f = k_new.astype(jnp.float32), v_new.astype(jnp.float32)
     for j, q, (m, denom, acc) in zip(heads, qs, states, strict=True):
@@ -206,7 +216,7 @@ def _decode_call(
     v_cache,
     block_tables,
     lengths,
-    *,
+    *prologue,
     append: bool,
     num_q_heads: int,
     num_warps: int | None,
@@ -215,7 +225,7 @@ def _decode_call(
     interpret: bool,
 ):
     """One program per (row, KV head), for all the query heads of its group; with `append` the
-    caches are outputs too, in place."""
+    caches are outputs too, in place. `prologue`: more inputs, after the lengths."""
     b, d = q.shape[0], q.shape[2]
     h, _, bs, _ = k_cache.shape
     if num_warps is None:
@@ -239,7 +249,7 @@ def _decode_call(
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"{name}_bs{bs}_g{group}_w{num_warps}",
-    )(q, k_cache, v_cache, block_tables, lengths)
+    )(q, k_cache, v_cache, block_tables, lengths, *prologue)
 
 
 _STATIC = ["num_q_heads", "num_warps", "num_stages", "prefetch_table", "interpret"]
@@ -284,15 +294,18 @@ def paged_decode_attention(
     )
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnames=[*_STATIC, "eps"], donate_argnums=(1, 2))
 def paged_decode_attention_append(
     qkv: jax.Array,  # [B, Hq + 2H, D]: each row's new token's q, k and v heads
     k_cache: jax.Array,  # [H, NB, BS, D], donated
     v_cache: jax.Array,  # [H, NB, BS, D], donated
     block_tables: jax.Array,  # [B, MB] int32
     lengths: jax.Array,  # [B] int32, the new token included
+    rope: tuple[jax.Array, jax.Array] | None = None,  # float32 (cos, sin) [B, D/2] each
+    qk_norm: tuple[jax.Array, jax.Array] | None = None,  # (q scale, k scale) [D] each
     *,
     num_q_heads: int | None = None,
+    eps: float = 1e-6,
     num_warps: int | None = None,
     num_stages: int = DEFAULT_NUM_STAGES,
     prefetch_table: bool | None = None,
@@ -301,17 +314,30 @@ def paged_decode_attention_append(
     """`kv_append` of each row's new K/V at position lengths[b] - 1, then
     `paged_decode_attention`, in one kernel: a decode step's layer launches one kernel fewer.
     A padded row (length 0) writes scratch block 0 and gives zeros. Updates the caches in place
-    (donate them in the calling jit). `num_q_heads` and tiles as `paged_decode_attention`."""
+    (donate them in the calling jit). `num_q_heads` and tiles as `paged_decode_attention`.
+
+    With `rope`, q and k are rotated first (and with `qk_norm`, RMSNorm'd with eps before
+    that), as `qk_norm_rope_reference` does: K goes to the cache rotated, V as given."""
     hq = num_q_heads or k_cache.shape[0]
     _check_decode_args(qkv, k_cache, v_cache, block_tables, lengths, append=True, hq=hq)
-    return _decode_call(
+    check_qk_norm_rope(qkv, rope, qk_norm)
+    prologue = (*(rope or ()), *(qk_norm or ()))
+    suffix = ("_qknorm" if qk_norm else "") + ("_rope" if rope else "")
+    kernel = functools.partial(
         paged_decode_attention_append_kernel,
-        "paged_decode_attention_append",
+        rope=rope is not None,
+        qk_norm=qk_norm is not None,
+        eps=eps,
+    )
+    return _decode_call(
+        kernel,
+        "paged_decode_attention_append" + suffix,
         qkv,
         k_cache,
         v_cache,
         block_tables,
         lengths,
+        *prologue,
         append=True,
         num_q_heads=hq,
         num_warps=num_warps,
@@ -352,13 +378,18 @@ def paged_decode_attention_append_reference(
     v_cache: jax.Array,  # [H, NB, BS, D]
     block_tables: jax.Array,  # [B, MB] int32
     lengths: jax.Array,  # [B] int32
+    rope: tuple[jax.Array, jax.Array] | None = None,  # float32 (cos, sin) [B, D/2] each
+    qk_norm: tuple[jax.Array, jax.Array] | None = None,  # (q scale, k scale) [D] each
     *,
     num_q_heads: int | None = None,  # Hq, a multiple of H; None: H
+    eps: float = 1e-6,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The XLA reference of `paged_decode_attention_append`: the append (a scatter), then the
-    attention. Returns new caches; the arguments are left as they were."""
+    """The XLA reference of `paged_decode_attention_append`: q and k normalized and rotated
+    (`qk_norm_rope_reference`), the append (a scatter), then the attention. Returns new caches;
+    the arguments are left as they were."""
     h, _, bs, _ = k_cache.shape
     hq = num_q_heads or h
+    qkv = qk_norm_rope_reference(qkv, rope, qk_norm, num_q_heads=hq, eps=eps)
     # The slot of position lengths - 1; a padded row (length 0) writes to scratch block 0.
     last = jnp.maximum(lengths - 1, 0)  # [B]
     real = lengths > 0

@@ -3,7 +3,8 @@
 Llama-style models normalize twice a layer (and Qwen3 twice more, q and k of every head): XLA
 lowers each RMSNorm to a row reduction and an elementwise kernel. Here one program reads
 `block_rows` rows once, takes their mean square in float32 and writes them normalized:
-x * rsqrt(mean(x^2) + eps) * scale.
+x * rsqrt(mean(x^2) + eps) * scale. A call that names no `block_rows` gets one row a program,
+or several where that would launch thousands of programs (`default_block_rows`).
 
 `add_rms_norm` is the residual step and the next RMSNorm in one kernel: h = the float32 partial
 sums [S, N, E] of a linear layer (`pallas_kernels.linear.linear_partial_sums`) + its bias + the
@@ -23,12 +24,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import next_power_of_2
 from pallas_kernels._row_norm import check_residual_sum, load_residual_sum, row_call, row_tile
 from pallas_kernels.linear import finish_partial_sums
 
-# Not measured yet: the layer norm's (one row, four warps per program).
-DEFAULT_BLOCK_ROWS = 1
+# Not measured yet: the layer norm's four warps a program, and its one row a program (which beat
+# four rows at B=1) unless that makes more than MULTI_ROW_PROGRAMS programs (about two per SM of
+# an H100): then up to MULTI_ROW_ELEMENTS elements a program, e.g. 16 rows of 128 for the q/k
+# norms of a B=256 decode step (6,144 rows) where one row a program made 6,144 programs.
 DEFAULT_NUM_WARPS = 4
+MULTI_ROW_PROGRAMS = 256
+MULTI_ROW_ELEMENTS = 4096
+
+
+def default_block_rows(n: int, e: int) -> int:
+    """Rows a program normalizes, of an [N, E] call that names none: a power of two."""
+    rows = min(MULTI_ROW_ELEMENTS // next_power_of_2(e), n // MULTI_ROW_PROGRAMS)
+    return 1 << (rows.bit_length() - 1) if rows > 1 else 1  # the largest power of two <= rows
 
 
 def _load_normalized(x, scale_ref, col_ok, e: int, eps: float):
@@ -82,11 +94,12 @@ def rms_norm(
     scale: jax.Array,  # [E]
     *,
     eps: float = 1e-6,
-    block_rows: int = DEFAULT_BLOCK_ROWS,
+    block_rows: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool = False,
 ) -> jax.Array:  # [N, E], x's dtype
-    """x * rsqrt(mean(x^2) + eps) * scale over each row of x."""
+    """x * rsqrt(mean(x^2) + eps) * scale over each row of x, `block_rows` rows a program (None:
+    `default_block_rows`)."""
     if x.ndim != 2 or scale.shape != (x.shape[1],):
         raise ValueError(f"need x [N, E] and scale [E], got {x.shape}, {scale.shape}")
     (y,) = row_call(
@@ -96,7 +109,7 @@ def rms_norm(
         x,
         "rms_norm",
         eps=eps,
-        block_rows=block_rows,
+        block_rows=default_block_rows(*x.shape) if block_rows is None else block_rows,
         num_warps=num_warps,
         interpret=interpret,
     )
@@ -124,12 +137,12 @@ def add_rms_norm(
     scale: jax.Array,  # [E]
     *,
     eps: float = 1e-6,
-    block_rows: int = DEFAULT_BLOCK_ROWS,
+    block_rows: int | None = None,
     num_warps: int = DEFAULT_NUM_WARPS,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # h [N, E], rms_norm(h) [N, E], both in residual's dtype
     """h = residual + sum(partials) + linear_bias (rounded to residual's dtype) and its RMSNorm,
-    in one kernel."""
+    in one kernel; `block_rows` as `rms_norm`'s."""
     check_residual_sum(partials, linear_bias, residual, scale=scale)
     return row_call(
         add_rms_norm_kernel,
@@ -138,7 +151,7 @@ def add_rms_norm(
         residual,
         "add_rms_norm",
         eps=eps,
-        block_rows=block_rows,
+        block_rows=(default_block_rows(*residual.shape) if block_rows is None else block_rows),
         num_warps=num_warps,
         interpret=interpret,
     )

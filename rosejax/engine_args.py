@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from rosejax.engine.llm_engine import AUTO_FULL_STEPS, AUTO_OPEN_STEPS
-from rosejax.settings import KERNEL_OPS, KernelConfig
+from rosejax.settings import KERNEL_OPS, KERNEL_SWITCHES, KernelConfig
 
 
 def parse_decode_steps(text: str) -> int | str:
@@ -62,7 +62,7 @@ def kernel_config(settings: list[tuple[str, str]], tiles: list[tuple[str, str, i
     for name, value in settings:
         if name in KERNEL_OPS:
             overrides[name] = value
-        elif name in ("fused_kv_append", "concurrent_command_buffers"):
+        elif name in KERNEL_SWITCHES:
             if value.lower() not in ("on", "off", "true", "false", "1", "0"):
                 raise ValueError(f"--kernel {name} takes on or off, got {value!r}")
             overrides[name] = value.lower() in ("on", "true", "1")
@@ -213,7 +213,7 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         metavar="FIELD=VALUE",
         help="a kernel-config setting (repeatable): attention, prefill_attention, kv_append, "
         "layer_norm, rms_norm, linear = "
-        "pallas | xla; fused_kv_append, concurrent_command_buffers = on | off; "
+        "pallas | xla; " + ", ".join(KERNEL_SWITCHES) + " = on | off; "
         "kv_append_min_batch, linear_max_rows, cublas_min_batch = an int (cublas_min_batch also "
         "none). Default: every Pallas kernel on a GPU, XLA on a CPU, then $ROSEJAX_* switches",
     )

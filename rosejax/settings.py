@@ -23,6 +23,13 @@ import jax
 Impl = Literal["pallas", "xla"]
 IMPLS = ("pallas", "xla")
 KERNEL_OPS = ("kv_append", "attention", "prefill_attention", "layer_norm", "rms_norm", "linear")
+# KernelConfig's on/off fields.
+KERNEL_SWITCHES = (
+    "fused_kv_append",
+    "fused_qk_rope",
+    "fused_swiglu",
+    "concurrent_command_buffers",
+)
 
 # Environment variables that fill defaults, and what each sets.
 ENV_KERNEL_SWITCHES = {  # "0" / "false" / "off" / "no" picks XLA for the op
@@ -34,6 +41,8 @@ ENV_KERNEL_SWITCHES = {  # "0" / "false" / "off" / "no" picks XLA for the op
     "linear": "ROSEJAX_PALLAS_LINEAR",
 }
 ENV_FUSED_KV_APPEND = "ROSEJAX_FUSED_KV_APPEND"
+ENV_FUSED_QK_ROPE = "ROSEJAX_FUSED_QK_ROPE"
+ENV_FUSED_SWIGLU = "ROSEJAX_FUSED_SWIGLU"
 ENV_KV_APPEND_MIN_BATCH = "ROSEJAX_PALLAS_KV_APPEND_MIN_BATCH"
 ENV_LINEAR_MAX_ROWS = "ROSEJAX_PALLAS_LINEAR_MAX_ROWS"
 ENV_CUBLAS_MIN_BATCH = "ROSEJAX_CUBLAS_MIN_BATCH"
@@ -87,6 +96,7 @@ _SET_BY_LAYERS = frozenset(
         "interpret",
         "eps",
         "activation",
+        "swiglu_input",
         "new_head_offsets",
         "use_kernels",
         "min_batch",
@@ -141,7 +151,12 @@ class KernelConfig:
     layer_norm: Impl = "xla"
     rms_norm: Impl = "xla"  # Llama-style models' norms, with the residual add before them
     linear: Impl = "xla"  # small-batch matmul with fused bias, GELU and residual
+    # The Pallas matmul of a SwiGLU MLP's down projection takes the gate/up projection and
+    # computes silu(gate) * up itself as it loads it.
+    fused_swiglu: bool = True
     fused_kv_append: bool = True  # the Pallas decode attention writes the step's K/V itself
+    # ... and normalizes (Qwen3's q/k RMSNorm) and rotates (RoPE) the step's q and k itself.
+    fused_qk_rope: bool = True
     kv_append_min_batch: int = DEFAULT_KV_APPEND_MIN_BATCH  # fewer appended rows: XLA scatter
     linear_max_rows: int = DEFAULT_LINEAR_MAX_ROWS  # more rows: XLA's GEMMs
     # Decode programs of at least this many rows use cuBLAS GEMMs, smaller ones XLA's Triton
@@ -185,6 +200,8 @@ class KernelConfig:
         for op, env in ENV_KERNEL_SWITCHES.items():
             values[op] = "pallas" if gpu and env_switch(env) else "xla"
         values["fused_kv_append"] = env_switch(ENV_FUSED_KV_APPEND)
+        values["fused_qk_rope"] = env_switch(ENV_FUSED_QK_ROPE)
+        values["fused_swiglu"] = env_switch(ENV_FUSED_SWIGLU)
         values["kv_append_min_batch"] = env_int(
             ENV_KV_APPEND_MIN_BATCH, DEFAULT_KV_APPEND_MIN_BATCH
         )

@@ -1,6 +1,7 @@
-"""Grouped-query decode attention (Hq query heads over H KV heads) and RMSNorm: every
-implementation (the Pallas kernels, interpreted on a CPU, and the XLA references; the engine's
-chunked XLA prefill attention too) against numpy oracles, at head dims 64 and 128."""
+"""Grouped-query decode attention (Hq query heads over H KV heads), with the q/k RMSNorm and RoPE
+of its fused-append kernel, and RMSNorm: every implementation (the Pallas kernels, interpreted on
+a CPU, and the XLA references; the engine's chunked XLA prefill attention too) against numpy
+oracles, at head dims 64 and 128."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.linear import linear_partial_sums_reference
+from pallas_kernels.linear import linear_partial_sums, linear_partial_sums_reference
 from pallas_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_append,
@@ -22,14 +23,17 @@ from pallas_kernels.paged_prefill_attention import (
     paged_prefill_attention,
     paged_prefill_attention_reference,
 )
+from pallas_kernels.qk_norm_rope import qk_norm_rope_reference as _qk_norm_rope_reference
 from pallas_kernels.rms_norm import (
     add_rms_norm,
     add_rms_norm_reference,
+    default_block_rows,
     rms_norm,
     rms_norm_reference,
 )
 from rosejax.layers.attention import paged_attention_xla
-from tests.conftest import INTERPRET
+from rosejax.layers.rotary import rope_cos_sin, rope_inv_freq
+from tests.conftest import INTERPRET, pairwise
 from tests.test_paged_attention import TOL, make_case, oracle
 
 IMPLS = {
@@ -119,6 +123,150 @@ def test_gqa_heads_checked():
         paged_decode_attention_append(q, k, v, tables, lengths, num_q_heads=4, interpret=INTERPRET)
 
 
+# ------------------------------------------------------- q/k RMSNorm and RoPE in the append kernel
+
+qk_norm_rope_reference = jax.jit(_qk_norm_rope_reference, static_argnames=("num_q_heads", "eps"))
+ROPE_IMPLS = {
+    "pallas": functools.partial(paged_decode_attention_append, interpret=INTERPRET),
+    "reference": jax.jit(
+        paged_decode_attention_append_reference,
+        donate_argnums=(1, 2),
+        static_argnames=("num_q_heads", "eps"),
+    ),
+}
+# (B, H, group, D, block_size, blocks per row): Qwen3-0.6B's group 2 at D 128, Llama-3.2-1B's 4 at
+# D 64, multi-head (group 1) at D 128.
+ROPE_SHAPES = [(3, 2, 2, 128, 8, 3), (2, 2, 4, 64, 16, 2), (3, 2, 1, 128, 8, 2)]
+ROPE_TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+EPS = 1e-6
+
+
+def rope_case(rng, b, h, group, d, bs, mb, dtype, qk_norm: bool):
+    """A decode step's fused projection before its norm and rotation, the caches with the new
+    tokens' slots poisoned with NaN (read, they would spoil the row), cos/sin of random
+    positions, and the norm's scales (None without qk_norm). The last row of 3 is padded."""
+    q, k, v, tables, lengths = make_gqa_case(rng, b, h, group, d, bs, mb, dtype)
+    k, v, lengths = np.array(k), np.array(v), np.array(lengths)
+    if b > 2:
+        lengths[b - 1] = 0
+    for row, n in enumerate(lengths):
+        if n:
+            k[:, tables[row, (n - 1) // bs], (n - 1) % bs] = np.nan
+            v[:, tables[row, (n - 1) // bs], (n - 1) % bs] = np.nan
+    k, v, lengths = jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths)
+    kv_new = jnp.asarray(rng.normal(size=(b, 2 * h, d)) * 3, dtype)
+    qkv = jnp.concatenate([q * 3, kv_new], axis=1)  # [B, Hq + 2H, D]
+    positions = jnp.asarray(rng.integers(0, 4096, b), jnp.int32)
+    rope = rope_cos_sin(positions, rope_inv_freq(d, 1e6))
+    norms = None
+    if qk_norm:
+        norms = tuple(jnp.asarray(rng.normal(1.0, 0.3, d), dtype) for _ in range(2))
+    return qkv, k, v, tables, lengths, rope, norms
+
+
+def norm_rope_oracle(x, cos, sin, scale, eps):
+    """x [N, H, D] -> RMSNorm (if scale is given) then rotate-half RoPE, in float64."""
+    x = np.asarray(x, np.float64)
+    if scale is not None:
+        x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(scale, float)
+    half = x.shape[-1] // 2
+    c, s = np.asarray(cos, np.float64)[:, None], np.asarray(sin, np.float64)[:, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+@pytest.mark.parametrize("dtype", list(ROPE_TOL))
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "rope_only"])
+def test_qk_norm_rope_reference_matches_oracle(qk_norm, dtype):
+    """The XLA path (the model's, and the kernel's reference) against the definition."""
+    rng = np.random.default_rng()
+    qkv, *_, rope, norms = rope_case(rng, 3, 2, 2, 128, 8, 3, dtype, qk_norm)
+    out = qk_norm_rope_reference(qkv, rope, norms, num_q_heads=4, eps=EPS)
+    assert out.shape == qkv.shape and out.dtype == qkv.dtype
+    scales = (None, None) if norms is None else norms
+    for heads, scale in ((slice(0, 4), scales[0]), (slice(4, 6), scales[1])):
+        want = norm_rope_oracle(qkv[:, heads], *rope, scale, EPS)
+        np.testing.assert_allclose(
+            np.asarray(out[:, heads], np.float64), want, rtol=ROPE_TOL[dtype], atol=ROPE_TOL[dtype]
+        )
+    np.testing.assert_array_equal(np.asarray(out[:, 6:]), np.asarray(qkv[:, 6:]))  # v as it was
+
+
+def check_rope_append(impl, shape, qk_norm, dtype):
+    rng = np.random.default_rng()
+    qkv, k, v, tables, lengths, rope, norms = rope_case(rng, *shape, dtype, qk_norm)
+    hq = shape[1] * shape[2]
+    h, bs = k.shape[0], k.shape[2]
+    # What the kernel must write and attend with: the XLA path's q/k. The same float32 ops and
+    # roundings: bit for bit where they are computed alike (on a CPU, no norm); the norm's
+    # rsqrt may differ in its last bit (XLA:CPU's vectorized one against its scalar one, a
+    # GPU's), which may move a rounding by one step of the dtype.
+    rotated = qk_norm_rope_reference(qkv, rope, norms, num_q_heads=hq, eps=EPS)
+    want_k, want_v = np.array(k), np.array(v)
+    for row in range(qkv.shape[0]):
+        n = int(lengths[row])
+        blk, off = (int(tables[row, (n - 1) // bs]), (n - 1) % bs) if n else (0, 0)
+        want_k[:, blk, off] = np.asarray(rotated[row, hq : hq + h])
+        want_v[:, blk, off] = np.asarray(rotated[row, hq + h :])
+    out, k_out, v_out = ROPE_IMPLS[impl](
+        qkv, k, v, tables, lengths, rope, norms, num_q_heads=hq, eps=EPS
+    )
+    assert out.shape == (qkv.shape[0], hq, qkv.shape[2]) and out.dtype == qkv.dtype
+    exact = not qk_norm and (INTERPRET or impl == "reference")
+    new_k = np.abs(np.asarray(rotated[:, hq : hq + h], np.float64))
+    step = 0.0 if exact else 2 * float(jnp.finfo(dtype).eps) * float(np.max(new_k))
+    np.testing.assert_allclose(np.asarray(k_out, np.float64), want_k, rtol=0, atol=step)
+    np.testing.assert_array_equal(np.asarray(v_out), want_v)
+    real = np.asarray(lengths) > 0
+    ref = gqa_oracle(
+        rotated[real, :hq], want_k, want_v, np.asarray(tables)[real], lengths[real], shape[2]
+    )
+    out = np.asarray(out, np.float64)
+    assert np.linalg.norm(out[real] - ref) / np.linalg.norm(ref) <= ROPE_TOL[dtype]
+    assert np.all(out[~real] == 0)
+
+
+@pytest.mark.parametrize(
+    "impl,shape,qk_norm,dtype",
+    pairwise(
+        impl=list(ROPE_IMPLS), shape=ROPE_SHAPES[:2], qk_norm=[True, False], dtype=list(ROPE_TOL)
+    ),
+)
+def test_append_normalizes_and_rotates(impl, shape, qk_norm, dtype):
+    """q and k normalized (Qwen3) and rotated in the kernel, as the XLA path does before it: the
+    new K/V land in their slots (poisoned first), the output attends over them, a padded row
+    gives zeros and writes scratch. Every case of the product (group 1 too): below."""
+    check_rope_append(impl, shape, qk_norm, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", list(ROPE_TOL))
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "rope_only"])
+@pytest.mark.parametrize("shape", ROPE_SHAPES)
+@pytest.mark.parametrize("impl", ROPE_IMPLS)
+def test_append_normalizes_and_rotates_every_case(impl, shape, qk_norm, dtype):
+    check_rope_append(impl, shape, qk_norm, dtype)
+
+
+def test_rope_args_checked():
+    rng = np.random.default_rng()
+    qkv, k, v, tables, lengths, rope, norms = rope_case(rng, 2, 2, 2, 64, 8, 2, "float32", True)
+    with pytest.raises(ValueError, match="qk_norm needs rope"):
+        paged_decode_attention_append(
+            qkv, k, v, tables, lengths, None, norms, num_q_heads=4, interpret=INTERPRET
+        )
+    with pytest.raises(ValueError, match="rope must be float32"):
+        half_rope = tuple(a[:, :16] for a in rope)
+        paged_decode_attention_append(
+            qkv, k, v, tables, lengths, half_rope, norms, num_q_heads=4, interpret=INTERPRET
+        )
+    with pytest.raises(ValueError, match="scales must be"):
+        short = tuple(s[:32] for s in norms)
+        paged_decode_attention_append(
+            qkv, k, v, tables, lengths, rope, short, num_q_heads=4, interpret=INTERPRET
+        )
+
+
 # ------------------------------------------------------------------------------------ RMSNorm
 
 NORM_IMPLS = {
@@ -128,6 +276,7 @@ NORM_IMPLS = {
 }
 ADD_NORM_IMPLS = {
     "pallas": functools.partial(add_rms_norm, interpret=INTERPRET),
+    "pallas_rows4": functools.partial(add_rms_norm, block_rows=4, interpret=INTERPRET),
     "reference": jax.jit(add_rms_norm_reference, static_argnames="eps"),
 }
 NORM_TOL = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 2e-3}
@@ -157,7 +306,7 @@ def test_rms_norm_matches_oracle(impl, shape, dtype):
 def test_add_rms_norm_matches_oracle(impl, splits):
     """h = residual + the linear's partial sums + its bias, and rms_norm(h)."""
     rng = np.random.default_rng()
-    m, k, n = 4, 48, 96
+    m, k, n = 5, 48, 96  # rows4: a full tile and one of a single row
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.float32)
     chunks = np.array_split(np.arange(k), splits)
@@ -169,6 +318,21 @@ def test_add_rms_norm_matches_oracle(impl, splits):
     want_h = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(bias) + residual
     np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(y), rms_oracle(want_h, scale, 1e-5), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "n,e,want",
+    [
+        (1, 1024, 1),  # a decode step of one row
+        (256, 1024, 1),  # Qwen3-0.6B's B=256 norms: 256 programs already
+        (1024, 1024, 4),
+        (6144, 128, 16),  # q/k norms of B=256 (16 + 8 heads): 24 rows a program at most
+        (600, 96, 2),  # an odd width, tiled as 128
+        (4096, 8192, 1),  # rows too wide to stack
+    ],
+)
+def test_default_block_rows(n, e, want):
+    assert default_block_rows(n, e) == want
 
 
 # ---------------------------------------------------------------------- paged prefill attention
@@ -213,3 +377,33 @@ def test_paged_prefill_matches_oracle(impl, h, group, d, cached):
         for i in range(n):
             want = gqa_oracle(q[row, i][None], k, v, tables[row][None], [c + i + 1], group)
             np.testing.assert_allclose(out[row, i][None], want, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------- Triton lowering
+
+
+def test_fused_decode_kernels_lower_to_triton():
+    """The kernels a Qwen3-0.6B decode step fuses (the attention with q/k norm and RoPE, the
+    down projection with SwiGLU, RMSNorm several rows a program) lower to Triton for a GPU,
+    here too: the Pallas-to-Triton lowering rejects what Triton cannot tile (shapes not powers
+    of two, unsupported ops) before any GPU is needed."""
+    b, h, group, d, bs = 16, 8, 2, 128, 64
+    dt = jnp.bfloat16
+    qkv = jnp.zeros((b, h * (group + 2), d), dt)
+    cache = jnp.zeros((h, 9, bs, d), dt)
+    tables, lengths = jnp.zeros((b, 8), jnp.int32), jnp.ones((b,), jnp.int32)
+    rope = (jnp.zeros((b, d // 2), jnp.float32),) * 2
+    calls = {
+        "attention": (
+            lambda *a: paged_decode_attention_append(*a, num_q_heads=h * group),
+            (qkv, cache, cache, tables, lengths, rope, (jnp.ones(d, dt),) * 2),
+        ),
+        "swiglu": (
+            lambda x, w: linear_partial_sums(x, w, swiglu_input=True),
+            (jnp.zeros((16, 2 * 3072), dt), jnp.zeros((3072, 1024), dt)),
+        ),
+        "rms_norm": (rms_norm, (jnp.zeros((6144, d), dt), jnp.ones(d, dt))),
+    }
+    for name, (fn, args) in calls.items():
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text, name

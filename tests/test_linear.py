@@ -1,5 +1,5 @@
-"""Linear with its epilogue: the Pallas kernel, its XLA reference and the model's module against
-numpy."""
+"""Linear with its epilogue (and a SwiGLU MLP's down projection with silu(gate) * up in its
+prologue): the Pallas kernel, its XLA reference and the model's module against numpy."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels.linear import (
+    finish_partial_sums,
     linear,
     linear_partial_sums,
     linear_partial_sums_reference,
     linear_reference,
     split_count,
+    swiglu,
 )
 from rosejax.layers.linear import Linear
 from rosejax.settings import KernelConfig
@@ -23,10 +25,10 @@ from tests.conftest import INTERPRET, pairwise
 PALLAS = KernelConfig(linear="pallas", interpret=INTERPRET)
 
 
-def module(x, w, b, residual=None, *, activation=None, kernels=PALLAS):
+def module(x, w, b, residual=None, *, activation=None, kernels=PALLAS, swiglu_input=False):
     """The model's layer with the Pallas kernel chosen (XLA where the layer's rules say so)."""
     layer = Linear(w.shape[1], activation, kernels)
-    return layer.apply({"params": {"kernel": w, "bias": b}}, x, residual)
+    return layer.apply({"params": {"kernel": w, "bias": b}}, x, residual, swiglu_input=swiglu_input)
 
 
 IMPLS = {
@@ -116,7 +118,8 @@ def test_params_of_the_wrong_shape_or_missing_name_the_param():
     "kwargs,match",
     [
         (dict(x=jnp.zeros((2, 63))), "need x"),
-        (dict(b=jnp.zeros(31)), "need x"),
+        (dict(b=jnp.zeros(31)), "need b"),
+        (dict(swiglu_input=True), "need x \\[M, 2K\\]"),
         (dict(residual=jnp.zeros((3, 32))), "residual"),
         (dict(activation="relu"), "activation"),
         (dict(block_n=24), "powers of two"),
@@ -221,3 +224,67 @@ def test_untileable_shapes_fall_back_to_xla():
     np.testing.assert_allclose(
         np.asarray(module(x, w, b)), oracle(x, w, b, None, None), rtol=1e-5, atol=1e-5
     )
+
+
+# ------------------------------------------------------------------ SwiGLU in the prologue
+
+SWIGLU_IMPLS = {
+    "pallas": functools.partial(linear, swiglu_input=True, interpret=INTERPRET),
+    # K split over programs: each reads its own tiles of both halves.
+    "pallas_split_k": functools.partial(
+        linear, swiglu_input=True, block_k=32, max_k_steps=1, interpret=INTERPRET
+    ),
+    "pallas_partial_sums": lambda x, w, b, residual: finish_partial_sums(
+        linear_partial_sums(x, w, swiglu_input=True, block_k=16, interpret=INTERPRET), b, residual
+    ),
+    "reference": lambda x, w, b, residual: linear_reference(swiglu(x), w, b, residual),
+    "module": functools.partial(module, swiglu_input=True),
+    "module_unfused": functools.partial(
+        module,
+        swiglu_input=True,
+        kernels=KernelConfig(linear="pallas", fused_swiglu=False, interpret=INTERPRET),
+    ),
+}
+
+
+def gate_up_case(rng, m, k, dtype):
+    """A gate/up projection [M, 2K]: gates wide enough to cover silu's bend and both tails."""
+    return jnp.asarray(
+        np.concatenate([rng.normal(size=(m, k)) * 3, rng.normal(size=(m, k))], 1), dtype
+    )
+
+
+@pytest.mark.slow  # `swiglu` itself meets HF in the Llama-family tests
+@pytest.mark.parametrize(
+    "impl,shape,dtype", pairwise(impl=list(SWIGLU_IMPLS), shape=SHAPES[1:3], dtype=list(TOL))
+)
+def test_swiglu_input_matches_numpy(impl, shape, dtype):
+    """residual + (silu(gate) * up) @ w + b from the gate/up projection [M, 2K]."""
+    rng = np.random.default_rng()
+    m, k, n = shape
+    x = gate_up_case(rng, m, k, dtype)
+    w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), dtype)
+    b = jnp.asarray(rng.normal(size=n), dtype)
+    residual = jnp.asarray(rng.normal(size=(m, n)) * 4, dtype)
+    got = SWIGLU_IMPLS[impl](x, w, b, residual)
+    assert got.shape == (m, n) and got.dtype == jnp.dtype(dtype)
+    gate, up = np.split(np.asarray(x, np.float64), 2, axis=1)
+    want = oracle(gate / (1 + np.exp(-gate)) * up, w, b, residual, None)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * 4
+    )
+
+
+@pytest.mark.parametrize("impl", list(SWIGLU_IMPLS))
+def test_swiglu_input_rounds_as_xla(impl, dtype="bfloat16"):
+    """Through identity weights (a product that adds exact zeros), the kernel's input is the XLA
+    path's `swiglu`: bit for bit where both are computed on a CPU, within a rounding of the
+    dtype on a GPU (its exp)."""
+    rng = np.random.default_rng()
+    m, k = 5, 64
+    x = gate_up_case(rng, m, k, dtype)
+    eye, zeros = jnp.eye(k, dtype=dtype), jnp.zeros(k, dtype)
+    got = np.asarray(SWIGLU_IMPLS[impl](x, eye, zeros, None), np.float64)
+    want = np.asarray(swiglu(x), np.float64)
+    step = 0.0 if INTERPRET else float(jnp.finfo(dtype).eps) * float(np.max(np.abs(want)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=step)

@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 import torch
 
+from pallas_kernels.linear import linear_supported
 from rosejax import LLM, KernelConfig, SamplingParams
 from rosejax.layers.attention import ForwardMetadata
 from rosejax.layers.kv_cache import init_kv_cache
 from rosejax.models import eos_token_ids, family_of, preset
 from rosejax.models.llama.config import LlamaConfig
 from rosejax.models.loader import load_checkpoint, load_model
+from rosejax.settings import XLA_KERNELS
 from rosejax.tokenizer import packaged_gpt2_tokenizer_path
 from tests.conftest import INTERPRET, hf_greedy
 
@@ -233,6 +235,83 @@ def small_qwen3(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3-small")
     _, kwargs = SHAPES["qwen3-g2-hd64-tied"]
     return str(path), make_checkpoint(path, "qwen3", seed=5, **kwargs)
+
+
+def check_decode_fusions(path, monkeypatch, dtype):
+    """A decode step whose attention kernel takes q and k before their q/k RMSNorm and RoPE
+    (`fused_qk_rope`) and whose down projection takes the gate/up projection (`fused_swiglu`)
+    gives the logits and caches of the step that runs both in XLA: bit for bit in float32
+    without a q/k norm on a CPU, within a rounding of the dtype otherwise (the norm's rsqrt may
+    differ in its last bit between XLA's vectorized one and the kernel's; a GPU may fuse the
+    rotation's multiply-adds)."""
+    from rosejax.layers import linear as linear_layer
+    from rosejax.models.llama import model as llama_model
+
+    config, params = load_checkpoint(path, dtype)
+    b, prompt = 2, 11
+    tables, num_blocks = contiguous_layout(b, prompt + 1)
+    rng = np.random.default_rng()
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (b, prompt + 1)), jnp.int32)
+    # A jit of its own: traced here, so the spies below see every call.
+    forward = jax.jit(
+        lambda *args, kernels=XLA_KERNELS: family_of(config).forward(*args, kernels=kernels),
+        static_argnums=1,
+        static_argnames="kernels",
+    )
+    positions = jnp.broadcast_to(jnp.arange(prompt, dtype=jnp.int32), (b, prompt))
+    lengths = jnp.full((b,), prompt, jnp.int32)
+    meta = ForwardMetadata(positions=positions, seq_lens=lengths, block_tables=tables)
+    cache = init_kv_cache(config, num_blocks, BLOCK_SIZE, jnp.dtype(dtype))
+    _, cache = forward(params, config, tokens[:, :prompt], cache, meta)
+    step = ForwardMetadata(positions=lengths[:, None], seq_lens=lengths + 1, block_tables=tables)
+    ropes, swiglus = [], []
+    decode_attention = llama_model.decode_attention
+    monkeypatch.setattr(
+        llama_model,
+        "decode_attention",
+        lambda *a, rope=None, **k: ropes.append(rope) or decode_attention(*a, rope=rope, **k),
+    )
+    partial_sums = linear_layer.linear_partial_sums
+    monkeypatch.setattr(
+        linear_layer,
+        "linear_partial_sums",
+        lambda *a, **k: swiglus.append(k.get("swiglu_input", False)) or partial_sums(*a, **k),
+    )
+    results = {}
+    for fused in (True, False):
+        kernels = KernelConfig(
+            attention="pallas",
+            linear="pallas",
+            fused_qk_rope=fused,
+            fused_swiglu=fused,
+            interpret=INTERPRET,
+        )
+        results[fused] = forward(params, config, tokens[:, prompt:], cache, step, kernels=kernels)
+    layers = config.num_hidden_layers
+    pallas = config.head_dim & (config.head_dim - 1) == 0  # the kernel tiles powers of two
+    assert [r is not None for r in ropes] == [pallas] * layers + [False] * layers
+    # The deferred projections, o_proj and down_proj, where the matmul kernel tiles them.
+    if linear_supported(config.intermediate_size, config.hidden_size):
+        assert swiglus == [False, True] * layers + [False, False] * layers
+    else:
+        assert not swiglus
+    exact = INTERPRET and dtype == "float32" and not config.qk_norm  # a GPU may fuse a mul-add
+    for got, want in zip(
+        jax.tree.leaves(results[True]), jax.tree.leaves(results[False]), strict=True
+    ):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        step_size = 0 if exact else 4 * float(jnp.finfo(dtype).eps) * float(np.max(np.abs(want)))
+        np.testing.assert_allclose(got, want, rtol=0, atol=step_size)
+
+
+def test_decode_fusions_match_xla(small_qwen3, monkeypatch):
+    check_decode_fusions(small_qwen3[0], monkeypatch, "bfloat16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_fusions_match_xla_every_shape(checkpoint, monkeypatch, dtype):
+    check_decode_fusions(checkpoint[0], monkeypatch, dtype)
 
 
 def test_sharded_and_half_precision_checkpoints(small_qwen3, tmp_path):

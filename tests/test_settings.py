@@ -19,8 +19,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_gpu_defaults_every_kernel_cpu_none(monkeypatch):
     for name in ("ROSEJAX_PALLAS_ATTENTION", "ROSEJAX_PALLAS_LINEAR", "XLA_FLAGS"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("ROSEJAX_FUSED_QK_ROPE", raising=False)
     gpu = KernelConfig.for_backend("gpu")
     assert (gpu.kv_append, gpu.attention, gpu.layer_norm, gpu.linear) == ("pallas",) * 4
+    assert gpu.fused_kv_append and gpu.fused_qk_rope
     cpu = KernelConfig.for_backend("cpu")
     assert (cpu.kv_append, cpu.attention, cpu.layer_norm, cpu.linear) == ("xla",) * 4
     assert cpu == KernelConfig()
@@ -29,11 +31,13 @@ def test_gpu_defaults_every_kernel_cpu_none(monkeypatch):
 def test_environment_fills_defaults_and_overrides_win(monkeypatch):
     monkeypatch.setenv("ROSEJAX_PALLAS_ATTENTION", "off")
     monkeypatch.setenv("ROSEJAX_FUSED_KV_APPEND", "0")
+    monkeypatch.setenv("ROSEJAX_FUSED_QK_ROPE", "off")
     monkeypatch.setenv("ROSEJAX_PALLAS_LINEAR_MAX_ROWS", "32")
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     config = KernelConfig.for_backend("gpu", linear="xla")
     assert config.attention == "xla" and config.layer_norm == "pallas"
     assert not config.fused_kv_append and config.linear_max_rows == 32
+    assert not config.fused_qk_rope
     assert config.linear == "xla"  # the explicit override
     monkeypatch.setenv("ROSEJAX_PALLAS_LINEAR_MAX_ROWS", "many")
     with pytest.raises(ValueError, match="ROSEJAX_PALLAS_LINEAR_MAX_ROWS must be an integer"):

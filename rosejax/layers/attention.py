@@ -14,6 +14,7 @@ absolute position `p` sees the keys at logical positions `0..p` of its block tab
   kernel (`pallas_kernels/paged_attention.py`), which writes the K/V itself unless
   `kernels.fused_kv_append` is off (then `append_kv` does), or XLA (`paged_decode_attention_xla`,
   the same chunked walk), as the `KernelConfig` says and for caches the kernel does not tile.
+  The kernel that writes K/V itself can also take q and k before their RoPE (and q/k RMSNorm).
 - `append_kv`: the `kv_append` dispatcher's kernels (or its XLA scatter), for prefill chunks and
   unfused decode steps.
 """
@@ -101,6 +102,16 @@ def append_kv(
     )
 
 
+def decode_kernel_appends(kernels: KernelConfig, k_cache: jax.Array) -> bool:
+    """Whether `decode_attention` runs the Pallas kernel that writes the step's K/V itself: the
+    one that can also normalize and rotate q and k (`rope`, `qk_norm`)."""
+    return (
+        kernels.attention == "pallas"
+        and kernels.fused_kv_append
+        and decode_kernel_supported(k_cache.shape[3], k_cache.shape[2])
+    )
+
+
 def decode_attention(
     qkv: jax.Array,  # [B, Hq + 2H, D]: each row's one new token
     k_cache: jax.Array,  # [H, NB, BS, D]
@@ -111,8 +122,13 @@ def decode_attention(
     write_offset: jax.Array,  # [B] int32
     kernels: KernelConfig,
     num_q_heads: int | None = None,  # Hq, a multiple of H (grouped queries); None: H
+    rope: tuple[jax.Array, jax.Array] | None = None,  # float32 (cos, sin) [B, D/2] each
+    qk_norm: tuple[jax.Array, jax.Array] | None = None,  # (q scale, k scale) [D] each
+    eps: float = 1e-6,  # qk_norm's
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [B, Hq, D], k_cache, v_cache
-    """Write each row's new K/V, then attend over the row's `seq_lens` tokens."""
+    """Write each row's new K/V, then attend over the row's `seq_lens` tokens. With `rope` (and
+    `qk_norm`), q and k of qkv are first rotated (and normalized) in the kernel: only where
+    `decode_kernel_appends`."""
     # Triton tiles are powers of two: other head dims (or block sizes) take XLA's path.
     pallas = kernels.attention == "pallas" and decode_kernel_supported(
         k_cache.shape[3], k_cache.shape[2]
@@ -120,8 +136,12 @@ def decode_attention(
     tiles = kernels.tile_kwargs("attention") | {"interpret": kernels.interpret}
     if num_q_heads is not None and num_q_heads != k_cache.shape[0]:
         tiles["num_q_heads"] = num_q_heads
-    if pallas and kernels.fused_kv_append:  # finds the slots from block_tables and seq_lens
-        return paged_decode_attention_append(qkv, k_cache, v_cache, block_tables, seq_lens, **tiles)
+    if decode_kernel_appends(kernels, k_cache):  # finds the slots from block_tables and seq_lens
+        return paged_decode_attention_append(
+            qkv, k_cache, v_cache, block_tables, seq_lens, rope, qk_norm, eps=eps, **tiles
+        )
+    if rope is not None:
+        raise ValueError("only the decode kernel that appends K/V itself rotates q and k")
     k_cache, v_cache = append_kv(
         qkv, k_cache, v_cache, write_block, write_offset, kernels, num_q_heads
     )

@@ -11,6 +11,9 @@ by a Pallas kernel or XLA as the `KernelConfig` says.
   `LayerNorm` adds bias and residual in its own kernel (`add_layer_norm`), which also stores
   the sum for the residual stream. Per layer that is one kernel fewer, and the matmul may split
   K over more programs for free.
+- A SwiGLU MLP's down projection takes the gate/up projection (`swiglu_input`): the Pallas
+  kernel computes silu(gate) * up as it loads its input (`kernels.fused_swiglu`), every other
+  path first in XLA (`pallas_kernels.linear.swiglu`, the same rounding).
 - A row-parallel `Linear` (`reduce_axis`, tensor parallelism: `rosejax.layers.parallel`) holds
   its shard's rows of the kernel: its float32 partial sums are all-reduced over the mesh axis
   first, and the replicated bias and residual added after, once, rounded where one device's
@@ -35,6 +38,7 @@ from pallas_kernels.linear import (
     linear_reference,
     linear_reference_epilogue,
     linear_supported,
+    swiglu,
 )
 from rosejax.settings import XLA_KERNELS, KernelConfig
 
@@ -91,11 +95,13 @@ class Linear(nn.Module):
     reduce_axis: str | None = None  # row-parallel: psum the partial sums over this mesh axis
 
     @nn.compact
-    def __call__(self, x, residual=None, *, defer: bool = False):
+    def __call__(self, x, residual=None, *, defer: bool = False, swiglu_input: bool = False):
         """x [..., K], residual [..., N] or None -> [..., N]. With `defer` (a residual layer
         whose sum only a `LayerNorm` reads), a `PendingSum` instead when there is a residual, no
-        activation, and the call is the Pallas kernel's; otherwise the array as without it."""
-        k = x.shape[-1]
+        activation, and the call is the Pallas kernel's; otherwise the array as without it.
+        With `swiglu_input`, x [..., 2K] is a gate and an up half, and the layer's input is
+        `swiglu(x)`."""
+        k = x.shape[-1] // 2 if swiglu_input else x.shape[-1]
         kernel = given_param(self, "kernel", (k, self.features))
         if self.use_bias:
             bias = given_param(self, "bias", (self.features,))
@@ -106,15 +112,19 @@ class Linear(nn.Module):
         res = None if residual is None else residual.reshape(rows, self.features)
         pallas = pallas_linear_enabled(self.kernels, rows, k, self.features)
         tiles = self.kernels.tile_kwargs("linear") | {"interpret": self.kernels.interpret}
+        if swiglu_input and pallas and self.kernels.fused_swiglu:
+            tiles["swiglu_input"] = True  # the kernel reads x [..., 2K] whole
+        elif swiglu_input:
+            x = swiglu(x)  # [..., K]
         if self.reduce_axis is not None and not pallas:
             # Rounded where one device's `linear_reference` rounds (the whole product, then each
             # add), so the shards' sum gives the same half-precision values.
-            product = linear_partial_sums_reference(x.reshape(rows, k), kernel)[0]  # float32
+            product = linear_partial_sums_reference(x.reshape(rows, -1), kernel)[0]  # float32
             product = jax.lax.psum(product, self.reduce_axis).astype(x.dtype)
             y = linear_reference_epilogue(product, bias, res, activation=self.activation)
             return y.reshape(*lead, self.features)
         if self.reduce_axis is not None:
-            partials = linear_partial_sums(x.reshape(rows, k), kernel, **tiles)
+            partials = linear_partial_sums(x.reshape(rows, -1), kernel, **tiles)
             # The splits summed first: the all-reduce carries one [1, M, N] float32 sum.
             partials = jax.lax.psum(partials.sum(axis=0, keepdims=True), self.reduce_axis)
             if defer and residual is not None and self.activation is None:
@@ -122,13 +132,13 @@ class Linear(nn.Module):
             y = finish_partial_sums(partials, bias, res, activation=self.activation, dtype=x.dtype)
             return y.reshape(*lead, self.features)
         if not pallas:
-            y = linear_reference(x.reshape(rows, k), kernel, bias, res, activation=self.activation)
+            y = linear_reference(x.reshape(rows, -1), kernel, bias, res, activation=self.activation)
             return y.reshape(*lead, self.features)
         if defer and residual is not None and self.activation is None:
             return PendingSum(
-                linear_partial_sums(x.reshape(rows, k), kernel, **tiles), bias, residual
+                linear_partial_sums(x.reshape(rows, -1), kernel, **tiles), bias, residual
             )
-        y = linear(x.reshape(rows, k), kernel, bias, res, activation=self.activation, **tiles)
+        y = linear(x.reshape(rows, -1), kernel, bias, res, activation=self.activation, **tiles)
         return y.reshape(*lead, self.features)
 
 

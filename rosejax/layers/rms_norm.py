@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array | PendingSum) -> tuple[jax.Array, jax.Array]:  # [..., E] each
         e = (x.residual if isinstance(x, PendingSum) else x).shape[-1]
-        scale = given_param(self, "scale", (e,))
+        scale = self.scale(e)
         k = self.kernels
         tiles = k.tile_kwargs("rms_norm") | {"interpret": k.interpret}
         return norm_stream(
@@ -33,3 +33,7 @@ class RMSNorm(nn.Module):
             add_rms_norm,
             tiles,
         )
+
+    def scale(self, e: int) -> jax.Array:  # [E]
+        """The param, for a kernel that applies this norm itself (the decode attention)."""
+        return given_param(self, "scale", (e,))

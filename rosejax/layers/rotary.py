@@ -5,7 +5,9 @@ head's dims split in halves, not interleaved pairs), angles position x inv_freq 
 (transformers' `_compute_llama3_parameters`): wavelengths longer than original/low_freq_factor
 are divided by `factor`, shorter than original/high_freq_factor kept, and the band between
 blended. The model turns each token's position into (cos, sin) once per forward and rotates q
-and k of every layer with them (`apply_rotary`) before K is written to the cache and Q read.
+and k of every layer with them before K is written to the cache and Q read: in XLA
+(`pallas_kernels.qk_norm_rope.apply_rotary`), or in a decode step inside the decode attention
+kernel.
 """
 
 from __future__ import annotations
@@ -52,16 +54,3 @@ def rope_cos_sin(
 ) -> tuple[jax.Array, jax.Array]:  # float32 [..., D/2] each
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rotary(
-    x: jax.Array,  # [N, H, D]
-    cos: jax.Array,  # float32 [N, D/2]
-    sin: jax.Array,  # float32 [N, D/2]
-) -> jax.Array:  # [N, H, D], x's dtype
-    """x * cos + rotate_half(x) * sin, in float32, for every head of each token."""
-    half, dtype = x.shape[-1] // 2, x.dtype
-    x = x.astype(jnp.float32)
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(dtype)

@@ -5,7 +5,9 @@ q/k RMSNorm before it), SwiGLU MLP (down(silu(gate x) * up x)), tied or untied L
 GPT-2's model, one forward serves prefill (T tokens per row) and decode (T = 1): the q, k and v
 projections are one matmul (`qkv_proj`, fused at load) and gate/up another (`gate_up_proj`); the
 kernels read q, k and v out of the fused [N, Hq + 2H, D] projection after RoPE, K/V are written to
-the cache (or by the decode attention kernel itself) and attended over the pages.
+the cache (or by the decode attention kernel itself, which then also takes q and k before their
+q/k norm and RoPE and applies both: `KernelConfig.fused_qk_rope`) and attended over the pages.
+The down projection's Pallas kernel computes silu(gate) * up itself (`KernelConfig.fused_swiglu`).
 
 Under tensor parallelism (`tp`, inside `shard_map`: `rosejax.layers.parallel`) the same code runs
 on one shard's params: its query and KV heads and their cache, its part of the MLP's hidden units
@@ -20,18 +22,20 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.qk_norm_rope import apply_rotary
 from rosejax.layers.attention import (
     ForwardMetadata,
     append_kv,
     cache_writes,
     decode_attention,
+    decode_kernel_appends,
     prefill_attention,
 )
 from rosejax.layers.kv_cache import KVCache
 from rosejax.layers.linear import Linear, select_tokens
 from rosejax.layers.parallel import NO_TP, ShardLayout, TensorParallel, embed, gather_vocab
 from rosejax.layers.rms_norm import RMSNorm
-from rosejax.layers.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from rosejax.layers.rotary import rope_cos_sin, rope_inv_freq
 from rosejax.models.llama.config import LlamaConfig
 from rosejax.settings import XLA_KERNELS, KernelConfig
 
@@ -67,13 +71,21 @@ class Attention(nn.Module):
             (hq + 2 * h) * d, kernels=self.kernels, use_bias=cfg.qkv_bias, name="qkv_proj"
         )(x)
         qkv = qkv.reshape(b * t, hq + 2 * h, d)
-        q, k, v = qkv[:, :hq], qkv[:, hq : hq + h], qkv[:, hq + h :]
-        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
-            _, q = RMSNorm(cfg.rms_norm_eps, self.kernels, name="q_norm")(q)
-            _, k = RMSNorm(cfg.rms_norm_eps, self.kernels, name="k_norm")(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        fused = jnp.concatenate([q, k, v], axis=1)  # [B*T, Hq + 2H, D], what the kernels read
         write_block, write_offset = write_block.reshape(-1), write_offset.reshape(-1)
+        q_norm = RMSNorm(cfg.rms_norm_eps, self.kernels, name="q_norm") if cfg.qk_norm else None
+        k_norm = RMSNorm(cfg.rms_norm_eps, self.kernels, name="k_norm") if cfg.qk_norm else None
+        if t == 1 and self.kernels.fused_qk_rope and decode_kernel_appends(self.kernels, k_cache):
+            # The decode kernel normalizes and rotates q and k as it reads them.
+            norms = (q_norm.scale(d), k_norm.scale(d)) if cfg.qk_norm else None
+            fused, prologue = qkv, dict(rope=(cos, sin), qk_norm=norms, eps=cfg.rms_norm_eps)
+        else:
+            q, k, v = qkv[:, :hq], qkv[:, hq : hq + h], qkv[:, hq + h :]
+            if cfg.qk_norm:  # Qwen3: RMSNorm over each head's dims, before RoPE
+                _, q = q_norm(q)
+                _, k = k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            fused = jnp.concatenate([q, k, v], axis=1)  # [B*T, Hq + 2H, D], what kernels read
+            prologue = {}
         if t == 1:
             out, k_cache, v_cache = decode_attention(
                 fused,
@@ -85,8 +97,9 @@ class Attention(nn.Module):
                 write_offset,
                 self.kernels,
                 num_q_heads=hq,
+                **prologue,
             )
-        else:
+        else:  # q, k and v rotated above: prefill never fuses them
             k_cache, v_cache = append_kv(
                 fused, k_cache, v_cache, write_block, write_offset, self.kernels, num_q_heads=hq
             )
@@ -123,14 +136,13 @@ class MLP(nn.Module):
         cfg = self.config
         f = self.tp.local(cfg.intermediate_size)
         gate_up = Linear(2 * f, kernels=self.kernels, use_bias=cfg.mlp_bias, name="gate_up_proj")(x)
-        y = jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:]
         return Linear(
             cfg.hidden_size,
             kernels=self.kernels,
             use_bias=cfg.mlp_bias,
             reduce_axis=self.tp.reduce_axis,
             name="down_proj",
-        )(y, residual, defer=True)
+        )(gate_up, residual, defer=True, swiglu_input=True)
 
 
 class Block(nn.Module):
