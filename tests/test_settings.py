@@ -20,9 +20,12 @@ def test_gpu_defaults_every_kernel_cpu_none(monkeypatch):
     for name in ("ROSEJAX_PALLAS_ATTENTION", "ROSEJAX_PALLAS_LINEAR", "XLA_FLAGS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("ROSEJAX_FUSED_QK_ROPE", raising=False)
+    monkeypatch.delenv("ROSEJAX_FUSED_SWIGLU", raising=False)
     gpu = KernelConfig.for_backend("gpu")
     assert (gpu.kv_append, gpu.attention, gpu.layer_norm, gpu.linear) == ("pallas",) * 4
-    assert gpu.fused_kv_append and gpu.fused_qk_rope
+    assert gpu.fused_kv_append and gpu.fused_qk_rope and not gpu.fused_swiglu
+    monkeypatch.setenv("ROSEJAX_FUSED_SWIGLU", "1")
+    assert KernelConfig.for_backend("gpu").fused_swiglu
     cpu = KernelConfig.for_backend("cpu")
     assert (cpu.kv_append, cpu.attention, cpu.layer_norm, cpu.linear) == ("xla",) * 4
     assert cpu == KernelConfig()
