@@ -21,6 +21,12 @@ its page loop. A decode step then needs no `kv_append` kernel: one kernel a laye
 the ~100 small kernels that bound a one-request step. Given `rope` (and `qk_norm`), it also
 rotates (and first normalizes) the q and k heads it reads, as the model's XLA path would before
 the call (`pallas_kernels.qk_norm_rope`): the projection goes to it straight from the matmul.
+
+Split-K ("flash-decoding"): B x H programs leave most of a GPU idle at small batch, each walking
+its row's whole context (at B=1 and 32k tokens, 8 programs of 512 pages on 132 SMs). With
+`num_splits` S > 1 the grid is (B, H, S): split s walks the s-th of S contiguous runs of the row's
+live pages and writes its float32 partials (running max, denominator, numerator), and a second
+small kernel merges the S partials of each query head. S = 1 is the one-pass kernel, unchanged.
 """
 
 from __future__ import annotations
@@ -46,11 +52,14 @@ PREFETCH_TABLE_MAX_BLOCKS = 64  # not tuned (16 entries measured): the select co
 # _default_num_warps: a warp per 1,024 page elements  (H200: best at BS 16 and 32, 1.2% off at 64)
 
 
-def _attend_pages(qs, k_cache_ref, v_cache_ref, block_tables_ref, b, h, num_tokens, prefetch_table):
+def _attend_pages(
+    qs, k_cache_ref, v_cache_ref, block_tables_ref, b, h, num_tokens, pages, prefetch_table
+):
     """Online softmax of each query of `qs` (a tuple of [D] float32, already scaled: the group of
-    query heads that share KV head h) over the row's first `num_tokens` cached keys of head h ->
-    per query (running max, softmax denominator, numerator [D]), all float32. Each page of K and V
-    is loaded once for the whole group; the queries' arithmetic runs one after another."""
+    query heads that share KV head h) over the row's first `num_tokens` cached keys of head h that
+    lie in its logical pages [first, end) = `pages` -> per query (running max, softmax
+    denominator, numerator [D]), all float32. Each page of K and V is loaded once for the whole
+    group; the queries' arithmetic runs one after another."""
     block_size, head_dim = k_cache_ref.shape[2], k_cache_ref.shape[3]
     max_blocks = block_tables_ref.shape[1]
     if prefetch_table:
@@ -81,9 +90,42 @@ def _attend_pages(qs, k_cache_ref, v_cache_ref, block_tables_ref, b, h, num_toke
             out.append((m_new, denom * alpha + jnp.sum(p), acc))
         return tuple(out)
 
-    num_pages = (num_tokens + block_size - 1) // block_size
+    # No page without a cached key: its scores would all be _NEG_INF, each weighing exp(0) = 1.
+    first, end = pages
+    end = jnp.minimum(end, (num_tokens + block_size - 1) // block_size)
     init = (jnp.float32(_NEG_INF), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32))
-    return jax.lax.fori_loop(0, num_pages, body, (init,) * len(qs))
+    return jax.lax.fori_loop(first, end, body, (init,) * len(qs))
+
+
+def _split_pages(length, block_size: int, num_splits: int):
+    """The logical pages [first, end) of a row of `length` tokens that this program's split
+    (grid axis 2) attends, and the row's live page count: the live pages in `num_splits`
+    contiguous runs of cdiv(live, num_splits), so a short row's work is spread as evenly as a
+    long one's; splits past the row's last page get none."""
+    live = (length + block_size - 1) // block_size
+    if num_splits == 1:
+        return 0, live, live
+    per = (live + num_splits - 1) // num_splits
+    first = jnp.minimum(pl.program_id(2) * per, live)
+    return first, jnp.minimum(first + per, live), live
+
+
+def _store_states(out_refs, b, heads, states, num_splits: int) -> None:
+    """Each query head's softmax state -> its output (one split: o_ref [B, Hq, D]), or this
+    split's partials m_ref, l_ref [B, Hq, S] and acc_ref [B, Hq, S, D] float32, which
+    `_combine_splits` merges."""
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        for j, (_, denom, acc) in zip(heads, states, strict=True):
+            # A padded row (length 0) has denom = 0: write zeros, not NaN.
+            o_ref[b, j, :] = (acc / jnp.maximum(denom, 1e-30)).astype(o_ref.dtype)
+        return
+    m_ref, l_ref, acc_ref = out_refs
+    split = pl.program_id(2)
+    for j, (m, denom, acc) in zip(heads, states, strict=True):
+        m_ref[b, j, split] = m
+        l_ref[b, j, split] = denom
+        acc_ref[b, j, split, :] = acc
 
 
 def paged_decode_attention_kernel(
@@ -92,21 +134,21 @@ def paged_decode_attention_kernel(
     v_cache_ref,  # [H, NB, BS, D]
     block_tables_ref,  # [B, MB]
     lengths_ref,  # [B]
-    o_ref,  # [B, Hq, D]
-    *,
+    *out_refs,  # o_ref [B, Hq, D]; with splits: m_ref, l_ref [B, Hq, S], acc_ref [B, Hq, S, D]
     sm_scale: float,
     prefetch_table: bool,
     group: int,
+    num_splits: int,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
+    length = lengths_ref[b]
+    first, end, _ = _split_pages(length, k_cache_ref.shape[2], num_splits)
     heads = [h * group + g for g in range(group)]  # the query heads of KV head h
     qs = tuple(q_ref[b, j, :].astype(jnp.float32) * sm_scale for j in heads)  # [D] each
     states = _attend_pages(
-        qs, k_cache_ref, v_cache_ref, block_tables_ref, b, h, lengths_ref[b], prefetch_table
+        qs, k_cache_ref, v_cache_ref, block_tables_ref, b, h, length, (first, end), prefetch_table
     )
-    for j, (_, denom, acc) in zip(heads, states, strict=True):
-        # A padded row (length 0) has denom = 0: write zeros, not NaN.
-        o_ref[b, j, :] = (acc / jnp.maximum(denom, 1e-30)).astype(o_ref.dtype)
+    _store_states(out_refs, b, heads, states, num_splits)
 
 
 def paged_decode_attention_append_kernel(
@@ -116,49 +158,75 @@ def paged_decode_attention_append_kernel(
     block_tables_ref,  # [B, MB]
     lengths_ref,  # [B]
     *refs,  # with rope: cos_ref, sin_ref [B, D/2]; with qk_norm: q_scale_ref, k_scale_ref [D];
-    #         then o_ref [B, Hq, D], k_cache_ref, v_cache_ref [H, NB, BS, D]
+    #         then the outputs (`paged_decode_attention_kernel`'s), k_cache_ref, v_cache_ref
     sm_scale: float,
     prefetch_table: bool,
     group: int,
+    num_splits: int,
     rope: bool,
     qk_norm: bool,
     eps: float,
 ):
-    o_ref, k_cache_ref, v_cache_ref = refs[-3:]
+    num_inputs = 2 * rope + 2 * qk_norm
+    out_refs, (k_cache_ref, v_cache_ref) = refs[num_inputs:-2], refs[-2:]
     rope_refs = refs[:2] if rope else None
     q_scale_ref, k_scale_ref = refs[2:4] if qk_norm else (None, None)
     b, h = pl.program_id(0), pl.program_id(1)
     num_heads, block_size = k_cache_ref.shape[0], k_cache_ref.shape[2]
     num_q_heads = num_heads * group
     length = lengths_ref[b]
+    first, end, live = _split_pages(length, block_size, num_splits)
     # The older tokens come from the cache; the new one from registers, so no program reads a
     # slot that this launch writes (a row's write slot is private to it: shared blocks are full,
-    # and a shared partial block is copied before anyone writes into it).
+    # and a shared partial block is copied before anyone writes into it). The new token is in
+    # the row's last live page: the split whose pages end there adds it.
+    holds_new = (first < end) & (end == live)
     heads = [h * group + g for g in range(group)]
     qs = tuple(
         load_head(qkv_ref, b, j, rope_refs, q_scale_ref, eps).astype(jnp.float32) * sm_scale
         for j in heads
     )  # [D] each
     states = _attend_pages(
-        qs, k_cache_in_ref, v_cache_in_ref, block_tables_ref, b, h, length - 1, prefetch_table
+        qs,
+        k_cache_in_ref,
+        v_cache_in_ref,
+        block_tables_ref,
+        b,
+        h,
+        length - 1,
+        (first, end),
+        prefetch_table,
     )
     k_new = load_head(qkv_ref, b, num_q_heads + h, rope_refs, k_scale_ref, eps)  # [D]
     v_new = qkv_ref[b, num_q_heads + num_heads + h, :]  # [D]
     k_f, v_f = k_new.astype(jnp.float32), v_new.astype(jnp.float32)
-    for j, q, (m, denom, acc) in zip(heads, qs, states, strict=True):
+    with_new = []
+    for q, (m, denom, acc) in zip(qs, states, strict=True):
         s = jnp.sum(q * k_f)
         m_new = jnp.maximum(m, s)
         alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
-        out = (acc * alpha + p * v_f) / (denom * alpha + p)  # [D]
-        o_ref[b, j, :] = jnp.where(length > 0, out, 0.0).astype(o_ref.dtype)
+        state = (m_new, denom * alpha + p, acc * alpha + p * v_f)
+        with_new.append(
+            tuple(jnp.where(holds_new, x, y) for x, y in zip(state, (m, denom, acc), strict=True))
+        )
+    _store_states(out_refs, b, heads, with_new, num_splits)
+
     # Stored last: with these stores ahead of the page loop the kernel took 6.7 us a call at
     # B=1 on an H100, 1.4 us more than the attention alone.
     # The new token's slot is position length - 1; a padded row (length 0) writes scratch block 0.
-    pos = jnp.maximum(length - 1, 0)
-    logical = jnp.minimum(pos // block_size, block_tables_ref.shape[1] - 1)  # as the model clips
-    block = jnp.where(length > 0, block_tables_ref[b, logical], 0)
-    k_cache_ref[h, block, pos % block_size, :] = k_new
-    v_cache_ref[h, block, pos % block_size, :] = v_new
+    def store_new():
+        pos = jnp.maximum(length - 1, 0)
+        logical = jnp.minimum(
+            pos // block_size, block_tables_ref.shape[1] - 1
+        )  # as the model clips
+        block = jnp.where(length > 0, block_tables_ref[b, logical], 0)
+        k_cache_ref[h, block, pos % block_size, :] = k_new
+        v_cache_ref[h, block, pos % block_size, :] = v_new
+
+    if num_splits == 1:
+        store_new()
+    else:  # once a row: by the split that adds the new token, or split 0 of a padded row
+        pl.when(holds_new | ((live == 0) & (pl.program_id(2) == 0)))(store_new)
 
 
 def _check_decode_args(q, k_cache, v_cache, block_tables, lengths, append: bool, hq: int) -> None:
@@ -208,6 +276,49 @@ def _default_num_warps(block_size: int, head_dim: int) -> int:
     return max(1, min(block_size * head_dim // 1024, 8))
 
 
+def combine_splits_kernel(
+    m_ref,  # [B, Hq, S] float32: each split's running max
+    l_ref,  # [B, Hq, S] float32: its softmax denominator
+    acc_ref,  # [B, Hq, S, D] float32: its numerator
+    o_ref,  # [B, Hq, D]
+):
+    b, j = pl.program_id(0), pl.program_id(1)
+    num_splits = m_ref.shape[2]
+    splits = jnp.arange(next_power_of_2(num_splits), dtype=jnp.int32)  # Triton tiles: 2^k
+    real = splits < num_splits
+    m = plgpu.load(m_ref.at[b, j, pl.ds(0, splits.shape[0])], mask=real, other=_NEG_INF)
+    denom = plgpu.load(l_ref.at[b, j, pl.ds(0, splits.shape[0])], mask=real, other=0.0)
+    acc = plgpu.load(
+        acc_ref.at[b, j, pl.ds(0, splits.shape[0]), :], mask=real[:, None], other=0.0
+    )  # [S', D]
+    # Each split's sums rescaled to the largest max; a split with no keys has weight 0 (or
+    # denominator 0 in a padded row, whose output is then zeros).
+    weight = jnp.exp(m - jnp.max(m))  # [S']
+    out = jnp.sum(weight[:, None] * acc, axis=0) / jnp.maximum(jnp.sum(weight * denom), 1e-30)
+    o_ref[b, j, :] = out.astype(o_ref.dtype)
+
+
+def _combine_splits(
+    m: jax.Array,  # [B, Hq, S] float32
+    denom: jax.Array,  # [B, Hq, S] float32
+    acc: jax.Array,  # [B, Hq, S, D] float32
+    dtype,
+    *,
+    interpret: bool = False,
+) -> jax.Array:  # [B, Hq, D]
+    """The split decode kernels' online-softmax partials merged (rescaled to their largest max,
+    summed, normalized) -> the output: one program per (row, query head)."""
+    b, hq, _, d = acc.shape
+    return pl.pallas_call(
+        combine_splits_kernel,
+        grid=(b, hq),
+        out_shape=jax.ShapeDtypeStruct((b, hq, d), dtype),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        name=f"paged_decode_combine_s{m.shape[2]}",
+    )(m, denom, acc)
+
+
 def _decode_call(
     kernel,
     name: str,
@@ -219,15 +330,19 @@ def _decode_call(
     *prologue,
     append: bool,
     num_q_heads: int,
+    num_splits: int,
     num_warps: int | None,
     num_stages: int,
     prefetch_table: bool | None,
     interpret: bool,
 ):
-    """One program per (row, KV head), for all the query heads of its group; with `append` the
-    caches are outputs too, in place. `prologue`: more inputs, after the lengths."""
+    """One program per (row, KV head, split), for all the query heads of its group; with
+    `append` the caches are outputs too, in place. `prologue`: more inputs, after the lengths.
+    More than one split: the kernel writes float32 partials, `_combine_splits` merges them."""
     b, d = q.shape[0], q.shape[2]
     h, _, bs, _ = k_cache.shape
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
     if num_warps is None:
         num_warps = _default_num_warps(bs, d)
     if prefetch_table is None:
@@ -237,22 +352,34 @@ def _decode_call(
     if not interpret:
         filter_triton_deprecation()
     group = num_q_heads // h
-    out_shape = jax.ShapeDtypeStruct((b, num_q_heads, d), q.dtype)
+    if num_splits == 1:
+        out_shapes = (jax.ShapeDtypeStruct((b, num_q_heads, d), q.dtype),)
+    else:
+        stat = jax.ShapeDtypeStruct((b, num_q_heads, num_splits), jnp.float32)
+        acc = jax.ShapeDtypeStruct((b, num_q_heads, num_splits, d), jnp.float32)
+        out_shapes = (stat, stat, acc)
     cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
-    return pl.pallas_call(
+    n = len(out_shapes)
+    outs = pl.pallas_call(
         functools.partial(
-            kernel, sm_scale=1.0 / math.sqrt(d), prefetch_table=bool(prefetch_table), group=group
+            kernel,
+            sm_scale=1.0 / math.sqrt(d),
+            prefetch_table=bool(prefetch_table),
+            group=group,
+            num_splits=num_splits,
         ),
-        grid=(b, h),
-        out_shape=(out_shape, cache_shape, cache_shape) if append else out_shape,
-        input_output_aliases={1: 1, 2: 2} if append else {},
+        grid=(b, h) if num_splits == 1 else (b, h, num_splits),
+        out_shape=(*out_shapes, cache_shape, cache_shape) if append else out_shapes,
+        input_output_aliases={1: n, 2: n + 1} if append else {},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"{name}_bs{bs}_g{group}_w{num_warps}",
+        name=f"{name}_bs{bs}_g{group}_w{num_warps}" + (f"_s{num_splits}" if num_splits > 1 else ""),
     )(q, k_cache, v_cache, block_tables, lengths, *prologue)
+    out = outs[0] if num_splits == 1 else _combine_splits(*outs[:3], q.dtype, interpret=interpret)
+    return (out, *outs[n:]) if append else out
 
 
-_STATIC = ["num_q_heads", "num_warps", "num_stages", "prefetch_table", "interpret"]
+_STATIC = ["num_q_heads", "num_splits", "num_warps", "num_stages", "prefetch_table", "interpret"]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -264,6 +391,7 @@ def paged_decode_attention(
     lengths: jax.Array,  # [B] int32
     *,
     num_q_heads: int | None = None,
+    num_splits: int = 1,
     num_warps: int | None = None,
     num_stages: int = DEFAULT_NUM_STAGES,
     prefetch_table: bool | None = None,
@@ -274,7 +402,9 @@ def paged_decode_attention(
 
     `num_q_heads` None: H (multi-head attention). `num_warps` None: one warp per 1,024 elements
     of a [block_size, D] page. `prefetch_table` None: a program reads its row's whole block table
-    up front from PREFETCH_TABLE_MIN_BATCH rows up, an entry per page below that."""
+    up front from PREFETCH_TABLE_MIN_BATCH rows up, an entry per page below that. `num_splits`:
+    programs per (row, KV head), each over a run of the row's pages, merged by a second kernel
+    (1: one pass, no merge)."""
     hq = num_q_heads or k_cache.shape[0]
     _check_decode_args(q, k_cache, v_cache, block_tables, lengths, append=False, hq=hq)
     return _decode_call(
@@ -287,6 +417,7 @@ def paged_decode_attention(
         lengths,
         append=False,
         num_q_heads=hq,
+        num_splits=num_splits,
         num_warps=num_warps,
         num_stages=num_stages,
         prefetch_table=prefetch_table,
@@ -306,6 +437,7 @@ def paged_decode_attention_append(
     *,
     num_q_heads: int | None = None,
     eps: float = 1e-6,
+    num_splits: int = 1,
     num_warps: int | None = None,
     num_stages: int = DEFAULT_NUM_STAGES,
     prefetch_table: bool | None = None,
@@ -314,7 +446,8 @@ def paged_decode_attention_append(
     """`kv_append` of each row's new K/V at position lengths[b] - 1, then
     `paged_decode_attention`, in one kernel: a decode step's layer launches one kernel fewer.
     A padded row (length 0) writes scratch block 0 and gives zeros. Updates the caches in place
-    (donate them in the calling jit). `num_q_heads` and tiles as `paged_decode_attention`.
+    (donate them in the calling jit). `num_q_heads` and tiles (`num_splits` too) as
+    `paged_decode_attention`: the split holding the row's last page writes the new K/V.
 
     With `rope`, q and k are rotated first (and with `qk_norm`, RMSNorm'd with eps before
     that), as `qk_norm_rope_reference` does: K goes to the cache rotated, V as given."""
@@ -340,6 +473,7 @@ def paged_decode_attention_append(
         *prologue,
         append=True,
         num_q_heads=hq,
+        num_splits=num_splits,
         num_warps=num_warps,
         num_stages=num_stages,
         prefetch_table=prefetch_table,

@@ -34,7 +34,7 @@ from pallas_kernels.rms_norm import (
 from rosejax.layers.attention import paged_attention_xla
 from rosejax.layers.rotary import rope_cos_sin, rope_inv_freq
 from tests.conftest import INTERPRET, pairwise
-from tests.test_paged_attention import TOL, make_case, oracle
+from tests.test_paged_attention import TOL, make_case, make_live_case, oracle
 
 IMPLS = {
     "pallas": functools.partial(paged_decode_attention, interpret=INTERPRET),
@@ -267,6 +267,137 @@ def test_rope_args_checked():
         )
 
 
+# --------------------------------------------- split-K: several programs per (row, KV head)
+
+SPLIT_VARIANTS = ["plain", "append", "rope", "qk_norm_rope"]
+
+
+def split_case(rng, variant, group, d, dtype):
+    """Rows of very different lengths (one token, a page boundary, a full table, a padded row,
+    one past a boundary) on caches poisoned with NaN wherever a row has no key (and, to append,
+    in each new token's slot); the clean caches and the call's arguments (rope: cos/sin, norm
+    scales) for the reference."""
+    h, bs, mb = 2, 8, 5
+    lengths = np.asarray([1, bs, mb * bs, 0, bs + 1], np.int32)
+    b, hq = len(lengths), h * group
+    q, (k, v), clean, tables = make_live_case(rng, lengths, 1, h, hq, d, bs, mb, np.nan)
+    qkv = np.concatenate([q[:, 0] * 3, rng.normal(size=(b, 2 * h, d)) * 3], axis=1)
+    if variant != "plain":
+        for row, n in enumerate(lengths):
+            if n:
+                k[:, tables[row, (n - 1) // bs], (n - 1) % bs] = np.nan
+                v[:, tables[row, (n - 1) // bs], (n - 1) % bs] = np.nan
+    extra = ()
+    if variant in ("rope", "qk_norm_rope"):
+        rope = rope_cos_sin(jnp.asarray(rng.integers(0, 4096, b), jnp.int32), rope_inv_freq(d, 1e6))
+        norms = None
+        if variant == "qk_norm_rope":
+            norms = tuple(jnp.asarray(rng.normal(1.0, 0.3, d), dtype) for _ in range(2))
+        extra = (rope, norms)
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    return cast(qkv), (cast(k), cast(v)), tuple(map(cast, clean)), tables, lengths, extra
+
+
+def split_call(variant, qkv, caches, tables, lengths, extra, hq, num_splits):
+    """The kernel of `variant` with `num_splits`, on copies of the caches (it donates them)."""
+    caches = tuple(jnp.array(c, copy=True) for c in caches)
+    if variant == "plain":
+        out = paged_decode_attention(
+            qkv,
+            *caches,
+            tables,
+            lengths,
+            num_q_heads=hq,
+            num_splits=num_splits,
+            interpret=INTERPRET,
+        )
+        return out, *caches
+    return paged_decode_attention_append(
+        qkv,
+        *caches,
+        tables,
+        lengths,
+        *extra,
+        num_q_heads=hq,
+        eps=EPS,
+        num_splits=num_splits,
+        interpret=INTERPRET,
+    )
+
+
+def check_split(num_splits, variant, group, d, dtype):
+    rng = np.random.default_rng()
+    qkv, caches, clean, tables, lengths, extra = split_case(rng, variant, group, d, dtype)
+    h, bs = caches[0].shape[0], caches[0].shape[2]
+    hq = h * group
+    out, k_out, v_out = split_call(variant, qkv, caches, tables, lengths, extra, hq, num_splits)
+    if variant == "plain":
+        want = paged_decode_attention_reference(qkv, *clean, tables, lengths, num_q_heads=hq)
+        want_caches = caches
+    else:
+        want, *ref_caches = paged_decode_attention_append_reference(
+            qkv, *clean, tables, lengths, *extra, num_q_heads=hq, eps=EPS
+        )
+        # Each row's new K/V in its slot (the padded row's in scratch slot 0), once; every other
+        # slot as it was, NaN included.
+        want_caches = tuple(np.array(c) for c in caches)
+        for row, n in enumerate(lengths):
+            blk, off = (tables[row, (n - 1) // bs], (n - 1) % bs) if n else (0, 0)
+            for w, r in zip(want_caches, ref_caches, strict=True):
+                w[:, blk, off] = np.asarray(r[:, blk, off])
+    # The norm's rsqrt may differ in its last bit from XLA's: a rounding step of the new K.
+    step = 2 * float(jnp.finfo(dtype).eps) * float(np.nanmax(np.abs(np.asarray(qkv, float))))
+    atol = step if variant == "qk_norm_rope" else 0
+    for got, w in zip((k_out, v_out), want_caches, strict=True):
+        np.testing.assert_allclose(np.asarray(got, float), np.asarray(w, float), rtol=0, atol=atol)
+    out = np.asarray(out, np.float64)
+    assert out.shape == (len(lengths), hq, d) and np.all(np.isfinite(out))
+    assert np.all(out[lengths == 0] == 0)
+    if dtype == "float32":  # the same sums in another order: float32 rounding apart
+        np.testing.assert_allclose(out, np.asarray(want, np.float64), rtol=1e-5, atol=1e-5)
+        return
+    # bf16: the one-pass kernel's output, to a rounding step of the dtype.
+    one, *_ = split_call(variant, qkv, caches, tables, lengths, extra, hq, 1)
+    one = np.asarray(one, np.float64)
+    np.testing.assert_allclose(out, one, rtol=float(jnp.finfo(dtype).eps), atol=1e-5)
+
+
+SPLIT_AXES = dict(
+    num_splits=[3, 4, 2, 1],
+    variant=SPLIT_VARIANTS,
+    group_d=[(4, 64), (1, 128), (2, 128), (2, 64)],
+    dtype=["float32", "bfloat16"],
+)
+# Splits 2, 3 (an uneven division) and 4, every group size and head dim, plain, fused append and
+# fused q/k norm + RoPE, float32 and bf16, in a few seconds; one split is the suites above.
+SPLIT_CASES = [
+    (3, "plain", (4, 64), "float32"),
+    (4, "append", (1, 128), "float32"),
+    (2, "qk_norm_rope", (2, 128), "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("num_splits,variant,group_d,dtype", SPLIT_CASES)
+def test_split_decode(num_splits, variant, group_d, dtype):
+    """The split kernels (plain, fused append, fused q/k norm and RoPE) against the references:
+    rows from one token to a full table and a padded row in one batch, caches poisoned with NaN
+    wherever no key is, the new K/V written once into their slots. Every pair: below."""
+    check_split(num_splits, variant, *group_d, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_splits,variant,group_d,dtype", pairwise(**SPLIT_AXES))
+def test_split_decode_pairwise(num_splits, variant, group_d, dtype):
+    check_split(num_splits, variant, *group_d, dtype)
+
+
+def test_num_splits_checked():
+    rng = np.random.default_rng()
+    q, k, v, tables, lengths = make_gqa_case(rng, 2, 2, 2, 64, 8, 2, "float32")
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_decode_attention(q, k, v, tables, lengths, num_splits=0, interpret=INTERPRET)
+
+
 # ------------------------------------------------------------------------------------ RMSNorm
 
 NORM_IMPLS = {
@@ -383,8 +514,8 @@ def test_paged_prefill_matches_oracle(impl, h, group, d, cached):
 
 
 def test_fused_decode_kernels_lower_to_triton():
-    """The kernels a Qwen3-0.6B decode step fuses (the attention with q/k norm and RoPE, the
-    down projection with SwiGLU, RMSNorm several rows a program) lower to Triton for a GPU,
+    """The kernels a Qwen3-0.6B decode step fuses (the attention with q/k norm and RoPE, split or
+    not, the down projection with SwiGLU, RMSNorm several rows a program) lower to Triton for a GPU,
     here too: the Pallas-to-Triton lowering rejects what Triton cannot tile (shapes not powers
     of two, unsupported ops) before any GPU is needed."""
     b, h, group, d, bs = 16, 8, 2, 128, 64
@@ -398,6 +529,15 @@ def test_fused_decode_kernels_lower_to_triton():
             lambda *a: paged_decode_attention_append(*a, num_q_heads=h * group),
             (qkv, cache, cache, tables, lengths, rope, (jnp.ones(d, dt),) * 2),
         ),
+        # Split-K (and its merge kernel), fused and plain: an uneven split count.
+        "attention_split": (
+            lambda *a: paged_decode_attention_append(*a, num_q_heads=h * group, num_splits=3),
+            (qkv, cache, cache, tables, lengths, rope, (jnp.ones(d, dt),) * 2),
+        ),
+        "attention_split_plain": (
+            lambda *a: paged_decode_attention(*a, num_q_heads=h * group, num_splits=3),
+            (qkv, cache, cache, tables, lengths),
+        ),
         "swiglu": (
             lambda x, w: linear_partial_sums(x, w, swiglu_input=True),
             (jnp.zeros((16, 2 * 3072), dt), jnp.zeros((3072, 1024), dt)),
@@ -406,4 +546,5 @@ def test_fused_decode_kernels_lower_to_triton():
     }
     for name, (fn, args) in calls.items():
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert "__gpu$xla.gpu.triton" in text, name
+        kernels = 2 if name.startswith("attention_split") else 1  # the split's merge too
+        assert text.count("__gpu$xla.gpu.triton") == kernels, name

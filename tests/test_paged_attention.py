@@ -22,6 +22,7 @@ from rosejax.layers.attention import (
     cache_slots,
     causal_attention_xla,
     decode_attention,
+    default_decode_splits,
     paged_attention_xla,
     paged_decode_attention_xla,
     prefill_attention,
@@ -407,3 +408,40 @@ def test_decode_attention_xla_path(kernels):
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(got[0])[2] == 0)
+
+
+@pytest.mark.parametrize(
+    "batch,kv_heads,max_pages,block_size,want",
+    [
+        (1, 8, 640, 64, 33),  # Qwen3-0.6B B=1 at 40,960 tokens: 8 x 33 programs ~ 2 a SM
+        (1, 8, 512, 64, 32),  # a 32k table: 32 splits of 16 pages at most
+        (16, 8, 640, 64, 3),  # 128 programs: 3 splits
+        (17, 8, 640, 64, 1),  # 136 programs fill 132 SMs
+        (256, 8, 640, 64, 1),  # B=256
+        (1, 12, 16, 64, 1),  # GPT-2's 1,024 tokens: one run of 1,024 tokens
+        (1, 12, 64, 16, 1),  # ... at block size 16 too
+        (1, 8, 32, 64, 2),  # 2,048 tokens: two runs of 1,024
+    ],
+)
+def test_default_decode_splits(batch, kv_heads, max_pages, block_size, want):
+    assert default_decode_splits(batch, kv_heads, max_pages, block_size) == want
+
+
+def test_decode_attention_splits_long_tables():
+    """The model's decode call through the Pallas kernel on a table long enough for the layer to
+    split it (2,048 tokens a row at 2 rows x 2 KV heads): equal to the append reference."""
+    rng = np.random.default_rng()
+    b, h, group, d, bs, mb = 2, 2, 2, 32, 16, 128
+    assert default_decode_splits(b, h, mb, bs) > 1
+    hq = h * group
+    _, k, v, tables, lengths = make_case(rng, b, h, d, bs, mb, "float32")
+    lengths = jnp.asarray([rng.integers(1, 40 * bs), 3], jnp.int32)
+    qkv = jnp.asarray(rng.normal(size=(b, hq + 2 * h, d)), jnp.float32)
+    block, offset = cache_slots(tables, (lengths - 1)[:, None], lengths, bs)
+    want = paged_decode_attention_append_reference(qkv, k, v, tables, lengths, num_q_heads=hq)
+    kernels = KernelConfig(attention="pallas", interpret=True)
+    got = jax.jit(decode_attention, static_argnames=["kernels", "num_q_heads"])(
+        qkv, k, v, tables, lengths, block[:, 0], offset[:, 0], kernels, num_q_heads=hq
+    )
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)

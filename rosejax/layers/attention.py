@@ -11,7 +11,8 @@ absolute position `p` sees the keys at logical positions `0..p` of its block tab
   attends among its own tokens (`causal_attention_xla`); otherwise `paged_attention_xla` walks the
   rows' pages a chunk at a time, as far as the batch's last query needs.
 - `decode_attention`: one query per row, K/V written and attended in one call: rosejax's Pallas
-  kernel (`pallas_kernels/paged_attention.py`), which writes the K/V itself unless
+  kernel (`pallas_kernels/paged_attention.py`; split over each row's pages where few rows and
+  long tables leave the GPU idle: `default_decode_splits`), which writes the K/V itself unless
   `kernels.fused_kv_append` is off (then `append_kv` does), or XLA (`paged_decode_attention_xla`,
   the same chunked walk), as the `KernelConfig` says and for caches the kernel does not tile.
   The kernel that writes K/V itself can also take q and k before their RoPE (and q/k RMSNorm).
@@ -102,6 +103,26 @@ def append_kv(
     )
 
 
+# Split-K decode attention (`default_decode_splits`); not measured on a GPU yet.
+GPU_SMS = 132  # an H100 SXM's SMs (an H200's too)
+SPLIT_PROGRAMS_PER_SM = 2  # programs the splits aim for a SM, to hide each one's memory latency
+MIN_SPLIT_TOKENS = 1024  # of a full table a split covers at least (16 pages at block size 64)
+
+
+def default_decode_splits(batch: int, kv_heads: int, max_pages: int, block_size: int) -> int:
+    """Programs per (row, KV head) of the Pallas decode attention of a compiled program: 1 where
+    B x H programs already fill the GPU or a full table (max_pages) splits into fewer than two
+    runs of MIN_SPLIT_TOKENS; else enough for SPLIT_PROGRAMS_PER_SM programs a SM, but no more
+    than give each split MIN_SPLIT_TOKENS of a full table. Why: one program per (row, KV head)
+    walks a long context alone (B=1, 8 KV heads: 8 programs on 132 SMs), and a split shorter
+    than that costs more in its partials and their merge than its pages take to read."""
+    programs = batch * kv_heads
+    most = max_pages * block_size // MIN_SPLIT_TOKENS
+    if programs >= GPU_SMS or most < 2:
+        return 1
+    return min(-(-SPLIT_PROGRAMS_PER_SM * GPU_SMS // programs), most)
+
+
 def decode_kernel_appends(kernels: KernelConfig, k_cache: jax.Array) -> bool:
     """Whether `decode_attention` runs the Pallas kernel that writes the step's K/V itself: the
     one that can also normalize and rotate q and k (`rope`, `qk_norm`)."""
@@ -133,7 +154,9 @@ def decode_attention(
     pallas = kernels.attention == "pallas" and decode_kernel_supported(
         k_cache.shape[3], k_cache.shape[2]
     )
-    tiles = kernels.tile_kwargs("attention") | {"interpret": kernels.interpret}
+    h, _, bs, _ = k_cache.shape
+    tiles = {"num_splits": default_decode_splits(qkv.shape[0], h, block_tables.shape[1], bs)}
+    tiles |= kernels.tile_kwargs("attention") | {"interpret": kernels.interpret}
     if num_q_heads is not None and num_q_heads != k_cache.shape[0]:
         tiles["num_q_heads"] = num_q_heads
     if decode_kernel_appends(kernels, k_cache):  # finds the slots from block_tables and seq_lens
