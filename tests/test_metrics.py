@@ -131,6 +131,6 @@ def test_api_server_processes_metrics_sum_in_every_scrape(tmp_path, restore_prom
     _apply(metrics, ours)
     for _ in range(2):  # a scrape changes nothing
         _assert_same(_samples(metrics.render().decode()), want)
-    assert sorted(p.name.split("_")[0] for p in tmp_path.iterdir()) == ["counter"] * 2 + [
-        "histogram"
-    ] * 2  # a file per kind and process: nothing but these two processes wrote there
+    # A file per kind and process: nothing but these two processes wrote there.
+    kinds = sorted(p.name.split("_")[0] for p in tmp_path.iterdir())
+    assert kinds == ["counter", "counter", "histogram", "histogram"], kinds

@@ -493,4 +493,3 @@ def test_cli_sigint_with_a_stream_open(tmp_path):
         proc.kill()
         raise
     stop_cli(proc, log, signal.SIGINT, send=False)
-

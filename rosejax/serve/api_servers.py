@@ -77,7 +77,16 @@ class ApiServers:
             for index, links in enumerate(engines.api_server_links(), start=1):
                 process = ctx.Process(
                     target=_api_server_main,
-                    args=(index, self.sock, links, args, config, limits, template, self.metrics_dir),
+                    args=(
+                        index,
+                        self.sock,
+                        links,
+                        args,
+                        config,
+                        limits,
+                        template,
+                        self.metrics_dir,
+                    ),
                     name=f"rosejax-api-server-{index}",
                     daemon=True,  # multiprocessing terminates it if this process exits first
                 )

@@ -191,7 +191,9 @@ class _CountedChild:
             )
             for bound in self._bounds
         ]
-        self._sum = values.ValueClass("histogram", name, f"{name}_sum", labelnames, labelvalues, doc)
+        self._sum = values.ValueClass(
+            "histogram", name, f"{name}_sum", labelnames, labelvalues, doc
+        )
 
     def observe(self, value: float, count: int = 1) -> None:
         i = bisect.bisect_left(self._bounds, value)  # the first bucket with value <= bound
