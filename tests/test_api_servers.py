@@ -3,8 +3,9 @@ completions equal to the engine's own greedy outputs, served by both API server 
 engine process counts each one's requests); every scrape, whichever process answers it, reports
 the whole server's request counters and histograms, a killed API server's share included; a
 client leaving mid-stream frees its KV blocks; an API server killed is logged while the other
-serves on; SIGINT to the main process stops the whole tree. The engine process's pipe per API server is tested in process in
-tests/test_engine_process.py.
+serves on; SIGINT to the main process stops the whole tree. The engine process's pipe per API
+server is tested in process in tests/test_engine_process.py; the metrics' sums in
+tests/test_metrics.py.
 """
 
 from __future__ import annotations

@@ -124,9 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         "whole server whichever process answers: request counters and latency histograms "
         "summed over the API servers (prometheus_client's multiprocess mode, in a temporary "
         "directory removed at the stop), engine gauges from the engine processes; /health is "
-        "that process's. Default: 4 per replica, at most a quarter of this machine's cores, at least "
-        "1 (on a 16-core H100 host 4 served 256 streams at 0.81-0.88 of the engine's in-process "
-        "throughput, 1 at 0.58-0.64, 8 at 0.80); 1 with --no-engine-process",
+        "that process's. Default: 4 per replica, at most a quarter of this machine's cores, at "
+        "least 1 (on a 16-core H100 host 4 served 256 streams at 0.81-0.88 of the engine's "
+        "in-process throughput, 1 at 0.58-0.64, 8 at 0.80); 1 with --no-engine-process",
     )
     p.add_argument(
         "--log-level",
