@@ -383,6 +383,13 @@ def select_gpus(indices: Sequence[int], flag: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] if ids else str(i) for i in indices)
 
 
+def set_prometheus_multiproc_dir(directory: str) -> None:
+    """Point prometheus_client's multiprocess mode at `directory`: its per-process value files
+    go there (prometheus_client reads the directory only from PROMETHEUS_MULTIPROC_DIR, as each
+    value's file is opened). `rosejax.serve.metrics.share_across_processes` calls it."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+
+
 def freeze_heap() -> None:
     """Take every object alive now (modules, weights' handles, compiled programs) out of the
     garbage collector's view, as a server does once it is built: a full collection walked all of

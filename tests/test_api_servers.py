@@ -1,9 +1,11 @@
 """`python -m rosejax.serve --api-server-count 2` in a subprocess: concurrent streamed and whole
 completions equal to the engine's own greedy outputs, served by both API server processes (the
-engine process counts each one's requests); a client leaving mid-stream frees its KV blocks; an
-API server killed is logged while the other serves on; SIGINT to the main process stops the whole
-tree. The engine process's pipe per API server is tested in process in
-tests/test_engine_process.py.
+engine process counts each one's requests); every scrape, whichever process answers it, reports
+the whole server's request counters and histograms, a killed API server's share included; a
+client leaving mid-stream frees its KV blocks; an API server killed is logged while the other
+serves on; SIGINT to the main process stops the whole tree. The engine process's pipe per API
+server is tested in process in tests/test_engine_process.py; the metrics' sums in
+tests/test_metrics.py.
 """
 
 from __future__ import annotations
@@ -25,23 +27,54 @@ GREEDY = dict(max_tokens=8, temperature=0.0)
 TEXTS = [p for p in PROMPTS if isinstance(p, str)]
 
 
-def _streamed_text(url: str, prompt: str) -> str:
+def _streamed(url: str, prompt: str) -> tuple[str, int]:
+    """The text and completion tokens of a streamed completion."""
     body = {"prompt": prompt, "stream": True, "model": "tiny", **GREEDY}
+    body["stream_options"] = {"include_usage": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]", lines[-3:]
-    return "".join(json.loads(line)["choices"][0]["text"] for line in lines[:-1])
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert chunks[-1]["choices"] == [], chunks[-1]  # the usage chunk
+    text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+    return text, chunks[-1]["usage"]["completion_tokens"]
 
 
-def _whole_text(url: str, prompt: str) -> str:
+def _whole(url: str, prompt: str) -> tuple[str, int]:
+    """The text and completion tokens of a whole completion."""
     r = complete(url, prompt, model="tiny", **GREEDY)
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
+    return r.json()["choices"][0]["text"], r.json()["usage"]["completion_tokens"]
+
+
+def _check_totals(url: str, requests: int, tokens: int, invalid: int, aborted: int) -> None:
+    """Several scrapes, each on a connection of its own (so either process answers): every
+    one reports the whole server's totals."""
+    for _ in range(8):
+        m = metrics(url)
+        finished = {k: v for k, v in m.items() if k.startswith("rosejax_requests_finished_total")}
+        got = (
+            sum(finished.values()),
+            m.get("rosejax_requests_finished_total{reason=abort}", 0),
+            m["rosejax_time_to_first_token_seconds_count"],
+            m["rosejax_request_latency_seconds_count"],  # an aborted request has none
+            m["rosejax_generation_tokens_total"],
+            m.get("rosejax_requests_rejected_total{reason=invalid}", 0),
+        )
+        assert got == (requests, aborted, requests, requests - aborted, tokens, invalid), m
 
 
 def _served_by(url: str) -> list[float]:
     m = metrics(url)
     return [m.get(f"rosejax_api_server_requests_total{{api_server={i}}}", 0) for i in (0, 1)]
+
+
+def _metrics_dir(pid: int) -> str:
+    """The directory whose metrics files process `pid` has mapped (multiprocess mode)."""
+    with open(f"/proc/{pid}/maps") as f:
+        dirs = {os.path.dirname(line.split()[-1]) for line in f if line.rstrip().endswith(".db")}
+    assert len(dirs) == 1, dirs
+    return dirs.pop()
 
 
 def _api_server_pid(port: int, pids: set[int]) -> int:
@@ -77,17 +110,27 @@ def test_two_api_servers_serve_alike_free_blocks_and_stop_on_sigint(tmp_path):
             )
         }
         # Many at once, each on a connection of its own: whichever process accepts it serves it.
-        jobs = [(f, p) for p in TEXTS for f in (_streamed_text, _whole_text)] * 3
+        jobs = [(f, p) for p in TEXTS for f in (_streamed, _whole)] * 3
         with ThreadPoolExecutor(len(jobs)) as pool:
             got = list(pool.map(lambda job: job[0](url, job[1]), jobs))
-        assert got == [want[p] for _, p in jobs], f"seed {SEED}"
+        assert [text for text, _ in got] == [want[p] for _, p in jobs], f"seed {SEED}"
+        tokens = sum(n for _, n in got)
         served = _served_by(url)
         for _ in range(40):  # one process may have won every accept of that burst
             if min(served) > 0:
                 break
-            assert _whole_text(url, TEXTS[0]) == want[TEXTS[0]]
+            text, n = _whole(url, TEXTS[0])
+            assert text == want[TEXTS[0]]
+            tokens += n
             served = _served_by(url)
-        assert min(served) > 0 and sum(served) >= len(jobs), served
+        requests = int(sum(served))
+        assert min(served) > 0 and requests >= len(jobs), served
+        # Refusals, each counted once by whichever process refused it.
+        bad = {"model": "tiny", "prompt": "hi", "temperature": -1}
+        with ThreadPoolExecutor(6) as pool:
+            codes = list(pool.map(lambda _: complete(url, **bad).status_code, range(6)))
+        assert codes == [400] * 6, codes
+        _check_totals(url, requests, tokens, invalid=6, aborted=0)
 
         # A client leaving mid-stream: its request is aborted (ends long before it would).
         body = {"prompt": "the river", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
@@ -106,6 +149,7 @@ def test_two_api_servers_serve_alike_free_blocks_and_stop_on_sigint(tmp_path):
 
         # An API server process killed: logged, and the main process serves on alone.
         children = _children(proc.pid)
+        metrics_dir = _metrics_dir(proc.pid)
         port = int(url.rsplit(":", 1)[1])
         api_server = _api_server_pid(port, children)
         os.kill(api_server, signal.SIGKILL)
@@ -116,8 +160,16 @@ def test_two_api_servers_serve_alike_free_blocks_and_stop_on_sigint(tmp_path):
                     break
             time.sleep(0.05)
         for p in TEXTS:
-            assert _whole_text(url, p) == want[p]
+            text, n = _whole(url, p)
+            assert text == want[p]
+            tokens += n
         assert httpx.get(url + "/health").status_code == 200
+        # The killed API server's share still counted, once; the two above besides (100 tokens,
+        # and the one aborted after its first tokens: its tokens are the server's to count).
+        m = metrics(url)
+        cut = m["rosejax_generation_tokens_total"] - tokens - 100
+        assert 1 <= cut < 100, (cut, m)
+        _check_totals(url, requests + 2 + len(TEXTS), tokens + 100 + cut, invalid=6, aborted=1)
     except BaseException:
         proc.kill()
         raise
@@ -128,6 +180,7 @@ def test_two_api_servers_serve_alike_free_blocks_and_stop_on_sigint(tmp_path):
     while any(os.path.exists(f"/proc/{pid}") for pid in children):
         assert time.monotonic() < deadline, f"left behind: {children}"
         time.sleep(0.1)
+    assert not os.path.exists(metrics_dir), metrics_dir  # removed at the stop
     log_text = (tmp_path / "server.log").read_text()
     assert "exited with code -9; the others serve on" in log_text, log_text
 
@@ -143,10 +196,10 @@ def test_two_api_servers_in_front_of_two_replicas(tmp_path, monkeypatch):
         llm = LLM(MODEL, **{**ENGINE, "max_batch_size": 2, "kv_cache_tokens": 1120})
         outs = llm.generate(TEXTS, SamplingParams(**GREEDY), use_tqdm=False)
         want = {p: o.text for p, o in zip(TEXTS, outs, strict=True)}
-        jobs = [(f, p) for p in TEXTS for f in (_streamed_text, _whole_text)] * 4
+        jobs = [(f, p) for p in TEXTS for f in (_streamed, _whole)] * 4
         with ThreadPoolExecutor(len(jobs)) as pool:
             got = list(pool.map(lambda job: job[0](url, job[1]), jobs))
-        assert got == [want[p] for _, p in jobs], f"seed {SEED}"
+        assert [text for text, _ in got] == [want[p] for _, p in jobs], f"seed {SEED}"
         served = metrics(url, per_replica=True)
         counts = {
             (a, r): served.get(f"rosejax_api_server_requests_total{{api_server={a},replica={r}}}")

@@ -493,37 +493,3 @@ def test_cli_sigint_with_a_stream_open(tmp_path):
         proc.kill()
         raise
     stop_cli(proc, log, signal.SIGINT, send=False)
-
-
-def test_counted_histogram_matches_prometheus_observing_one_at_a_time():
-    """The ITL histogram takes a window's n tokens in one call; its buckets and count equal
-    prometheus_client's Histogram fed the same values one observation at a time, its sum too."""
-    from prometheus_client import CollectorRegistry, Histogram, generate_latest
-
-    from rosejax.serve.metrics import _LATENCY_BUCKETS, CountedHistogram
-
-    rng = random.Random()
-    plain, counted = CollectorRegistry(), CollectorRegistry()
-    reference = Histogram("t_seconds", "doc", ["replica"], buckets=_LATENCY_BUCKETS, registry=plain)
-    histogram = CountedHistogram("t_seconds", "doc", ["replica"], _LATENCY_BUCKETS, counted)
-    edges = [*_LATENCY_BUCKETS, 1e3]  # values on the bounds too: a bound is inclusive
-    for _ in range(300):
-        value = rng.choice(edges) if rng.random() < 0.3 else rng.expovariate(20.0)
-        n, replica = rng.randint(1, 40), rng.choice("01")
-        for _ in range(n):
-            reference.labels(replica).observe(value)
-        histogram.labels(replica).observe(value, n)
-
-    def samples(registry) -> dict:
-        text = generate_latest(registry).decode()
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-            if not s.name.endswith("_created")
-        }
-
-    got, want = samples(counted), samples(plain)
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        assert got[key] == pytest.approx(value, rel=1e-12), key

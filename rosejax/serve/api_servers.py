@@ -9,6 +9,10 @@ checks) delays every first token; N event loops in N processes share that work.
 - Each API server process loads the tokenizer, connects to the engine processes
   (`EngineProcesses(links=...)`) and serves as the main process does (`cli.run_server`); its
   /health answers 503 until its own app is ready.
+- /metrics: every API server keeps its request counters and latency histograms in a directory
+  the main process makes for the server (`ServerMetrics(shared_dir=...)`) and removes at its
+  stop, so each scrape sums every API server's; the engine gauges come from the engine
+  processes' snapshots (`rosejax.serve.metrics`).
 - Stop: SIGINT/SIGTERM to the main process begins its shutdown by sending SIGTERM to the others,
   so all drain at once as one server does (`--shutdown-timeout`); each engine process stops once
   API server 0 says so and every other API server's pipe has closed. A terminal's Ctrl-C
@@ -24,9 +28,11 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -50,7 +56,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 class ApiServers:
     """API server processes 1..N-1, spawned by the main process (API server 0; see the
-    module). OSError: the port could not be bound."""
+    module), and the directory all N keep their metrics in (`metrics_dir`). OSError: the port
+    could not be bound."""
 
     def __init__(
         self,
@@ -61,6 +68,7 @@ class ApiServers:
         engines: EngineProcesses,
     ):
         self.sock = bind_socket(args.host, args.port)
+        self.metrics_dir = tempfile.mkdtemp(prefix="rosejax-metrics-")
         self.stop_timeout = args.shutdown_timeout + _STOP_MARGIN_S
         self.stopping = False
         self.processes: list[Any] = []
@@ -69,7 +77,16 @@ class ApiServers:
             for index, links in enumerate(engines.api_server_links(), start=1):
                 process = ctx.Process(
                     target=_api_server_main,
-                    args=(index, self.sock, links, args, config, limits, template),
+                    args=(
+                        index,
+                        self.sock,
+                        links,
+                        args,
+                        config,
+                        limits,
+                        template,
+                        self.metrics_dir,
+                    ),
                     name=f"rosejax-api-server-{index}",
                     daemon=True,  # multiprocessing terminates it if this process exits first
                 )
@@ -106,7 +123,8 @@ class ApiServers:
                 process.terminate()
 
     def stop(self) -> None:
-        """`begin_shutdown`, wait for them to end, kill those left; close the socket."""
+        """`begin_shutdown`, wait for them to end, kill those left; close the socket and remove
+        the metrics directory."""
         self.begin_shutdown()
         deadline = time.monotonic() + self.stop_timeout
         for process in self.processes:
@@ -116,6 +134,7 @@ class ApiServers:
                 process.kill()
                 process.join(5)
         self.sock.close()
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
 
 def _exit_with_parent() -> None:
@@ -133,6 +152,7 @@ def _api_server_main(
     config: EngineConfig,
     limits: Limits,
     template: str | None,
+    metrics_dir: str,
 ) -> None:
     configure_logging(args.log_level, f" [api server {index}]")
     threading.Thread(target=_exit_with_parent, name="rosejax-parent", daemon=True).start()
@@ -142,4 +162,4 @@ def _api_server_main(
         return engines, False, engines.close
 
     waiting = max_waiting(args, args.api_server_count)
-    sys.exit(run_server(args, limits, template, build, waiting, sock=sock))
+    sys.exit(run_server(args, limits, template, build, waiting, sock=sock, metrics_dir=metrics_dir))

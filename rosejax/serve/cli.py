@@ -120,13 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         "engine in engine processes (not with --no-engine-process); this process is API "
         "server 0 and spawns the others. Each API server bounds its own share of "
         "--max-waiting (429 past max-batch-size + ceil(max-waiting / N) requests in flight "
-        "through it: it cannot see the others' without a round trip). /metrics answers from "
-        "whichever process accepted the scrape: the engine gauges and "
-        "rosejax_api_server_requests_total are the engine's and equal in all; the request "
-        "counters and latency histograms are that process's requests only; /health is that "
-        "process's. Default: 4 per replica, at most a quarter of this machine's cores, at least "
-        "1 (on a 16-core H100 host 4 served 256 streams at 0.81-0.88 of the engine's in-process "
-        "throughput, 1 at 0.58-0.64, 8 at 0.80); 1 with --no-engine-process",
+        "through it: it cannot see the others' without a round trip). /metrics reports the "
+        "whole server whichever process answers: request counters and latency histograms "
+        "summed over the API servers (prometheus_client's multiprocess mode, in a temporary "
+        "directory removed at the stop), engine gauges from the engine processes; /health is "
+        "that process's. Default: 4 per replica, at most a quarter of this machine's cores, at "
+        "least 1 (on a 16-core H100 host 4 served 256 streams at 0.81-0.88 of the engine's "
+        "in-process throughput, 1 at 0.58-0.64, 8 at 0.80); 1 with --no-engine-process",
     )
     p.add_argument(
         "--log-level",
@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             max_waiting(args, args.api_server_count),
             sock=api_servers.sock,
             on_shutdown=api_servers.begin_shutdown,
+            metrics_dir=api_servers.metrics_dir,
         )
     finally:
         api_servers.stop()
@@ -284,13 +285,16 @@ def run_server(
     max_waiting: int | None,
     sock: socket.socket | None = None,
     on_shutdown: Callable[[], None] | None = None,
+    metrics_dir: str | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM: at once a `LoadingApp` (503s) on `sock` (or on --host and
     --port), then the app over the engine that `build()` returns on a thread of its own (the
     engine, whether to compile the rest while idle, and how to close it if a stop comes first).
-    Returns the exit code."""
+    `metrics_dir`: this is one of several API server processes, which keep their metrics there
+    (`ServerMetrics(shared_dir=...)`). Returns the exit code."""
     from rosejax.serve.app import create_app
     from rosejax.serve.loading import LoadingApp
+    from rosejax.serve.metrics import ServerMetrics
     from rosejax.serve.server import make_server
     from rosejax.settings import freeze_heap
     from rosejax.tokenizer import warm_tokenizer
@@ -318,6 +322,7 @@ def run_server(
                 engine,
                 served_model_name=args.served_model_name or args.model,
                 max_waiting=max_waiting,
+                metrics=None if metrics_dir is None else ServerMetrics(shared_dir=metrics_dir),
                 limits=limits,
                 warm_in_background=background,
             )

@@ -6,10 +6,20 @@ not the event loop. Gauges of the scheduler and KV cache come from a snapshot th
 publishes after each iteration; the scrape never touches an engine. Every engine metric carries
 the label `replica` (data parallelism; "0" with one).
 
-With several API server processes (`--api-server-count N`) each has its own metrics: the engine
-gauges (from the engine processes' snapshots) and `rosejax_api_server_requests_total` are equal
-in every process's scrape; the request counters and latency histograms count only the requests
-of the process that answered the scrape.
+With several API server processes (`--api-server-count N`) every scrape reports the whole
+server, whichever process answers it. Each API server observes its own requests as one server
+does, into prometheus_client's multiprocess mode (`ServerMetrics(shared_dir=...)`): its values
+live in a file of its own in a directory the main process makes for the server (and removes at
+its end), and the scrape sums every process's file (`MultiProcessCollector`). The engine gauges
+and `rosejax_api_server_requests_total` come from the engine processes' snapshots, equal in all.
+Why not count everything in the engine processes and send it with their snapshots: what only an
+API server sees (rejections, a client gone, a shutdown's cut, an engine process that died) would
+still need its own way there, every step would carry the counts down every pipe, and the
+latencies would stop at the engine instead of the API server that answers. Multiprocess mode is
+process-wide in prometheus_client (its value class), so such a process serves one server. A
+dead API server's file stays, so what it served stays counted (counters never go down); none is
+ever restarted in its place, so nothing counts twice, and there are no live gauges for
+`mark_process_dead` to clean up. Counters and histograms have no `_created` samples there.
 """
 
 from __future__ import annotations
@@ -20,14 +30,18 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from rosejax.settings import set_prometheus_multiproc_dir
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (
@@ -111,7 +125,11 @@ class _SnapshotCollector(Collector):
 class CountedHistogram(Collector):
     """A Prometheus histogram whose `observe` takes a count: a decode window hands a request
     its n tokens at once, each with the same gap, and n calls of prometheus_client's observe
-    per request and window cost the engine thread more than the window's own host work."""
+    per request and window cost the engine thread more than the window's own host work.
+
+    Its buckets and sum are prometheus_client values under a `Histogram`'s keys, so in
+    multiprocess mode they go to the same files and `MultiProcessCollector` merges them as it
+    does a `Histogram`'s; then it is registered nowhere (`registry` None)."""
 
     def __init__(
         self,
@@ -119,19 +137,22 @@ class CountedHistogram(Collector):
         doc: str,
         labelnames: Sequence[str],
         buckets: Sequence[float],
-        registry: CollectorRegistry,
+        registry: CollectorRegistry | None,
     ):
-        self.name, self.doc, self.labelnames = name, doc, list(labelnames)
+        self.name, self.doc, self.labelnames = name, doc, tuple(labelnames)
         self._bounds = [*buckets, math.inf]
         self._children: dict[tuple[str, ...], _CountedChild] = {}
         self._lock = threading.Lock()
-        registry.register(self)
+        if registry is not None:
+            registry.register(self)
 
-    def labels(self, *values: str) -> _CountedChild:
-        key = tuple(map(str, values))
+    def labels(self, *labelvalues: str) -> _CountedChild:
+        key = tuple(map(str, labelvalues))
         with self._lock:
             if key not in self._children:
-                self._children[key] = _CountedChild(self._bounds)
+                self._children[key] = _CountedChild(
+                    self.name, self.doc, self.labelnames, key, self._bounds
+                )
             return self._children[key]
 
     def collect(self) -> Iterator[Metric]:
@@ -140,39 +161,72 @@ class CountedHistogram(Collector):
             children = list(self._children.items())
         for key, child in children:
             counts, total = child.read()
-            buckets, running = [], 0
+            buckets, running = [], 0.0
             for bound, c in zip(self._bounds, counts, strict=True):
                 running += c
-                buckets.append(("+Inf" if bound == math.inf else repr(bound), running))
+                buckets.append((floatToGoString(bound), running))
             family.add_metric(list(key), buckets, total)
         yield family
 
 
 class _CountedChild:
-    def __init__(self, bounds: list[float]):
+    def __init__(
+        self,
+        name: str,
+        doc: str,
+        labelnames: tuple[str, ...],
+        labelvalues: tuple[str, ...],
+        bounds: list[float],
+    ):
         self._bounds = bounds
-        self._counts = [0] * len(bounds)
-        self._sum = 0.0
-        self._lock = threading.Lock()
+        # Created as prometheus_client's Histogram creates its own (per bucket, not cumulative).
+        self._buckets = [
+            values.ValueClass(
+                "histogram",
+                name,
+                f"{name}_bucket",
+                (*labelnames, "le"),
+                (*labelvalues, floatToGoString(bound)),
+                doc,
+            )
+            for bound in self._bounds
+        ]
+        self._sum = values.ValueClass(
+            "histogram", name, f"{name}_sum", labelnames, labelvalues, doc
+        )
 
     def observe(self, value: float, count: int = 1) -> None:
         i = bisect.bisect_left(self._bounds, value)  # the first bucket with value <= bound
-        with self._lock:
-            self._counts[i] += count
-            self._sum += value * count
+        self._buckets[i].inc(count)
+        self._sum.inc(value * count)
 
-    def read(self) -> tuple[list[int], float]:
-        with self._lock:
-            return list(self._counts), self._sum
+    def read(self) -> tuple[list[float], float]:
+        return [bucket.get() for bucket in self._buckets], self._sum.get()
+
+
+def share_across_processes(directory: str) -> None:
+    """Keep the values of the prometheus metrics this process creates from now on in a file of
+    its own in `directory`, where `MultiProcessCollector` sums every process's (prometheus_client's
+    multiprocess mode). prometheus_client picks its value class from the environment when it is
+    imported, before a server knows it is one of several: so it is set here."""
+    set_prometheus_multiproc_dir(directory)
+    values.ValueClass = values.MultiProcessValue()
 
 
 class ServerMetrics:
     """Every metric of one server: the engine's per replica (label `replica`), requests refused
-    at the door for the whole server. Thread-safe: prometheus_client metrics lock internally."""
+    at the door for the whole server. Thread-safe: prometheus_client metrics lock internally.
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    `shared_dir`: this process is one of the server's API server processes, which all keep
+    their values in this directory (`share_across_processes`); the scrape sums them."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, shared_dir: str | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        if shared_dir is not None:
+            share_across_processes(shared_dir)
+            MultiProcessCollector(self.registry, path=shared_dir)
+            r = None  # the metrics themselves: in the files, which that collector reads
         self.ttft = Histogram(
             "rosejax_time_to_first_token_seconds",
             "From a request's arrival to its first generated token.",
