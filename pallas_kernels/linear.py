@@ -15,12 +15,17 @@ stream more than `max_k_steps` tiles: each program then writes its float32 parti
 kernel, or the next layer norm: `pallas_kernels.layer_norm.add_layer_norm`). The default of 4
 tiles was measured on GPT-2 small only (`DEFAULT_MAX_K_STEPS`).
 
-With `swiglu` the kernel's input is a SwiGLU MLP's gate/up projection [M, 2K], and each x tile
-is silu(gate) * up of its [BM, BK] tiles of both halves, computed as it is loaded (`swiglu`'s
-rounding): the elementwise kernel XLA runs between the two matmuls of a Llama-style MLP goes.
+With the "swiglu" activation the kernel is a SwiGLU MLP's gate/up projection (w [K, 2F], gate
+columns then up columns) and stores silu(gate) * up [M, F] (`swiglu`'s rounding): the elementwise
+kernel XLA runs between the two matmuls of a Llama-style MLP goes. A program owns block_n output
+columns, streams their gate and their up columns (F / block_n programs: the plain projection's
+work in half as many), and computes silu on its [BM, block_n] accumulators, each value once.
+(Computing it instead as the down projection loaded its input cost every one of that kernel's N
+programs the whole input's silu, in the MMA operand layout that all 4 warps hold: 128 times the
+work, +0.77 ms a Qwen3-0.6B step on an H100.)
 
-Layout: x [M, K] (with swiglu [M, 2K], gate then up); w [K, N] (flax's Dense kernel); b [N];
-residual [M, N] or None; out [M, N]; partial sums [S, M, N] float32.
+Layout: x [M, K]; w [K, N] (flax's Dense kernel); b [N]; residual [M, N] or None; out [M, N]
+(swiglu: [M, N / 2]); partial sums [S, M, N] float32.
 """
 
 from __future__ import annotations
@@ -44,14 +49,23 @@ DEFAULT_NUM_WARPS = 4  # H100, 16 rows: beat 2 and 8, again in one process
 DEFAULT_NUM_STAGES = 4  # H100, one process, B=1 and 16: beat 3 by 0.4-0.7%; 2 was 15% slower
 DEFAULT_MAX_K_STEPS = 4  # H200, GPT-2 small, B=1: best of 1, 2, 4 and 12 (-8.5% a step on 12)
 
-ACTIVATIONS = (None, "gelu_tanh")
+ACTIVATIONS = (None, "gelu_tanh", "swiglu")
 
 
 def linear_supported(
-    k: int, n: int, block_k: int = DEFAULT_BLOCK_K, block_n: int = DEFAULT_BLOCK_N
+    k: int,
+    n: int,
+    block_k: int = DEFAULT_BLOCK_K,
+    block_n: int = DEFAULT_BLOCK_N,
+    activation: str | None = None,
 ) -> bool:
     """Whether K and N tile: each needs a power-of-two divisor >= 16 (the matrix units' least)
-    within the block size. A dispatcher sends other shapes to `linear_reference`."""
+    within the block size (swiglu: F = N / 2 for N). A dispatcher sends other shapes to
+    `linear_reference`."""
+    if activation == "swiglu":
+        if n % 2:
+            return False
+        n //= 2
     return min(math.gcd(block_k, k), math.gcd(block_n, n)) >= 16
 
 
@@ -105,6 +119,13 @@ def _epilogue(y, bias, residual, activation: str | None):
     return y
 
 
+def _swiglu_epilogue(gate, up, gate_bias, up_bias, dtype):
+    """float32 gate and up products [M, F] -> silu_mul of each + its bias rounded to dtype: the
+    unfused projection's output, then `swiglu`."""
+    gate = (gate + gate_bias.astype(jnp.float32)[None, :]).astype(dtype)
+    return silu_mul(gate, (up + up_bias.astype(jnp.float32)[None, :]).astype(dtype))
+
+
 def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:  # same shape and dtype -> that
     """silu(gate) * up as HF's MLP rounds it: silu in float32 rounded to the dtype, the product
     rounded again (a product of two values of the dtype is exact in float32)."""
@@ -127,16 +148,21 @@ def finish_partial_sums(
     dtype=None,  # default: the residual's (or b's)
 ) -> jax.Array:  # [M, N]
     """`linear`'s epilogue over `linear_partial_sums`: the splits summed in order, then as the
-    kernel finishes its own sum."""
+    kernel finishes its own sum (swiglu: [M, N / 2])."""
     dtype = dtype or (residual if residual is not None else b).dtype
-    return _epilogue(partials.sum(axis=0), b, residual, activation).astype(dtype)
+    y = partials.sum(axis=0)  # [M, N] float32
+    if activation == "swiglu":
+        gate, up = jnp.split(y, 2, axis=1)
+        gate_bias, up_bias = jnp.split(b, 2)
+        return _swiglu_epilogue(gate, up, gate_bias, up_bias, dtype)
+    return _epilogue(y, b, residual, activation).astype(dtype)
 
 
 def linear_kernel(
-    x_ref,  # [M, K]; with swiglu [M, 2K]
+    x_ref,  # [M, K]
     w_ref,  # [K, N]
     *refs,  # partial sums: o_ref [S, M, N] float32;
-    #         else b_ref [N], (residual_ref [M, N],) o_ref [M, N]
+    #         else b_ref [N], (residual_ref [M, N],) o_ref [M, N] (swiglu: [M, N / 2])
     block_m: int,
     block_n: int,
     block_k: int,
@@ -144,25 +170,26 @@ def linear_kernel(
     steps_per_split: int,  # tiles of K each program streams (the last split's may be fewer)
     activation: str | None,
     partial_sums: bool,
-    swiglu_input: bool,
 ):
     o_ref = refs[-1]
-    m, k = x_ref.shape[0], w_ref.shape[0]
+    m = x_ref.shape[0]
     first_row = pl.program_id(1) * block_m
     rows, cols = pl.ds(first_row, block_m), pl.ds(pl.program_id(0) * block_n, block_n)
     row_ok = (first_row + jnp.arange(block_m) < m)[:, None]  # [BM, 1]: rows past M are padding
+    # swiglu: the program's gate columns, and its up columns F = N / 2 on.
+    w_cols = (cols,)
+    if activation == "swiglu":
+        w_cols = (cols, pl.ds(w_ref.shape[1] // 2 + pl.program_id(0) * block_n, block_n))
+    # float32 weights: full precision, not TF32 (a float32 model is there to match HF).
+    precision = jax.lax.Precision.HIGHEST if w_ref.dtype == jnp.float32 else None
 
-    def body(i, acc):  # acc [BM, BN] float32
-        x = plgpu.load(
-            x_ref.at[rows, pl.ds(i * block_k, block_k)], mask=row_ok, other=0.0
-        )  # [BM, BK]
-        if swiglu_input:  # x is the gate tile; its up tile lies K columns on
-            up = plgpu.load(x_ref.at[rows, pl.ds(k + i * block_k, block_k)], mask=row_ok, other=0.0)
-            x = silu_mul(x, up)
-        w = w_ref[pl.ds(i * block_k, block_k), cols]  # [BK, BN]
-        # float32 weights: full precision, not TF32 (a float32 model is there to match HF).
-        precision = jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else None
-        return acc + jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
+    def body(i, accs):  # accs: ([BM, BN] float32,) per column tile
+        ks = pl.ds(i * block_k, block_k)
+        x = plgpu.load(x_ref.at[rows, ks], mask=row_ok, other=0.0)  # [BM, BK]
+        return tuple(
+            acc + jnp.dot(x, w_ref[ks, c], precision=precision, preferred_element_type=jnp.float32)
+            for acc, c in zip(accs, w_cols, strict=True)
+        )
 
     first = pl.program_id(2) * steps_per_split
     # A static trip count where the splits are even (what the compiler pipelines best).
@@ -171,15 +198,20 @@ def linear_kernel(
         if k_steps % steps_per_split == 0
         else jnp.minimum(first + steps_per_split, k_steps)
     )
-    acc = jax.lax.fori_loop(first, last, body, jnp.zeros((block_m, block_n), jnp.float32))
+    zeros = jnp.zeros((block_m, block_n), jnp.float32)
+    accs = jax.lax.fori_loop(first, last, body, (zeros,) * len(w_cols))
     if partial_sums:
-        plgpu.store(o_ref.at[pl.program_id(2), rows, cols], acc, mask=row_ok)
+        plgpu.store(o_ref.at[pl.program_id(2), rows, cols], accs[0], mask=row_ok)
         return
     b_ref, residual_ref = refs[0], (refs[1] if len(refs) == 3 else None)
+    if activation == "swiglu":
+        y = _swiglu_epilogue(*accs, *(b_ref[c] for c in w_cols), o_ref.dtype)
+        plgpu.store(o_ref.at[rows, cols], y, mask=row_ok)
+        return
     residual = None
     if residual_ref is not None:
         residual = plgpu.load(residual_ref.at[rows, cols], mask=row_ok, other=0.0)
-    y = _epilogue(acc, b_ref[cols], residual, activation)
+    y = _epilogue(accs[0], b_ref[cols], residual, activation)
     plgpu.store(o_ref.at[rows, cols], y.astype(o_ref.dtype), mask=row_ok)
 
 
@@ -194,15 +226,14 @@ _STATIC_ARGS = [
 ]
 
 
-@functools.partial(jax.jit, static_argnames=["activation", "swiglu_input", *_STATIC_ARGS])
+@functools.partial(jax.jit, static_argnames=["activation", *_STATIC_ARGS])
 def linear(
-    x: jax.Array,  # [M, K]; with swiglu_input [M, 2K]
+    x: jax.Array,  # [M, K]
     w: jax.Array,  # [K, N]
     b: jax.Array,  # [N]
     residual: jax.Array | None = None,  # [M, N]
     *,
     activation: str | None = None,
-    swiglu_input: bool = False,
     block_m: int = DEFAULT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
     block_k: int = DEFAULT_BLOCK_K,
@@ -210,46 +241,46 @@ def linear(
     num_stages: int = DEFAULT_NUM_STAGES,
     max_k_steps: int = DEFAULT_MAX_K_STEPS,
     interpret: bool = False,
-) -> jax.Array:  # [M, N], x's dtype
+) -> jax.Array:  # [M, N] (swiglu: [M, N / 2]), x's dtype
     """activation(x @ w + b) + residual, float32 inside, for few rows (a program's tile is
     [min(block_m, next_power_of_2(max(M, 16))), block_n]). block_n / block_k shrink to the largest
     power of two dividing N / K. K is split over programs when one would stream more than
-    `max_k_steps` tiles of block_k; the epilogue then runs after their sum, in XLA. With
-    `swiglu_input`, x holds a gate and an up half and the product is `swiglu(x) @ w`."""
-    _check_input(x, w, swiglu_input)
+    `max_k_steps` tiles of block_k; the epilogue then runs after their sum, in XLA. "swiglu"
+    takes w's columns as a gate half and an up half: `swiglu(x @ w + b)`, no residual."""
+    _check_input(x, w)
     if b.shape != (w.shape[1],):
         raise ValueError(f"need b [N] for w {w.shape}, got {b.shape}")
     (m, k), n = (x.shape[0], w.shape[0]), w.shape[1]
-    if residual is not None and residual.shape != (m, n):
-        raise ValueError(f"residual must be [{m}, {n}], got {residual.shape}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    swiglu_out = activation == "swiglu"
+    if swiglu_out and (residual is not None or n % 2):
+        raise ValueError(f"swiglu needs an even N and no residual, got w {w.shape}")
+    if residual is not None and residual.shape != (m, n):
+        raise ValueError(f"residual must be [{m}, {n}], got {residual.shape}")
     tiles = _tiles(m, k, n, block_m, block_n, block_k, max_k_steps)
-    launch = dict(
-        num_warps=num_warps, num_stages=num_stages, swiglu_input=swiglu_input, interpret=interpret
-    )
+    launch = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if tiles["splits"] > 1:
         partials = _pallas_linear(x, w, (), tiles, None, **launch)
         return finish_partial_sums(partials, b, residual, activation=activation, dtype=x.dtype)
+    if swiglu_out:  # a program's block_n output columns: as many gate and up columns
+        tiles = _tiles(m, k, n // 2, block_m, block_n, block_k, max_k_steps)
     return _pallas_linear(
         x, w, (b,) if residual is None else (b, residual), tiles, activation, **launch
     )
 
 
-def _check_input(x: jax.Array, w: jax.Array, swiglu_input: bool) -> None:
-    """x [M, K] (with swiglu_input [M, 2K]) against w [K, N]."""
-    k = 2 * w.shape[0] if swiglu_input else w.shape[0]
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != k:
-        need = "[M, 2K]" if swiglu_input else "[M, K]"
-        raise ValueError(f"need x {need} and w [K, N], got {x.shape}, {w.shape}")
+def _check_input(x: jax.Array, w: jax.Array) -> None:
+    """x [M, K] against w [K, N]."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"need x [M, K] and w [K, N], got {x.shape}, {w.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=["swiglu_input", *_STATIC_ARGS])
+@functools.partial(jax.jit, static_argnames=_STATIC_ARGS)
 def linear_partial_sums(
-    x: jax.Array,  # [M, K]; with swiglu_input [M, 2K]
+    x: jax.Array,  # [M, K]
     w: jax.Array,  # [K, N]
     *,
-    swiglu_input: bool = False,
     block_m: int = DEFAULT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
     block_k: int = DEFAULT_BLOCK_K,
@@ -260,9 +291,8 @@ def linear_partial_sums(
 ) -> jax.Array:  # [S, M, N] float32, S >= 1 splits of K
     """x @ w as float32 partial sums over S splits of K (S = 1 when no program would stream more
     than `max_k_steps` tiles), for a consumer that applies the epilogue itself
-    (`finish_partial_sums`, `pallas_kernels.layer_norm.add_layer_norm`). `swiglu_input` as
-    `linear`'s."""
-    _check_input(x, w, swiglu_input)
+    (`finish_partial_sums`, `pallas_kernels.layer_norm.add_layer_norm`)."""
+    _check_input(x, w)
     tiles = _tiles(x.shape[0], *w.shape, block_m, block_n, block_k, max_k_steps)
     return _pallas_linear(
         x,
@@ -272,7 +302,6 @@ def linear_partial_sums(
         None,
         num_warps=num_warps,
         num_stages=num_stages,
-        swiglu_input=swiglu_input,
         interpret=interpret,
     )
 
@@ -289,11 +318,10 @@ def _pallas_linear(
     *,
     num_warps: int,
     num_stages: int,
-    swiglu_input: bool,
     interpret: bool,
 ) -> jax.Array:
     """The kernel over x, w and `operands`: bias and residual, or none for partial sums."""
-    (m, _), n = x.shape, w.shape[1]
+    m, n = x.shape[0], w.shape[1] // 2 if activation == "swiglu" else w.shape[1]
     partial_sums = not operands
     if partial_sums:
         out = jax.ShapeDtypeStruct((tiles["splits"], m, n), jnp.float32)
@@ -308,14 +336,13 @@ def _pallas_linear(
             linear_kernel,
             activation=activation,
             partial_sums=partial_sums,
-            swiglu_input=swiglu_input,
             **{k: v for k, v in tiles.items() if k not in _GRID_ONLY},
         ),
         grid=(n // tiles["block_n"], tiles["m_tiles"], tiles["splits"]),
         out_shape=out,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"{name}{'_swiglu' if swiglu_input else ''}_n{tiles['block_n']}",
+        name=f"{name}_n{tiles['block_n']}",
     )(x, w, *operands)
 
 
@@ -335,7 +362,8 @@ def linear_reference(
     *,
     activation: str | None = None,
 ) -> jax.Array:  # [M, N]
-    """Plain XLA, as flax's Dense computes it (x @ w + b in x's dtype), then the epilogue."""
+    """Plain XLA, as flax's Dense computes it (x @ w + b in x's dtype), then the epilogue
+    (swiglu: [M, N / 2])."""
     return linear_reference_epilogue(jnp.dot(x, w), b, residual, activation=activation)
 
 
@@ -350,4 +378,6 @@ def linear_reference_epilogue(
     y = y + b
     if activation == "gelu_tanh":
         y = jax.nn.gelu(y, approximate=True)
+    if activation == "swiglu":
+        y = swiglu(y)
     return y if residual is None else residual + y

@@ -96,7 +96,6 @@ _SET_BY_LAYERS = frozenset(
         "interpret",
         "eps",
         "activation",
-        "swiglu_input",
         "new_head_offsets",
         "use_kernels",
         "min_batch",
@@ -151,9 +150,8 @@ class KernelConfig:
     layer_norm: Impl = "xla"
     rms_norm: Impl = "xla"  # Llama-style models' norms, with the residual add before them
     linear: Impl = "xla"  # small-batch matmul with fused bias, GELU and residual
-    # The Pallas matmul of a SwiGLU MLP's down projection takes the gate/up projection and
-    # computes silu(gate) * up itself as it loads it. Off: Qwen3-0.6B B=1 took 1.81 ms/step
-    # with it against 1.04 without (H100).
+    # The Pallas matmul of a SwiGLU MLP's gate/up projection computes silu(gate) * up on its
+    # accumulators and stores that (a kernel a layer fewer). Off until measured on a GPU.
     fused_swiglu: bool = False
     fused_kv_append: bool = True  # the Pallas decode attention writes the step's K/V itself
     # ... and normalizes (Qwen3's q/k RMSNorm) and rotates (RoPE) the step's q and k itself.

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.linear import linear_partial_sums, linear_partial_sums_reference
+from pallas_kernels.linear import linear, linear_partial_sums_reference
 from pallas_kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_append,
@@ -515,9 +515,9 @@ def test_paged_prefill_matches_oracle(impl, h, group, d, cached):
 
 def test_fused_decode_kernels_lower_to_triton():
     """The kernels a Qwen3-0.6B decode step fuses (the attention with q/k norm and RoPE, split or
-    not, the down projection with SwiGLU, RMSNorm several rows a program) lower to Triton for a GPU,
-    here too: the Pallas-to-Triton lowering rejects what Triton cannot tile (shapes not powers
-    of two, unsupported ops) before any GPU is needed."""
+    not, the gate/up projection with SwiGLU, RMSNorm several rows a program) lower to Triton for a
+    GPU, here too: the Pallas-to-Triton lowering rejects what Triton cannot tile (shapes not
+    powers of two, unsupported ops) before any GPU is needed."""
     b, h, group, d, bs = 16, 8, 2, 128, 64
     dt = jnp.bfloat16
     qkv = jnp.zeros((b, h * (group + 2), d), dt)
@@ -539,8 +539,8 @@ def test_fused_decode_kernels_lower_to_triton():
             (qkv, cache, cache, tables, lengths),
         ),
         "swiglu": (
-            lambda x, w: linear_partial_sums(x, w, swiglu_input=True),
-            (jnp.zeros((16, 2 * 3072), dt), jnp.zeros((3072, 1024), dt)),
+            lambda x, w, b: linear(x, w, b, activation="swiglu"),
+            (jnp.zeros((16, 1024), dt), jnp.zeros((1024, 2 * 3072), dt), jnp.zeros(6144, dt)),
         ),
         "rms_norm": (rms_norm, (jnp.zeros((6144, d), dt), jnp.ones(d, dt))),
     }

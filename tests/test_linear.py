@@ -1,5 +1,5 @@
-"""Linear with its epilogue (and a SwiGLU MLP's down projection with silu(gate) * up in its
-prologue): the Pallas kernel, its XLA reference and the model's module against numpy."""
+"""Linear with its epilogue (and a SwiGLU MLP's gate/up projection with silu(gate) * up as its
+epilogue): the Pallas kernel, its XLA reference and the model's module against numpy."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from pallas_kernels.linear import (
-    finish_partial_sums,
     linear,
     linear_partial_sums,
     linear_partial_sums_reference,
@@ -25,10 +24,10 @@ from tests.conftest import INTERPRET, pairwise
 PALLAS = KernelConfig(linear="pallas", interpret=INTERPRET)
 
 
-def module(x, w, b, residual=None, *, activation=None, kernels=PALLAS, swiglu_input=False):
+def module(x, w, b, residual=None, *, activation=None, kernels=PALLAS):
     """The model's layer with the Pallas kernel chosen (XLA where the layer's rules say so)."""
     layer = Linear(w.shape[1], activation, kernels)
-    return layer.apply({"params": {"kernel": w, "bias": b}}, x, residual, swiglu_input=swiglu_input)
+    return layer.apply({"params": {"kernel": w, "bias": b}}, x, residual)
 
 
 IMPLS = {
@@ -119,7 +118,9 @@ def test_params_of_the_wrong_shape_or_missing_name_the_param():
     [
         (dict(x=jnp.zeros((2, 63))), "need x"),
         (dict(b=jnp.zeros(31)), "need b"),
-        (dict(swiglu_input=True), "need x \\[M, 2K\\]"),
+        (dict(activation="swiglu", residual=jnp.zeros((2, 32))), "swiglu needs"),
+        (dict(activation="swiglu", w=jnp.zeros((64, 33)), b=jnp.zeros(33)), "swiglu needs"),
+        (dict(activation="swiglu", w=jnp.zeros((64, 48)), b=jnp.zeros(48)), "divisor"),  # F=24
         (dict(residual=jnp.zeros((3, 32))), "residual"),
         (dict(activation="relu"), "activation"),
         (dict(block_n=24), "powers of two"),
@@ -226,65 +227,71 @@ def test_untileable_shapes_fall_back_to_xla():
     )
 
 
-# ------------------------------------------------------------------ SwiGLU in the prologue
+# ------------------------------------------------------------------ SwiGLU in the epilogue
 
-SWIGLU_IMPLS = {
-    "pallas": functools.partial(linear, swiglu_input=True, interpret=INTERPRET),
-    # K split over programs: each reads its own tiles of both halves.
+FUSED_SWIGLU = KernelConfig(linear="pallas", fused_swiglu=True, interpret=INTERPRET)
+SWIGLU_IMPLS = {  # (x [M, K], w [K, 2F], b [2F]) -> silu(gate) * up [M, F]
+    "pallas": functools.partial(linear, activation="swiglu", interpret=INTERPRET),
+    # 16 gate and 16 up columns a program over several K steps.
+    "pallas_n16_k32": functools.partial(
+        linear, activation="swiglu", block_n=16, block_k=32, interpret=INTERPRET
+    ),
+    # K split over programs: the partial sums of all 2F columns, swiglu after their sum.
     "pallas_split_k": functools.partial(
-        linear, swiglu_input=True, block_k=32, max_k_steps=1, interpret=INTERPRET
+        linear, activation="swiglu", block_k=32, max_k_steps=1, interpret=INTERPRET
     ),
-    "pallas_partial_sums": lambda x, w, b, residual: finish_partial_sums(
-        linear_partial_sums(x, w, swiglu_input=True, block_k=16, interpret=INTERPRET), b, residual
-    ),
-    "reference": lambda x, w, b, residual: linear_reference(swiglu(x), w, b, residual),
-    "module": functools.partial(module, swiglu_input=True),
-    "module_unfused": functools.partial(
-        module,
-        swiglu_input=True,
-        kernels=KernelConfig(linear="pallas", fused_swiglu=False, interpret=INTERPRET),
-    ),
+    "reference": functools.partial(linear_reference, activation="swiglu"),
+    "module": functools.partial(module, activation="swiglu", kernels=FUSED_SWIGLU),
+    "module_unfused": functools.partial(module, activation="swiglu"),
+    "module_xla": functools.partial(module, activation="swiglu", kernels=KernelConfig()),
 }
 
 
-def gate_up_case(rng, m, k, dtype):
-    """A gate/up projection [M, 2K]: gates wide enough to cover silu's bend and both tails."""
-    return jnp.asarray(
-        np.concatenate([rng.normal(size=(m, k)) * 3, rng.normal(size=(m, k))], 1), dtype
-    )
+def gate_up_weights(rng, k, dtype):
+    """w [K, 2K]: the identity for the gate half and a permutation for the up half, so that
+    the products are exact (one nonzero term) and every rounding is the epilogue's."""
+    eye = np.eye(k)
+    return jnp.asarray(np.concatenate([eye, eye[:, rng.permutation(k)]], 1), dtype)
 
 
 @pytest.mark.slow  # `swiglu` itself meets HF in the Llama-family tests
 @pytest.mark.parametrize(
     "impl,shape,dtype", pairwise(impl=list(SWIGLU_IMPLS), shape=SHAPES[1:3], dtype=list(TOL))
 )
-def test_swiglu_input_matches_numpy(impl, shape, dtype):
-    """residual + (silu(gate) * up) @ w + b from the gate/up projection [M, 2K]."""
+def test_swiglu_matches_numpy(impl, shape, dtype):
+    """silu(gate) * up of the gate/up projection x @ w + b [M, 2F] (F = N / 2)."""
     rng = np.random.default_rng()
     m, k, n = shape
-    x = gate_up_case(rng, m, k, dtype)
-    w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), dtype)
+    x = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    w = jnp.asarray(rng.normal(size=(k, n)) * 3 / np.sqrt(k), dtype)  # gates over silu's bend
     b = jnp.asarray(rng.normal(size=n), dtype)
-    residual = jnp.asarray(rng.normal(size=(m, n)) * 4, dtype)
-    got = SWIGLU_IMPLS[impl](x, w, b, residual)
-    assert got.shape == (m, n) and got.dtype == jnp.dtype(dtype)
-    gate, up = np.split(np.asarray(x, np.float64), 2, axis=1)
-    want = oracle(gate / (1 + np.exp(-gate)) * up, w, b, residual, None)
+    got = SWIGLU_IMPLS[impl](x, w, b)
+    assert got.shape == (m, n // 2) and got.dtype == jnp.dtype(dtype)
+    gate, up = np.split(oracle(x, w, b, None, None), 2, axis=1)
+    want = gate / (1 + np.exp(-gate)) * up
     np.testing.assert_allclose(
         np.asarray(got, np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * 4
     )
 
 
 @pytest.mark.parametrize("impl", list(SWIGLU_IMPLS))
-def test_swiglu_input_rounds_as_xla(impl, dtype="bfloat16"):
-    """Through identity weights (a product that adds exact zeros), the kernel's input is the XLA
-    path's `swiglu`: bit for bit where both are computed on a CPU, within a rounding of the
-    dtype on a GPU (its exp)."""
+def test_swiglu_rounds_as_xla(impl, dtype="bfloat16"):
+    """With exact products, every path is the XLA path's projection (+ b in the dtype) then
+    `swiglu`: bit for bit where both are computed on a CPU, within a rounding of the dtype on a
+    GPU (its exp)."""
     rng = np.random.default_rng()
     m, k = 5, 64
-    x = gate_up_case(rng, m, k, dtype)
-    eye, zeros = jnp.eye(k, dtype=dtype), jnp.zeros(k, dtype)
-    got = np.asarray(SWIGLU_IMPLS[impl](x, eye, zeros, None), np.float64)
-    want = np.asarray(swiglu(x), np.float64)
+    x = jnp.asarray(rng.normal(size=(m, k)) * 3, dtype)  # gates over silu's bend and tails
+    w = gate_up_weights(rng, k, dtype)
+    b = jnp.asarray(rng.normal(size=2 * k), dtype)
+    got = np.asarray(SWIGLU_IMPLS[impl](x, w, b), np.float64)
+    want = np.asarray(swiglu(jnp.dot(x, w) + b), np.float64)
+    assert got.shape == (m, k)
     step = 0.0 if INTERPRET else float(jnp.finfo(dtype).eps) * float(np.max(np.abs(want)))
     np.testing.assert_allclose(got, want, rtol=0, atol=step)
+
+
+def test_swiglu_module_takes_no_residual():
+    x, w, b = jnp.zeros((2, 64)), jnp.zeros((64, 32)), jnp.zeros(32)
+    with pytest.raises(ValueError, match="no residual"):
+        module(x, w, b, jnp.zeros((2, 16)), activation="swiglu", kernels=FUSED_SWIGLU)

@@ -11,9 +11,10 @@ by a Pallas kernel or XLA as the `KernelConfig` says.
   `LayerNorm` adds bias and residual in its own kernel (`add_layer_norm`), which also stores
   the sum for the residual stream. Per layer that is one kernel fewer, and the matmul may split
   K over more programs for free.
-- A SwiGLU MLP's down projection takes the gate/up projection (`swiglu_input`): the Pallas
-  kernel computes silu(gate) * up as it loads its input (`kernels.fused_swiglu`), every other
-  path first in XLA (`pallas_kernels.linear.swiglu`, the same rounding).
+- A SwiGLU MLP's gate/up projection (activation "swiglu", kernel [in, 2F]) returns
+  silu(gate) * up [..., F]: the Pallas kernel computes it on its accumulators
+  (`kernels.fused_swiglu`), every other path in XLA after the product
+  (`pallas_kernels.linear.swiglu`, the same rounding).
 - A row-parallel `Linear` (`reduce_axis`, tensor parallelism: `rosejax.layers.parallel`) holds
   its shard's rows of the kernel: its float32 partial sums are all-reduced over the mesh axis
   first, and the replicated bias and residual added after, once, rounded where one device's
@@ -43,10 +44,17 @@ from pallas_kernels.linear import (
 from rosejax.settings import XLA_KERNELS, KernelConfig
 
 
-def pallas_linear_enabled(kernels: KernelConfig, rows: int, k: int, n: int) -> bool:
+def pallas_linear_enabled(
+    kernels: KernelConfig, rows: int, k: int, n: int, activation: str | None = None
+) -> bool:
     """For an [rows, k] @ [k, n] call: the Pallas kernel is chosen, rows are few enough, and
-    the kernel tiles the shape."""
-    return kernels.linear == "pallas" and rows <= kernels.linear_max_rows and linear_supported(k, n)
+    the kernel tiles the shape (with its block sizes and `activation`'s column tiles)."""
+    blocks = {p: v for p, v in kernels.tile_kwargs("linear").items() if p in ("block_k", "block_n")}
+    return (
+        kernels.linear == "pallas"
+        and rows <= kernels.linear_max_rows
+        and linear_supported(k, n, activation=activation, **blocks)
+    )
 
 
 @flax.struct.dataclass
@@ -88,20 +96,22 @@ def given_param(module: nn.Module, name: str, shape: tuple[int, ...]) -> jax.Arr
 class Linear(nn.Module):
     """flax's `nn.Dense` (kernel [in, out], bias), then `activation` and `+ residual`."""
 
-    features: int
-    activation: str | None = None  # None or "gelu_tanh" (GPT-2's gelu_new)
+    features: int  # the kernel's columns (swiglu: its output has half as many)
+    # None, "gelu_tanh" (GPT-2's gelu_new) or "swiglu" (the columns a gate half and an up half)
+    activation: str | None = None
     kernels: KernelConfig = XLA_KERNELS
     use_bias: bool = True  # False: no bias param (the kernels add zeros)
     reduce_axis: str | None = None  # row-parallel: psum the partial sums over this mesh axis
 
     @nn.compact
-    def __call__(self, x, residual=None, *, defer: bool = False, swiglu_input: bool = False):
-        """x [..., K], residual [..., N] or None -> [..., N]. With `defer` (a residual layer
-        whose sum only a `LayerNorm` reads), a `PendingSum` instead when there is a residual, no
-        activation, and the call is the Pallas kernel's; otherwise the array as without it.
-        With `swiglu_input`, x [..., 2K] is a gate and an up half, and the layer's input is
-        `swiglu(x)`."""
-        k = x.shape[-1] // 2 if swiglu_input else x.shape[-1]
+    def __call__(self, x, residual=None, *, defer: bool = False):
+        """x [..., K], residual [..., N] or None -> [..., N] (swiglu: [..., N / 2]). With `defer`
+        (a residual layer whose sum only a `LayerNorm` reads), a `PendingSum` instead when there
+        is a residual, no activation, and the call is the Pallas kernel's; otherwise the array
+        as without it."""
+        if self.activation == "swiglu" and residual is not None:
+            raise ValueError("a swiglu Linear takes no residual")
+        k = x.shape[-1]
         kernel = given_param(self, "kernel", (k, self.features))
         if self.use_bias:
             bias = given_param(self, "bias", (self.features,))
@@ -109,20 +119,21 @@ class Linear(nn.Module):
             bias = jnp.zeros((self.features,), kernel.dtype)
         lead = x.shape[:-1]
         rows = math.prod(lead)
-        res = None if residual is None else residual.reshape(rows, self.features)
+        out = self.features // 2 if self.activation == "swiglu" else self.features
+        res = None if residual is None else residual.reshape(rows, out)
         pallas = pallas_linear_enabled(self.kernels, rows, k, self.features)
         tiles = self.kernels.tile_kwargs("linear") | {"interpret": self.kernels.interpret}
-        if swiglu_input and pallas and self.kernels.fused_swiglu:
-            tiles["swiglu_input"] = True  # the kernel reads x [..., 2K] whole
-        elif swiglu_input:
-            x = swiglu(x)  # [..., K]
+        if pallas and self.activation == "swiglu" and not self.fused_swiglu(rows, k):
+            # The kernel's product, then silu(gate) * up in XLA.
+            y = linear(x.reshape(rows, k), kernel, bias, **tiles)
+            return swiglu(y).reshape(*lead, out)
         if self.reduce_axis is not None and not pallas:
             # Rounded where one device's `linear_reference` rounds (the whole product, then each
             # add), so the shards' sum gives the same half-precision values.
             product = linear_partial_sums_reference(x.reshape(rows, -1), kernel)[0]  # float32
             product = jax.lax.psum(product, self.reduce_axis).astype(x.dtype)
             y = linear_reference_epilogue(product, bias, res, activation=self.activation)
-            return y.reshape(*lead, self.features)
+            return y.reshape(*lead, out)
         if self.reduce_axis is not None:
             partials = linear_partial_sums(x.reshape(rows, -1), kernel, **tiles)
             # The splits summed first: the all-reduce carries one [1, M, N] float32 sum.
@@ -130,16 +141,21 @@ class Linear(nn.Module):
             if defer and residual is not None and self.activation is None:
                 return PendingSum(partials, bias, residual)
             y = finish_partial_sums(partials, bias, res, activation=self.activation, dtype=x.dtype)
-            return y.reshape(*lead, self.features)
+            return y.reshape(*lead, out)
         if not pallas:
             y = linear_reference(x.reshape(rows, -1), kernel, bias, res, activation=self.activation)
-            return y.reshape(*lead, self.features)
+            return y.reshape(*lead, out)
         if defer and residual is not None and self.activation is None:
             return PendingSum(
                 linear_partial_sums(x.reshape(rows, -1), kernel, **tiles), bias, residual
             )
         y = linear(x.reshape(rows, -1), kernel, bias, res, activation=self.activation, **tiles)
-        return y.reshape(*lead, self.features)
+        return y.reshape(*lead, out)
+
+    def fused_swiglu(self, rows: int, k: int) -> bool:
+        """Whether the Pallas kernel computes this swiglu layer's silu(gate) * up itself."""
+        swiglu_ok = pallas_linear_enabled(self.kernels, rows, k, self.features, "swiglu")
+        return self.kernels.fused_swiglu and swiglu_ok
 
 
 def norm_stream(

@@ -7,7 +7,7 @@ projections are one matmul (`qkv_proj`, fused at load) and gate/up another (`gat
 kernels read q, k and v out of the fused [N, Hq + 2H, D] projection after RoPE, K/V are written to
 the cache (or by the decode attention kernel itself, which then also takes q and k before their
 q/k norm and RoPE and applies both: `KernelConfig.fused_qk_rope`) and attended over the pages.
-The down projection's Pallas kernel computes silu(gate) * up itself (`KernelConfig.fused_swiglu`).
+The gate/up projection's Pallas kernel computes silu(gate) * up itself (`KernelConfig.fused_swiglu`).
 
 Under tensor parallelism (`tp`, inside `shard_map`: `rosejax.layers.parallel`) the same code runs
 on one shard's params: its query and KV heads and their cache, its part of the MLP's hidden units
@@ -135,14 +135,20 @@ class MLP(nn.Module):
         """residual + down(silu(gate x) * up x), or its `PendingSum`."""
         cfg = self.config
         f = self.tp.local(cfg.intermediate_size)
-        gate_up = Linear(2 * f, kernels=self.kernels, use_bias=cfg.mlp_bias, name="gate_up_proj")(x)
+        hidden = Linear(
+            2 * f,
+            activation="swiglu",
+            kernels=self.kernels,
+            use_bias=cfg.mlp_bias,
+            name="gate_up_proj",
+        )(x)  # [..., f]
         return Linear(
             cfg.hidden_size,
             kernels=self.kernels,
             use_bias=cfg.mlp_bias,
             reduce_axis=self.tp.reduce_axis,
             name="down_proj",
-        )(gate_up, residual, defer=True, swiglu_input=True)
+        )(hidden, residual, defer=True)
 
 
 class Block(nn.Module):
