@@ -23,12 +23,12 @@ def test_gpu_defaults_every_kernel_cpu_none(monkeypatch):
     monkeypatch.delenv("ROSEJAX_FUSED_SWIGLU", raising=False)
     gpu = KernelConfig.for_backend("gpu")
     assert (gpu.kv_append, gpu.attention, gpu.layer_norm, gpu.linear) == ("pallas",) * 4
-    assert gpu.fused_kv_append and gpu.fused_qk_rope and not gpu.fused_swiglu
+    assert gpu.fused_kv_append and gpu.fused_qk_rope and gpu.fused_swiglu
     cpu = KernelConfig.for_backend("cpu")
     assert (cpu.kv_append, cpu.attention, cpu.layer_norm, cpu.linear) == ("xla",) * 4
     assert cpu == KernelConfig()
-    monkeypatch.setenv("ROSEJAX_FUSED_SWIGLU", "1")  # off unless asked
-    assert KernelConfig.for_backend("gpu").fused_swiglu
+    monkeypatch.setenv("ROSEJAX_FUSED_SWIGLU", "0")
+    assert not KernelConfig.for_backend("gpu").fused_swiglu
 
 
 def test_environment_fills_defaults_and_overrides_win(monkeypatch):
