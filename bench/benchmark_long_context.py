@@ -25,7 +25,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,22 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def matmul_tflops(n: int = 8192, iters: int = 10) -> float:
-    """Dense bf16 TFLOP/s of an n^3 product, `iters` of them in one jitted loop, median of 5."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((n, n), jnp.bfloat16) * 0.01
-    f = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda _, y: (y @ a).astype(y.dtype), x))
-    x = f(a).block_until_ready()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        x = f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 * iters / statistics.median(times) / 1e12
-
-
 def prefill_flops(config, prompt_len: int) -> float:
     """FLOPs of prefilling one prompt: each token a decode row at its own context, minus the
     LM head of every token but the last."""
@@ -84,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--context-len >= 1, --output-len >= 2 and --repeat-runs >= 1 needed")
     engine, result = common.start(args, "long_context")
     if args.peak_tflops is None and result["environment"].get("backend") == "gpu":
-        args.peak_tflops = matmul_tflops()
+        args.peak_tflops = common.matmul_tflops()
         print(f"dense bf16 matmul (measured): {args.peak_tflops:,.0f} TFLOP/s", file=sys.stderr)
     vocab = engine.config.vocab_size
 

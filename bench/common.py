@@ -139,20 +139,36 @@ def copy_bandwidth_gbs(size_mb: int = 1024, iters: int = 20) -> float:
     """The card's copy bandwidth, the denominator of every roofline here: GB/s (bytes read +
     written) of `iters` in-place negations of a `size_mb` float32 buffer inside one jitted loop
     (no dispatch gaps), median of 5 calls."""
-    import statistics
 
     import jax
 
     n = size_mb * (1 << 20) // 4
     x = jax.numpy.ones((n,), jax.numpy.float32)
     f = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda _, x: -x, x), donate_argnums=(0,))
+    return 2 * n * 4 * iters / median_chained_seconds(f, x) / 1e9
+
+
+def matmul_tflops(n: int = 8192, iters: int = 10) -> float:
+    """Dense bf16 TFLOP/s of an n^3 product, `iters` of them in one jitted loop, median of 5."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.bfloat16) * 0.01
+    f = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda _, y: (y @ a).astype(y.dtype), x))
+    return 2 * n**3 * iters / median_chained_seconds(f, a) / 1e12
+
+
+def median_chained_seconds(f: Callable, x, calls: int = 5) -> float:
+    """Median seconds of `calls` calls x = f(x), after one that compiles."""
+    import statistics
+
     x = f(x).block_until_ready()
     times = []
-    for _ in range(5):
+    for _ in range(calls):
         t = time.perf_counter()
         x = f(x).block_until_ready()
         times.append(time.perf_counter() - t)
-    return 2 * n * 4 * iters / statistics.median(times) / 1e9
+    return statistics.median(times)
 
 
 def add_kernel_bench_args(p: argparse.ArgumentParser) -> None:
