@@ -7,11 +7,11 @@ once the engine is built, `ready(app)` runs the real app's lifespan and hands ev
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import types
 from typing import Any
 
+from rosejax.serve.asgi import send_json
 from rosejax.serve.protocol import APIError, Limits
 
 
@@ -57,14 +57,7 @@ class LoadingApp:
                 code="loading",
             ).body()
             status = 503
-        payload = json.dumps(body).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()),
-            (b"retry-after", b"5"),
-        ]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+        await send_json(send, status, body, {"Retry-After": "5"})
 
     async def _run_lifespan(self, receive: Any, send: Any) -> None:
         while True:
