@@ -263,8 +263,8 @@ async def sse(
     chunks carry usage null and a last chunk the totals. An engine error ends the stream with
     an error event and `[DONE]`.
 
-    Ending early for any reason (the client left and Starlette cancelled us, or an error) aborts
-    what is still running, so its KV blocks are freed at once.
+    Ending early for any reason (the client left and `send_events` closed the stream, or an
+    error) aborts what is still running, so its KV blocks are freed at once.
     """
     prompt_of = {rid: i for i, rid in enumerate(stream.request_ids)}
     finals: dict[str, RequestOutput] = {}
