@@ -295,14 +295,7 @@ def linear_partial_sums(
     _check_input(x, w)
     tiles = _tiles(x.shape[0], *w.shape, block_m, block_n, block_k, max_k_steps)
     return _pallas_linear(
-        x,
-        w,
-        (),
-        tiles,
-        None,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        interpret=interpret,
+        x, w, (), tiles, None, num_warps=num_warps, num_stages=num_stages, interpret=interpret
     )
 
 
@@ -310,15 +303,7 @@ _GRID_ONLY = ("m_tiles", "splits")
 
 
 def _pallas_linear(
-    x,
-    w,
-    operands,
-    tiles: dict,
-    activation,
-    *,
-    num_warps: int,
-    num_stages: int,
-    interpret: bool,
+    x, w, operands, tiles: dict, activation, *, num_warps: int, num_stages: int, interpret: bool
 ) -> jax.Array:
     """The kernel over x, w and `operands`: bias and residual, or none for partial sums."""
     m, n = x.shape[0], w.shape[1] // 2 if activation == "swiglu" else w.shape[1]
