@@ -119,13 +119,6 @@ def _epilogue(y, bias, residual, activation: str | None):
     return y
 
 
-def _swiglu_epilogue(gate, up, gate_bias, up_bias, dtype):
-    """float32 gate and up products [M, F] -> silu_mul of each + its bias rounded to dtype: the
-    unfused projection's output, then `swiglu`."""
-    gate = (gate + gate_bias.astype(jnp.float32)[None, :]).astype(dtype)
-    return silu_mul(gate, (up + up_bias.astype(jnp.float32)[None, :]).astype(dtype))
-
-
 def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:  # same shape and dtype -> that
     """silu(gate) * up as HF's MLP rounds it: silu in float32 rounded to the dtype, the product
     rounded again (a product of two values of the dtype is exact in float32)."""
@@ -150,12 +143,9 @@ def finish_partial_sums(
     """`linear`'s epilogue over `linear_partial_sums`: the splits summed in order, then as the
     kernel finishes its own sum (swiglu: [M, N / 2])."""
     dtype = dtype or (residual if residual is not None else b).dtype
-    y = partials.sum(axis=0)  # [M, N] float32
-    if activation == "swiglu":
-        gate, up = jnp.split(y, 2, axis=1)
-        gate_bias, up_bias = jnp.split(b, 2)
-        return _swiglu_epilogue(gate, up, gate_bias, up_bias, dtype)
-    return _epilogue(y, b, residual, activation).astype(dtype)
+    if activation == "swiglu":  # the unfused projection's output, then `swiglu`
+        return swiglu(_epilogue(partials.sum(axis=0), b, None, None).astype(dtype))
+    return _epilogue(partials.sum(axis=0), b, residual, activation).astype(dtype)
 
 
 def linear_kernel(
@@ -204,9 +194,13 @@ def linear_kernel(
         plgpu.store(o_ref.at[pl.program_id(2), rows, cols], accs[0], mask=row_ok)
         return
     b_ref, residual_ref = refs[0], (refs[1] if len(refs) == 3 else None)
-    if activation == "swiglu":
-        y = _swiglu_epilogue(*accs, *(b_ref[c] for c in w_cols), o_ref.dtype)
-        plgpu.store(o_ref.at[rows, cols], y, mask=row_ok)
+    if activation == "swiglu":  # each half as the unfused projection rounds it, then `silu_mul`
+        biases = [b_ref[c] for c in w_cols]
+        gate, up = (
+            _epilogue(acc, bias, None, None).astype(o_ref.dtype)
+            for acc, bias in zip(accs, biases, strict=True)
+        )
+        plgpu.store(o_ref.at[rows, cols], silu_mul(gate, up), mask=row_ok)
         return
     residual = None
     if residual_ref is not None:
@@ -295,14 +289,7 @@ def linear_partial_sums(
     _check_input(x, w)
     tiles = _tiles(x.shape[0], *w.shape, block_m, block_n, block_k, max_k_steps)
     return _pallas_linear(
-        x,
-        w,
-        (),
-        tiles,
-        None,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        interpret=interpret,
+        x, w, (), tiles, None, num_warps=num_warps, num_stages=num_stages, interpret=interpret
     )
 
 
@@ -310,15 +297,7 @@ _GRID_ONLY = ("m_tiles", "splits")
 
 
 def _pallas_linear(
-    x,
-    w,
-    operands,
-    tiles: dict,
-    activation,
-    *,
-    num_warps: int,
-    num_stages: int,
-    interpret: bool,
+    x, w, operands, tiles: dict, activation, *, num_warps: int, num_stages: int, interpret: bool
 ) -> jax.Array:
     """The kernel over x, w and `operands`: bias and residual, or none for partial sums."""
     m, n = x.shape[0], w.shape[1] // 2 if activation == "swiglu" else w.shape[1]

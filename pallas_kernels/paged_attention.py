@@ -216,9 +216,8 @@ def paged_decode_attention_append_kernel(
     # The new token's slot is position length - 1; a padded row (length 0) writes scratch block 0.
     def store_new():
         pos = jnp.maximum(length - 1, 0)
-        logical = jnp.minimum(
-            pos // block_size, block_tables_ref.shape[1] - 1
-        )  # as the model clips
+        # At most the table's last entry, as the model clips.
+        logical = jnp.minimum(pos // block_size, block_tables_ref.shape[1] - 1)
         block = jnp.where(length > 0, block_tables_ref[b, logical], 0)
         k_cache_ref[h, block, pos % block_size, :] = k_new
         v_cache_ref[h, block, pos % block_size, :] = v_new

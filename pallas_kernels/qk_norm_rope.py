@@ -81,7 +81,8 @@ def qk_norm_rope_reference(
 def _times_scale(x, scale, dtype):
     """x / rms [D] float32 rounded to dtype, times the scale, rounded to dtype (as HF's
     `weight * x.to(dtype)`), back in float32: a product of two dtype values is exact in float32."""
-    return (x.astype(dtype).astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
+    y = x.astype(dtype).astype(jnp.float32) * scale.astype(jnp.float32)
+    return y.astype(dtype).astype(jnp.float32)
 
 
 def load_head(qkv_ref, b, j, rope_refs, scale_ref, eps: float):
@@ -97,9 +98,9 @@ def load_head(qkv_ref, b, j, rope_refs, scale_ref, eps: float):
     x_swapped = plgpu.load(qkv_ref.at[b, j, partner]).astype(jnp.float32)  # [D]
     if scale_ref is not None:
         inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / d + eps)
-        x = _times_scale(x * inv_rms, scale_ref[:], dtype).astype(jnp.float32)
+        x = _times_scale(x * inv_rms, scale_ref[:], dtype)
         swapped_scale = plgpu.load(scale_ref.at[partner])
-        x_swapped = _times_scale(x_swapped * inv_rms, swapped_scale, dtype).astype(jnp.float32)
+        x_swapped = _times_scale(x_swapped * inv_rms, swapped_scale, dtype)
     cos_ref, sin_ref = rope_refs
     freq = jnp.where(dims < half, dims, dims - half)  # [D]: each dim's angle
     cos, sin = plgpu.load(cos_ref.at[b, freq]), plgpu.load(sin_ref.at[b, freq])  # [D] float32

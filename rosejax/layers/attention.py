@@ -123,14 +123,18 @@ def default_decode_splits(batch: int, kv_heads: int, max_pages: int, block_size:
     return min(-(-SPLIT_PROGRAMS_PER_SM * GPU_SMS // programs), most)
 
 
+def _decode_kernel_runs(kernels: KernelConfig, k_cache: jax.Array) -> bool:
+    """Whether `decode_attention` runs a Pallas kernel: chosen, and tiling the cache (Triton
+    tiles are powers of two: other head dims or block sizes take XLA's path)."""
+    return kernels.attention == "pallas" and decode_kernel_supported(
+        k_cache.shape[3], k_cache.shape[2]
+    )
+
+
 def decode_kernel_appends(kernels: KernelConfig, k_cache: jax.Array) -> bool:
     """Whether `decode_attention` runs the Pallas kernel that writes the step's K/V itself: the
     one that can also normalize and rotate q and k (`rope`, `qk_norm`)."""
-    return (
-        kernels.attention == "pallas"
-        and kernels.fused_kv_append
-        and decode_kernel_supported(k_cache.shape[3], k_cache.shape[2])
-    )
+    return _decode_kernel_runs(kernels, k_cache) and kernels.fused_kv_append
 
 
 def decode_attention(
@@ -150,14 +154,11 @@ def decode_attention(
     """Write each row's new K/V, then attend over the row's `seq_lens` tokens. With `rope` (and
     `qk_norm`), q and k of qkv are first rotated (and normalized) in the kernel: only where
     `decode_kernel_appends`."""
-    # Triton tiles are powers of two: other head dims (or block sizes) take XLA's path.
-    pallas = kernels.attention == "pallas" and decode_kernel_supported(
-        k_cache.shape[3], k_cache.shape[2]
-    )
+    pallas = _decode_kernel_runs(kernels, k_cache)
     h, _, bs, _ = k_cache.shape
     tiles = {"num_splits": default_decode_splits(qkv.shape[0], h, block_tables.shape[1], bs)}
     tiles |= kernels.tile_kwargs("attention") | {"interpret": kernels.interpret}
-    if num_q_heads is not None and num_q_heads != k_cache.shape[0]:
+    if num_q_heads is not None and num_q_heads != h:
         tiles["num_q_heads"] = num_q_heads
     if decode_kernel_appends(kernels, k_cache):  # finds the slots from block_tables and seq_lens
         return paged_decode_attention_append(

@@ -119,23 +119,24 @@ class Linear(nn.Module):
             bias = jnp.zeros((self.features,), kernel.dtype)
         lead = x.shape[:-1]
         rows = math.prod(lead)
+        flat = x.reshape(rows, k)  # [rows, K]
         out = self.features // 2 if self.activation == "swiglu" else self.features
         res = None if residual is None else residual.reshape(rows, out)
         pallas = pallas_linear_enabled(self.kernels, rows, k, self.features)
         tiles = self.kernels.tile_kwargs("linear") | {"interpret": self.kernels.interpret}
         if pallas and self.activation == "swiglu" and not self.fused_swiglu(rows, k):
             # The kernel's product, then silu(gate) * up in XLA.
-            y = linear(x.reshape(rows, k), kernel, bias, **tiles)
+            y = linear(flat, kernel, bias, **tiles)
             return swiglu(y).reshape(*lead, out)
         if self.reduce_axis is not None and not pallas:
             # Rounded where one device's `linear_reference` rounds (the whole product, then each
             # add), so the shards' sum gives the same half-precision values.
-            product = linear_partial_sums_reference(x.reshape(rows, -1), kernel)[0]  # float32
+            product = linear_partial_sums_reference(flat, kernel)[0]  # float32
             product = jax.lax.psum(product, self.reduce_axis).astype(x.dtype)
             y = linear_reference_epilogue(product, bias, res, activation=self.activation)
             return y.reshape(*lead, out)
         if self.reduce_axis is not None:
-            partials = linear_partial_sums(x.reshape(rows, -1), kernel, **tiles)
+            partials = linear_partial_sums(flat, kernel, **tiles)
             # The splits summed first: the all-reduce carries one [1, M, N] float32 sum.
             partials = jax.lax.psum(partials.sum(axis=0, keepdims=True), self.reduce_axis)
             if defer and residual is not None and self.activation is None:
@@ -143,13 +144,11 @@ class Linear(nn.Module):
             y = finish_partial_sums(partials, bias, res, activation=self.activation, dtype=x.dtype)
             return y.reshape(*lead, out)
         if not pallas:
-            y = linear_reference(x.reshape(rows, -1), kernel, bias, res, activation=self.activation)
+            y = linear_reference(flat, kernel, bias, res, activation=self.activation)
             return y.reshape(*lead, out)
         if defer and residual is not None and self.activation is None:
-            return PendingSum(
-                linear_partial_sums(x.reshape(rows, -1), kernel, **tiles), bias, residual
-            )
-        y = linear(x.reshape(rows, -1), kernel, bias, res, activation=self.activation, **tiles)
+            return PendingSum(linear_partial_sums(flat, kernel, **tiles), bias, residual)
+        y = linear(flat, kernel, bias, res, activation=self.activation, **tiles)
         return y.reshape(*lead, out)
 
     def fused_swiglu(self, rows: int, k: int) -> bool:
