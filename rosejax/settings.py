@@ -60,9 +60,8 @@ DEFAULT_FUSED_QK_ROPE_MAX_BATCH = 16
 # Every append kernel beat XLA's scatter at every batch measured, B=1 included (H200).
 DEFAULT_KV_APPEND_MIN_BATCH = 1
 # GPT-2's decode batches of 1-16 share one 16-row program on a GPU: the Pallas matmul pads to 16
-# rows anyway, and warm-up compiles one program instead of five. Llama-style models keep each
-# batch's own bucket: the split-K decode attention sizes its splits from the rows a program holds
-# (one 32k-token row: 2.87 ms/step in a 1-row program, 13.6 padded to 16; H100).
+# rows anyway, and warm-up compiles one program instead of five (each family says its own:
+# `rosejax.models.ModelFamily.gpu_min_decode_batch`).
 DEFAULT_GPU_MIN_DECODE_BATCH = 16
 
 # Process-wide XLA flags, unless XLA_FLAGS names them: WHILE/CONDITIONAL in command buffers make
@@ -273,7 +272,8 @@ class EngineConfig:
     # A step that prefills also dispatches the running requests' decode window right behind the
     # prefill, before reading its first tokens back. Off: that step decodes nothing (an A/B).
     prefill_overlap: bool = True
-    # The smallest decode program: smaller batches pad to it. None: 16 for GPT-2 on a GPU, else 1.
+    # The smallest decode program: smaller batches pad to it. None: the model family's on a GPU
+    # (GPT-2 16, Llama-style 1), 1 on a CPU.
     min_decode_batch: int | None = dataclasses.field(default_factory=_default_min_decode_batch)
     kernels: KernelConfig | None = None  # None: KernelConfig.for_backend()
     compilation_cache_dir: str | None = dataclasses.field(

@@ -60,7 +60,6 @@ from rosejax.sampling import (
     seed_words,
 )
 from rosejax.settings import (
-    DEFAULT_GPU_MIN_DECODE_BATCH,
     EngineConfig,
     KernelConfig,
     configure_process,
@@ -256,8 +255,8 @@ class LLMEngine:
             max_logits_tokens=min(config.max_prefill_tokens, MAX_LOGITS_TOKENS),
             logits_chunk=PROMPT_LOGPROBS_CHUNK,
         )
-        padded = not on_cpu and self.config.model_type == "gpt2"
-        min_batch = config.min_decode_batch or (DEFAULT_GPU_MIN_DECODE_BATCH if padded else 1)
+        gpu_min_batch = family_of(self.config).gpu_min_decode_batch
+        min_batch = config.min_decode_batch or (1 if on_cpu else gpu_min_batch)
         num_slots = max(self.max_batch_size, min_batch)
         # A window may add ceil(2K / block_size) + 1 blocks per row: K in flight, K reserved.
         per_row = -(-2 * self.decode_steps // config.block_size) + 1
