@@ -47,7 +47,9 @@ def jax_op(q, k, v, tables, lengths, *, pages_per_compute_block, k_splits):
     )
 
 
-def impls(interpret: bool, warps: list[int], stages: list[int], chunk_pages: list[int]) -> dict:
+def impls(
+    interpret: bool, warps: list[int], stages: list[int], splits: list[int], chunk_pages: list[int]
+) -> dict:
     out = {"xla": paged_decode_attention_reference}
     for n in chunk_pages:
         out[f"xla_chunked_p{n}" if n else "xla_chunked"] = functools.partial(
@@ -55,9 +57,14 @@ def impls(interpret: bool, warps: list[int], stages: list[int], chunk_pages: lis
         )
     for w in warps:
         for s in stages:
-            out[f"rosejax_w{w}_s{s}"] = functools.partial(
-                paged_decode_attention, num_warps=w, num_stages=s, interpret=interpret
-            )
+            for n in splits:
+                out[f"rosejax_w{w}_s{s}" + (f"_k{n}" if n > 1 else "")] = functools.partial(
+                    paged_decode_attention,
+                    num_warps=w,
+                    num_stages=s,
+                    num_splits=n,
+                    interpret=interpret,
+                )
     if not interpret:
         out["jax_op_ppcb4"] = functools.partial(jax_op, pages_per_compute_block=4, k_splits=1)
         out["jax_op_ppcb8_ks4"] = functools.partial(jax_op, pages_per_compute_block=8, k_splits=4)
@@ -71,6 +78,12 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     p.add_argument("--num-warps", default="1,2,4,8", help="comma list of the kernel's warps")
     p.add_argument("--num-stages", default="2", help="comma list of the kernel's pipeline stages")
+    p.add_argument(
+        "--num-splits",
+        default="1",
+        help="comma list of the kernel's splits of each row's pages (split-K; the merge kernel "
+        "after it is timed with it)",
+    )
     p.add_argument("--no-jax-op", action="store_true", help="skip jax's paged_attention op")
     p.add_argument(
         "--xla-chunk-pages",
@@ -115,6 +128,7 @@ def main() -> None:
             interpret,
             [int(w) for w in args.num_warps.split(",")],
             [int(s) for s in args.num_stages.split(",")],
+            [int(n) for n in args.num_splits.split(",")],
             [int(n) for n in args.xla_chunk_pages.split(",")],
         )
         if args.no_jax_op:
