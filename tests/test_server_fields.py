@@ -405,8 +405,49 @@ def test_echo_with_logprobs_puts_the_prompts_first_and_streams_the_same():
     for g in range(1, G + 1):
         finish = None if g < G else "length"
         partial = hand_output(prompt, prompt_steps, gen[:g], all_steps[P : P + g], finish)
-        pieces += [chunk["choices"][0] for _, _, chunk in fmt.chunks(0, partial, sent)]
+        pieces += [json.loads(chunk)["choices"][0] for chunk in fmt.chunks(0, partial, sent)]
     assert "".join(p["text"] for p in pieces) == choice["text"]
     for key in ("tokens", "token_logprobs", "text_offset"):
         assert sum((p["logprobs"][key] for p in pieces), []) == lp[key]
     assert isinstance(sent[0], _Sent) and sent[0].finished
+
+
+def _random_text(rng: random.Random) -> str:
+    """Text with what JSON escapes or keeps as is: quotes, backslashes, control characters,
+    non-ASCII and non-BMP characters; sometimes empty."""
+    alphabet = ['"', "\\", "\n", "\t", "\x00", "\x1f", "\x7f", "é", "€", "\u2028", "😀", "a", " "]
+    return "".join(rng.choice(alphabet) for _ in range(rng.choice([0, 1, 5, 40])))
+
+
+def test_chunks_are_json_dumps_of_openai_chunks():
+    """A streamed chunk's JSON, written field by field, is json.dumps(ensure_ascii=False) of
+    the OpenAI chunk it stands for, built here from OpenAI's definition."""
+    rng = random.Random(SEED)
+    for _ in range(300):
+        chat, role = rng.random() < 0.5, rng.random() < 0.3
+        fmt = Formatter(f"cmpl-{_random_text(rng)}", _random_text(rng) or "m", chat=chat)
+        index, text = rng.randrange(100), _random_text(rng)
+        finish = rng.choice([None, "stop", "length"])
+        logprobs = rng.choice([None, {"tokens": [text], "token_logprobs": [-rng.random()]}])
+        usage = rng.choice([None, "null", {"prompt_tokens": 3, "completion_tokens": 4}])
+        if chat:
+            delta = {"role": "assistant", "content": text} if role else {}
+            if text and not role:
+                delta = {"content": text}
+            choice = {"index": index, "delta": delta}
+        else:
+            choice = {"index": index, "text": text}
+        choice.update(logprobs=logprobs, finish_reason=finish)
+        want = {
+            "id": fmt.id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": fmt.created,
+            "model": fmt.model,
+            "choices": [choice],
+        }
+        field = ""
+        if usage is not None:
+            want["usage"] = None if usage == "null" else usage
+            field = f', "usage": {json.dumps(want["usage"])}'
+        got = fmt.chunk(index, text, finish, role=role and chat, logprobs=logprobs, usage=field)
+        assert got == json.dumps(want, ensure_ascii=False), f"seed {SEED}"
