@@ -1,7 +1,7 @@
 """AsyncEngine: one background thread owns the (not thread-safe) LLMEngine and runs its loop.
 
 asyncio handlers hand it commands through a thread-safe queue; it answers each submission on a
-future and streams every RequestOutput into that submission's asyncio.Queue via
+future and streams every RequestOutput into that submission's queue (`_Sink`) via
 `loop.call_soon_threadsafe`. So all HTTP connections share one continuous batch. With data
 parallelism each replica has an AsyncEngine of its own (`rosejax.serve.replicas`).
 """
@@ -9,6 +9,7 @@ parallelism each replica has an AsyncEngine of its own (`rosejax.serve.replicas`
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -43,19 +44,36 @@ def _shutting_down() -> EngineError:
 
 
 class _Sink:
-    """Where one submission's outputs go: an asyncio.Queue living on the submitter's loop."""
+    """Where one submission's outputs go: a queue read on the submitter's event loop (a deque
+    and the reader's future: asyncio.Queue's bookkeeping cost an output as much again)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, rids: Sequence[str]):
-        self.loop, self.queue, self.rids = loop, asyncio.Queue(), list(rids)
+        self.loop, self.rids = loop, list(rids)
+        self.items: collections.deque = collections.deque()
+        self.waiter: asyncio.Future | None = None  # the reader's, while it waits for an item
         self.arrival = time.perf_counter()
         self.last: dict[str, float] = {}  # request id -> time of its latest token
 
     def put(self, item: RequestOutput | BaseException) -> bool:
+        """`push` on the loop, from any thread; False if the loop is closed (nobody will read
+        it)."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.push, item)
             return True
-        except RuntimeError:  # the event loop is closed: nobody will read this
+        except RuntimeError:
             return False
+
+    def push(self, item: Any) -> None:
+        """Queue `item` and wake the reader; on the loop."""
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self) -> Any:
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        return self.items.popleft()
 
 
 _CLOSED = object()  # what `RequestStream.close` puts in its queue
@@ -75,7 +93,7 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if not self._pending:
             raise StopAsyncIteration
-        item = await self._sink.queue.get()
+        item = await self._sink.get()
         if item is _CLOSED:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
@@ -95,7 +113,7 @@ class RequestStream:
         """The client has gone: `abort`, and end an iteration waiting for the next output
         (none comes). Called on the event loop that iterates."""
         self.abort()
-        self._sink.queue.put_nowait(_CLOSED)
+        self._sink.push(_CLOSED)
 
 
 _SNAPSHOT_KEYS = (
