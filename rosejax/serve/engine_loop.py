@@ -278,36 +278,47 @@ class EngineFront:
         return sink
 
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
-        """Hand one step's outputs to their sinks, observing the metrics."""
+        """Hand one step's outputs to their sinks, in order, once the metrics are observed:
+        the counts for the whole step at once (in multiprocess mode each observation is a
+        locked write into a file's map)."""
         now = time.perf_counter()
         m = self.metrics
+        tokens = prompt_tokens = 0
+        gaps: list[tuple[float, int]] = []  # (time per token, tokens) of each later window
+        ended: collections.Counter[str] = collections.Counter()  # finish reason -> requests
+        handed: list[tuple[_Sink, RequestOutput | EngineError]] = []
         for out in outputs:
-            sink = self._sinks.get(out.request_id)
+            rid = out.request_id
+            sink = self._sinks.get(rid)
             if sink is None:
                 continue
             n = len(out.new_token_ids)  # the first sequence's: the request's latencies
             if n:
-                m.generation_tokens.inc(sum(len(c.new_token_ids) for c in out.outputs) or n)
-                last = sink.last.get(out.request_id)
+                tokens += sum(len(c.new_token_ids) for c in out.outputs) or n
+                last = sink.last.get(rid)
                 if last is None:
                     m.ttft.observe(now - sink.arrival)
-                    m.prompt_tokens.inc(len(out.prompt_token_ids))
+                    prompt_tokens += len(out.prompt_token_ids)
                 else:
-                    m.itl.observe((now - last) / n, n)  # a window hands over n tokens at once
-                sink.last[out.request_id] = now
+                    gaps.append(((now - last) / n, n))  # a window hands over n tokens at once
+                sink.last[rid] = now
             if out.finish_reason == "error":  # the engine ended this one request
-                self._fail_sink(sink, EngineError(f"generating this request failed: {out.error}"))
+                self._end_sink(sink)
+                handed.append((sink, EngineError(f"generating this request failed: {out.error}")))
                 continue
             if out.finished:
-                self._forget(out.request_id)
-                m.finished(out.finish_reason or "stop").inc()
+                self._forget(rid)
+                ended[out.finish_reason or "stop"] += 1
                 m.e2e.observe(now - sink.arrival)
-            if not sink.put(out) and not out.finished:
-                self._forget(out.request_id)
-                self._abort_in_engine(out.request_id)
+            handed.append((sink, out))
+        m.observe_step(tokens, prompt_tokens, gaps, ended)
+        for sink, item in handed:
+            if not sink.put(item) and isinstance(item, RequestOutput) and not item.finished:
+                self._forget(item.request_id)
+                self._abort_in_engine(item.request_id)
 
-    def _fail_sink(self, sink: _Sink, exc: EngineError) -> None:
-        """End one submission with `exc`: its other prompts are aborted."""
+    def _end_sink(self, sink: _Sink) -> None:
+        """Forget one failed submission's requests, aborting those still running."""
         for rid in sink.rids:
             if self._forget(rid) is not None:
                 try:
@@ -315,6 +326,10 @@ class EngineFront:
                 except Exception:
                     log.exception("abort of %s failed", rid)
                 self.metrics.finished("error").inc()
+
+    def _fail_sink(self, sink: _Sink, exc: EngineError) -> None:
+        """End one submission with `exc`: its other prompts are aborted."""
+        self._end_sink(sink)
         sink.put(exc)
 
     def _fail_all(self, exc: EngineError) -> None:
