@@ -22,11 +22,13 @@ from transformers import AutoTokenizer
 
 from rosejax import LLM
 from rosejax.engine.request import CompletionOutput, Logprob
+from rosejax.sampling import SamplingParams
 from rosejax.serve import create_app
 from rosejax.serve.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    _exact,
     parse,
 )
 from rosejax.serve.responses import Formatter, _Sent, chat_logprobs, completion_logprobs
@@ -263,6 +265,43 @@ def test_new_fields_map_to_sampling_params_kwargs():
         "stop_token_ids",
         "ignore_eos",
     }
+
+
+def test_requests_asking_the_same_share_one_sampling_params():
+    """Requests with the same sampling fields get one SamplingParams, equal to one made from
+    their kwargs; any field that differs (in value, or in JSON type alone) gets its own, and
+    an invalid one is refused every time."""
+    fields = dict(
+        max_tokens=rng.randint(1, 99),
+        temperature=rng.choice([0.0, 0.7]),
+        stop=rng.choice([None, "x", ["a", "b"]]),
+        stop_token_ids=rng.choice([None, [1, 2]]),
+        logit_bias=rng.choice([None, {"3": 1.5}]),
+        seed=rng.choice([None, 5]),
+    )
+    first, again = (parsed(CompletionRequest, prompt="a", **fields) for _ in range(2))
+    params = first.sampling_params()
+    assert again.sampling_params() is params
+    assert params == SamplingParams(**first.sampling_kwargs())
+    for other in (
+        dict(max_tokens=fields["max_tokens"] + 1),
+        dict(stop=["a", "c"]),
+        dict(stop_token_ids=[1, 3]),
+        dict(logit_bias={"3": 2.5}),
+        dict(seed=6),
+        dict(top_p=0.5),
+    ):
+        req = parsed(CompletionRequest, prompt="a", **{**fields, **other})
+        got = req.sampling_params()
+        assert got is not params and got == SamplingParams(**req.sampling_kwargs()), other
+    # the same values as SamplingParams takes them, but not as JSON sent them: not one entry
+    assert len({_exact(v) for v in (1, 1.0, True)}) == 3
+    assert _exact([1, {"a": 1}]) != _exact([1, {"a": True}]) != _exact([1.0, {"a": 1}])
+    too_many = parsed(CompletionRequest, prompt="a", logit_bias={str(i): 1.0 for i in range(300)})
+    for _ in range(2):  # SamplingParams' own check, not the request's
+        with pytest.raises(APIError) as e:
+            too_many.sampling_params()
+        assert e.value.param == "logit_bias" and "300 entries" in e.value.message
 
 
 CHAT = dict(messages=[{"role": "user", "content": "a"}])

@@ -218,7 +218,7 @@ class _Sampling(_Body):
 
     def sampling_params(self) -> SamplingParams:
         try:
-            return SamplingParams(**self.sampling_kwargs())
+            return _shared_params(self.sampling_kwargs())
         except ValueError as e:
             first = str(e).split(" ", 1)[0]
             raise APIError(str(e), param=first if first in type(self).model_fields else None) from e
@@ -252,6 +252,34 @@ class _Sampling(_Body):
                 f"({limits.max_stop_chars}, --max-stop-chars)",
                 param="stop",
             )
+
+
+# kwargs (`_exact`) -> their SamplingParams, frozen and only read: requests that ask for the same
+# share one, validated once (a few µs a request) and pickled once per message to the engine.
+_PARAMS: dict[tuple, SamplingParams] = {}
+_MAX_PARAMS = 1024  # distinct ones kept; then the cache starts over
+
+
+def _exact(value: Any) -> Any:
+    """A hashable form of a decoded JSON value that equal values of the same types share, and
+    nothing else (1, 1.0 and True are equal in Python)."""
+    if isinstance(value, list):
+        return (list, *map(_exact, value))
+    if isinstance(value, dict):
+        return (dict, *((k, _exact(v)) for k, v in value.items()))
+    return (type(value), value)
+
+
+def _shared_params(kwargs: dict[str, Any]) -> SamplingParams:
+    """`SamplingParams(**kwargs)`, the same object for the same kwargs (ValueError: invalid)."""
+    key = tuple((name, _exact(value)) for name, value in kwargs.items())
+    params = _PARAMS.get(key)
+    if params is None:
+        params = SamplingParams(**kwargs)
+        if len(_PARAMS) >= _MAX_PARAMS:
+            _PARAMS.clear()
+        _PARAMS[key] = params
+    return params
 
 
 def _is_ids(x: Any) -> bool:
