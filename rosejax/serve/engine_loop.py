@@ -103,6 +103,11 @@ class RequestStream:
             self._pending.discard(item.request_id)
         return item
 
+    @property
+    def ended(self) -> bool:
+        """No output follows: every request has finished, or was aborted."""
+        return not self._pending
+
     def abort(self) -> None:
         """Stop whatever is still running (a client went away); idempotent."""
         if self._pending:

@@ -287,7 +287,9 @@ async def sse(
     With `continuous_usage` (vLLM's continuous_usage_stats) every chunk carries its choice's
     usage so far (`prompt_tokens`: each prompt's length); otherwise, with `include_usage`,
     chunks carry usage null and a last chunk the totals. An engine error ends the stream with
-    an error event and `[DONE]`.
+    an error event and `[DONE]`. What is ready at once goes out as one piece: the events of one
+    output, and the last output's with the usage chunk and `[DONE]` (each piece a write to the
+    socket).
 
     Ending early for any reason (the client left and `send_events` closed the stream, or an
     error) aborts what is still running, so its KV blocks are freed at once.
@@ -302,19 +304,24 @@ async def sse(
             return f', "usage": {_json(_usage(prompt_tokens[index // fmt.n], completion))}'
         return ', "usage": null' if include_usage else ""
 
+    events = ""  # not sent yet
     try:
         if fmt.chat:  # OpenAI opens each chat choice with the assistant role
-            for index in range(len(prompt_of) * fmt.n):
-                yield _event(fmt.chunk(index, "", None, role=True, usage=usage_field(index, 0)))
+            indices = range(len(prompt_of) * fmt.n)
+            roles = (fmt.chunk(i, "", None, role=True, usage=usage_field(i, 0)) for i in indices)
+            yield "".join(map(_event, roles))
         async for out in stream:
             if out.finished:
                 finals[out.request_id] = out
-            for chunk in fmt.chunks(prompt_of[out.request_id], out, sent, usage_field):
-                yield _event(chunk)
+            chunks = fmt.chunks(prompt_of[out.request_id], out, sent, usage_field)
+            events = "".join(map(_event, chunks))
+            if events and not stream.ended:  # the last output's go with what ends the stream
+                yield events
+                events = ""
         if include_usage:
-            yield _event(fmt.usage_chunk(finals.values()))
+            events += _event(fmt.usage_chunk(finals.values()))
     except EngineError as e:
-        yield _event(APIError(str(e), e.status, type="server_error", code=e.code).body())
+        events += _event(APIError(str(e), e.status, type="server_error", code=e.code).body())
     finally:
         stream.abort()
-    yield "data: [DONE]\n\n"
+    yield events + "data: [DONE]\n\n"
