@@ -18,7 +18,8 @@ ids, `--output-len` new tokens, EOS off, usage in the stream) and splits the pro
 
 Each checkout runs in processes of its own (`--runs` of them, alternated A B A B ...), and each
 checks that every stream ended with `[DONE]`; the table gives the median µs per request over
-all rounds, and whether the checkouts' streams carried the same bytes (ids and times aside).
+all rounds, whether the checkouts' streams carried the same bytes (ids and times aside), and
+the ASGI messages a request sent (uvicorn writes each to the socket: its cost is not counted).
 Metrics are kept in prometheus_client's multiprocess mode, as with several API servers (the
 default); `--no-shared-metrics` keeps them in memory, as with one.
 """
@@ -162,7 +163,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     link.send = counting_send
 
-    async def one_round(n: int) -> tuple[float, float, float, bytes]:
+    async def one_round(n: int) -> tuple[float, float, float, bytes, float]:
         posted.update(adds=0, want=n, done=asyncio.Event())
         sent: list[list[dict]] = [[] for _ in range(n)]
         never = asyncio.Event()  # no client leaves
@@ -194,6 +195,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             (ended - submitted) / n * 1e6,
             (loop_ended - loop_submitted) / n * 1e6,
             streams[0],
+            sum(map(len, sent)) / n,
         )
 
     async def run() -> dict[str, Any]:
@@ -207,6 +209,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "output_us": [r[1] for r in rounds],
             "output_loop_us": [r[2] for r in rounds],
             "stream": _normalized(rounds[-1][3].decode()),
+            "sends": rounds[-1][4],
         }
 
     try:
@@ -306,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     print(f"API server CPU per streamed request (µs, median of {args.runs * args.rounds} rounds)")
-    columns = ("request", "output", "(loop)", "total", "vs first", "same bytes")
+    columns = ("request", "output", "(loop)", "total", "vs first", "same bytes", "sends")
     print(f"{'checkout':40}" + "".join(f"{c:>11}" for c in columns))
     summary = {}
     for checkout in checkouts:
@@ -316,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         s["same_stream"] = all(r["stream"] == first_stream for r in results[checkout])
         cells = [f"{s[k]:.0f}" for k in ("request_us", "output_us", "output_loop_us", "total_us")]
         cells += [f"{s['total_us'] / base['total_us']:.2f}", "yes" if s["same_stream"] else "NO"]
+        cells.append(f"{results[checkout][0]['sends']:g}")
         print(f"{checkout[-40:]:40}" + "".join(f"{c:>11}" for c in cells))
     if args.json:
         with open(args.json, "w") as f:
