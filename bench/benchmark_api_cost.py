@@ -64,6 +64,8 @@ def stub_engine(conn: Any, model: str, output_len: int, window: int, window_s: f
     """An engine process's end of the pipe: "ready" with a `ReplicaInfo` of `random:<model>`,
     then it notes each "add" and, on ("go",), streams every request added so far: the same
     random tokens (decoded by the model's tokenizer) for each, a message per window."""
+    from multiprocessing.reduction import ForkingPickler
+
     import numpy as np
 
     from rosejax.engine.request import CompletionOutput, RequestOutput
@@ -86,7 +88,10 @@ def stub_engine(conn: Any, model: str, output_len: int, window: int, window_s: f
                 if cmd[0] == "add":
                     added += cmd[1]
                 elif cmd[0] == "go":
-                    writer = RowWriter()
+                    # Every message made (and pickled, as `conn.send` does) before the first
+                    # goes out, so this process's work does not share the CPU with the API
+                    # process's while it is measured.
+                    writer, messages = RowWriter(), []
                     tokens, text = [], ""
                     for w, (new_ids, new_text) in enumerate(pieces):
                         tokens, text = tokens + new_ids, text + new_text
@@ -95,7 +100,10 @@ def stub_engine(conn: Any, model: str, output_len: int, window: int, window_s: f
                             0, text, tokens, None, None, reason, new_ids, new_text
                         )
                         outs = [RequestOutput.from_outputs(r, p, [seq], None) for r, p in added]
-                        conn.send(("out", [writer.row(o) for o in outs], SNAPSHOT))
+                        message = ("out", [writer.row(o) for o in outs], SNAPSHOT)
+                        messages.append(ForkingPickler.dumps(message))
+                    for message in messages:
+                        conn.send_bytes(message)
                         time.sleep(window_s)
                     added = []
     except EOFError:  # the API process has gone
