@@ -422,8 +422,11 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 # What can decode to a lone surrogate: a \uD800-\uDFFF escape, or its UTF-8 form (json.loads
-# decodes bytes with surrogatepass). Bodies without either skip the walk of check_text.
-_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# decodes bytes with surrogatepass). Bodies without either skip the walk of check_text. Each
+# pattern starts with a literal, which re looks for at memchr's speed (one pattern of the two
+# alternatives tested every byte: 6x slower).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_UTF8 = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -435,7 +438,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise APIError("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
-    if _MAYBE_SURROGATE.search(raw):
+    if _SURROGATE_ESCAPE.search(raw) or _SURROGATE_UTF8.search(raw):
         check_text(body)
     return body
 
