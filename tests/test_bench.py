@@ -655,6 +655,7 @@ def test_plots(tmp_path):
         ("benchmark_data_parallel", ["--data-parallel-size", "--only", "--repeat-runs", "--json"]),
         ("benchmark_parallel", ["--out-dir", "--tp", "--tpot-model", "--skip-processes"]),
         ("benchmark_startup", ["--checkout", "--runs", "--untimed-runs", "--json"]),
+        ("benchmark_api_cost", ["--checkout", "--runs", "--rounds", "--window", "--json"]),
         ("benchmark_long_context", ["--context-len", "--output-len", "--peak-tflops"]),
     ],
 )
@@ -713,6 +714,26 @@ def test_benchmark_startup_end_to_end(tmp_path):
         order = ["loading", "loaded", "kv_cache", "health_200"]
         assert [phases[name] for name in order] == sorted(phases[n] for n in order), phases
         assert 0 < phases["listening"] <= phases["health_200"] < 600
+
+
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
+def test_benchmark_api_cost_end_to_end(tmp_path):
+    """A round of 4 streamed requests through the app and a stub engine process: every half
+    took CPU, and a checkout's streams match themselves."""
+    from bench.benchmark_api_cost import main
+
+    path = tmp_path / "cost.json"
+    argv = ["--runs", "1", "--rounds", "2", "--num-requests", "4", "--output-len", "10"]
+    assert main([*argv, "--window", "4", "--window-ms", "1", "--json", str(path)]) == 0
+    data = _load(path)
+    (summary,) = data["summary"].values()
+    assert summary["same_stream"] and summary["request_us"] > 0 and summary["output_us"] > 0
+    ((run,),) = data["runs"].values()
+    assert len(run["request_us"]) == 2
+    # the first token alone, then windows of 4: 1 + 4 + 4 + 1 tokens, a usage chunk, [DONE]
+    events = [e for e in run["stream"].split("\n\n") if e]
+    assert len(events) == 6 and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: ") :])["usage"]["completion_tokens"] == 10
 
 
 def _repo():

@@ -50,13 +50,15 @@ def _assert_same(got: dict, want: dict) -> None:
         assert got[key] == pytest.approx(value, rel=1e-12), key
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["observe", "observe_many"])
 @pytest.mark.parametrize("shared", [False, True], ids=["in-memory", "multiprocess"])
 def test_counted_histogram_matches_prometheus_observing_one_at_a_time(
-    shared, tmp_path, restore_prometheus
+    shared, batched, tmp_path, restore_prometheus
 ):
-    """The ITL histogram takes a window's n tokens in one call; its buckets and count equal
-    prometheus_client's Histogram fed the same values one observation at a time, its sum too;
-    in multiprocess mode as `MultiProcessCollector` reads its files."""
+    """The ITL histogram takes a window's n tokens in one call (or a step's windows in one
+    `observe_many`); its buckets and count equal prometheus_client's Histogram fed the same
+    values one observation at a time, its sum too; in multiprocess mode as
+    `MultiProcessCollector` reads its files."""
     rng = random.Random()
     plain = CollectorRegistry()
     reference = Histogram("t_seconds", "doc", ["replica"], buckets=_LATENCY_BUCKETS, registry=plain)
@@ -69,12 +71,21 @@ def test_counted_histogram_matches_prometheus_observing_one_at_a_time(
         "t_seconds", "doc", ["replica"], _LATENCY_BUCKETS, None if shared else counted
     )
     edges = [*_LATENCY_BUCKETS, 1e3]  # values on the bounds too: a bound is inclusive
+    steps: dict[str, list] = {"0": [], "1": []}  # observations not handed to `histogram` yet
     for _ in range(300):
         value = rng.choice(edges) if rng.random() < 0.3 else rng.expovariate(20.0)
         n, replica = rng.randint(1, 40), rng.choice("01")
         for _ in range(n):
             children[replica].observe(value)
-        histogram.labels(replica).observe(value, n)
+        if not batched:
+            histogram.labels(replica).observe(value, n)
+            continue
+        steps[replica].append((value, n))
+        if rng.random() < 0.2:  # a step's end
+            histogram.labels(replica).observe_many(steps[replica])
+            steps[replica] = []
+    for replica, observations in steps.items():
+        histogram.labels(replica).observe_many(observations)
     got = _samples(generate_latest(counted).decode())
     _assert_same(got, _samples(generate_latest(plain).decode()))
 

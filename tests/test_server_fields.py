@@ -22,11 +22,13 @@ from transformers import AutoTokenizer
 
 from rosejax import LLM
 from rosejax.engine.request import CompletionOutput, Logprob
+from rosejax.sampling import SamplingParams
 from rosejax.serve import create_app
 from rosejax.serve.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    _exact,
     parse,
 )
 from rosejax.serve.responses import Formatter, _Sent, chat_logprobs, completion_logprobs
@@ -265,6 +267,43 @@ def test_new_fields_map_to_sampling_params_kwargs():
     }
 
 
+def test_requests_asking_the_same_share_one_sampling_params():
+    """Requests with the same sampling fields get one SamplingParams, equal to one made from
+    their kwargs; any field that differs (in value, or in JSON type alone) gets its own, and
+    an invalid one is refused every time."""
+    fields = dict(
+        max_tokens=rng.randint(1, 99),
+        temperature=rng.choice([0.0, 0.7]),
+        stop=rng.choice([None, "x", ["a", "b"]]),
+        stop_token_ids=rng.choice([None, [1, 2]]),
+        logit_bias=rng.choice([None, {"3": 1.5}]),
+        seed=rng.choice([None, 5]),
+    )
+    first, again = (parsed(CompletionRequest, prompt="a", **fields) for _ in range(2))
+    params = first.sampling_params()
+    assert again.sampling_params() is params
+    assert params == SamplingParams(**first.sampling_kwargs())
+    for other in (
+        dict(max_tokens=fields["max_tokens"] + 1),
+        dict(stop=["a", "c"]),
+        dict(stop_token_ids=[1, 3]),
+        dict(logit_bias={"3": 2.5}),
+        dict(seed=6),
+        dict(top_p=0.5),
+    ):
+        req = parsed(CompletionRequest, prompt="a", **{**fields, **other})
+        got = req.sampling_params()
+        assert got is not params and got == SamplingParams(**req.sampling_kwargs()), other
+    # the same values as SamplingParams takes them, but not as JSON sent them: not one entry
+    assert len({_exact(v) for v in (1, 1.0, True)}) == 3
+    assert _exact([1, {"a": 1}]) != _exact([1, {"a": True}]) != _exact([1.0, {"a": 1}])
+    too_many = parsed(CompletionRequest, prompt="a", logit_bias={str(i): 1.0 for i in range(300)})
+    for _ in range(2):  # SamplingParams' own check, not the request's
+        with pytest.raises(APIError) as e:
+            too_many.sampling_params()
+        assert e.value.param == "logit_bias" and "300 entries" in e.value.message
+
+
 CHAT = dict(messages=[{"role": "user", "content": "a"}])
 
 
@@ -405,8 +444,49 @@ def test_echo_with_logprobs_puts_the_prompts_first_and_streams_the_same():
     for g in range(1, G + 1):
         finish = None if g < G else "length"
         partial = hand_output(prompt, prompt_steps, gen[:g], all_steps[P : P + g], finish)
-        pieces += [chunk["choices"][0] for _, _, chunk in fmt.chunks(0, partial, sent)]
+        pieces += [json.loads(chunk)["choices"][0] for chunk in fmt.chunks(0, partial, sent)]
     assert "".join(p["text"] for p in pieces) == choice["text"]
     for key in ("tokens", "token_logprobs", "text_offset"):
         assert sum((p["logprobs"][key] for p in pieces), []) == lp[key]
     assert isinstance(sent[0], _Sent) and sent[0].finished
+
+
+def _random_text(rng: random.Random) -> str:
+    """Text with what JSON escapes or keeps as is: quotes, backslashes, control characters,
+    non-ASCII and non-BMP characters; sometimes empty."""
+    alphabet = ['"', "\\", "\n", "\t", "\x00", "\x1f", "\x7f", "é", "€", "\u2028", "😀", "a", " "]
+    return "".join(rng.choice(alphabet) for _ in range(rng.choice([0, 1, 5, 40])))
+
+
+def test_chunks_are_json_dumps_of_openai_chunks():
+    """A streamed chunk's JSON, written field by field, is json.dumps(ensure_ascii=False) of
+    the OpenAI chunk it stands for, built here from OpenAI's definition."""
+    rng = random.Random(SEED)
+    for _ in range(300):
+        chat, role = rng.random() < 0.5, rng.random() < 0.3
+        fmt = Formatter(f"cmpl-{_random_text(rng)}", _random_text(rng) or "m", chat=chat)
+        index, text = rng.randrange(100), _random_text(rng)
+        finish = rng.choice([None, "stop", "length"])
+        logprobs = rng.choice([None, {"tokens": [text], "token_logprobs": [-rng.random()]}])
+        usage = rng.choice([None, "null", {"prompt_tokens": 3, "completion_tokens": 4}])
+        if chat:
+            delta = {"role": "assistant", "content": text} if role else {}
+            if text and not role:
+                delta = {"content": text}
+            choice = {"index": index, "delta": delta}
+        else:
+            choice = {"index": index, "text": text}
+        choice.update(logprobs=logprobs, finish_reason=finish)
+        want = {
+            "id": fmt.id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": fmt.created,
+            "model": fmt.model,
+            "choices": [choice],
+        }
+        field = ""
+        if usage is not None:
+            want["usage"] = None if usage == "null" else usage
+            field = f', "usage": {json.dumps(want["usage"])}'
+        got = fmt.chunk(index, text, finish, role=role and chat, logprobs=logprobs, usage=field)
+        assert got == json.dumps(want, ensure_ascii=False), f"seed {SEED}"

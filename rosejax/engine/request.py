@@ -214,18 +214,21 @@ class RequestOutput:
     ) -> RequestOutput:
         """A request's output from its sequences' (the flat fields are outputs[0]'s)."""
         first = outputs[0]
-        finished = all(c.finished() for c in outputs)
+        # Positional, and a list where a generator would do: made for every request at every
+        # step (and again in a server's API process), keywords and a generator cost it 3x.
+        finished = all([c.finish_reason is not None for c in outputs])
         return cls(
-            request_id=request_id,
-            prompt_token_ids=prompt_token_ids,
-            token_ids=first.token_ids,
-            text=first.text,
-            new_token_ids=first.new_token_ids,
-            new_text=first.new_text,
-            finished=finished,
-            finish_reason=first.finish_reason if finished else None,
-            outputs=outputs,
-            prompt_logprobs=prompt_logprobs,
+            request_id,
+            prompt_token_ids,
+            first.token_ids,
+            first.text,
+            first.new_token_ids,
+            first.new_text,
+            finished,
+            first.finish_reason if finished else None,
+            None,  # error
+            outputs,
+            prompt_logprobs,
         )
 
 

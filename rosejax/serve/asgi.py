@@ -55,16 +55,19 @@ def _header(scope: dict[str, Any], name: bytes) -> bytes:
 async def read_body(scope: dict[str, Any], receive: Receive, limits: Limits) -> bytes:
     """The whole body: 413 past `max_body_bytes` (before reading any of it when the client
     says its length), 408 if it has not arrived within `read_timeout` seconds; ClientGone."""
-    too_large = APIError(
-        f"the request body is larger than this server's limit ({limits.max_body_bytes} bytes, "
-        "--max-request-bytes)",
-        413,
-        code="request_too_large",
-        headers={"Connection": "close"},  # the rest of the body is never read
-    )
+
+    def too_large() -> APIError:
+        return APIError(
+            f"the request body is larger than this server's limit ({limits.max_body_bytes} "
+            "bytes, --max-request-bytes)",
+            413,
+            code="request_too_large",
+            headers={"Connection": "close"},  # the rest of the body is never read
+        )
+
     length = _header(scope, b"content-length")
     if length.isdigit() and int(length) > limits.max_body_bytes:
-        raise too_large
+        raise too_large()
     chunks: list[bytes] = []
     size = 0
     try:
@@ -76,7 +79,7 @@ async def read_body(scope: dict[str, Any], receive: Receive, limits: Limits) -> 
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limits.max_body_bytes:
-                    raise too_large
+                    raise too_large()
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     return b"".join(chunks)

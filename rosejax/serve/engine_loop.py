@@ -1,7 +1,7 @@
 """AsyncEngine: one background thread owns the (not thread-safe) LLMEngine and runs its loop.
 
 asyncio handlers hand it commands through a thread-safe queue; it answers each submission on a
-future and streams every RequestOutput into that submission's asyncio.Queue via
+future and streams every RequestOutput into that submission's queue (`_Sink`) via
 `loop.call_soon_threadsafe`. So all HTTP connections share one continuous batch. With data
 parallelism each replica has an AsyncEngine of its own (`rosejax.serve.replicas`).
 """
@@ -9,6 +9,7 @@ parallelism each replica has an AsyncEngine of its own (`rosejax.serve.replicas`
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -43,19 +44,36 @@ def _shutting_down() -> EngineError:
 
 
 class _Sink:
-    """Where one submission's outputs go: an asyncio.Queue living on the submitter's loop."""
+    """Where one submission's outputs go: a queue read on the submitter's event loop (a deque
+    and the reader's future: asyncio.Queue's bookkeeping cost an output as much again)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, rids: Sequence[str]):
-        self.loop, self.queue, self.rids = loop, asyncio.Queue(), list(rids)
+        self.loop, self.rids = loop, list(rids)
+        self.items: collections.deque = collections.deque()
+        self.waiter: asyncio.Future | None = None  # the reader's, while it waits for an item
         self.arrival = time.perf_counter()
         self.last: dict[str, float] = {}  # request id -> time of its latest token
 
     def put(self, item: RequestOutput | BaseException) -> bool:
+        """`push` on the loop, from any thread; False if the loop is closed (nobody will read
+        it)."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.push, item)
             return True
-        except RuntimeError:  # the event loop is closed: nobody will read this
+        except RuntimeError:
             return False
+
+    def push(self, item: Any) -> None:
+        """Queue `item` and wake the reader; on the loop."""
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self) -> Any:
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        return self.items.popleft()
 
 
 _CLOSED = object()  # what `RequestStream.close` puts in its queue
@@ -75,7 +93,7 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if not self._pending:
             raise StopAsyncIteration
-        item = await self._sink.queue.get()
+        item = await self._sink.get()
         if item is _CLOSED:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
@@ -84,6 +102,11 @@ class RequestStream:
         if item.finished:
             self._pending.discard(item.request_id)
         return item
+
+    @property
+    def ended(self) -> bool:
+        """No output follows: every request has finished, or was aborted."""
+        return not self._pending
 
     def abort(self) -> None:
         """Stop whatever is still running (a client went away); idempotent."""
@@ -95,7 +118,7 @@ class RequestStream:
         """The client has gone: `abort`, and end an iteration waiting for the next output
         (none comes). Called on the event loop that iterates."""
         self.abort()
-        self._sink.queue.put_nowait(_CLOSED)
+        self._sink.push(_CLOSED)
 
 
 _SNAPSHOT_KEYS = (
@@ -260,36 +283,47 @@ class EngineFront:
         return sink
 
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
-        """Hand one step's outputs to their sinks, observing the metrics."""
+        """Hand one step's outputs to their sinks, in order, once the metrics are observed:
+        the counts for the whole step at once (in multiprocess mode each observation is a
+        locked write into a file's map)."""
         now = time.perf_counter()
         m = self.metrics
+        tokens = prompt_tokens = 0
+        gaps: list[tuple[float, int]] = []  # (time per token, tokens) of each later window
+        ended: collections.Counter[str] = collections.Counter()  # finish reason -> requests
+        handed: list[tuple[_Sink, RequestOutput | EngineError]] = []
         for out in outputs:
-            sink = self._sinks.get(out.request_id)
+            rid = out.request_id
+            sink = self._sinks.get(rid)
             if sink is None:
                 continue
             n = len(out.new_token_ids)  # the first sequence's: the request's latencies
             if n:
-                m.generation_tokens.inc(sum(len(c.new_token_ids) for c in out.outputs) or n)
-                last = sink.last.get(out.request_id)
+                tokens += sum(len(c.new_token_ids) for c in out.outputs) or n
+                last = sink.last.get(rid)
                 if last is None:
                     m.ttft.observe(now - sink.arrival)
-                    m.prompt_tokens.inc(len(out.prompt_token_ids))
+                    prompt_tokens += len(out.prompt_token_ids)
                 else:
-                    m.itl.observe((now - last) / n, n)  # a window hands over n tokens at once
-                sink.last[out.request_id] = now
+                    gaps.append(((now - last) / n, n))  # a window hands over n tokens at once
+                sink.last[rid] = now
             if out.finish_reason == "error":  # the engine ended this one request
-                self._fail_sink(sink, EngineError(f"generating this request failed: {out.error}"))
+                self._end_sink(sink)
+                handed.append((sink, EngineError(f"generating this request failed: {out.error}")))
                 continue
             if out.finished:
-                self._forget(out.request_id)
-                m.finished(out.finish_reason or "stop").inc()
+                self._forget(rid)
+                ended[out.finish_reason or "stop"] += 1
                 m.e2e.observe(now - sink.arrival)
-            if not sink.put(out) and not out.finished:
-                self._forget(out.request_id)
-                self._abort_in_engine(out.request_id)
+            handed.append((sink, out))
+        m.observe_step(tokens, prompt_tokens, gaps, ended)
+        for sink, item in handed:
+            if not sink.put(item) and isinstance(item, RequestOutput) and not item.finished:
+                self._forget(item.request_id)
+                self._abort_in_engine(item.request_id)
 
-    def _fail_sink(self, sink: _Sink, exc: EngineError) -> None:
-        """End one submission with `exc`: its other prompts are aborted."""
+    def _end_sink(self, sink: _Sink) -> None:
+        """Forget one failed submission's requests, aborting those still running."""
         for rid in sink.rids:
             if self._forget(rid) is not None:
                 try:
@@ -297,6 +331,10 @@ class EngineFront:
                 except Exception:
                     log.exception("abort of %s failed", rid)
                 self.metrics.finished("error").inc()
+
+    def _fail_sink(self, sink: _Sink, exc: EngineError) -> None:
+        """End one submission with `exc`: its other prompts are aborted."""
+        self._end_sink(sink)
         sink.put(exc)
 
     def _fail_all(self, exc: EngineError) -> None:

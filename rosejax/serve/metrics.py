@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
@@ -196,9 +196,20 @@ class _CountedChild:
         )
 
     def observe(self, value: float, count: int = 1) -> None:
-        i = bisect.bisect_left(self._bounds, value)  # the first bucket with value <= bound
-        self._buckets[i].inc(count)
-        self._sum.inc(value * count)
+        self.observe_many([(value, count)])
+
+    def observe_many(self, observations: Iterable[tuple[float, int]]) -> None:
+        """`observe(value, count)` of each, every bucket and the sum written once."""
+        counts = [0] * len(self._bounds)
+        total = 0.0
+        for value, count in observations:
+            counts[bisect.bisect_left(self._bounds, value)] += count  # the first value <= bound
+            total += value * count
+        for bucket, count in zip(self._buckets, counts, strict=True):
+            if count:
+                bucket.inc(count)
+        if any(counts):
+            self._sum.inc(total)
 
     def read(self) -> tuple[list[float], float]:
         return [bucket.get() for bucket in self._buckets], self._sum.get()
@@ -295,3 +306,21 @@ class ReplicaMetrics:
     def finished(self, reason: str) -> Any:
         """The counter of this replica's requests ended for `reason`."""
         return self._finished.labels(replica=self.replica, reason=reason)
+
+    def observe_step(
+        self,
+        tokens: int,
+        prompt_tokens: int,
+        gaps: Iterable[tuple[float, int]],
+        ended: Mapping[str, int],
+    ) -> None:
+        """One step's counts, each metric written once: tokens generated, prompt tokens of
+        requests given their first token, inter-token latencies ((seconds per token, tokens)
+        of each request's window), requests ended by finish reason."""
+        if tokens:
+            self.generation_tokens.inc(tokens)
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+        self.itl.observe_many(gaps)
+        for reason, count in ended.items():
+            self.finished(reason).inc(count)

@@ -151,7 +151,8 @@ class _Sampling(_Body):
 
     def _check_max_tokens(self) -> None:
         for name in ("max_tokens", "max_completion_tokens"):
-            value = getattr(self, name, None)
+            # (getattr with a default: pydantic raises, and catching that cost a request ~4 µs)
+            value = getattr(self, name) if name in type(self).model_fields else None
             if value is not None and value <= 0:
                 raise APIError(f"{name} must be > 0, got {value}", param=name)
 
@@ -217,7 +218,7 @@ class _Sampling(_Body):
 
     def sampling_params(self) -> SamplingParams:
         try:
-            return SamplingParams(**self.sampling_kwargs())
+            return _shared_params(self.sampling_kwargs())
         except ValueError as e:
             first = str(e).split(" ", 1)[0]
             raise APIError(str(e), param=first if first in type(self).model_fields else None) from e
@@ -251,6 +252,34 @@ class _Sampling(_Body):
                 f"({limits.max_stop_chars}, --max-stop-chars)",
                 param="stop",
             )
+
+
+# kwargs (`_exact`) -> their SamplingParams, frozen and only read: requests that ask for the same
+# share one, validated once (a few µs a request) and pickled once per message to the engine.
+_PARAMS: dict[tuple, SamplingParams] = {}
+_MAX_PARAMS = 1024  # distinct ones kept; then the cache starts over
+
+
+def _exact(value: Any) -> Any:
+    """A hashable form of a decoded JSON value that equal values of the same types share, and
+    nothing else (1, 1.0 and True are equal in Python)."""
+    if isinstance(value, list):
+        return (list, *map(_exact, value))
+    if isinstance(value, dict):
+        return (dict, *((k, _exact(v)) for k, v in value.items()))
+    return (type(value), value)
+
+
+def _shared_params(kwargs: dict[str, Any]) -> SamplingParams:
+    """`SamplingParams(**kwargs)`, the same object for the same kwargs (ValueError: invalid)."""
+    key = tuple((name, _exact(value)) for name, value in kwargs.items())
+    params = _PARAMS.get(key)
+    if params is None:
+        params = SamplingParams(**kwargs)
+        if len(_PARAMS) >= _MAX_PARAMS:
+            _PARAMS.clear()
+        _PARAMS[key] = params
+    return params
 
 
 def _is_ids(x: Any) -> bool:
@@ -393,8 +422,11 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 # What can decode to a lone surrogate: a \uD800-\uDFFF escape, or its UTF-8 form (json.loads
-# decodes bytes with surrogatepass). Bodies without either skip the walk of check_text.
-_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# decodes bytes with surrogatepass). Bodies without either skip the walk of check_text. Each
+# pattern starts with a literal, which re looks for at memchr's speed (one pattern of the two
+# alternatives tested every byte: 6x slower).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_UTF8 = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -406,7 +438,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise APIError("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
-    if _MAYBE_SURROGATE.search(raw):
+    if _SURROGATE_ESCAPE.search(raw) or _SURROGATE_UTF8.search(raw):
         check_text(body)
     return body
 

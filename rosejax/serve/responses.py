@@ -11,6 +11,7 @@ import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from json.encoder import encode_basestring
 from typing import Any
 
 from rosejax.engine.request import RequestOutput
@@ -131,6 +132,8 @@ class Formatter:
         self.n, self.logprobs, self.decode = n, logprobs, decode
         self.echo, self.echo_only = echo, echo_only
         self.created = int(time.time())
+        # Every chunk's JSON up to its choice: the envelope's, whose last field is the choices.
+        self._chunk_head = _json(self._envelope([], True)).removesuffix("]}")
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict[str, Any]:
         obj = "chat.completion" if self.chat else "text_completion"
@@ -194,24 +197,32 @@ class Formatter:
         finish_reason: str | None,
         role: bool = False,
         logprobs: Any = None,
-    ) -> dict[str, Any]:
-        if self.chat:
-            delta = (
-                {"role": "assistant", "content": text}
-                if role
-                else ({"content": text} if text else {})
-            )
-            choice = {"index": index, "delta": delta}
+        usage: str = "",
+    ) -> str:
+        """One choice's chunk, as JSON (written here field by field as json.dumps writes it,
+        which cost a chunk several times more); `usage`: its usage field (`, "usage": ...`),
+        "" for none."""
+        rest = f'"logprobs": {_json(logprobs)}, "finish_reason": {_json(finish_reason)}'
+        if not self.chat:
+            choice = f'{{"index": {index}, "text": {_json(text)}, {rest}}}'
         else:
-            choice = {"index": index, "text": text}
-        choice.update(logprobs=logprobs, finish_reason=finish_reason)
-        return self._envelope([choice], True)
+            if role:
+                delta = f'{{"role": "assistant", "content": {_json(text)}}}'
+            else:
+                delta = f'{{"content": {_json(text)}}}' if text else "{}"
+            choice = f'{{"index": {index}, "delta": {delta}, {rest}}}'
+        return f"{self._chunk_head}{choice}]{usage}}}"
 
     def chunks(
-        self, i: int, out: RequestOutput, sent: dict[int, _Sent]
-    ) -> Iterable[tuple[int, int, dict[str, Any]]]:
-        """(choice index, its tokens so far, chunk) for what prompt i's output `out` adds to
-        what `sent` (choice index -> _Sent) says was sent."""
+        self,
+        i: int,
+        out: RequestOutput,
+        sent: dict[int, _Sent],
+        usage: Callable[[int, int], str] | None = None,
+    ) -> Iterable[str]:
+        """The chunks (JSON) of what prompt i's output `out` adds to what `sent` (choice index
+        -> _Sent) says was sent; `usage(choice index, its tokens so far)`: each one's usage
+        field (`chunk`'s)."""
         for j, c in enumerate(choices_of(out)):
             index = i * self.n + j
             s = sent.setdefault(index, _Sent())
@@ -225,7 +236,8 @@ class Formatter:
             text, logprobs = self._piece(i, out, c, s)
             s.finished = finish is not None
             tokens = 0 if self.echo_only else len(c.token_ids)
-            yield index, tokens, self.chunk(index, text, finish, logprobs=logprobs)
+            extra = "" if usage is None else usage(index, tokens)
+            yield self.chunk(index, text, finish, logprobs=logprobs, usage=extra)
 
     def usage(self, finals: Iterable[RequestOutput]) -> dict[str, int]:
         finals = list(finals)
@@ -246,8 +258,22 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     }
 
 
-def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+_ENCODER = json.JSONEncoder(ensure_ascii=False)
+
+
+def _json(value: Any) -> str:
+    """`value` as json.dumps(value, ensure_ascii=False) writes it; None and strings without
+    the encoder's setup."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return encode_basestring(value)
+    return _ENCODER.encode(value)
+
+
+def _event(data: str | dict[str, Any]) -> str:
+    """A server-sent event of JSON (or of a dict, as JSON)."""
+    return f"data: {data if isinstance(data, str) else _json(data)}\n\n"
 
 
 async def sse(
@@ -261,7 +287,9 @@ async def sse(
     With `continuous_usage` (vLLM's continuous_usage_stats) every chunk carries its choice's
     usage so far (`prompt_tokens`: each prompt's length); otherwise, with `include_usage`,
     chunks carry usage null and a last chunk the totals. An engine error ends the stream with
-    an error event and `[DONE]`.
+    an error event and `[DONE]`. What is ready at once goes out as one piece: the events of one
+    output, and the last output's with the usage chunk and `[DONE]` (each piece a write to the
+    socket).
 
     Ending early for any reason (the client left and `send_events` closed the stream, or an
     error) aborts what is still running, so its KV blocks are freed at once.
@@ -271,24 +299,29 @@ async def sse(
     sent: dict[int, _Sent] = {}
     prompt_tokens = prompt_tokens or [0] * len(prompt_of)
 
-    def extra(index: int, completion: int) -> dict[str, Any]:
+    def usage_field(index: int, completion: int) -> str:  # a chunk's usage, as JSON
         if continuous_usage:
-            return {"usage": _usage(prompt_tokens[index // fmt.n], completion)}
-        return {"usage": None} if include_usage else {}
+            return f', "usage": {_json(_usage(prompt_tokens[index // fmt.n], completion))}'
+        return ', "usage": null' if include_usage else ""
 
+    events = ""  # not sent yet
     try:
         if fmt.chat:  # OpenAI opens each chat choice with the assistant role
-            for index in range(len(prompt_of) * fmt.n):
-                yield _event({**fmt.chunk(index, "", None, role=True), **extra(index, 0)})
+            indices = range(len(prompt_of) * fmt.n)
+            roles = (fmt.chunk(i, "", None, role=True, usage=usage_field(i, 0)) for i in indices)
+            yield "".join(map(_event, roles))
         async for out in stream:
             if out.finished:
                 finals[out.request_id] = out
-            for index, tokens, chunk in fmt.chunks(prompt_of[out.request_id], out, sent):
-                yield _event({**chunk, **extra(index, tokens)})
+            chunks = fmt.chunks(prompt_of[out.request_id], out, sent, usage_field)
+            events = "".join(map(_event, chunks))
+            if events and not stream.ended:  # the last output's go with what ends the stream
+                yield events
+                events = ""
         if include_usage:
-            yield _event(fmt.usage_chunk(finals.values()))
+            events += _event(fmt.usage_chunk(finals.values()))
     except EngineError as e:
-        yield _event(APIError(str(e), e.status, type="server_error", code=e.code).body())
+        events += _event(APIError(str(e), e.status, type="server_error", code=e.code).body())
     finally:
         stream.abort()
-    yield "data: [DONE]\n\n"
+    yield events + "data: [DONE]\n\n"
