@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from rosejax import LLM, SamplingParams
 from rosejax.engine.request import Request
-from rosejax.serve import create_app
+from rosejax.serve import create_app, responses
 from rosejax.serve import server as server_module
 from rosejax.serve.protocol import Limits
 from rosejax.serve.server import ServerThread
@@ -419,6 +419,27 @@ def test_a_failure_inside_the_engine_ends_only_its_request(served, monkeypatch):
     r, events = check_hostile(served, hostile)
     assert "injected failure" in error_of(r, 500)["message"]
     assert events[-1]["error"]["type"] == "server_error", events
+
+
+def test_a_failure_mid_stream_ends_its_stream_with_an_error_event(served, monkeypatch):
+    """An unexpected exception while a stream is written (its 200 already sent) ends that
+    stream with an error event and [DONE], not a cut connection; every other stream is intact."""
+    marked = [11, 22, 33]
+    chunks = responses.Formatter.chunks
+
+    def failing(self, index, out, *args):
+        if out.prompt_token_ids == marked:
+            raise RuntimeError("injected failure")
+        return chunks(self, index, out, *args)
+
+    monkeypatch.setattr(responses.Formatter, "chunks", failing)
+
+    async def hostile(h: httpx.AsyncClient):
+        return await sse(h, {"prompt": marked, "max_tokens": 8})
+
+    events = check_hostile(served, hostile)
+    assert events[-1]["error"]["type"] == "server_error", events
+    assert "injected failure" in events[-1]["error"]["message"], events
 
 
 def test_shutdown_ends_open_requests_with_an_error_and_done():

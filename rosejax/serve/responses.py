@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from json.encoder import encode_basestring
@@ -17,6 +18,8 @@ from typing import Any
 from rosejax.engine.request import RequestOutput
 from rosejax.serve.engine_loop import EngineError, RequestStream
 from rosejax.serve.protocol import APIError
+
+log = logging.getLogger("rosejax.serve")
 
 Decode = Callable[[int], str]  # token id -> its text
 Step = dict[int, Any]  # token id -> Logprob, at one position
@@ -286,8 +289,8 @@ async def sse(
     """The stream of one HTTP request as SSE: chunks, an optional usage chunk, `data: [DONE]`.
     With `continuous_usage` (vLLM's continuous_usage_stats) every chunk carries its choice's
     usage so far (`prompt_tokens`: each prompt's length); otherwise, with `include_usage`,
-    chunks carry usage null and a last chunk the totals. An engine error ends the stream with
-    an error event and `[DONE]`. What is ready at once goes out as one piece: the events of one
+    chunks carry usage null and a last chunk the totals. An engine error, or any other failure
+    once the stream has begun (its 200 is out), ends the stream with an error event and `[DONE]`. What is ready at once goes out as one piece: the events of one
     output, and the last output's with the usage chunk and `[DONE]` (each piece a write to the
     socket).
 
@@ -322,6 +325,9 @@ async def sse(
             events += _event(fmt.usage_chunk(finals.values()))
     except EngineError as e:
         events += _event(APIError(str(e), e.status, type="server_error", code=e.code).body())
+    except Exception as e:  # not the client's doing: it still gets a whole stream, with why
+        log.exception("streaming a response failed")
+        events += _event(APIError(f"internal error: {e}", 500, type="server_error").body())
     finally:
         stream.abort()
     yield events + "data: [DONE]\n\n"
