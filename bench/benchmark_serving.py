@@ -156,6 +156,16 @@ def add_client_arg(g: argparse._ActionsContainer) -> None:
         "one clock), so the client is not what the latencies measure; default: one per two "
         "cores, at most 8 (%(default)s here)",
     )
+    g.add_argument(
+        "--client-nice",
+        type=int,
+        default=0,
+        choices=range(20),
+        metavar="N",
+        help="niceness (0-19) of the client processes: on a host they share with the server, "
+        "N > 0 gives the server the first call on the cores, as the in-process side has them "
+        "(the clients then run in processes of their own even if there is one)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1217,9 +1227,14 @@ class Clients:
         self.pool: concurrent.futures.ProcessPoolExecutor | None = None
 
     def __enter__(self) -> Clients:
-        if self.processes > 1:
+        if self.processes > 1 or self.args.client_nice:
             ctx = multiprocessing.get_context("spawn")  # never fork a process that may run jax
-            self.pool = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=ctx)
+            self.pool = concurrent.futures.ProcessPoolExecutor(
+                self.processes,
+                mp_context=ctx,
+                initializer=os.nice,
+                initargs=(self.args.client_nice,),
+            )
             # Each process started and its client imported before any clock starts.
             for f in [self.pool.submit(_import_client, self.client) for _ in range(self.processes)]:
                 f.result()
@@ -1234,7 +1249,7 @@ class Clients:
     ) -> tuple[list[Record], float]:
         """One Record per sample, and the duration (start to the last stream's end)."""
         args, n = self.args, min(self.processes, len(samples))
-        if n == 1:
+        if self.pool is None:
             return run_client(
                 run_http(
                     self.endpoint,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -211,6 +212,8 @@ def test_poisson_run_against_its_records(server, tmp_path):
         "e2el:300",
         "--client-processes",  # requests 0, 2, 4 in one, 1, 3, 5 in the other, on one clock
         "2",
+        "--client-nice",
+        "1",
     )
     recs = check_run(res, "http", 6)
     assert res["config"]["model"] == "tiny" and res["results"]["http"]["goodput"]["slo_ms"] == {
@@ -222,6 +225,17 @@ def test_poisson_run_against_its_records(server, tmp_path):
     args = bs.build_parser().parse_args([*WORKLOAD, "--seed", "5"])
     want = [len(s.prompt) for s in bs.random_dataset(args, 5)]
     assert [r["prompt_len"] for r in recs] == want  # the server's usage agrees
+
+
+def test_client_nice_runs_even_one_client_in_a_process_of_that_niceness():
+    args = bs.build_parser().parse_args(
+        [*WORKLOAD, "--client-processes", "1", "--client-nice", "3"]
+    )
+    with bs.Clients(args, "http://127.0.0.1:1", "tiny", "httpx") as clients:
+        assert clients.pool is not None
+        assert clients.pool.submit(os.nice, 0).result() == os.nice(0) + 3
+    with pytest.raises(SystemExit):
+        bs.build_parser().parse_args([*WORKLOAD, "--client-nice", "20"])
 
 
 def _have(module: str) -> bool:
