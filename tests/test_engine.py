@@ -700,10 +700,10 @@ def test_cache_size_is_logged(checkpoint, caplog):
 
 def test_first_programs_compiled_ahead_together_then_the_rest(checkpoint, caplog):
     """A server compiles what a first request needs up front, together, and the rest ahead one
-    at a time, without running them (or by warm-up, running them): the first three are the
-    smallest prefill and decode (greedy and sampled) programs, each program is traced once and
-    logged, and the requests then run on those executables (nothing traces again) with HF's
-    greedy tokens."""
+    at a time, without running them (or by warm-up, running them), then runs each once while
+    idle: the first three are the smallest prefill and decode (greedy and sampled) programs,
+    each program is traced once and logged, and the requests then run on those executables
+    (nothing traces again) with HF's greedy tokens."""
     caplog.set_level("INFO", logger="rosejax")
     llm = make_llm(checkpoint, max_batch_size=2, decode_steps=2)
     engine = llm.engine
@@ -720,6 +720,18 @@ def test_first_programs_compiled_ahead_together_then_the_rest(checkpoint, caplog
         engine.compile_ahead(program)
     assert engine.num_compiles == len(programs)
     assert caplog.text.count("ahead in") == len(programs) - 2
+    # Then, idle, each program compiled ahead runs once (a first run costs more than the rest),
+    # in warm-up's order; the two warm-up ran, no other.
+    ran, runner = [], engine.runner
+    prefill, decode = runner.prefill, runner.decode
+    runner.prefill = lambda batch: ran.append(("prefill", *batch["tokens"].shape)) or prefill(batch)
+    runner.decode = lambda rows, steps, greedy, *rest: (
+        ran.append(("decode", rows, greedy)) or decode(rows, steps, greedy, *rest)
+    )
+    while engine.run_ahead():
+        pass
+    del runner.prefill, runner.decode
+    assert ran == [p for p in programs if p not in programs[3:5]]
     prompts = random_prompts(2, lo=9, hi=20)  # a prefill shape past the first one
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):

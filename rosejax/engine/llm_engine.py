@@ -291,6 +291,7 @@ class LLMEngine:
         self.host_seconds = {"dispatch": 0.0, "wait": 0.0, "harvest": 0.0}
         self.prefill_tokens_computed = 0
         self._warm: set[tuple[str, int, int | bool]] = set()  # programs warm-up compiled
+        self._ran: set[tuple[str, int, int | bool]] = set()  # ... and ran once
 
     def _mesh(self, config: EngineConfig) -> Mesh | None:
         """The tensor-parallel mesh over this engine's devices (None for one device), checked
@@ -398,20 +399,14 @@ class LLMEngine:
         return [p for p in self.warmup_programs() if p not in self._warm]
 
     def warmup(self, programs: list[tuple[str, int, int | bool]] | None = None) -> float:
-        """Compile `programs` (default: every one) that are not compiled yet, logging each;
-        padded rows only touch the scratch block, so this may run between serving steps.
-        Returns the seconds taken."""
+        """Compile `programs` (default: every one) that are not compiled yet and run each once,
+        logging each; padded rows only touch the scratch block, so this may run between serving
+        steps. Returns the seconds taken."""
         start = time.perf_counter()
         todo = [p for p in programs or self.cold_programs() if p not in self._warm]
         for i, program in enumerate(todo):
-            t0 = time.perf_counter()
+            seconds = self._run_once(program)
             kind, rows, arg = program
-            if kind == "prefill":
-                self.runner.prefill(self._prefill_batch([], [], [], rows, arg, False))
-            else:
-                self.runner.decode(rows, 0, arg, self._kill, [], (), kind == "decode-extras")
-            jax.block_until_ready(self.runner.state)
-            self._warm.add(program)
             logger.info(
                 "compiled %s program %d/%d (%s rows, %s) in %.1f s",
                 kind,
@@ -419,9 +414,34 @@ class LLMEngine:
                 len(todo),
                 rows,
                 f"{arg} tokens" if kind == "prefill" else "greedy" if arg else "sampled",
-                time.perf_counter() - t0,
+                seconds,
             )
         return time.perf_counter() - start
+
+    def run_ahead(self) -> bool:
+        """Run once, as `warmup` does, the next program `compile_ahead` compiled that nothing has
+        run yet: a program's first run costs more than its later ones (on an H100 one prefill's
+        first dispatch took 0.26 s), which the first request needing it would pay. Only between
+        steps, on the thread that steps (a server's loop, while idle). Whether one ran."""
+        ahead = (p for p in self.warmup_programs() if p in self._warm and p not in self._ran)
+        program = next(ahead, None)
+        if program is None:
+            return False
+        self._run_once(program)
+        return True
+
+    def _run_once(self, program: tuple[str, int, int | bool]) -> float:
+        """Run `program` (compiling it first if need be) on no request; its seconds."""
+        t0 = time.perf_counter()
+        kind, rows, arg = program
+        if kind == "prefill":
+            self.runner.prefill(self._prefill_batch([], [], [], rows, arg, False))
+        else:
+            self.runner.decode(rows, 0, arg, self._kill, [], (), kind == "decode-extras")
+        jax.block_until_ready(self.runner.state)
+        self._warm.add(program)
+        self._ran.add(program)
+        return time.perf_counter() - t0
 
     def compile_ahead(self, *programs: tuple[str, int, int | bool]) -> None:
         """Compile `programs` of `warmup_programs()` without running them, logging each: each

@@ -443,6 +443,8 @@ class AsyncEngine(EngineFront):
                     self._fail_all(_shutting_down())
                 if self.engine.has_unfinished_requests():
                     self._step()
+                else:  # idle: a program compiled ahead runs its costlier first run now
+                    self.engine.run_ahead()
                 self._publish()
         finally:
             self._fail_all(_shutting_down())

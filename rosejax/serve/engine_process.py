@@ -191,6 +191,8 @@ class _EngineLoop:
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
+                else:  # idle: a program compiled ahead runs its costlier first run now
+                    self.engine.run_ahead()
                 self._publish()
         finally:
             self.stop.set()
