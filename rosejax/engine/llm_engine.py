@@ -11,6 +11,7 @@ stops them for what only it can see (stop strings) and tells the device at the n
 from __future__ import annotations
 
 import bisect
+import collections
 import heapq
 import itertools
 import logging
@@ -291,7 +292,9 @@ class LLMEngine:
         self.host_seconds = {"dispatch": 0.0, "wait": 0.0, "harvest": 0.0}
         self.prefill_tokens_computed = 0
         self._warm: set[tuple[str, int, int | bool]] = set()  # programs warm-up compiled
-        self._ran: set[tuple[str, int, int | bool]] = set()  # ... and ran once
+        # Programs compile_ahead compiled (warm-up compiles none twice), not run yet: appended by
+        # the compiling thread, taken by the stepping one (a deque: both thread-safe).
+        self._unrun: collections.deque[tuple[str, int, int | bool]] = collections.deque()
 
     def _mesh(self, config: EngineConfig) -> Mesh | None:
         """The tensor-parallel mesh over this engine's devices (None for one device), checked
@@ -423,9 +426,9 @@ class LLMEngine:
         run yet: a program's first run costs more than its later ones (on an H100 one prefill's
         first dispatch took 0.26 s), which the first request needing it would pay. Only between
         steps, on the thread that steps (a server's loop, while idle). Whether one ran."""
-        ahead = (p for p in self.warmup_programs() if p in self._warm and p not in self._ran)
-        program = next(ahead, None)
-        if program is None:
+        try:
+            program = self._unrun.popleft()
+        except IndexError:
             return False
         self._run_once(program)
         return True
@@ -440,7 +443,6 @@ class LLMEngine:
             self.runner.decode(rows, 0, arg, self._kill, [], (), kind == "decode-extras")
         jax.block_until_ready(self.runner.state)
         self._warm.add(program)
-        self._ran.add(program)
         return time.perf_counter() - t0
 
     def compile_ahead(self, *programs: tuple[str, int, int | bool]) -> None:
@@ -467,6 +469,7 @@ class LLMEngine:
             for (kind, rows, arg), t0, finish in started:
                 finish()
                 self._warm.add((kind, rows, arg))
+                self._unrun.append((kind, rows, arg))
                 logger.info(
                     "compiled %s program (%s rows, %s) ahead in %.1f s",
                     kind,
