@@ -290,9 +290,9 @@ async def sse(
     With `continuous_usage` (vLLM's continuous_usage_stats) every chunk carries its choice's
     usage so far (`prompt_tokens`: each prompt's length); otherwise, with `include_usage`,
     chunks carry usage null and a last chunk the totals. An engine error, or any other failure
-    once the stream has begun (its 200 is out), ends the stream with an error event and `[DONE]`. What is ready at once goes out as one piece: the events of one
-    output, and the last output's with the usage chunk and `[DONE]` (each piece a write to the
-    socket).
+    once the stream has begun (its 200 is out), ends the stream with an error event and
+    `[DONE]`. What is ready at once goes out as one piece: the events of one output, and the
+    last output's with the usage chunk and `[DONE]` (each piece a write to the socket).
 
     Ending early for any reason (the client left and `send_events` closed the stream, or an
     error) aborts what is still running, so its KV blocks are freed at once.
