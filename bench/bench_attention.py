@@ -1,18 +1,20 @@
 """Paged decode attention microbench: rosejax's Pallas kernel, jax's Pallas GPU paged_attention op,
 the engine's chunked XLA path (`paged_decode_attention_xla`, per `--xla-chunk-pages`) and the XLA
-gather reference, at GPT-2 dims (H=12, D=64), fp16. `--table-tokens` gives each row a block table
+gather reference, at GPT-2 dims (H=12, D=64, fp16) unless `--q-heads`, `--kv-heads`, `--head-dim`
+and `--dtype` say otherwise (Qwen3-0.6B: 16, 8, 128, bfloat16). `--table-tokens` gives each row a block table
 longer than its context, padded with scratch block 0 as the engine pads it (its max model len):
 what the gather reference reads, and the chunked path does not.
 
 Each implementation runs `--iters` times inside one jitted fori_loop (each output feeds the next
 query), so Python dispatch stays out; median over `--repeats` calls. GB/s counts the K and V bytes
-the rows attend (B x context x H x D x 2 x 2 bytes).
+the rows attend (B x context x H x D x 2 x 2 bytes at 16 bits).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import math
 import os
 import sys
@@ -26,6 +28,7 @@ import numpy as np  # noqa: E402
 
 from bench.common import add_kernel_bench_args, time_in_loop, write_json  # noqa: E402
 from pallas_kernels.paged_attention import (  # noqa: E402
+    DEFAULT_MATRIX_MIN_GROUP,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
@@ -48,23 +51,30 @@ def jax_op(q, k, v, tables, lengths, *, pages_per_compute_block, k_splits):
 
 
 def impls(
-    interpret: bool, warps: list[int], stages: list[int], splits: list[int], chunk_pages: list[int]
+    interpret: bool,
+    hq: int,
+    warps: list[int],
+    stages: list[int],
+    splits: list[int],
+    matrix: list[int],
+    chunk_pages: list[int],
 ) -> dict:
-    out = {"xla": paged_decode_attention_reference}
+    out = {"xla": functools.partial(paged_decode_attention_reference, num_q_heads=hq)}
     for n in chunk_pages:
         out[f"xla_chunked_p{n}" if n else "xla_chunked"] = functools.partial(
-            paged_decode_attention_xla, pages_per_chunk=n or None
+            paged_decode_attention_xla, pages_per_chunk=n or None, num_q_heads=hq
         )
-    for w in warps:
-        for s in stages:
-            for n in splits:
-                out[f"rosejax_w{w}_s{s}" + (f"_k{n}" if n > 1 else "")] = functools.partial(
-                    paged_decode_attention,
-                    num_warps=w,
-                    num_stages=s,
-                    num_splits=n,
-                    interpret=interpret,
-                )
+    for w, s, n, g in itertools.product(warps, stages, splits, matrix):
+        name = f"rosejax_w{w}_s{s}" + (f"_k{n}" if n > 1 else "") + (f"_mma{g}" if g else "")
+        out[name] = functools.partial(
+            paged_decode_attention,
+            num_q_heads=hq,
+            num_warps=w,
+            num_stages=s,
+            num_splits=n,
+            matrix_min_group=g,
+            interpret=interpret,
+        )
     if not interpret:
         out["jax_op_ppcb4"] = functools.partial(jax_op, pages_per_compute_block=4, k_splits=1)
         out["jax_op_ppcb8_ks4"] = functools.partial(jax_op, pages_per_compute_block=8, k_splits=4)
@@ -84,6 +94,16 @@ def main() -> None:
         help="comma list of the kernel's splits of each row's pages (split-K; the merge kernel "
         "after it is timed with it)",
     )
+    p.add_argument(
+        "--matrix-min-group",
+        default=str(DEFAULT_MATRIX_MIN_GROUP),
+        help="comma list of the kernel's matrix_min_group (groups of at least this many query "
+        "heads on the matrix units; 0: vector arithmetic)",
+    )
+    p.add_argument("--q-heads", type=int, default=12, help="query heads (Hq)")
+    p.add_argument("--kv-heads", type=int, default=12, help="KV heads (H), dividing Hq")
+    p.add_argument("--head-dim", type=int, default=64, help="head dim (D)")
+    p.add_argument("--dtype", default="float16", help="q and cache dtype (float16, bfloat16)")
     p.add_argument("--no-jax-op", action="store_true", help="skip jax's paged_attention op")
     p.add_argument(
         "--xla-chunk-pages",
@@ -100,7 +120,8 @@ def main() -> None:
     add_kernel_bench_args(p)
     args = p.parse_args()
     interpret = args.quick or jax.default_backend() == "cpu"
-    h, d, bs = 12, 64, args.block_size
+    hq, h, d, bs = args.q_heads, args.kv_heads, args.head_dim, args.block_size
+    dtype = jnp.dtype(args.dtype)
     sizes = [
         (b, c)
         for b in map(int, args.batch_sizes.split(","))
@@ -113,22 +134,26 @@ def main() -> None:
     for b, ctx in sizes:
         mb = -(-ctx // bs)
         nb = 1 + b * mb
-        k = jnp.asarray(rng.normal(size=(h, nb, bs, d)), jnp.float16)
-        v = jnp.asarray(rng.normal(size=(h, nb, bs, d)), jnp.float16)
+        k = jnp.asarray(rng.normal(size=(h, nb, bs, d)), dtype)
+        v = jnp.asarray(rng.normal(size=(h, nb, bs, d)), dtype)
         live = 1 + rng.permutation(nb - 1).reshape(b, mb)
         tables = np.zeros((b, max(mb, -(-args.table_tokens // bs))), np.int32)
         tables[:, :mb] = live
         tables = jnp.asarray(tables)
         lengths = jnp.full((b,), ctx, jnp.int32)
-        q = jnp.asarray(rng.normal(size=(b, h, d)), jnp.float16)
-        ref = paged_decode_attention_reference(q, k, v, jnp.asarray(live, jnp.int32), lengths)
+        q = jnp.asarray(rng.normal(size=(b, hq, d)), dtype)
+        ref = paged_decode_attention_reference(
+            q, k, v, jnp.asarray(live, jnp.int32), lengths, num_q_heads=hq
+        )
         ref = np.asarray(ref, np.float32)
-        bytes_ = b * ctx * h * d * 2 * 2
+        bytes_ = b * ctx * h * d * 2 * dtype.itemsize
         variants = impls(
             interpret,
+            hq,
             [int(w) for w in args.num_warps.split(",")],
             [int(s) for s in args.num_stages.split(",")],
             [int(n) for n in args.num_splits.split(",")],
+            [int(n) for n in args.matrix_min_group.split(",")],
             [int(n) for n in args.xla_chunk_pages.split(",")],
         )
         if args.no_jax_op:
@@ -150,6 +175,9 @@ def main() -> None:
                 dict(
                     B=b,
                     context=ctx,
+                    q_heads=hq,
+                    kv_heads=h,
+                    head_dim=d,
                     table_tokens=tables.shape[1] * bs,
                     block_size=bs,
                     impl=name,

@@ -7,7 +7,9 @@ and a padding copy of q are waste. Here every program owns one (row, KV head) pa
 head's pages through an online softmax with vector arithmetic: [block_size, D] tiles, no padding.
 With grouped queries the program computes every query head of its group (G = Hq / H, 1 to 8 in
 today's models) over each page it loads, so each KV page is read once per group, not once per
-query head.
+query head. From `matrix_min_group` query heads up the group's scores and weighted sums run on the
+matrix units instead (two Triton dots a page, the group padded to 16 rows): with two or more
+query heads a page the vector path's reductions, not the bytes, bound it.
 
 Layout: k_cache, v_cache [H, num_blocks, block_size, D] (rosejax's KV cache); block_tables
 [B, MB] int32; lengths [B] int32 (tokens in the cache for the row, 0 for a padded row). q may carry
@@ -49,52 +51,124 @@ _NEG_INF = -1e30
 DEFAULT_NUM_STAGES = 2  # H100, one process: 1 and 3 stages within 0.4% of 2 at B=1 and B=256
 PREFETCH_TABLE_MIN_BATCH = 128  # H200, whole table up front: B=256 -1.1% a step, 64 even, 1 +0.4%
 PREFETCH_TABLE_MAX_BLOCKS = 64  # not tuned (16 entries measured): the select costs a lane an entry
-# _default_num_warps: a warp per 1,024 page elements  (H200: best at BS 16 and 32, 1.2% off at 64)
+# H100, Qwen3-0.6B B=256: 0.84x the step's time on the vector path (decode attention 73 against
+# 91 us a call at context 136); Llama-8B's group 4 at B=1: 17 against 35 us.
+DEFAULT_MATRIX_MIN_GROUP = 2
+MATRIX_NUM_WARPS = 4  # H100, the same engine: 0.947x the step of 8 warps at B=256, 0.984x at B=1
+MATRIX_MIN_ROWS = 16  # Triton's smallest matmul operand side: a group is padded to it
+# _default_num_warps, vector path: a warp per 1,024 page elements  (H200: best at BS 16 and 32,
+# 1.2% off at 64)
+
+
+def _load_page(k_cache_ref, v_cache_ref, block_tables_ref, b, h, i, num_tokens, table):
+    """Logical page i of row b, KV head h -> K, V [BS, D] in the cache's dtype (keys at or past
+    `num_tokens` zero) and their validity [BS]. `table`: (the row's prefetched block table
+    [MB'], its slot indices) or None to read the entry from memory."""
+    block_size = k_cache_ref.shape[2]
+    if table is None:
+        page = block_tables_ref[b, i]
+    else:  # a register vector takes no dynamic index: select by mask
+        entries, slots = table
+        page = jnp.sum(jnp.where(slots == i, entries, 0))
+    valid = i * block_size + jnp.arange(block_size, dtype=jnp.int32) < num_tokens  # [BS]
+    # Masked loads: the last page's unused tail is never read (at block size 64 and GPT-2's
+    # decode contexts that tail is a fifth to a half of the bytes).
+    k = plgpu.load(k_cache_ref.at[h, page, :, :], mask=valid[:, None], other=0.0)
+    v = plgpu.load(v_cache_ref.at[h, page, :, :], mask=valid[:, None], other=0.0)
+    return k, v, valid
+
+
+def _vector_update(qs, k, v, valid, carry):
+    """One page into each query's online softmax with vector arithmetic, the queries one after
+    another (qs: [D] float32, scaled)."""
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+    out = []
+    for q, (m, denom, acc) in zip(qs, carry, strict=True):
+        s = jnp.sum(q[None, :] * k, axis=1)  # [BS]
+        s = jnp.where(valid, s, _NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s))
+        p = jnp.exp(s - m_new)  # [BS]
+        alpha = jnp.exp(m - m_new)
+        acc = acc * alpha + jnp.sum(p[:, None] * v, axis=0)
+        out.append((m_new, denom * alpha + jnp.sum(p), acc))
+    return tuple(out)
+
+
+def _matrix_update(q, sm_scale, k, v, valid, carry):
+    """One page into the group's online softmax on the matrix units: q [G', D] (the group's
+    queries in the cache's dtype, zero rows past it) against K and V as two Triton dots."""
+    m, denom, acc = carry  # [G'], [G'], [G', D] float32
+    precision = jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [G', BS] float32
+    s = jnp.where(valid[None, :], s, _NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp(s - m_new[:, None])  # [G', BS]
+    alpha = jnp.exp(m - m_new)
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [G', D] float32
+    return m_new, denom * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
 
 def _attend_pages(
-    qs, k_cache_ref, v_cache_ref, block_tables_ref, b, h, num_tokens, pages, prefetch_table
+    qs,
+    sm_scale: float,
+    k_cache_ref,
+    v_cache_ref,
+    block_tables_ref,
+    b,
+    h,
+    num_tokens,
+    pages,
+    prefetch_table: bool,
+    matrix_units: bool,
 ):
-    """Online softmax of each query of `qs` (a tuple of [D] float32, already scaled: the group of
+    """Online softmax of each query of `qs` (a tuple of [D] float32, unscaled: the group of
     query heads that share KV head h) over the row's first `num_tokens` cached keys of head h that
     lie in its logical pages [first, end) = `pages` -> per query (running max, softmax
     denominator, numerator [D]), all float32. Each page of K and V is loaded once for the whole
-    group; the queries' arithmetic runs one after another."""
+    group. With `matrix_units` the group's scores and weighted sums are two Triton dots a page
+    (the group padded to 16 rows, probabilities rounded to the cache's dtype as flash attention
+    does); otherwise vector arithmetic in float32, one query after another."""
     block_size, head_dim = k_cache_ref.shape[2], k_cache_ref.shape[3]
     max_blocks = block_tables_ref.shape[1]
+    table = None
     if prefetch_table:
         slots = jnp.arange(next_power_of_2(max_blocks), dtype=jnp.int32)
-        table = plgpu.load(
+        entries = plgpu.load(
             block_tables_ref.at[b, pl.ds(0, slots.shape[0])], mask=slots < max_blocks, other=0
         )  # [MB']
-
-    def body(i, carry):
-        if prefetch_table:  # a register vector takes no dynamic index: select by mask
-            page = jnp.sum(jnp.where(slots == i, table, 0))
-        else:
-            page = block_tables_ref[b, i]
-        valid = i * block_size + jnp.arange(block_size, dtype=jnp.int32) < num_tokens  # [BS]
-        # Masked loads: the last page's unused tail is never read (at block size 64 and GPT-2's
-        # decode contexts that tail is a fifth to a half of the bytes).
-        k = plgpu.load(k_cache_ref.at[h, page, :, :], mask=valid[:, None], other=0.0)
-        v = plgpu.load(v_cache_ref.at[h, page, :, :], mask=valid[:, None], other=0.0)
-        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
-        out = []
-        for q, (m, denom, acc) in zip(qs, carry, strict=True):
-            s = jnp.sum(q[None, :] * k, axis=1)  # [BS]
-            s = jnp.where(valid, s, _NEG_INF)
-            m_new = jnp.maximum(m, jnp.max(s))
-            p = jnp.exp(s - m_new)  # [BS]
-            alpha = jnp.exp(m - m_new)
-            acc = acc * alpha + jnp.sum(p[:, None] * v, axis=0)
-            out.append((m_new, denom * alpha + jnp.sum(p), acc))
-        return tuple(out)
-
-    # No page without a cached key: its scores would all be _NEG_INF, each weighing exp(0) = 1.
+        table = (entries, slots)
     first, end = pages
+    # No page without a cached key: its scores would all be _NEG_INF, each weighing exp(0) = 1.
     end = jnp.minimum(end, (num_tokens + block_size - 1) // block_size)
-    init = (jnp.float32(_NEG_INF), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32))
-    return jax.lax.fori_loop(first, end, body, (init,) * len(qs))
+
+    def page(i):
+        return _load_page(k_cache_ref, v_cache_ref, block_tables_ref, b, h, i, num_tokens, table)
+
+    if not matrix_units:
+        scaled = tuple(q * sm_scale for q in qs)
+        init = (jnp.float32(_NEG_INF), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32))
+        return jax.lax.fori_loop(
+            first, end, lambda i, carry: _vector_update(scaled, *page(i), carry), (init,) * len(qs)
+        )
+    rows = jnp.arange(max(MATRIX_MIN_ROWS, next_power_of_2(len(qs))), dtype=jnp.int32)  # [G']
+    q = jnp.zeros((rows.shape[0], head_dim), jnp.float32)
+    for g, q_g in enumerate(qs):
+        q = jnp.where(rows[:, None] == g, q_g[None, :], q)
+    q = q.astype(k_cache_ref.dtype)  # [G', D]
+    init = (
+        jnp.full(rows.shape, _NEG_INF, jnp.float32),
+        jnp.zeros(rows.shape, jnp.float32),
+        jnp.zeros((rows.shape[0], head_dim), jnp.float32),
+    )
+    m, denom, acc = jax.lax.fori_loop(
+        first, end, lambda i, carry: _matrix_update(q, sm_scale, *page(i), carry), init
+    )
+
+    def row(x, g):  # row g of x: a register tile takes no dynamic index either
+        mask = rows == g if x.ndim == 1 else rows[:, None] == g
+        return jnp.sum(jnp.where(mask, x, 0.0), axis=0)
+
+    return tuple((row(m, g), row(denom, g), row(acc, g)) for g in range(len(qs)))
 
 
 def _split_pages(length, block_size: int, num_splits: int):
@@ -139,14 +213,25 @@ def paged_decode_attention_kernel(
     prefetch_table: bool,
     group: int,
     num_splits: int,
+    matrix_units: bool,
 ):
     b, h = pl.program_id(0), pl.program_id(1)
     length = lengths_ref[b]
     first, end, _ = _split_pages(length, k_cache_ref.shape[2], num_splits)
     heads = [h * group + g for g in range(group)]  # the query heads of KV head h
-    qs = tuple(q_ref[b, j, :].astype(jnp.float32) * sm_scale for j in heads)  # [D] each
+    qs = tuple(q_ref[b, j, :].astype(jnp.float32) for j in heads)  # [D] each
     states = _attend_pages(
-        qs, k_cache_ref, v_cache_ref, block_tables_ref, b, h, length, (first, end), prefetch_table
+        qs,
+        sm_scale,
+        k_cache_ref,
+        v_cache_ref,
+        block_tables_ref,
+        b,
+        h,
+        length,
+        (first, end),
+        prefetch_table,
+        matrix_units,
     )
     _store_states(out_refs, b, heads, states, num_splits)
 
@@ -163,6 +248,7 @@ def paged_decode_attention_append_kernel(
     prefetch_table: bool,
     group: int,
     num_splits: int,
+    matrix_units: bool,
     rope: bool,
     qk_norm: bool,
     eps: float,
@@ -183,11 +269,11 @@ def paged_decode_attention_append_kernel(
     holds_new = (first < end) & (end == live)
     heads = [h * group + g for g in range(group)]
     qs = tuple(
-        load_head(qkv_ref, b, j, rope_refs, q_scale_ref, eps).astype(jnp.float32) * sm_scale
-        for j in heads
+        load_head(qkv_ref, b, j, rope_refs, q_scale_ref, eps).astype(jnp.float32) for j in heads
     )  # [D] each
     states = _attend_pages(
         qs,
+        sm_scale,
         k_cache_in_ref,
         v_cache_in_ref,
         block_tables_ref,
@@ -196,13 +282,14 @@ def paged_decode_attention_append_kernel(
         length - 1,
         (first, end),
         prefetch_table,
+        matrix_units,
     )
     k_new = load_head(qkv_ref, b, num_q_heads + h, rope_refs, k_scale_ref, eps)  # [D]
     v_new = qkv_ref[b, num_q_heads + num_heads + h, :]  # [D]
     k_f, v_f = k_new.astype(jnp.float32), v_new.astype(jnp.float32)
     with_new = []
     for q, (m, denom, acc) in zip(qs, states, strict=True):
-        s = jnp.sum(q * k_f)
+        s = jnp.sum(q * sm_scale * k_f)
         m_new = jnp.maximum(m, s)
         alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
         state = (m_new, denom * alpha + p, acc * alpha + p * v_f)
@@ -270,7 +357,9 @@ def decode_kernel_supported(head_dim: int, block_size: int) -> bool:
     return is_power_of_2(head_dim) and is_power_of_2(block_size)
 
 
-def _default_num_warps(block_size: int, head_dim: int) -> int:
+def _default_num_warps(block_size: int, head_dim: int, matrix_units: bool) -> int:
+    if matrix_units:
+        return MATRIX_NUM_WARPS
     # One warp per 1,024 elements of a [block_size, D] page, at most 8 (the table at the top).
     return max(1, min(block_size * head_dim // 1024, 8))
 
@@ -333,6 +422,7 @@ def _decode_call(
     num_warps: int | None,
     num_stages: int,
     prefetch_table: bool | None,
+    matrix_min_group: int,
     interpret: bool,
 ):
     """One program per (row, KV head, split), for all the query heads of its group; with
@@ -342,15 +432,18 @@ def _decode_call(
     h, _, bs, _ = k_cache.shape
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    if not isinstance(matrix_min_group, int) or matrix_min_group < 0:
+        raise ValueError(f"matrix_min_group must be an int >= 0, got {matrix_min_group!r}")
+    group = num_q_heads // h
+    matrix_units = 0 < matrix_min_group <= group and min(bs, d) >= MATRIX_MIN_ROWS
     if num_warps is None:
-        num_warps = _default_num_warps(bs, d)
+        num_warps = _default_num_warps(bs, d, matrix_units)
     if prefetch_table is None:
         prefetch_table = (
             b >= PREFETCH_TABLE_MIN_BATCH and block_tables.shape[1] <= PREFETCH_TABLE_MAX_BLOCKS
         )
     if not interpret:
         filter_triton_deprecation()
-    group = num_q_heads // h
     if num_splits == 1:
         out_shapes = (jax.ShapeDtypeStruct((b, num_q_heads, d), q.dtype),)
     else:
@@ -366,19 +459,29 @@ def _decode_call(
             prefetch_table=bool(prefetch_table),
             group=group,
             num_splits=num_splits,
+            matrix_units=matrix_units,
         ),
         grid=(b, h) if num_splits == 1 else (b, h, num_splits),
         out_shape=(*out_shapes, cache_shape, cache_shape) if append else out_shapes,
         input_output_aliases={1: n, 2: n + 1} if append else {},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"{name}_bs{bs}_g{group}_w{num_warps}" + (f"_s{num_splits}" if num_splits > 1 else ""),
+        name=f"{name}_bs{bs}_g{group}{'_mma' if matrix_units else ''}_w{num_warps}"
+        + (f"_s{num_splits}" if num_splits > 1 else ""),
     )(q, k_cache, v_cache, block_tables, lengths, *prologue)
     out = outs[0] if num_splits == 1 else _combine_splits(*outs[:3], q.dtype, interpret=interpret)
     return (out, *outs[n:]) if append else out
 
 
-_STATIC = ["num_q_heads", "num_splits", "num_warps", "num_stages", "prefetch_table", "interpret"]
+_STATIC = [
+    "num_q_heads",
+    "num_splits",
+    "num_warps",
+    "num_stages",
+    "prefetch_table",
+    "matrix_min_group",
+    "interpret",
+]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -394,16 +497,18 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int = DEFAULT_NUM_STAGES,
     prefetch_table: bool | None = None,
+    matrix_min_group: int = DEFAULT_MATRIX_MIN_GROUP,
     interpret: bool = False,
 ) -> jax.Array:  # [B, Hq, D]
     """softmax(q k^T / sqrt(D)) v over each row's first `lengths[b]` cached tokens; query head
     j reads KV head j // (Hq / H) (grouped-query attention).
 
-    `num_q_heads` None: H (multi-head attention). `num_warps` None: one warp per 1,024 elements
-    of a [block_size, D] page. `prefetch_table` None: a program reads its row's whole block table
+    `num_q_heads` None: H (multi-head attention). `num_warps` None: MATRIX_NUM_WARPS on the
+    matrix units, else one warp per 1,024 elements of a [block_size, D] page. `prefetch_table` None: a program reads its row's whole block table
     up front from PREFETCH_TABLE_MIN_BATCH rows up, an entry per page below that. `num_splits`:
     programs per (row, KV head), each over a run of the row's pages, merged by a second kernel
-    (1: one pass, no merge)."""
+    (1: one pass, no merge). `matrix_min_group`: groups of at least this many query heads (and
+    pages and heads of at least MATRIX_MIN_ROWS) compute on the matrix units; 0: never."""
     hq = num_q_heads or k_cache.shape[0]
     _check_decode_args(q, k_cache, v_cache, block_tables, lengths, append=False, hq=hq)
     return _decode_call(
@@ -420,6 +525,7 @@ def paged_decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
         prefetch_table=prefetch_table,
+        matrix_min_group=matrix_min_group,
         interpret=interpret,
     )
 
@@ -440,6 +546,7 @@ def paged_decode_attention_append(
     num_warps: int | None = None,
     num_stages: int = DEFAULT_NUM_STAGES,
     prefetch_table: bool | None = None,
+    matrix_min_group: int = DEFAULT_MATRIX_MIN_GROUP,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [B, Hq, D], k_cache, v_cache
     """`kv_append` of each row's new K/V at position lengths[b] - 1, then
@@ -476,6 +583,7 @@ def paged_decode_attention_append(
         num_warps=num_warps,
         num_stages=num_stages,
         prefetch_table=prefetch_table,
+        matrix_min_group=matrix_min_group,
         interpret=interpret,
     )
 

@@ -14,6 +14,8 @@ import pytest
 
 from pallas_kernels.linear import linear, linear_partial_sums_reference
 from pallas_kernels.paged_attention import (
+    DEFAULT_MATRIX_MIN_GROUP,
+    MATRIX_MIN_ROWS,
     paged_decode_attention,
     paged_decode_attention_append,
     paged_decode_attention_append_reference,
@@ -36,8 +38,16 @@ from rosejax.layers.rotary import rope_cos_sin, rope_inv_freq
 from tests.conftest import INTERPRET, pairwise
 from tests.test_paged_attention import TOL, make_case, make_live_case, oracle
 
+# The kernels at their defaults, and forced onto vector arithmetic (matrix_min_group 0) or the
+# matrix units (1: every group, pages of 16 keys up).
 IMPLS = {
     "pallas": functools.partial(paged_decode_attention, interpret=INTERPRET),
+    "pallas_vector": functools.partial(
+        paged_decode_attention, matrix_min_group=0, interpret=INTERPRET
+    ),
+    "pallas_matrix": functools.partial(
+        paged_decode_attention, matrix_min_group=1, interpret=INTERPRET
+    ),
     "pallas_prefetch": functools.partial(
         paged_decode_attention, prefetch_table=True, interpret=INTERPRET
     ),
@@ -45,6 +55,12 @@ IMPLS = {
 }
 APPEND_IMPLS = {
     "pallas": functools.partial(paged_decode_attention_append, interpret=INTERPRET),
+    "pallas_vector": functools.partial(
+        paged_decode_attention_append, matrix_min_group=0, interpret=INTERPRET
+    ),
+    "pallas_matrix": functools.partial(
+        paged_decode_attention_append, matrix_min_group=1, interpret=INTERPRET
+    ),
     "reference": jax.jit(
         paged_decode_attention_append_reference,
         donate_argnums=(1, 2),
@@ -52,8 +68,8 @@ APPEND_IMPLS = {
     ),
 }
 # (B, H, group, D, block_size, blocks per row): Qwen3-0.6B's group 2 at D 128, Llama-3.2-1B's 4
-# at D 64, one query head for all (group 8), B = 1.
-SHAPES = [(3, 2, 2, 128, 8, 3), (2, 2, 4, 64, 16, 2), (1, 1, 8, 64, 8, 2)]
+# at D 64, one query head for all (group 8) on pages too small for the matrix units, B = 1.
+SHAPES = [(3, 2, 2, 128, 16, 3), (2, 2, 4, 64, 16, 2), (1, 1, 8, 64, 8, 2)]
 
 
 def gqa_oracle(q, k, v, tables, lengths, group):
@@ -128,6 +144,12 @@ def test_gqa_heads_checked():
 qk_norm_rope_reference = jax.jit(_qk_norm_rope_reference, static_argnames=("num_q_heads", "eps"))
 ROPE_IMPLS = {
     "pallas": functools.partial(paged_decode_attention_append, interpret=INTERPRET),
+    "pallas_vector": functools.partial(
+        paged_decode_attention_append, matrix_min_group=0, interpret=INTERPRET
+    ),
+    "pallas_matrix": functools.partial(
+        paged_decode_attention_append, matrix_min_group=1, interpret=INTERPRET
+    ),
     "reference": jax.jit(
         paged_decode_attention_append_reference,
         donate_argnums=(1, 2),
@@ -136,7 +158,7 @@ ROPE_IMPLS = {
 }
 # (B, H, group, D, block_size, blocks per row): Qwen3-0.6B's group 2 at D 128, Llama-3.2-1B's 4 at
 # D 64, multi-head (group 1) at D 128.
-ROPE_SHAPES = [(3, 2, 2, 128, 8, 3), (2, 2, 4, 64, 16, 2), (3, 2, 1, 128, 8, 2)]
+ROPE_SHAPES = [(3, 2, 2, 128, 16, 3), (2, 2, 4, 64, 16, 2), (3, 2, 1, 128, 8, 2)]
 ROPE_TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 EPS = 1e-6
 
@@ -272,12 +294,12 @@ def test_rope_args_checked():
 SPLIT_VARIANTS = ["plain", "append", "rope", "qk_norm_rope"]
 
 
-def split_case(rng, variant, group, d, dtype):
+def split_case(rng, variant, group, d, bs, dtype):
     """Rows of very different lengths (one token, a page boundary, a full table, a padded row,
     one past a boundary) on caches poisoned with NaN wherever a row has no key (and, to append,
     in each new token's slot); the clean caches and the call's arguments (rope: cos/sin, norm
     scales) for the reference."""
-    h, bs, mb = 2, 8, 5
+    h, mb = 2, 5
     lengths = np.asarray([1, bs, mb * bs, 0, bs + 1], np.int32)
     b, hq = len(lengths), h * group
     q, (k, v), clean, tables = make_live_case(rng, lengths, 1, h, hq, d, bs, mb, np.nan)
@@ -325,9 +347,9 @@ def split_call(variant, qkv, caches, tables, lengths, extra, hq, num_splits):
     )
 
 
-def check_split(num_splits, variant, group, d, dtype):
+def check_split(num_splits, variant, group, d, bs, dtype):
     rng = np.random.default_rng()
-    qkv, caches, clean, tables, lengths, extra = split_case(rng, variant, group, d, dtype)
+    qkv, caches, clean, tables, lengths, extra = split_case(rng, variant, group, d, bs, dtype)
     h, bs = caches[0].shape[0], caches[0].shape[2]
     hq = h * group
     out, k_out, v_out = split_call(variant, qkv, caches, tables, lengths, extra, hq, num_splits)
@@ -356,39 +378,46 @@ def check_split(num_splits, variant, group, d, dtype):
     if dtype == "float32":  # the same sums in another order: float32 rounding apart
         np.testing.assert_allclose(out, np.asarray(want, np.float64), rtol=1e-5, atol=1e-5)
         return
-    # bf16: the one-pass kernel's output, to a rounding step of the dtype.
+    # bf16: the one-pass kernel's output, to a rounding step of the dtype. On the matrix units
+    # each split rounds its softmax weights to bf16 against its own max: each weight within a
+    # step, so the output within a step of the largest value.
     one, *_ = split_call(variant, qkv, caches, tables, lengths, extra, hq, 1)
     one = np.asarray(one, np.float64)
-    np.testing.assert_allclose(out, one, rtol=float(jnp.finfo(dtype).eps), atol=1e-5)
+    eps = float(jnp.finfo(dtype).eps)
+    atol = 1e-5
+    if group >= DEFAULT_MATRIX_MIN_GROUP and bs >= MATRIX_MIN_ROWS:
+        atol = eps * max(float(np.max(np.abs(clean[1]))), float(np.max(np.abs(qkv))))
+    np.testing.assert_allclose(out, one, rtol=eps, atol=atol)
 
 
 SPLIT_AXES = dict(
     num_splits=[3, 4, 2, 1],
     variant=SPLIT_VARIANTS,
     group_d=[(4, 64), (1, 128), (2, 128), (2, 64)],
+    block_size=[16, 8],  # groups of 2 and 4 on the matrix units at 16 (the default), not at 8
     dtype=["float32", "bfloat16"],
 )
 # Splits 2, 3 (an uneven division) and 4, every group size and head dim, plain, fused append and
 # fused q/k norm + RoPE, float32 and bf16, in a few seconds; one split is the suites above.
 SPLIT_CASES = [
-    (3, "plain", (4, 64), "float32"),
-    (4, "append", (1, 128), "float32"),
-    (2, "qk_norm_rope", (2, 128), "bfloat16"),
+    (3, "plain", (4, 64), 16, "float32"),
+    (4, "append", (1, 128), 8, "float32"),
+    (2, "qk_norm_rope", (2, 128), 16, "bfloat16"),
 ]
 
 
-@pytest.mark.parametrize("num_splits,variant,group_d,dtype", SPLIT_CASES)
-def test_split_decode(num_splits, variant, group_d, dtype):
+@pytest.mark.parametrize("num_splits,variant,group_d,block_size,dtype", SPLIT_CASES)
+def test_split_decode(num_splits, variant, group_d, block_size, dtype):
     """The split kernels (plain, fused append, fused q/k norm and RoPE) against the references:
     rows from one token to a full table and a padded row in one batch, caches poisoned with NaN
     wherever no key is, the new K/V written once into their slots. Every pair: below."""
-    check_split(num_splits, variant, *group_d, dtype)
+    check_split(num_splits, variant, *group_d, block_size, dtype)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_splits,variant,group_d,dtype", pairwise(**SPLIT_AXES))
-def test_split_decode_pairwise(num_splits, variant, group_d, dtype):
-    check_split(num_splits, variant, *group_d, dtype)
+@pytest.mark.parametrize("num_splits,variant,group_d,block_size,dtype", pairwise(**SPLIT_AXES))
+def test_split_decode_pairwise(num_splits, variant, group_d, block_size, dtype):
+    check_split(num_splits, variant, *group_d, block_size, dtype)
 
 
 def test_num_splits_checked():
@@ -515,7 +544,7 @@ def test_paged_prefill_matches_oracle(impl, h, group, d, cached):
 
 def test_fused_decode_kernels_lower_to_triton():
     """The kernels a Qwen3-0.6B decode step fuses (the attention with q/k norm and RoPE, split or
-    not, the gate/up projection with SwiGLU, RMSNorm several rows a program) lower to Triton for a
+    not, on the matrix units or not, the gate/up projection with SwiGLU, RMSNorm several rows a program) lower to Triton for a
     GPU, here too: the Pallas-to-Triton lowering rejects what Triton cannot tile (shapes not
     powers of two, unsupported ops) before any GPU is needed."""
     b, h, group, d, bs = 16, 8, 2, 128, 64
@@ -527,6 +556,10 @@ def test_fused_decode_kernels_lower_to_triton():
     calls = {
         "attention": (
             lambda *a: paged_decode_attention_append(*a, num_q_heads=h * group),
+            (qkv, cache, cache, tables, lengths, rope, (jnp.ones(d, dt),) * 2),
+        ),
+        "attention_vector": (
+            lambda *a: paged_decode_attention_append(*a, num_q_heads=h * group, matrix_min_group=0),
             (qkv, cache, cache, tables, lengths, rope, (jnp.ones(d, dt),) * 2),
         ),
         # Split-K (and its merge kernel), fused and plain: an uneven split count.
