@@ -54,9 +54,6 @@ ENV_COMPILATION_CACHE_DIR = "ROSEJAX_COMPILATION_CACHE_DIR"
 DEFAULT_CUBLAS_MIN_BATCH = 256
 # Rows up to which `Linear` runs the Pallas matmul; XLA's split-K GEMMs win from 32 rows (H100).
 DEFAULT_LINEAR_MAX_ROWS = 16
-# The decode attention normalizes and rotates q/k itself up to this many rows: Qwen3-0.6B at
-# 2,048 context took 0.91x / 0.90x the step time at 1 / 16 rows, 1.39x at 256 (H100).
-DEFAULT_FUSED_QK_ROPE_MAX_BATCH = 16
 # Every append kernel beat XLA's scatter at every batch measured, B=1 included (H200).
 DEFAULT_KV_APPEND_MIN_BATCH = 1
 # GPT-2's decode batches of 1-16 share one 16-row program on a GPU: the Pallas matmul pads to 16
@@ -158,10 +155,9 @@ class KernelConfig:
     # on its accumulators (Qwen3-0.6B B=1: 0.956x the step time, H100).
     fused_swiglu: bool = True
     fused_kv_append: bool = True  # the Pallas decode attention writes the step's K/V itself
-    # ... and normalizes (Qwen3's q/k RMSNorm) and rotates (RoPE) the step's q and k itself,
-    # in decode programs of up to fused_qk_rope_max_batch rows.
+    # ... and normalizes (Qwen3's q/k RMSNorm) and rotates (RoPE) the step's q and k itself
+    # (Qwen3-0.6B, H100: 0.91x / 0.90x the step time at 1 / 16 rows, 0.955x at 256).
     fused_qk_rope: bool = True
-    fused_qk_rope_max_batch: int = DEFAULT_FUSED_QK_ROPE_MAX_BATCH
     kv_append_min_batch: int = DEFAULT_KV_APPEND_MIN_BATCH  # fewer appended rows: XLA scatter
     linear_max_rows: int = DEFAULT_LINEAR_MAX_ROWS  # more rows: XLA's GEMMs
     # Decode programs of at least this many rows use cuBLAS GEMMs, smaller ones XLA's Triton
@@ -187,7 +183,7 @@ class KernelConfig:
                     f"got {(op, param, value)!r}"
                 )
             _check_tile(op, param)
-        for name in ("kv_append_min_batch", "linear_max_rows", "fused_qk_rope_max_batch"):
+        for name in ("kv_append_min_batch", "linear_max_rows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"kernels.{name} must be >= 0, got {getattr(self, name)}")
 

@@ -291,11 +291,6 @@ def check_decode_fusions(path, monkeypatch, dtype):
     layers = config.num_hidden_layers
     pallas = config.head_dim & (config.head_dim - 1) == 0  # the kernel tiles powers of two
     assert [r is not None for r in ropes] == [pallas] * layers + [False] * layers
-    # A decode batch of more than fused_qk_rope_max_batch rows rotates q and k in XLA.
-    del ropes[:]
-    over = KernelConfig(attention="pallas", fused_qk_rope_max_batch=b - 1, interpret=INTERPRET)
-    forward(params, config, tokens[:, prompt:], cache, step, kernels=over)
-    assert ropes == [None] * layers
     # The gate/up projections, where the matmul kernel tiles them as swiglu's.
     gate_up = (config.hidden_size, 2 * config.intermediate_size)
     swiglus = layers if linear_supported(*gate_up, activation="swiglu") else 0

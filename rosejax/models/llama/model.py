@@ -74,8 +74,7 @@ class Attention(nn.Module):
         write_block, write_offset = write_block.reshape(-1), write_offset.reshape(-1)
         q_norm = RMSNorm(cfg.rms_norm_eps, self.kernels, name="q_norm") if cfg.qk_norm else None
         k_norm = RMSNorm(cfg.rms_norm_eps, self.kernels, name="k_norm") if cfg.qk_norm else None
-        fuse = self.kernels.fused_qk_rope and b <= self.kernels.fused_qk_rope_max_batch
-        if t == 1 and fuse and decode_kernel_appends(self.kernels, k_cache):
+        if t == 1 and self.kernels.fused_qk_rope and decode_kernel_appends(self.kernels, k_cache):
             # The decode kernel normalizes and rotates q and k as it reads them.
             norms = (q_norm.scale(d), k_norm.scale(d)) if cfg.qk_norm else None
             fused, prologue = qkv, dict(rope=(cos, sin), qk_norm=norms, eps=cfg.rms_norm_eps)
