@@ -11,7 +11,9 @@ engine's current step counts toward its TTFT, as it would for a client.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import gc
 import heapq
 import json
 import os
@@ -28,7 +30,7 @@ from bench import metrics as m
 from bench.metrics import RequestTrace, StepRecord, step_kind
 from rosejax.engine_args import add_engine_args as add_engine_args_
 from rosejax.engine_args import add_sampling_args, engine_kwargs
-from rosejax.settings import configure_process
+from rosejax.settings import configure_process, freeze_heap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -254,6 +256,25 @@ def start(
 # ------------------------------------------------------------------------------- the loop
 
 
+@contextlib.contextmanager
+def gc_pauses():
+    """Yields a list that fills with the seconds of each garbage collection inside the block."""
+    pauses: list[float] = []
+    began = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - began[0])
+
+    gc.callbacks.append(on_gc)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(on_gc)
+
+
 def run_workload(
     engine,
     prompts: Sequence[str | Sequence[int]],
@@ -343,17 +364,30 @@ def run_repeated(
     (bench/metrics.traced_decode_roofline: any mix of waves, windows and prompt lengths). With `report`, each run's summary is printed (timed runs on stdout,
     warm-up runs on stderr). Returns {'warmup_runs': [{'tag', 'summary'}], 'runs': [{'tag',
     'summary', 'requests'}] (timed; requests: trace_lists), 'summary': summarize_runs over the
-    timed runs, 'series': tag -> {'ttft_ms', 'itl_ms'} for plot_distributions (not JSON)}."""
+    timed runs, 'series': tag -> {'ttft_ms', 'itl_ms'} for plot_distributions (not JSON)}.
+
+    Between the warm-up runs and the end the heap is frozen (`freeze_heap`), as a server freezes
+    it once its programs are compiled: what the warm-up compiled is not walked by every later
+    collection. Unfrozen at the end, so an engine the caller drops can be collected. Each
+    summary gets 'gc_pause_ms' (the run's garbage collections: count, total, longest)."""
     out: dict = {"warmup_runs": [], "runs": [], "summary": {}, "series": {}}
     for run in range(args.warmup_runs + args.repeat_runs):
         warm = run < args.warmup_runs
+        if run == args.warmup_runs:
+            freeze_heap()
         tag = tag_prefix + (f"warmup{run}" if warm else f"run{run - args.warmup_runs}")
         compiles = engine.num_compiles
-        traces, steps = run_workload(
-            engine, make_prompts(run), params, offsets, tag=tag, progress=not args.no_progress
-        )
+        with gc_pauses() as pauses:
+            traces, steps = run_workload(
+                engine, make_prompts(run), params, offsets, tag=tag, progress=not args.no_progress
+            )
         summary = m.summarize(traces, steps)
         summary["new_compiles"] = engine.num_compiles - compiles
+        summary["gc_pause_ms"] = {
+            "count": len(pauses),
+            "total": 1e3 * sum(pauses),
+            "max": 1e3 * max(pauses, default=0.0),
+        }
         roof = m.traced_decode_roofline(
             engine.config,
             traces,
@@ -373,6 +407,13 @@ def run_repeated(
                 print(m.format_roofline(roof), file=dest)
             if summary["new_compiles"] and not warm:
                 print(f"  note: {summary['new_compiles']} compiles inside this timed run")
+            gcs = summary["gc_pause_ms"]
+            if gcs["max"] >= 10:
+                print(
+                    f"  note: {gcs['count']} garbage collections took {gcs['total']:.1f} ms "
+                    f"(longest {gcs['max']:.1f} ms)",
+                    file=dest,
+                )
         entry = {"tag": tag, "summary": summary}
         if warm:
             out["warmup_runs"].append(entry)
@@ -383,6 +424,7 @@ def run_repeated(
             "ttft_ms": entry["requests"]["ttft_ms"],
             "itl_ms": [g * 1e3 for t in traces for g in m.itl(t)],
         }
+    gc.unfreeze()
     out["summary"] = m.summarize_runs([r["summary"] for r in out["runs"]])
     return out
 
