@@ -368,12 +368,14 @@ def run_repeated(
 
     Between the warm-up runs and the end the heap is frozen (`freeze_heap`), as a server freezes
     it once its programs are compiled: what the warm-up compiled is not walked by every later
-    collection. Unfrozen at the end, so an engine the caller drops can be collected. Each
-    summary gets 'gc_pause_ms' (the run's garbage collections: count, total, longest)."""
+    collection. Unfrozen at the end, so an engine the caller drops can be collected; left as it
+    was if something had frozen it before. Each summary gets 'gc_pause_ms' (the run's garbage
+    collections: count, total, longest)."""
     out: dict = {"warmup_runs": [], "runs": [], "summary": {}, "series": {}}
+    freeze = not gc.get_freeze_count()  # unfreezing would thaw what the caller froze too
     for run in range(args.warmup_runs + args.repeat_runs):
         warm = run < args.warmup_runs
-        if run == args.warmup_runs:
+        if run == args.warmup_runs and freeze:
             freeze_heap()
         tag = tag_prefix + (f"warmup{run}" if warm else f"run{run - args.warmup_runs}")
         compiles = engine.num_compiles
@@ -424,7 +426,8 @@ def run_repeated(
             "ttft_ms": entry["requests"]["ttft_ms"],
             "itl_ms": [g * 1e3 for t in traces for g in m.itl(t)],
         }
-    gc.unfreeze()
+    if freeze:
+        gc.unfreeze()
     out["summary"] = m.summarize_runs([r["summary"] for r in out["runs"]])
     return out
 

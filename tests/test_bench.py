@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -235,10 +236,27 @@ def _positive(x):
     return x is not None and math.isfinite(x) and x > 0
 
 
-def test_streaming_end_to_end(tmp_path):
-    from bench import benchmark_streaming
+def test_gc_pauses_counts_the_collections_inside_only():
+    from bench.common import gc_pauses
+
+    callbacks = list(gc.callbacks)
+    with gc_pauses() as pauses:
+        gc.collect()
+        gc.collect(0)
+    gc.collect()
+    assert len(pauses) == 2 and all(0 <= p < 10 for p in pauses)
+    assert gc.callbacks == callbacks
+
+
+def test_streaming_end_to_end(tmp_path, monkeypatch):
+    from bench import benchmark_streaming, common
 
     path = tmp_path / "s.json"
+    frozen = gc.get_freeze_count()
+    freezes = []
+    monkeypatch.setattr(
+        common, "freeze_heap", lambda: freezes.append(1) or (gc.collect(), gc.freeze())
+    )
     assert (
         benchmark_streaming.main(
             [
@@ -283,6 +301,13 @@ def test_streaming_end_to_end(tmp_path):
     assert _positive(data["summary"]["throughput_tok_s"]["mean"])
     assert _positive(data["summary"]["roofline.achieved_gbs"]["mean"])
     assert data["environment"]["backend"] == "cpu"
+    for run in data["runs"]:
+        gcs = run["summary"]["gc_pause_ms"]
+        assert gcs["count"] >= 0 and 0 <= gcs["max"] <= gcs["total"]
+    # Frozen for the timed runs (unless already), as it was after: an engine the caller drops
+    # stays collectable.
+    assert freezes == ([] if frozen else [1])
+    assert gc.get_freeze_count() == frozen
 
 
 def test_streaming_schedule_pretok_unique_decode_steps(tmp_path):
