@@ -352,6 +352,14 @@ def _check_decode_args(q, k_cache, v_cache, block_tables, lengths, append: bool,
         raise ValueError(f"block size and head dim must be powers of two, got {bs}, {d}")
 
 
+def uses_matrix_units(
+    group: int, block_size: int, head_dim: int, matrix_min_group: int = DEFAULT_MATRIX_MIN_GROUP
+) -> bool:
+    """Whether a group of `group` query heads a KV head attends on the matrix units: from
+    `matrix_min_group` heads up (0: never), on pages and heads Triton's dots take."""
+    return 0 < matrix_min_group <= group and min(block_size, head_dim) >= MATRIX_MIN_ROWS
+
+
 def decode_kernel_supported(head_dim: int, block_size: int) -> bool:
     """Whether the Pallas decode kernels tile this cache (Triton tiles are powers of two)."""
     return is_power_of_2(head_dim) and is_power_of_2(block_size)
@@ -435,7 +443,7 @@ def _decode_call(
     if not isinstance(matrix_min_group, int) or matrix_min_group < 0:
         raise ValueError(f"matrix_min_group must be an int >= 0, got {matrix_min_group!r}")
     group = num_q_heads // h
-    matrix_units = 0 < matrix_min_group <= group and min(bs, d) >= MATRIX_MIN_ROWS
+    matrix_units = uses_matrix_units(group, bs, d, matrix_min_group)
     if num_warps is None:
         num_warps = _default_num_warps(bs, d, matrix_units)
     if prefetch_table is None:

@@ -14,12 +14,11 @@ import pytest
 
 from pallas_kernels.linear import linear, linear_partial_sums_reference
 from pallas_kernels.paged_attention import (
-    DEFAULT_MATRIX_MIN_GROUP,
-    MATRIX_MIN_ROWS,
     paged_decode_attention,
     paged_decode_attention_append,
     paged_decode_attention_append_reference,
     paged_decode_attention_reference,
+    uses_matrix_units,
 )
 from pallas_kernels.paged_prefill_attention import (
     paged_prefill_attention,
@@ -385,7 +384,7 @@ def check_split(num_splits, variant, group, d, bs, dtype):
     one = np.asarray(one, np.float64)
     eps = float(jnp.finfo(dtype).eps)
     atol = 1e-5
-    if group >= DEFAULT_MATRIX_MIN_GROUP and bs >= MATRIX_MIN_ROWS:
+    if uses_matrix_units(group, bs, d):
         atol = eps * max(float(np.max(np.abs(clean[1]))), float(np.max(np.abs(qkv))))
     np.testing.assert_allclose(out, one, rtol=eps, atol=atol)
 
