@@ -260,13 +260,14 @@ def start(
 def gc_pauses():
     """Yields a list that fills with the seconds of each garbage collection inside the block."""
     pauses: list[float] = []
-    began = [0.0]
+    began = 0.0
 
     def on_gc(phase: str, info: dict) -> None:
+        nonlocal began
         if phase == "start":
-            began[0] = time.perf_counter()
+            began = time.perf_counter()
         else:
-            pauses.append(time.perf_counter() - began[0])
+            pauses.append(time.perf_counter() - began)
 
     gc.callbacks.append(on_gc)
     try:
@@ -373,61 +374,70 @@ def run_repeated(
     collections: count, total, longest)."""
     out: dict = {"warmup_runs": [], "runs": [], "summary": {}, "series": {}}
     freeze = not gc.get_freeze_count()  # unfreezing would thaw what the caller froze too
-    for run in range(args.warmup_runs + args.repeat_runs):
-        warm = run < args.warmup_runs
-        if run == args.warmup_runs and freeze:
-            freeze_heap()
-        tag = tag_prefix + (f"warmup{run}" if warm else f"run{run - args.warmup_runs}")
-        compiles = engine.num_compiles
-        with gc_pauses() as pauses:
-            traces, steps = run_workload(
-                engine, make_prompts(run), params, offsets, tag=tag, progress=not args.no_progress
-            )
-        summary = m.summarize(traces, steps)
-        summary["new_compiles"] = engine.num_compiles - compiles
-        summary["gc_pause_ms"] = {
-            "count": len(pauses),
-            "total": 1e3 * sum(pauses),
-            "max": 1e3 * max(pauses, default=0.0),
-        }
-        roof = m.traced_decode_roofline(
-            engine.config,
-            traces,
-            steps,
-            args.bandwidth_gbs,
-            dtype_bytes=np.dtype(engine.dtype).itemsize,
-        )
-        if roof is not None:
-            summary["roofline"] = roof
-        if report:
-            dest = sys.stderr if warm else sys.stdout
-            print(
-                m.format_summary(summary, f"[{tag}]" + (" (warm-up, not counted)" if warm else "")),
-                file=dest,
+    try:
+        for run in range(args.warmup_runs + args.repeat_runs):
+            warm = run < args.warmup_runs
+            if run == args.warmup_runs and freeze:
+                freeze_heap()
+            tag = tag_prefix + (f"warmup{run}" if warm else f"run{run - args.warmup_runs}")
+            compiles = engine.num_compiles
+            with gc_pauses() as pauses:
+                traces, steps = run_workload(
+                    engine,
+                    make_prompts(run),
+                    params,
+                    offsets,
+                    tag=tag,
+                    progress=not args.no_progress,
+                )
+            summary = m.summarize(traces, steps)
+            summary["new_compiles"] = engine.num_compiles - compiles
+            summary["gc_pause_ms"] = {
+                "count": len(pauses),
+                "total": 1e3 * sum(pauses),
+                "max": 1e3 * max(pauses, default=0.0),
+            }
+            roof = m.traced_decode_roofline(
+                engine.config,
+                traces,
+                steps,
+                args.bandwidth_gbs,
+                dtype_bytes=np.dtype(engine.dtype).itemsize,
             )
             if roof is not None:
-                print(m.format_roofline(roof), file=dest)
-            if summary["new_compiles"] and not warm:
-                print(f"  note: {summary['new_compiles']} compiles inside this timed run")
-            gcs = summary["gc_pause_ms"]
-            if gcs["max"] >= 10:
+                summary["roofline"] = roof
+            if report:
+                dest = sys.stderr if warm else sys.stdout
                 print(
-                    f"  note: {gcs['count']} garbage collections took {gcs['total']:.1f} ms "
-                    f"(longest {gcs['max']:.1f} ms)",
+                    m.format_summary(
+                        summary, f"[{tag}]" + (" (warm-up, not counted)" if warm else "")
+                    ),
                     file=dest,
                 )
-        entry = {"tag": tag, "summary": summary}
-        if warm:
-            out["warmup_runs"].append(entry)
-            continue
-        entry["requests"] = trace_lists(traces)
-        out["runs"].append(entry)
-        out["series"][tag] = {
-            "ttft_ms": entry["requests"]["ttft_ms"],
-            "itl_ms": [g * 1e3 for t in traces for g in m.itl(t)],
-        }
-    if freeze:
-        gc.unfreeze()
+                if roof is not None:
+                    print(m.format_roofline(roof), file=dest)
+                if summary["new_compiles"] and not warm:
+                    print(f"  note: {summary['new_compiles']} compiles inside this timed run")
+                gcs = summary["gc_pause_ms"]
+                if gcs["max"] >= 10:
+                    print(
+                        f"  note: {gcs['count']} garbage collections took {gcs['total']:.1f} ms "
+                        f"(longest {gcs['max']:.1f} ms)",
+                        file=dest,
+                    )
+            entry = {"tag": tag, "summary": summary}
+            if warm:
+                out["warmup_runs"].append(entry)
+                continue
+            entry["requests"] = trace_lists(traces)
+            out["runs"].append(entry)
+            out["series"][tag] = {
+                "ttft_ms": entry["requests"]["ttft_ms"],
+                "itl_ms": [g * 1e3 for t in traces for g in m.itl(t)],
+            }
+    finally:  # an error too: the caller's engine stays collectable
+        if freeze:
+            gc.unfreeze()
     out["summary"] = m.summarize_runs([r["summary"] for r in out["runs"]])
     return out
 
