@@ -1,9 +1,9 @@
 """Paged decode attention microbench: rosejax's Pallas kernel, jax's Pallas GPU paged_attention op,
 the engine's chunked XLA path (`paged_decode_attention_xla`, per `--xla-chunk-pages`) and the XLA
 gather reference, at GPT-2 dims (H=12, D=64, fp16) unless `--q-heads`, `--kv-heads`, `--head-dim`
-and `--dtype` say otherwise (Qwen3-0.6B: 16, 8, 128, bfloat16). `--table-tokens` gives each row a block table
-longer than its context, padded with scratch block 0 as the engine pads it (its max model len):
-what the gather reference reads, and the chunked path does not.
+and `--dtype` say otherwise (Qwen3-0.6B: 16, 8, 128, bfloat16). `--table-tokens` gives each row a
+block table longer than its context, padded with scratch block 0 as the engine pads it (its max
+model len): what the gather reference reads, and the chunked path does not.
 
 Each implementation runs `--iters` times inside one jitted fori_loop (each output feeds the next
 query), so Python dispatch stays out; median over `--repeats` calls. GB/s counts the K and V bytes
