@@ -10,10 +10,12 @@ slice of w (N / block_n programs), and applies bias, activation and residual bef
 A program's K loop is serial, and each step waits on memory: a long K over few column tiles
 (GPT-2's MLP down-projection, K=3072 over 768 columns) left 24 programs streaming 12 tiles each,
 9 µs on an H200 against 4 µs for the other three matmuls. So K is split when a program would
-stream more than `max_k_steps` tiles: each program then writes its float32 partial sums
-(`linear_partial_sums`), and the epilogue runs after their sum (`finish_partial_sums`, one XLA
-kernel, or the next layer norm: `pallas_kernels.layer_norm.add_layer_norm`). The default of 4
-tiles was measured on GPT-2 small only (`DEFAULT_MAX_K_STEPS`).
+stream more than `max_k_steps` tiles, unless the output tiles alone give about a program per SM
+(`fill_programs`; a Llama-3.1-8B projection has 128-448 of them): each program then writes its
+float32 partial sums (`linear_partial_sums`), and the epilogue runs after their sum
+(`finish_partial_sums`, one XLA kernel, or the next layer norm:
+`pallas_kernels.layer_norm.add_layer_norm`). The default of 4 tiles was measured on GPT-2 small
+only (`DEFAULT_MAX_K_STEPS`).
 
 With the "swiglu" activation the kernel is a SwiGLU MLP's gate/up projection (w [K, 2F], gate
 columns then up columns) and stores silu(gate) * up [M, F] (`swiglu`'s rounding): the elementwise
@@ -48,6 +50,9 @@ DEFAULT_BLOCK_K = 256  # H100, 16 rows: the best of 64, 128, 256 and 512, again 
 DEFAULT_NUM_WARPS = 4  # H100, 16 rows: beat 2 and 8, again in one process
 DEFAULT_NUM_STAGES = 4  # H100, one process, B=1 and 16: beat 3 by 0.4-0.7%; 2 was 15% slower
 DEFAULT_MAX_K_STEPS = 4  # H200, GPT-2 small, B=1: best of 1, 2, 4 and 12 (-8.5% a step on 12)
+# Output tiles that already give about a program per SM (an H100's 132) keep K in one split: more
+# programs would not stream faster, and the split's partial sums need a kernel to add them.
+DEFAULT_FILL_PROGRAMS = 128
 
 ACTIVATIONS = (None, "gelu_tanh", "swiglu")
 
@@ -80,9 +85,17 @@ def split_count(k_steps: int, max_k_steps: int) -> int:
 
 
 def _tiles(
-    m: int, k: int, n: int, block_m: int, block_n: int, block_k: int, max_k_steps: int
+    m: int,
+    k: int,
+    n: int,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    max_k_steps: int,
+    fill_programs: int,
 ) -> dict:
-    """The kernel's static tiling of an [M, K] @ [K, N] call, checked."""
+    """The kernel's static tiling of an [M, K] @ [K, N] call (N: the columns a program's tile
+    covers, F for swiglu), checked."""
     if not (is_power_of_2(block_n) and is_power_of_2(block_k)):
         raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
     if not (is_power_of_2(block_m) and block_m >= 16):
@@ -95,12 +108,14 @@ def _tiles(
     # Tiles must divide the matrix; shrink them to the largest power of two that does.
     block_n, block_k = math.gcd(block_n, n), math.gcd(block_k, k)
     k_steps = k // block_k
-    splits = split_count(k_steps, max_k_steps)
     # Never more rows than M rounds up to; the matrix units' least M is 16.
     block_m = min(block_m, max(16, next_power_of_2(m)))
+    m_tiles = -(-m // block_m)
+    fills = 0 < fill_programs <= m_tiles * (n // block_n)
+    splits = 1 if fills else split_count(k_steps, max_k_steps)
     return dict(
         block_m=block_m,
-        m_tiles=-(-m // block_m),
+        m_tiles=m_tiles,
         block_n=block_n,
         block_k=block_k,
         k_steps=k_steps,
@@ -216,6 +231,7 @@ _STATIC_ARGS = [
     "num_warps",
     "num_stages",
     "max_k_steps",
+    "fill_programs",
     "interpret",
 ]
 
@@ -234,12 +250,14 @@ def linear(
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
     max_k_steps: int = DEFAULT_MAX_K_STEPS,
+    fill_programs: int = DEFAULT_FILL_PROGRAMS,
     interpret: bool = False,
 ) -> jax.Array:  # [M, N] (swiglu: [M, N / 2]), x's dtype
     """activation(x @ w + b) + residual, float32 inside, for few rows (a program's tile is
     [min(block_m, next_power_of_2(max(M, 16))), block_n]). block_n / block_k shrink to the largest
     power of two dividing N / K. K is split over programs when one would stream more than
-    `max_k_steps` tiles of block_k; the epilogue then runs after their sum, in XLA. "swiglu"
+    `max_k_steps` tiles of block_k and the output tiles are fewer than `fill_programs` (0: any
+    number); the epilogue then runs after their sum, in XLA. "swiglu"
     takes w's columns as a gate half and an up half: `swiglu(x @ w + b)`, no residual."""
     _check_input(x, w)
     if b.shape != (w.shape[1],):
@@ -252,13 +270,13 @@ def linear(
         raise ValueError(f"swiglu needs an even N and no residual, got w {w.shape}")
     if residual is not None and residual.shape != (m, n):
         raise ValueError(f"residual must be [{m}, {n}], got {residual.shape}")
-    tiles = _tiles(m, k, n, block_m, block_n, block_k, max_k_steps)
+    sizes = (block_m, block_n, block_k, max_k_steps, fill_programs)
+    # swiglu: a program's block_n output columns, as many gate and up columns.
+    tiles = _tiles(m, k, n // 2 if swiglu_out else n, *sizes)
     launch = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if tiles["splits"] > 1:
-        partials = _pallas_linear(x, w, (), tiles, None, **launch)
+        partials = _pallas_linear(x, w, (), _tiles(m, k, n, *sizes), None, **launch)
         return finish_partial_sums(partials, b, residual, activation=activation, dtype=x.dtype)
-    if swiglu_out:  # a program's block_n output columns: as many gate and up columns
-        tiles = _tiles(m, k, n // 2, block_m, block_n, block_k, max_k_steps)
     return _pallas_linear(
         x, w, (b,) if residual is None else (b, residual), tiles, activation, **launch
     )
@@ -281,13 +299,14 @@ def linear_partial_sums(
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
     max_k_steps: int = DEFAULT_MAX_K_STEPS,
+    fill_programs: int = DEFAULT_FILL_PROGRAMS,
     interpret: bool = False,
 ) -> jax.Array:  # [S, M, N] float32, S >= 1 splits of K
     """x @ w as float32 partial sums over S splits of K (S = 1 when no program would stream more
-    than `max_k_steps` tiles), for a consumer that applies the epilogue itself
+    than `max_k_steps` tiles, or the output tiles number `fill_programs`), for a consumer that applies the epilogue itself
     (`finish_partial_sums`, `pallas_kernels.layer_norm.add_layer_norm`)."""
     _check_input(x, w)
-    tiles = _tiles(x.shape[0], *w.shape, block_m, block_n, block_k, max_k_steps)
+    tiles = _tiles(x.shape[0], *w.shape, block_m, block_n, block_k, max_k_steps, fill_programs)
     return _pallas_linear(
         x, w, (), tiles, None, num_warps=num_warps, num_stages=num_stages, interpret=interpret
     )

@@ -46,6 +46,10 @@ IMPLS = {
     "pallas_m16_split_k": functools.partial(
         linear, block_m=16, block_k=32, max_k_steps=1, interpret=INTERPRET
     ),
+    # K in one split wherever the output has 2 tiles or more, split into 32-deep tiles elsewhere.
+    "pallas_fills": functools.partial(
+        linear, block_k=32, max_k_steps=1, fill_programs=2, interpret=INTERPRET
+    ),
     "reference": linear_reference,
     "module": module,
 }
@@ -165,6 +169,21 @@ def test_partial_sums_add_up_to_the_product(impl, shape):
     np.testing.assert_allclose(np.asarray(got, np.float64).sum(0), want, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("fill_programs,splits", [(0, 4), (2, 1), (3, 4)])
+def test_output_tiles_that_fill_keep_k_in_one_split(fill_programs, splits):
+    """K=128 in 32-deep tiles is 4 splits of one tile, unless the output's tiles (2 of 32
+    columns here) number `fill_programs`; either way the sums add up to the product."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(1, 128)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(128, 64)), jnp.float32)
+    got = linear_partial_sums(
+        x, w, block_k=32, max_k_steps=1, fill_programs=fill_programs, interpret=INTERPRET
+    )
+    assert got.shape == (splits, 1, 64)
+    want = oracle(x, w, np.zeros(64), None, None)
+    np.testing.assert_allclose(np.asarray(got).sum(0), want, rtol=1e-5, atol=1e-4)
+
+
 def test_partial_sums_bad_shapes():
     with pytest.raises(ValueError, match="need x"):
         linear_partial_sums(jnp.zeros((2, 64)), jnp.zeros((32, 64)), interpret=True)
@@ -239,6 +258,14 @@ SWIGLU_IMPLS = {  # (x [M, K], w [K, 2F], b [2F]) -> silu(gate) * up [M, F]
     # K split over programs: the partial sums of all 2F columns, swiglu after their sum.
     "pallas_split_k": functools.partial(
         linear, activation="swiglu", block_k=32, max_k_steps=1, interpret=INTERPRET
+    ),
+    # F's tiles (2 at the 64 x 128 weights of `test_swiglu_rounds_as_xla`) fill the GPU: fused,
+    # K in one split; they do not, but the 2F columns' tiles do: partial sums in one split.
+    "pallas_fills": functools.partial(
+        linear, activation="swiglu", block_k=32, max_k_steps=1, fill_programs=2, interpret=INTERPRET
+    ),
+    "pallas_fills_2f": functools.partial(
+        linear, activation="swiglu", block_k=32, max_k_steps=1, fill_programs=3, interpret=INTERPRET
     ),
     "reference": functools.partial(linear_reference, activation="swiglu"),
     "module": functools.partial(module, activation="swiglu", kernels=FUSED_SWIGLU),
