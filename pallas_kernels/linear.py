@@ -100,6 +100,8 @@ def _tiles(
         raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
     if not (is_power_of_2(block_m) and block_m >= 16):
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    if fill_programs < 0:
+        raise ValueError(f"fill_programs must be >= 0 (0: any number), got {fill_programs}")
     if not linear_supported(k, n, block_k, block_n):
         raise ValueError(
             f"N={n} and K={k} need a power-of-two divisor >= 16 for the tiles "

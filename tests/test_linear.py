@@ -189,6 +189,10 @@ def test_partial_sums_bad_shapes():
         linear_partial_sums(jnp.zeros((2, 64)), jnp.zeros((32, 64)), interpret=True)
     with pytest.raises(ValueError, match="max_k_steps"):
         linear_partial_sums(jnp.zeros((2, 64)), jnp.zeros((64, 32)), max_k_steps=0, interpret=True)
+    with pytest.raises(ValueError, match="fill_programs"):
+        linear_partial_sums(
+            jnp.zeros((2, 64)), jnp.zeros((64, 32)), fill_programs=-1, interpret=True
+        )
 
 
 @pytest.mark.parametrize(
