@@ -90,6 +90,16 @@ def test_wrong_shape_is_named(saved, tmp_path):
         load_checkpoint(str(bad))
 
 
+def test_unexpected_tensor_is_named(saved, tmp_path):
+    def extra(t):
+        t["transformer.h.0.attn.extra.weight"] = t["transformer.h.0.ln_1.weight"]
+        return t
+
+    bad = rewrite(saved, tmp_path / "bad", extra)
+    with pytest.raises(ValueError, match=r"unexpected tensor 'h\.0\.attn\.extra\.weight'"):
+        load_checkpoint(str(bad))
+
+
 def test_bad_config_names_the_field(saved):
     cfg = json.loads((saved / "config.json").read_text())
     cfg["n_head"] = 5  # 48 % 5 != 0

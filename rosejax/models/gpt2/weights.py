@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rosejax.models import random_init
+from rosejax.models.checkpoint import check_tensors
 from rosejax.models.gpt2.config import GPT2Config
 
 # Buffers that hub checkpoints carry beside the weights (the causal mask), and the LM head, which
@@ -80,21 +81,10 @@ def params_from_tensors(
         if not skip_tensor(name):
             named[name.removeprefix("transformer.")] = value
     expected = param_shapes(config)
-    missing = [n for n in expected if n not in named]
-    if missing:
-        raise ValueError(f"checkpoint is missing tensor {missing[0]!r} ({len(missing)} missing)")
-    unexpected = [n for n in named if n not in expected]
-    if unexpected:
-        raise ValueError(
-            f"checkpoint has unexpected tensor {unexpected[0]!r} for this GPT-2 config"
-        )
+    check_tensors(named, expected, "GPT-2")
     params: dict = {}
     for name, shape in expected.items():
         value = named[name]
-        if tuple(value.shape) != shape:
-            raise ValueError(
-                f"tensor {name!r} has shape {tuple(value.shape)}, expected {shape} from the config"
-            )
         node = params
         *parents, leaf = _param_path(name)
         for key in parents:

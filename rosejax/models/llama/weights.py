@@ -23,6 +23,7 @@ import re
 import jax.numpy as jnp
 
 from rosejax.models import random_init
+from rosejax.models.checkpoint import check_tensors
 from rosejax.models.llama.config import LlamaConfig
 
 # RoPE buffers that older checkpoints carry beside the weights.
@@ -78,22 +79,7 @@ def params_from_tensors(config: LlamaConfig, tensors: dict, dtype) -> dict:
     named = {n: v for n, v in tensors.items() if not skip_tensor(n)}
     if config.tie_word_embeddings:  # a tied checkpoint may carry the tied copy too
         named.pop("lm_head.weight", None)
-    expected = param_shapes(config)
-    missing = [n for n in expected if n not in named]
-    if missing:
-        raise ValueError(f"checkpoint is missing tensor {missing[0]!r} ({len(missing)} missing)")
-    unexpected = [n for n in named if n not in expected]
-    if unexpected:
-        raise ValueError(
-            f"checkpoint has unexpected tensor {unexpected[0]!r} for this {config.model_type} "
-            "config"
-        )
-    for name, shape in expected.items():
-        if tuple(named[name].shape) != shape:
-            raise ValueError(
-                f"tensor {name!r} has shape {tuple(named[name].shape)}, expected {shape} "
-                "from the config"
-            )
+    check_tensors(named, param_shapes(config), config.model_type)
 
     def get(name):  # cast first: no float32 copy of a half-precision load on the device
         return jnp.asarray(named.pop(name), dtype=dtype)
