@@ -10,7 +10,10 @@ A variant is NAME:SETTING,SETTING,... where a SETTING is a `KernelConfig` field 
 the engine's --kernel: fused_kv_append=off, attention=xla, linear_max_rows=32), a kernel tile
 (OP.PARAM=INT, as profile_decode.py's --kernel-tile: layer_norm.num_warps=2) or an
 `EngineConfig` field (FIELD=VALUE: min_decode_batch=1). NAME: alone is the defaults. Each
-variant's engine is built from its own EngineConfig; nothing else in the process changes.
+variant's engine is built from its own EngineConfig; nothing else in the process changes. All
+the engines are held at once: once the last one built leaves no room on the first device for
+one more of its size, the script stops (fewer variants, or a larger
+XLA_PYTHON_CLIENT_MEM_FRACTION), rather than retry allocations until its time runs out.
 
     python bench/compare_variants.py --batch 1 base: unfused:fused_kv_append=off \\
         ln2:layer_norm.num_warps=2 mdb1:min_decode_batch=1
@@ -120,6 +123,21 @@ def build(
     return engine, engine.num_compiles
 
 
+def room_for_another(before: int, after: int, limit: int) -> bool:
+    """Whether device memory (bytes in use before and after the last engine was built, and the
+    allocator's limit) holds one more engine of the last one's size."""
+    return after + (after - before) <= limit
+
+
+def device_memory() -> tuple[int, int] | None:
+    """(bytes in use, limit) of the first device's allocator; None where the backend says none
+    (a CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_in_use" not in stats or "bytes_limit" not in stats:
+        return None
+    return stats["bytes_in_use"], stats["bytes_limit"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -153,7 +171,19 @@ def main(argv: list[str] | None = None) -> dict:
         except ValueError as e:
             p.error(f"variant {v.name}: {e}")
     rng = np.random.default_rng(0)
-    engines = {name: build(config, args, rng) for name, config in configs.items()}
+    engines = {}
+    for i, (name, config) in enumerate(configs.items()):
+        before = device_memory()
+        engines[name] = build(config, args, rng)
+        after = device_memory()
+        if before and after and i + 1 < len(configs) and not room_for_another(before[0], *after):
+            # Every engine is held at once: fail now, not after the allocator's retries.
+            gib, limit = after[0] / 2**30, after[1] / 2**30
+            p.error(
+                f"the {i + 1} engines built so far hold {gib:.1f} of {limit:.1f} GiB on "
+                f"{jax.devices()[0]}; one more like {name!r} would not fit. Compare fewer variants "
+                "in one process, or raise XLA_PYTHON_CLIENT_MEM_FRACTION (jax's default 0.75)"
+            )
     ms = {name: [] for name in engines}  # ms per decode step of each timed run
     for run in range(args.runs):
         for name, (engine, _) in engines.items():

@@ -543,6 +543,22 @@ def test_profile_decode_kernel_tiles(tmp_path, monkeypatch):
     assert row["decode_steps"] == 2 and row["decode_ms_per_step"] > 0
 
 
+def test_compare_variants_stops_before_memory_runs_out(monkeypatch):
+    """Every variant's engine is held at once: once the last one built leaves no room for one
+    more of its size, the script stops with the figures and the way out, before building it."""
+    from bench import compare_variants as cv
+
+    assert cv.room_for_another(10, 30, 50) and not cv.room_for_another(10, 30, 49)
+    gib = 2**30
+    readings = iter([(0, 40 * gib), (30 * gib, 40 * gib)])  # the first engine takes 30 of 40
+    monkeypatch.setattr(cv, "device_memory", lambda: next(readings))
+    built = []
+    monkeypatch.setattr(cv, "build", lambda config, args, rng: built.append(config) or (None, 0))
+    with pytest.raises(SystemExit):
+        cv.main(["a:", "b:", "--model", "random:tiny"])
+    assert len(built) == 1
+
+
 def test_compare_variants(tmp_path, monkeypatch):
     """Each variant's engine is built from its own EngineConfig (KernelConfig fields, tiles,
     engine fields), nothing in the environment or the modules changed; the timed runs are
