@@ -260,8 +260,8 @@ def linear(
     [min(block_m, next_power_of_2(max(M, 16))), block_n]). block_n / block_k shrink to the largest
     power of two dividing N / K. K is split over programs when one would stream more than
     `max_k_steps` tiles of block_k and the output tiles are fewer than `fill_programs` (0: any
-    number); the epilogue then runs after their sum, in XLA. "swiglu"
-    takes w's columns as a gate half and an up half: `swiglu(x @ w + b)`, no residual."""
+    number); the epilogue then runs after their sum, in XLA. "swiglu" takes w's columns as a gate
+    half and an up half: `swiglu(x @ w + b)`, no residual."""
     _check_input(x, w)
     if b.shape != (w.shape[1],):
         raise ValueError(f"need b [N] for w {w.shape}, got {b.shape}")
@@ -306,8 +306,9 @@ def linear_partial_sums(
     interpret: bool = False,
 ) -> jax.Array:  # [S, M, N] float32, S >= 1 splits of K
     """x @ w as float32 partial sums over S splits of K (S = 1 when no program would stream more
-    than `max_k_steps` tiles, or the output tiles number `fill_programs`), for a consumer that applies the epilogue itself
-    (`finish_partial_sums`, `pallas_kernels.layer_norm.add_layer_norm`)."""
+    than `max_k_steps` tiles, or the output tiles number `fill_programs`), for a consumer that
+    applies the epilogue itself (`finish_partial_sums`,
+    `pallas_kernels.layer_norm.add_layer_norm`)."""
     _check_input(x, w)
     tiles = _tiles(x.shape[0], *w.shape, block_m, block_n, block_k, max_k_steps, fill_programs)
     return _pallas_linear(

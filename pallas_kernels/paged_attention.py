@@ -512,8 +512,9 @@ def paged_decode_attention(
     j reads KV head j // (Hq / H) (grouped-query attention).
 
     `num_q_heads` None: H (multi-head attention). `num_warps` None: MATRIX_NUM_WARPS on the
-    matrix units, else one warp per 1,024 elements of a [block_size, D] page. `prefetch_table` None: a program reads its row's whole block table
-    up front from PREFETCH_TABLE_MIN_BATCH rows up, an entry per page below that. `num_splits`:
+    matrix units, else one warp per 1,024 elements of a [block_size, D] page. `prefetch_table`
+    None: a program reads its row's whole block table up front from PREFETCH_TABLE_MIN_BATCH
+    rows up, an entry per page below that. `num_splits`:
     programs per (row, KV head), each over a run of the row's pages, merged by a second kernel
     (1: one pass, no merge). `matrix_min_group`: groups of at least this many query heads (and
     pages and heads of at least MATRIX_MIN_ROWS) compute on the matrix units; 0: never."""

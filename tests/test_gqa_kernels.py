@@ -543,9 +543,9 @@ def test_paged_prefill_matches_oracle(impl, h, group, d, cached):
 
 def test_fused_decode_kernels_lower_to_triton():
     """The kernels a Qwen3-0.6B decode step fuses (the attention with q/k norm and RoPE, split or
-    not, on the matrix units or not, the gate/up projection with SwiGLU, RMSNorm several rows a program) lower to Triton for a
-    GPU, here too: the Pallas-to-Triton lowering rejects what Triton cannot tile (shapes not
-    powers of two, unsupported ops) before any GPU is needed."""
+    not, on the matrix units or not, the gate/up projection with SwiGLU, RMSNorm several rows a
+    program) lower to Triton for a GPU, here too: the Pallas-to-Triton lowering rejects what
+    Triton cannot tile (shapes not powers of two, unsupported ops) before any GPU is needed."""
     b, h, group, d, bs = 16, 8, 2, 128, 64
     dt = jnp.bfloat16
     qkv = jnp.zeros((b, h * (group + 2), d), dt)
