@@ -39,6 +39,7 @@ from bench import profile_decode as pd  # noqa: E402
 from bench.common import configure_process  # noqa: E402
 from rosejax import EngineConfig, KernelConfig, LLMEngine  # noqa: E402
 from rosejax.engine_args import kernel_config, kernel_setting, kernel_tile  # noqa: E402
+from rosejax.layers.kv_cache import free_memory_bytes  # noqa: E402
 
 KERNEL_FIELDS = {f.name for f in dataclasses.fields(KernelConfig)} - {"tiles", "interpret"}
 # EngineConfig fields a variant may set (the model is the script's; kernels are the settings).
@@ -123,19 +124,10 @@ def build(
     return engine, engine.num_compiles
 
 
-def room_for_another(before: int, after: int, limit: int) -> bool:
-    """Whether device memory (bytes in use before and after the last engine was built, and the
-    allocator's limit) holds one more engine of the last one's size."""
-    return after + (after - before) <= limit
-
-
-def device_memory() -> tuple[int, int] | None:
-    """(bytes in use, limit) of the first device's allocator; None where the backend says none
-    (a CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_in_use" not in stats or "bytes_limit" not in stats:
-        return None
-    return stats["bytes_in_use"], stats["bytes_limit"]
+def room_for_another(free_before: int, free_after: int) -> bool:
+    """Whether the memory left free after the last engine was built (`free_memory_bytes`, before
+    and after it) holds one more engine of that one's size."""
+    return free_before - free_after <= free_after
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -173,16 +165,16 @@ def main(argv: list[str] | None = None) -> dict:
     rng = np.random.default_rng(0)
     engines = {}
     for i, (name, config) in enumerate(configs.items()):
-        before = device_memory()
+        before = free_memory_bytes()
         engines[name] = build(config, args, rng)
-        after = device_memory()
-        if before and after and i + 1 < len(configs) and not room_for_another(before[0], *after):
+        after = free_memory_bytes()
+        if i + 1 < len(configs) and not room_for_another(before, after):
             # Every engine is held at once: fail now, not after the allocator's retries.
-            gib, limit = after[0] / 2**30, after[1] / 2**30
             p.error(
-                f"the {i + 1} engines built so far hold {gib:.1f} of {limit:.1f} GiB on "
-                f"{jax.devices()[0]}; one more like {name!r} would not fit. Compare fewer variants "
-                "in one process, or raise XLA_PYTHON_CLIENT_MEM_FRACTION (jax's default 0.75)"
+                f"{name!r} took {(before - after) / 2**30:.1f} GiB and left "
+                f"{after / 2**30:.1f} free on {jax.devices()[0]}: one more like it would not fit. "
+                "Compare fewer variants in one process, or raise XLA_PYTHON_CLIENT_MEM_FRACTION "
+                "(jax's default 0.75)"
             )
     ms = {name: [] for name in engines}  # ms per decode step of each timed run
     for run in range(args.runs):

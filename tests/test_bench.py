@@ -548,10 +548,10 @@ def test_compare_variants_stops_before_memory_runs_out(monkeypatch):
     more of its size, the script stops with the figures and the way out, before building it."""
     from bench import compare_variants as cv
 
-    assert cv.room_for_another(10, 30, 50) and not cv.room_for_another(10, 30, 49)
+    assert cv.room_for_another(50, 25) and not cv.room_for_another(50, 24)
     gib = 2**30
-    readings = iter([(0, 40 * gib), (30 * gib, 40 * gib)])  # the first engine takes 30 of 40
-    monkeypatch.setattr(cv, "device_memory", lambda: next(readings))
+    readings = iter([40 * gib, 10 * gib])  # the first engine takes 30 of 40 free
+    monkeypatch.setattr(cv, "free_memory_bytes", lambda: next(readings))
     built = []
     monkeypatch.setattr(cv, "build", lambda config, args, rng: built.append(config) or (None, 0))
     with pytest.raises(SystemExit):
