@@ -36,6 +36,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
+from rosejax.host_inputs import Layout, pack, unpack
 from rosejax.layers.attention import ForwardMetadata
 from rosejax.layers.kv_cache import KVCache
 from rosejax.layers.parallel import place, replicated, tensor_parallel_forward
@@ -193,7 +194,7 @@ class ModelRunner:
         self._prefill = jax.jit(
             self._prefill_fn,
             donate_argnums=(1, 2),
-            static_argnames=("kernels",),
+            static_argnames=("layout", "kernels"),
             **self._out_shardings(3),  # tokens, their logprobs, the prompt's; cache; state
         )
         self._load_row = jax.jit(
@@ -218,8 +219,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ programs
 
-    def _prefill_fn(self, params, cache, state, batch, *, kernels: KernelConfig):
+    def _prefill_fn(self, params, cache, state, packed, *, layout: Layout, kernels: KernelConfig):
         """Forward over padded prompts, first token of each row, and the rows' slots filled in.
+        The batch comes packed in one buffer (`rosejax.host_inputs`: one transfer).
         Padded rows have slot index S, which the scatters drop. Two optional parts of the
         batch make other programs: the `EXTRA_ROW_FIELDS` (some row has logits processors,
         min_p or logprobs: the first tokens' logprobs are returned too, else None), and
@@ -227,6 +229,7 @@ class ModelRunner:
         returned too (logits at every position), with the `prompt_top` alternatives the rows
         ask for at most; else None."""
         self.num_compiles += 1  # runs only while tracing
+        batch = unpack(packed, layout)
         meta = ForwardMetadata(batch["positions"], batch["seq_lens"], batch["tables"])
         with_prompt = "prompt_targets" in batch
         logits, cache = self.forward(
@@ -314,14 +317,9 @@ class ModelRunner:
         params,
         cache,
         state,
-        kill,
-        upd_slot,
-        upd_index,
-        upd_block,
-        move_src,
-        move_dst,
-        n_steps,
+        packed,
         *,
+        layout: Layout,
         batch: int,
         greedy: bool,
         extras: bool,
@@ -331,9 +329,14 @@ class ModelRunner:
         row produced nothing), their logprobs (`TokenLogprobs` of [K, batch], zeros unless a row
         asks; None unless `extras`), the cache and the state. `extras`: the program has the
         logits processors, min_p and logprobs, each behind a `lax.cond` on the window's rows;
-        without, it is the plain program (their slot fields unread, the counts untouched)."""
+        without, it is the plain program (their slot fields unread, the counts untouched).
+        `packed` holds the host's inputs (`decode`'s `_decode_inputs`)."""
         self.num_compiles += 1
-        state = state.replace(alive=state.alive & ~kill)
+        inputs = unpack(packed, layout)
+        upd_slot, upd_index, upd_block = inputs["updates"]
+        move_src, move_dst = inputs["moves"]
+        n_steps = inputs["n_steps"]
+        state = state.replace(alive=state.alive & ~inputs["kill"])
         # Compaction: whole rows move down to free slots (sources and destinations disjoint),
         # then the sources stop; padded moves (index S) are dropped.
         src = jnp.minimum(move_src, self.num_slots - 1)
@@ -476,21 +479,25 @@ class ModelRunner:
 
         return finish
 
-    def _prefill_args(self, batch: dict[str, np.ndarray]) -> tuple:
-        return self.params, self.cache, self.state, batch
-
-    def _prefill_key(self, batch: dict[str, np.ndarray]) -> tuple:
-        # The batch's fields too: its optional parts make other programs.
-        return ("prefill", batch["tokens"].shape, tuple(sorted(batch)), self.kernels)
+    def _prefill_call(self, batch: dict[str, np.ndarray]) -> tuple[tuple, tuple, dict]:
+        """A prefill's executable key, arguments and static arguments; the batch packed. The
+        layout holds the batch's shapes and fields: its optional parts make other programs."""
+        packed, layout = pack(batch)
+        static = dict(layout=layout, kernels=self.kernels)
+        return (
+            ("prefill", layout, self.kernels),
+            (self.params, self.cache, self.state, packed),
+            static,
+        )
 
     def prefill(
         self, batch: dict[str, np.ndarray]
     ) -> tuple[jax.Array, TokenLogprobs | None, TokenLogprobs | None]:
         """Dispatch a prefill -> (first tokens [Bp], their logprobs if the batch has the
         `EXTRA_ROW_FIELDS`, the prompt tokens' logprobs [Bp, T] if it has `prompt_targets`)."""
-        key, args = self._prefill_key(batch), self._prefill_args(batch)
+        key, args, static = self._prefill_call(batch)
         first, logprobs, prompt_logprobs, self.cache, self.state = self._run(
-            key, self._prefill, args, kernels=self.kernels
+            key, self._prefill, args, **static
         )
         return first, logprobs, prompt_logprobs
 
@@ -512,8 +519,8 @@ class ModelRunner:
 
     def compile_prefill(self, batch: dict[str, np.ndarray], pool: Executor) -> Callable[[], None]:
         """Compile ahead the prefill program of `batch`'s shapes (see `_compile_ahead`)."""
-        key, args = self._prefill_key(batch), self._prefill_args(batch)
-        return self._compile_ahead(key, self._prefill, args, pool, kernels=self.kernels)
+        key, args, static = self._prefill_call(batch)
+        return self._compile_ahead(key, self._prefill, args, pool, **static)
 
     def decode(
         self,
@@ -530,29 +537,43 @@ class ModelRunner:
         that changed since the last window (slots after the moves), `moves` (src, dst) rows of
         the slot state to move first; `extras`: some row has logits processors, min_p or
         logprobs (another program)."""
+        key, args, static = self._decode_call(batch, greedy, extras, kill, updates, moves, n_steps)
+        program = self._decode_program(batch)
+        out, logprobs, self.cache, self.state = self._run(key, program, args, **static)
+        return out, logprobs
+
+    def _decode_call(
+        self,
+        batch: int,
+        greedy: bool,
+        extras: bool,
+        kill: np.ndarray,
+        updates: list[tuple[int, int, int]],
+        moves: list[tuple[int, int]],
+        n_steps: int,
+    ) -> tuple[tuple, tuple, dict]:
+        """A decode window's executable key, arguments and static arguments: the host's inputs
+        in one buffer (padded table updates and moves: index S, dropped)."""
         u = np.full((3, self.max_table_updates), self.num_slots, np.int32)
         if updates:
             u[:, : len(updates)] = np.asarray(updates, np.int32).T
         m = np.full((2, self.num_slots), self.num_slots, np.int32)
         if moves:
             m[:, : len(moves)] = np.asarray(moves, np.int32).T
-        args = (self.params, self.cache, self.state, kill, *u, *m, np.int32(n_steps))
-        static = dict(batch=batch, greedy=greedy, extras=extras, kernels=self.kernels)
+        inputs = dict(kill=kill, updates=u, moves=m, n_steps=np.int32(n_steps))
+        packed, layout = pack(inputs)
+        static = dict(
+            layout=layout, batch=batch, greedy=greedy, extras=extras, kernels=self.kernels
+        )
         key = ("decode", batch, greedy, extras, self.kernels)
-        program = self._decode_program(batch)
-        out, logprobs, self.cache, self.state = self._run(key, program, args, **static)
-        return out, logprobs
+        return key, (self.params, self.cache, self.state, packed), static
 
     def compile_decode(
         self, batch: int, greedy: bool, extras: bool, pool: Executor
     ) -> Callable[[], None]:
         """Compile ahead the decode window of `batch` rows (see `_compile_ahead`)."""
         kill = np.zeros(self.num_slots, bool)
-        u = np.zeros((3, self.max_table_updates), np.int32)
-        m = np.zeros((2, self.num_slots), np.int32)
-        args = (self.params, self.cache, self.state, kill, *u, *m, np.int32(0))
-        static = dict(batch=batch, greedy=greedy, extras=extras, kernels=self.kernels)
-        key = ("decode", batch, greedy, extras, self.kernels)
+        key, args, static = self._decode_call(batch, greedy, extras, kill, [], [], 0)
         return self._compile_ahead(key, self._decode_program(batch), args, pool, **static)
 
     def _decode_program(self, batch: int) -> Callable:
@@ -562,7 +583,7 @@ class ModelRunner:
             program = self._decode_programs[key] = jax.jit(
                 self._decode_fn,
                 donate_argnums=(1, 2),
-                static_argnames=("batch", "greedy", "extras", "kernels"),
+                static_argnames=("layout", "batch", "greedy", "extras", "kernels"),
                 compiler_options=self.kernels.decode_compiler_options(batch) or None,
                 **self._out_shardings(2),  # tokens, their logprobs; cache; state
             )
