@@ -124,7 +124,7 @@ def test_only_the_settings_module_reads_the_environment():
 # Lower layers first: a module may import from its own layer and those before it, never after.
 LAYERS = [
     ["pallas_kernels"],
-    ["rosejax.settings", "rosejax.sampling", "rosejax.tokenizer"],
+    ["rosejax.settings", "rosejax.sampling", "rosejax.tokenizer", "rosejax.host_inputs"],
     ["rosejax.layers"],
     ["rosejax.models"],
     ["rosejax.model_runner"],
