@@ -80,7 +80,13 @@ def _replica_engine(config: EngineConfig, replica: int, serving: bool) -> tuple[
     # Before jax starts its backend: this replica's GPUs only, so it takes no memory on others.
     select_gpus(positions, "--data-parallel-size")
     configure_process(config.compilation_cache_dir)
-    devices = jax.local_devices()
+    try:
+        devices = jax.local_devices()
+    except RuntimeError as e:  # JAX_PLATFORMS names a platform with no device at this position
+        raise ValueError(
+            f"replica {replica} of --data-parallel-size {dp} found no device ({e}): lower "
+            "--data-parallel-size"
+        ) from e
     if devices[0].platform == "cpu":  # host devices are all visible: this replica's by index
         devices = replica_devices(dp, tp, devices)[replica]
     elif len(devices) != tp:

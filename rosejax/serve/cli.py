@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         if in_processes:
             processes.wait_ready()
             return processes, False, processes.close
-        engine = make_engine(config)
+        engine = make_engine(dataclasses.replace(config, engine_process=False))  # threads
         return engine, warm_for_serving(engine, kwargs["warmup"]), None
 
     if api_servers is None:
