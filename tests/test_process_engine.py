@@ -24,20 +24,10 @@ from types import SimpleNamespace
 import pytest
 
 from rosejax import LLM, SamplingParams
+from tests.data_parallel_checks import BLOCK, MODEL, engine_args
 
 SEED = int(os.environ.get("ROSEJAX_TEST_SEED", random.randrange(2**31)))
-MODEL = "random:tiny"
-BLOCK = 16
-# A fixed decode window and few rows: few programs to compile.
-ENGINE = dict(
-    seed=SEED,
-    warmup=False,
-    max_batch_size=4,
-    block_size=BLOCK,
-    kv_cache_tokens=1024,
-    decode_steps=4,
-    dtype="float32",
-)
+ENGINE = engine_args(SEED)
 WORDS = "the a of cat dog runs quickly over lazy river mountain blue green light time".split()
 TWO_DEVICES = "--xla_force_host_platform_device_count=2"
 
@@ -137,6 +127,7 @@ def test_outputs_equal_one_engines(llms):
     got, want = run_both(llms, prompts, params, "same")
     assert_same_outputs(got, want)
     assert engine.loads == [0, 0] and not engine.has_unfinished_requests()
+    assert not any(r._rows._requests for r in engine.replicas)  # nothing kept of them
     assert all(r.host_seconds["dispatch"] > 0 for r in engine.replicas)
 
 

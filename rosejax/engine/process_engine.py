@@ -158,6 +158,7 @@ class ReplicaProcess:
                         self._received.append(out)
                         if out.finished:
                             self._unfinished.discard(out.request_id)
+                            self._rows.forget(out.request_id)
         except (EOFError, OSError):
             self._fail(self.child.exit_code())
 
