@@ -11,7 +11,9 @@ prompts, 256 new tokens, max batch 256 per replica). Each side runs --warmup-run
 completion tokens over first send to last finish (benchmark_serving's definition). Reported per
 side: each run's throughput, their median, and median(N replicas) / median(1 replica). Both
 sides run the same requests, or with --per-replica the N-replica side N times as many: half of
-256 streams leaves each GPU at 128 rows, where a step costs most of what 256 rows cost.
+256 streams leaves each GPU at 128 rows, where a step costs most of what 256 rows cost. In
+process the one-replica side is replica 0 alone, in its engine process (with --no-engine-process
+an engine in this process, as `LLM` runs one GPU: its "1" column is that baseline).
 
     # GPU, 2 cards: issue 21's DP=2 against one GPU (>= 1.8x asked), each GPU at 256 streams
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_data_parallel.py \\
