@@ -68,10 +68,10 @@ def stub_engine(conn: Any, model: str, output_len: int, window: int, window_s: f
 
     import numpy as np
 
+    from rosejax.engine.engine_process import ReplicaInfo
+    from rosejax.engine.output_rows import RowWriter
     from rosejax.engine.request import CompletionOutput, RequestOutput
     from rosejax.models import preset
-    from rosejax.serve.engine_process import ReplicaInfo
-    from rosejax.serve.output_rows import RowWriter
     from rosejax.tokenizer import load_tokenizer
 
     conn.send(("ready", ReplicaInfo(preset(model), 256, 64, "cpu", [0], SNAPSHOT)))
@@ -114,8 +114,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """This process as one API server: `--rounds` timed rounds after an untimed one."""
     import uvloop
 
+    from rosejax.engine.engine_process import EngineLink
     from rosejax.serve.app import create_app
-    from rosejax.serve.engine_process import EngineLink, EngineProcesses
+    from rosejax.serve.engine_process import EngineProcesses
     from rosejax.serve.metrics import ServerMetrics
     from rosejax.settings import EngineConfig, freeze_heap
 

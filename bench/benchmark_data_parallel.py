@@ -1,7 +1,8 @@
 """Data parallelism's gain: one workload on one replica (one device) and on --data-parallel-size
 replicas behind the router, over HTTP (the server: `python -m rosejax.serve` launched with
---data-parallel-size 1, then N) and in process (the engine: one `DataParallelEngine` of N
-replicas, its replica 0 alone as the one-device baseline, runs interleaved), in one command.
+--data-parallel-size 1, then N) and in process (the engine `LLM` drives: `make_engine`'s engine
+of N replicas, each in an engine process of its own, or with --no-engine-process on a thread of
+this process; its replica 0 alone as the one-device baseline, runs interleaved), in one command.
 
 The workload is benchmark_serving.py's (random token-id prompts of --input-len, --output-len new
 tokens each, EOS ignored, all at once; defaults: GPT-2 124M shape, random weights, 256 x 8-token
@@ -10,13 +11,15 @@ prompts, 256 new tokens, max batch 256 per replica). Each side runs --warmup-run
 completion tokens over first send to last finish (benchmark_serving's definition). Reported per
 side: each run's throughput, their median, and median(N replicas) / median(1 replica). Both
 sides run the same requests, or with --per-replica the N-replica side N times as many: half of
-256 streams leaves each GPU at 128 rows, where a step costs most of what 256 rows cost.
+256 streams leaves each GPU at 128 rows, where a step costs most of what 256 rows cost. In
+process the one-replica side is replica 0 alone, in its engine process (with --no-engine-process
+an engine in this process, as `LLM` runs one GPU: its "1" column is that baseline).
 
     # GPU, 2 cards: issue 21's DP=2 against one GPU (>= 1.8x asked), each GPU at 256 streams
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_data_parallel.py \\
         --data-parallel-size 2 --per-replica --json bench/out/dp2.json
-    # the same, each replica's engine on a thread of the launched server (not in a process of
-    # its own, the server's default) on the HTTP side
+    # the same, each replica's engine on a thread (not in a process of its own, the default):
+    # of the launched server on the HTTP side, of this process in process (one GIL for both)
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_data_parallel.py \\
         --data-parallel-size 2 --no-engine-process --json bench/out/dp2-engine-thread.json
     # CPU smoke test, 2 host devices
@@ -75,9 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-process",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="the launched servers (one replica and N) run each replica's engine in a process "
-        "of its own, or with --no-engine-process on a thread of the server's process; "
-        "the in-process side is unchanged",
+        help="each replica's engine runs in a process of its own, or with --no-engine-process "
+        "on a thread: of the launched servers (one replica and N) on the HTTP side, of this "
+        "process on the in-process side (whose one-replica baseline is then an engine in this "
+        "process, not in an engine process)",
     )
     g.add_argument(
         "--launch-timeout",
@@ -155,12 +159,12 @@ def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[bs.Sa
 
 
 def run_in_process(args: argparse.Namespace, workloads: list[list[bs.Sample]]) -> dict:
-    """One DataParallelEngine; its replica 0 alone and the whole engine, runs interleaved."""
+    """One engine of N replicas; its replica 0 alone and the whole engine, runs interleaved."""
     from rosejax.sampling import SamplingParams
     from rosejax.settings import configure_process
 
     configure_process(args.compilation_cache_dir)  # before the backend starts
-    engine, build_s = common.make_engine(args)
+    engine, build_s = common.make_engine(args, engine_process=args.engine_process)
     sides = {"1": engine.replicas[0], str(args.data_parallel_size): engine}
     runs: dict[str, list[float]] = {k: [] for k in sides}
     for i, run_samples in enumerate(workloads):
@@ -181,11 +185,14 @@ def run_in_process(args: argparse.Namespace, workloads: list[list[bs.Sample]]) -
             print(f"{tag}: {s['output_throughput']:,.0f} tok/s", file=sys.stderr)
     n = {k: len(side_workload(args, workloads[0], int(k))) for k in sides}
     out = {k: summary(v[args.warmup_runs :], n[k]) for k, v in runs.items()}
+    engine.close()  # its engine processes, if any
     return out | {
         "build_seconds": build_s,
+        "engine_process": args.engine_process,
         "environment": common.environment(engine),
         "devices": [[str(d) for d in r.devices] for r in engine.replicas],
-        # The host's dispatch / wait / harvest seconds per replica over every run (host-bound?)
+        # The host's dispatch / wait / harvest seconds per replica over every run (host-bound?),
+        # as each engine counts them (in its engine process: as of its last message).
         "host_seconds": [r.host_seconds for r in engine.replicas],
     }
 

@@ -123,14 +123,17 @@ def add_run_args(p: argparse.ArgumentParser, warmup_runs: int = 1, repeat_runs: 
     )
 
 
-def make_engine(args: argparse.Namespace, max_batch_size: int | None = None):
-    """Build the engine (`DataParallelEngine` with --data-parallel-size > 1); returns (engine,
+def make_engine(
+    args: argparse.Namespace, max_batch_size: int | None = None, engine_process: bool = True
+):
+    """Build the engine (`make_engine`: with --data-parallel-size > 1 the replicas in engine
+    processes, or on threads of this process without `engine_process`); returns (engine,
     seconds to build it: load, cache, warm-up compile)."""
     from rosejax.engine.data_parallel import make_engine
     from rosejax.settings import EngineConfig
 
     start = time.perf_counter()
-    kwargs = engine_kwargs(args) | {"seed": args.seed}
+    kwargs = engine_kwargs(args) | {"seed": args.seed, "engine_process": engine_process}
     if max_batch_size:  # compare_hf: one engine per batch size
         kwargs["max_batch_size"] = max_batch_size
     engine = make_engine(EngineConfig(model=args.model, **kwargs))
@@ -200,10 +203,13 @@ def time_in_loop(fn: Callable, x, iters: int, repeats: int) -> float:
 
 def resolve_bandwidth(args: argparse.Namespace) -> float | None:
     """--bandwidth-gbs, else the copy bandwidth measured now on a GPU (before the engine takes
-    its memory), else None (CPU: no % of bandwidth). Sets args.bandwidth_gbs and
-    args.bandwidth_measured (so both land in the JSON's args)."""
+    its memory; not with --data-parallel-size > 1), else None (CPU: no % of bandwidth). Sets
+    args.bandwidth_gbs and args.bandwidth_measured (so both land in the JSON's args)."""
     args.bandwidth_measured = False
-    if args.bandwidth_gbs is None:
+    if args.bandwidth_gbs is None and args.data_parallel_size > 1:
+        # The replicas run in engine processes: jax's backend here would take their GPU memory.
+        print("copy bandwidth not measured: give --bandwidth-gbs", file=sys.stderr)
+    elif args.bandwidth_gbs is None:
         import jax
 
         if jax.default_backend() == "gpu":
@@ -540,7 +546,11 @@ def environment(engine=None) -> dict[str, Any]:
     # A copy of the tree without its history (as on the lent GPU machines) has no commit: then
     # "dirty" means nothing, so it is left None.
     env["git_dirty"] = bool(_git("status", "--porcelain")) if env["git_commit"] else None
-    if "jax" in sys.modules:
+    if getattr(engine, "device_kind", None):  # replicas in engine processes: their devices
+        import jax  # (jax's backend here would take GPU memory from them)
+
+        env.update(jax=jax.__version__, backend=engine.platform, device=engine.device_kind)
+    elif "jax" in sys.modules:
         import jax
 
         dev = jax.devices()[0]

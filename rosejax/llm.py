@@ -19,7 +19,9 @@ class LLM:
     def __init__(self, model: str, **engine_args):
         """`engine_args`: the other fields of `EngineConfig` (max_batch_size, dtype, kernels,
         data_parallel_size, ...). With data_parallel_size N the prompts are spread over N
-        replicas (`DataParallelEngine`)."""
+        replicas, each in an engine process of its own (`ProcessDataParallelEngine`: a script
+        building one needs `if __name__ == "__main__":`, the processes being spawned), or with
+        engine_process=False each on a thread of this process (`DataParallelEngine`)."""
         self.engine = make_engine(EngineConfig(model=model, **engine_args))
         self._submitted = 0  # requests submitted so far: default ids are gen-N
 

@@ -277,6 +277,9 @@ class EngineConfig:
     )  # jax's persistent compilation cache; None: off
     warmup: bool | None = None  # compile every bucket at start; None: on a GPU only
     data_parallel_size: int = 1  # engine replicas, each on its own device(s), behind one router
+    # With several replicas: each one's engine in a process of its own (spawned), so that their
+    # host work never shares a GIL; off, each on a thread of this process.
+    engine_process: bool = True
     # Tensor parallelism: the model's heads, MLP units and vocabulary split over the first N
     # devices (across processes, once `jax.distributed` is initialized: see below).
     tensor_parallel_size: int = 1

@@ -2,10 +2,11 @@
 subprocess whose XLA_FLAGS give jax 4 host devices (flags must be set before jax starts, and the
 test process's jax has started): `python -m tests.data_parallel_checks SEED [--server]`.
 
-A data-parallel engine of 2 replicas against one engine (fp32, random weights): the same greedy
-and seeded sampled tokens for the same prompts, both replicas used, each one's arrays and program
-outputs on its own device, a prompt routed to the replica holding its prefix (a prefix-cache hit
-there); with --server, the same engine behind the HTTP server: concurrent requests answered as
+A data-parallel engine of 2 replicas on threads of this process (`DataParallelEngine`; replicas
+in engine processes: tests/test_process_engine.py) against one engine (fp32, random weights): the
+same greedy and seeded sampled tokens for the same prompts, both replicas used, each one's arrays
+and program outputs on its own device, a prompt routed to the replica holding its prefix (a
+prefix-cache hit there); with --server, the same engine behind the HTTP server: concurrent requests answered as
 one engine answers them, per-replica metrics, aborts reaching their replica, /health; with
 --engine-process, only the server, its 2 replicas in processes of their own (devices 0 and 1).
 """
@@ -57,7 +58,7 @@ def check_engine(seed: int) -> tuple[LLM, LLM]:
     params = [SamplingParams(max_tokens=int(rng.integers(4, 13)), temperature=0) for _ in prompts]
     params[1] = SamplingParams(max_tokens=9, temperature=0.9, top_k=20, seed=int(rng.integers(99)))
     one = LLM(MODEL, **engine_args(seed))
-    dp = LLM(MODEL, data_parallel_size=2, **engine_args(seed))
+    dp = LLM(MODEL, data_parallel_size=2, engine_process=False, **engine_args(seed))
     engine = dp.engine
     # What a server compiles before it serves, on every replica's devices, then runs on.
     engine.compile_ahead(*engine.warmup_programs()[:3])

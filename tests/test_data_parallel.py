@@ -5,6 +5,7 @@ start naming the flag, per-replica metrics; and in a subprocess with 4 host devi
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import subprocess
@@ -94,9 +95,13 @@ def test_replica_devices_and_too_few_devices_name_the_flag():
     assert replica_devices(2, 2, devices=d) == [(d[0], d[1]), (d[2], d[3])]
     with pytest.raises(ValueError, match="--data-parallel-size 3 x --tensor-parallel-size 2 "):
         replica_devices(3, 2, devices=d)
-    # This process sees one CPU device: asking for more fails before any model is loaded.
+    # This process (and each engine process it spawns) sees one CPU device: asking for more
+    # fails before any model is loaded, in engine processes (every one stopped) or on threads.
     with pytest.raises(ValueError, match="--data-parallel-size 2 needs 2 devices"):
         LLM("random:tiny", data_parallel_size=2)
+    assert multiprocessing.active_children() == []
+    with pytest.raises(ValueError, match="--data-parallel-size 2 needs 2 devices"):
+        LLM("random:tiny", data_parallel_size=2, engine_process=False)
     with pytest.raises(ValueError, match="data_parallel_size must be >= 1"):
         EngineConfig(model="random:tiny", data_parallel_size=0)
 

@@ -27,9 +27,9 @@ import httpx
 import pytest
 
 from rosejax import LLM, SamplingParams
+from rosejax.engine.output_rows import RowReader, RowWriter
 from rosejax.serve import create_app
 from rosejax.serve.engine_process import EngineProcesses
-from rosejax.serve.output_rows import RowReader, RowWriter
 from rosejax.serve.server import ServerThread
 from rosejax.settings import EngineConfig
 from rosejax.tokenizer import TokenTexts

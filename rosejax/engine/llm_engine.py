@@ -355,6 +355,11 @@ class LLMEngine:
         return num_blocks
 
     @property
+    def num_kv_blocks(self) -> int:
+        """KV blocks requests may hold (the scratch block aside)."""
+        return self.allocator.num_blocks - 1
+
+    @property
     def num_compiles(self) -> int:
         return self.runner.num_compiles
 
@@ -494,7 +499,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.prompt_ids(prompt)
-        check_request(ids, params, self.config, self.allocator.num_blocks - 1, self.block_size)
+        check_request(ids, params, self.config, self.num_kv_blocks, self.block_size)
         sequences = [
             Request(
                 request_id,

@@ -37,8 +37,9 @@ import threading
 import time
 from typing import Any
 
+from rosejax.engine.engine_process import EngineLink
 from rosejax.serve.cli import configure_logging, max_waiting, run_server
-from rosejax.serve.engine_process import EngineLink, EngineProcesses
+from rosejax.serve.engine_process import EngineProcesses
 from rosejax.serve.protocol import Limits
 from rosejax.settings import EngineConfig
 

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn  # noqa: F401 (the serve extra: fail before loading a model if it is missing)
 
     from rosejax.engine.data_parallel import make_engine, replica_devices
-    from rosejax.serve.engine_loop import warm_for_serving
+    from rosejax.engine.serving import warm_for_serving
     from rosejax.settings import EngineConfig, configure_process
 
     api_servers = None
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         if in_processes:
             processes.wait_ready()
             return processes, False, processes.close
-        engine = make_engine(config)
+        engine = make_engine(dataclasses.replace(config, engine_process=False))  # threads
         return engine, warm_for_serving(engine, kwargs["warmup"]), None
 
     if api_servers is None:

@@ -14,15 +14,15 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from rosejax.engine.llm_engine import check_request, checked_prompt_ids
 from rosejax.engine.request import RequestOutput
 from rosejax.engine.router import request_cost
+from rosejax.engine.serving import compile_while_idle, engine_snapshot
 from rosejax.sampling import SamplingParams
 from rosejax.serve.metrics import ServerMetrics
-from rosejax.settings import freeze_heap
 
 log = logging.getLogger("rosejax.serve")
 
@@ -119,71 +119,6 @@ class RequestStream:
         (none comes). Called on the event loop that iterates."""
         self.abort()
         self._sink.push(_CLOSED)
-
-
-_SNAPSHOT_KEYS = (
-    "running",
-    "waiting",
-    "kv_blocks_used",
-    "kv_blocks_total",
-    "prefix_hits",
-    "prefix_hit_tokens",
-    "programs_to_compile",
-)
-
-
-def engine_snapshot(engine: Any, programs_left: int) -> dict[str, Any]:
-    """An `LLMEngine`'s scheduler and KV cache gauges for /metrics: a fresh dict each time, so a
-    scrape from another thread reads one consistent view."""
-    alloc, sched = engine.allocator, engine.scheduler
-    values = (
-        len(sched.running),
-        len(sched.waiting),
-        alloc.num_used_blocks,
-        alloc.num_blocks - 1,
-        alloc.prefix_hits,
-        alloc.prefix_hit_tokens,
-        programs_left,
-    )
-    return dict(zip(_SNAPSHOT_KEYS, values, strict=True))
-
-
-# `warmup_programs()`' first ones: the smallest prefill, the smallest decode greedy and sampled.
-FIRST_PROGRAMS = 3
-
-
-def warm_for_serving(engine: Any, warmup: bool | None) -> bool:
-    """Compile what a server's engine needs before it serves, as `warmup` (the engine flags')
-    says: None on a GPU, what a first request needs (the rest compile while idle,
-    `compile_while_idle`: every program up front took minutes with an empty compilation
-    cache); True, every program. Returns whether programs are left for `compile_while_idle`."""
-    background = warmup is None and not engine.on_cpu
-    if background:
-        engine.compile_ahead(*engine.warmup_programs()[:FIRST_PROGRAMS])
-    elif warmup:
-        engine.warmup()
-    return background
-
-
-def compile_while_idle(
-    engine: Any, idle: threading.Event, stop: threading.Event, poll_s: float, compiled: Callable
-) -> None:
-    """Compile the programs warm-up has not, each one only once no request is in flight
-    (`idle` set; compiling holds the GIL for much of its time, which a step would wait for);
-    `compiled()` after each one. Then `freeze_heap` again: compiling leaves objects the garbage
-    collector walked at every full collection (0.2 s of a 256-request burst's admission)."""
-    for program in engine.cold_programs():
-        while not idle.wait(poll_s):
-            if stop.is_set():
-                return
-        if stop.is_set():
-            return
-        try:
-            engine.compile_ahead(program)
-        except Exception:  # serving goes on: the program compiles on first use instead
-            log.exception("compiling %s ahead failed", program)
-        compiled()
-    freeze_heap()
 
 
 class EngineFront:
@@ -411,14 +346,13 @@ class AsyncEngine(EngineFront):
     ) -> RequestStream:
         """Queue one request per prompt (all or none). ValueError: bad input; Overloaded."""
         engine = self.engine
-        kv_blocks = engine.allocator.num_blocks - 1
         sink, ids = self._register(
             prompts,
             params,
             request_id,
             engine.tokenizer,
             engine.config,
-            kv_blocks,
+            engine.num_kv_blocks,
             engine.block_size,
         )
         self._commands.put(("add", sink, ids, params))

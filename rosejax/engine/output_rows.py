@@ -1,13 +1,13 @@
-"""What an engine process sends the API process for each `RequestOutput` of a step (a row), and
-the `RequestOutput` the API process rebuilds from it, equal to the one the engine made.
+"""What an engine process sends the process driving it (a server's API process, an offline
+engine) for each `RequestOutput` of a step (a row), and the `RequestOutput` the driver rebuilds
+from it, equal to the one the engine made.
 
-A row carries only what the API process has not seen, in plain lists and arrays (cheap to
-pickle): (request id, sequences, prompt logprobs, error), `sequences` holding one entry per
-sequence that changed this step: (index, new token ids, new text, finish reason, new logprobs,
-cumulative logprob). Logprobs travel as the engine keeps them, `FlatLogprobs`' arrays
-(`arrays_from`), and are kept so on the API process's side, whose `FlatLogprobs` read each
-token's text (`Logprob.decoded_token`) from a `TokenTexts` of the same tokenizer, as the
-engine's do.
+A row carries only what the driver has not seen, in plain lists and arrays (cheap to pickle):
+(request id, sequences, prompt logprobs, error), `sequences` holding one entry per sequence that
+changed this step: (index, new token ids, new text, finish reason, new logprobs, cumulative
+logprob). Logprobs travel as the engine keeps them, `FlatLogprobs`' arrays (`arrays_from`), and
+are kept so on the driver's side, whose `FlatLogprobs` read each token's text
+(`Logprob.decoded_token`) from a `TokenTexts` of the same tokenizer, as the engine's do.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rosejax.sampling import SamplingParams
 
 
 class _Seen:
-    """What the API process has of one request: prompt logprobs, and the sequences whose
+    """What the driver has of one request: prompt logprobs, and the sequences whose
     finish reason it has."""
 
     __slots__ = ("prompt_logprobs", "ended")
@@ -107,7 +107,7 @@ class _Request:
 
 
 class RowReader:
-    """The API process's side: whole `RequestOutput`s from rows (see the module). `texts`:
+    """The driver's side: whole `RequestOutput`s from rows (see the module). `texts`:
     token id -> its text, a `TokenTexts` of the engine's tokenizer."""
 
     def __init__(self, texts: Any):
@@ -125,14 +125,11 @@ class RowReader:
     def output(self, row: tuple) -> RequestOutput | None:
         """The row's `RequestOutput` as the engine made it; None for a request forgotten."""
         rid, changed, prompt, error = row
+        if error is not None:
+            return self.error_output(rid, error)
         req = self._requests.get(rid)
         if req is None:
             return None
-        first = req.sequences[0]
-        if error is not None:
-            return RequestOutput(
-                rid, req.prompt, first.tokens, first.text, [], "", True, "error", error
-            )
         if prompt is not None:
             req.prompt_logprobs.extend_arrays(prompt)
         new = {}
@@ -163,3 +160,14 @@ class RowReader:
                 )
             )
         return RequestOutput.from_outputs(rid, req.prompt, outputs, req.prompt_logprobs)
+
+    def error_output(self, rid: str, error: str) -> RequestOutput | None:
+        """The last output of a request that failed with `error` (the engine failed, or its
+        process died); None for a request forgotten. It is forgotten then."""
+        req = self._requests.pop(rid, None)
+        if req is None:
+            return None
+        first = req.sequences[0]
+        return RequestOutput(
+            rid, req.prompt, first.tokens, first.text, [], "", True, "error", error
+        )
