@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from bench import profile_decode as pd  # noqa: E402
 from bench.common import configure_process  # noqa: E402
 from rosejax import EngineConfig, KernelConfig, LLMEngine  # noqa: E402
-from rosejax.engine_args import kernel_config, kernel_setting, kernel_tile  # noqa: E402
+from rosejax.engine_args import kernel_overrides, kernel_setting, kernel_tile  # noqa: E402
 from rosejax.layers.kv_cache import free_memory_bytes  # noqa: E402
 
 KERNEL_FIELDS = {f.name for f in dataclasses.fields(KernelConfig)} - {"tiles", "interpret"}
@@ -109,7 +109,9 @@ def config_of(v: Variant, args: argparse.Namespace) -> EngineConfig:
     """v's EngineConfig: the script's engine (`profile_decode.engine_config`) with v's
     KernelConfig (the backend's defaults, then v's fields and tiles) and v's engine fields.
     ValueError if a value is bad. Starts jax's backend."""
-    kernels = kernel_config(list(v.kernel_settings), list(v.tiles)) or KernelConfig.for_backend()
+    kernels = KernelConfig.for_backend(
+        **dict(kernel_overrides(list(v.kernel_settings), list(v.tiles)))
+    )
     shape = (args.model, args.batch, args.prompt_len, args.new_tokens, args.block_size)
     return pd.engine_config(*shape, args.decode_steps, kernels, **dict(v.engine_fields))
 

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from bench import metrics as m  # noqa: E402
 from bench.common import configure_process, copy_bandwidth_gbs  # noqa: E402
 from rosejax import EngineConfig, KernelConfig, LLMEngine, SamplingParams  # noqa: E402
-from rosejax.engine_args import add_kernel_args, add_logprobs_arg, kernel_config  # noqa: E402
+from rosejax.engine_args import add_kernel_args, add_logprobs_arg, kernel_overrides  # noqa: E402
 
 
 def resolve_kernels(
@@ -44,7 +44,7 @@ def resolve_kernels(
     """The backend's KernelConfig with --kernel / --kernel-tile applied (p.error if a value is
     bad). Starts jax's backend (after setting rosejax's XLA flags)."""
     try:
-        return kernel_config(settings, tiles) or KernelConfig.for_backend()
+        return KernelConfig.for_backend(**dict(kernel_overrides(settings, tiles)))
     except ValueError as e:
         p.error(str(e))
 

@@ -53,11 +53,13 @@ def kernel_tile(text: str) -> tuple[str, str, int]:
     return op, param, int(value)
 
 
-def kernel_config(settings: list[tuple[str, str]], tiles: list[tuple[str, str, int]]):
-    """The backend's `KernelConfig` with --kernel and --kernel-tile applied; None if neither was
-    given (the engine then takes the backend's defaults itself)."""
+def kernel_overrides(
+    settings: list[tuple[str, str]], tiles: list[tuple[str, str, int]]
+) -> tuple[tuple[str, Any], ...]:
+    """--kernel and --kernel-tile as `EngineConfig.kernel_overrides` (checked, jax not started:
+    the engine applies them to its backend's defaults where it runs)."""
     if not settings and not tiles:
-        return None
+        return ()
     overrides: dict[str, Any] = {}
     for name, value in settings:
         if name in KERNEL_OPS:
@@ -68,7 +70,9 @@ def kernel_config(settings: list[tuple[str, str]], tiles: list[tuple[str, str, i
             overrides[name] = value.lower() in ("on", "true", "1")
         else:
             overrides[name] = None if value.lower() == "none" else int(value)
-    return KernelConfig.for_backend(**overrides, tiles=tuple(tiles))
+    overrides["tiles"] = tuple(tiles)
+    KernelConfig.for_backend("cpu", **overrides)  # ValueError now, not in an engine process
+    return tuple(overrides.items())
 
 
 def add_engine_args(
@@ -204,7 +208,7 @@ def add_engine_args(
 
 
 def add_kernel_args(p: argparse.ArgumentParser) -> None:
-    """--kernel and --kernel-tile: the `KernelConfig` (`kernel_config` builds it)."""
+    """--kernel and --kernel-tile: `EngineConfig.kernel_overrides` (`kernel_overrides`)."""
     p.add_argument(
         "--kernel",
         type=kernel_setting,
@@ -245,7 +249,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         prefill_overlap=not args.no_prefill_overlap,
         enable_prefix_caching=not args.no_prefix_cache,
         warmup=False if args.no_warmup else None,
-        kernels=kernel_config(args.kernel, args.kernel_tile),
+        kernel_overrides=kernel_overrides(args.kernel, args.kernel_tile),
         data_parallel_size=args.data_parallel_size,
         tensor_parallel_size=args.tensor_parallel_size,
     )

@@ -16,7 +16,7 @@ import gc
 import inspect
 import os
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 
@@ -271,7 +271,12 @@ class EngineConfig:
     # The smallest decode program: smaller batches pad to it. None: the model family's on a GPU
     # (GPT-2 16, Llama-style 1), 1 on a CPU.
     min_decode_batch: int | None = dataclasses.field(default_factory=_default_min_decode_batch)
-    kernels: KernelConfig | None = None  # None: KernelConfig.for_backend()
+    kernels: KernelConfig | None = None  # None: KernelConfig.for_backend(**kernel_overrides)
+    # (field, value) pairs for `KernelConfig.for_backend` (the --kernel and --kernel-tile flags,
+    # tiles as ("tiles", ...)), applied in the process that runs the engine: asking jax for its
+    # backend starts it, which an API server process or a data-parallel parent must not (it
+    # would take GPU memory from the engine processes).
+    kernel_overrides: tuple[tuple[str, Any], ...] = ()
     compilation_cache_dir: str | None = dataclasses.field(
         default_factory=_default_compilation_cache_dir
     )  # jax's persistent compilation cache; None: off
@@ -289,7 +294,15 @@ class EngineConfig:
     num_processes: int = 1
     process_id: int = 0
 
+    def kernel_config(self) -> KernelConfig:
+        """`kernels`, else the backend's defaults with `kernel_overrides` (starts jax)."""
+        return self.kernels or KernelConfig.for_backend(**dict(self.kernel_overrides))
+
     def __post_init__(self) -> None:
+        if self.kernels is not None and self.kernel_overrides:
+            raise ValueError("give kernels or kernel_overrides, not both")
+        if self.kernel_overrides:  # checked on any backend's defaults: they do not change them
+            KernelConfig.for_backend("cpu", **dict(self.kernel_overrides))
         if self.max_batch_size < 1 or self.block_size < 1:
             raise ValueError("max_batch_size and block_size must be >= 1")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:

@@ -171,3 +171,34 @@ def test_importing_rosejax_changes_no_process_setting():
         [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "None"
+
+
+def test_kernel_flags_start_no_backend_and_reach_the_engine():
+    """--kernel / --kernel-tile travel as overrides: parsing them starts no jax backend (an API
+    server or data-parallel parent would take the engine processes' GPU memory); the engine
+    applies them to its backend's defaults; a bad value fails at parse time."""
+    code = """
+import argparse
+from jax._src import xla_bridge
+from rosejax import EngineConfig
+from rosejax.engine_args import add_engine_args, engine_kwargs
+p = argparse.ArgumentParser()
+add_engine_args(p)
+args = p.parse_args(["--kernel", "linear_max_rows=8", "--kernel-tile", "linear.num_warps=2"])
+config = EngineConfig(model="random:tiny", **engine_kwargs(args))
+assert not xla_bridge._backends, xla_bridge._backends
+kernels = config.kernel_config()
+assert kernels.linear_max_rows == 8 and kernels.tile_kwargs("linear") == {"num_warps": 2}
+try:
+    engine_kwargs(p.parse_args(["--kernel", "linear_max_rows=-1"]))
+except ValueError as e:
+    print("refused:", e)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert "refused: " in out.stdout and "linear_max_rows" in out.stdout
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(
+            model="random:tiny", kernels=KernelConfig(), kernel_overrides=(("linear", "xla"),)
+        )

@@ -62,7 +62,6 @@ from rosejax.sampling import (
 )
 from rosejax.settings import (
     EngineConfig,
-    KernelConfig,
     configure_process,
 )
 from rosejax.tokenizer import IncrementalDetokenizer, TokenTexts, load_tokenizer
@@ -199,7 +198,7 @@ class LLMEngine:
     def _build(self, config: EngineConfig, replica: int) -> None:
         self.on_cpu = on_cpu = self.home_device.platform == "cpu"
         self.engine_config = config
-        self.kernels = config.kernels or KernelConfig.for_backend()
+        self.kernels = config.kernel_config()
         self.dtype = resolve_dtype(
             config.dtype if config.dtype != "auto" else ("float32" if on_cpu else "float16")
         )
