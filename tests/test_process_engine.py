@@ -228,6 +228,15 @@ def test_killed_child_fails_only_its_requests(llms):
     assert engine.loads == [0, 0] and victim.exitcode == -signal.SIGKILL
     with pytest.raises(RuntimeError, match="replica 1 died"):
         engine.replicas[1].add_request("late", [1, 2, 3])
+    # New requests go to the replica that lives, whatever the loads and prefixes say.
+    late = [f"late-{i}" for i in range(3)]
+    for rid in late:
+        engine.add_request(rid, ids(rng, 4), SamplingParams(max_tokens=4, temperature=0))
+        assert engine.replica_of(rid) == 0
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        step()
+    assert all(final[rid].finish_reason == "length" for rid in late)
 
 
 EXIT_SCRIPT = """

@@ -10,6 +10,7 @@ otherwise. Replica i runs on `replica_devices(...)[i]`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -106,7 +107,12 @@ class RoutedReplicas:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         ids = self.prompt_ids(prompt)
-        replica = self.router.route(ids, self.loads)
+        # A replica whose engine process died takes no new request while another one lives.
+        loads = [
+            math.inf if getattr(r, "died", None) else n
+            for r, n in zip(self.replicas, self.loads, strict=True)
+        ]
+        replica = self.router.route(ids, loads)
         self.replicas[replica].add_request(request_id, ids, params)
         # Its n sequences each hold a slot and their own tokens (the prompt's blocks shared).
         cost = params.n * request_cost(len(ids), params.max_tokens, self.config.max_model_len)
