@@ -129,10 +129,7 @@ class ReplicaProcess:
             self._commands = []
 
     def step(self) -> list[RequestOutput]:
-        self.flush()
-        if self.awaiting:
-            self.child.conn.poll(STEP_WAIT_S)
-        return self.take()
+        return step_replicas([self])
 
     def take(self) -> list[RequestOutput]:
         """Every output received, what the pipe holds now included, without waiting."""
@@ -200,6 +197,18 @@ class ReplicaProcess:
         self.await_compile()
 
 
+def step_replicas(replicas: Sequence[ReplicaProcess]) -> list[RequestOutput]:
+    """Send each replica its queued commands; wait (at most `STEP_WAIT_S`) until one that runs
+    requests has sent outputs, unless some are received already; every output received,
+    replica by replica."""
+    for r in replicas:
+        r.flush()
+    conns = [r.child.conn for r in replicas if r.awaiting]
+    if conns and not any(r.has_outputs for r in replicas):
+        wait(conns, STEP_WAIT_S)
+    return [out for r in replicas for out in r.take()]
+
+
 def _stop(children: Sequence[EngineChild], timeout: float) -> None:
     for child in children:
         child.stop(timeout)
@@ -248,12 +257,5 @@ class ProcessDataParallelEngine(RoutedReplicas):
             r.await_compile()
 
     def step(self) -> list[RequestOutput]:
-        """Send every replica its queued commands; wait (at most `STEP_WAIT_S`) until one that
-        runs requests has sent outputs, unless some are received already; return every output
-        received, replica by replica."""
-        for r in self.replicas:
-            r.flush()
-        conns = [r.child.conn for r in self.replicas if r.awaiting]
-        if conns and not any(r.has_outputs for r in self.replicas):
-            wait(conns, STEP_WAIT_S)
-        return self._forget_finished([out for r in self.replicas for out in r.take()])
+        """`step_replicas` over every replica; finished requests leave the router's loads."""
+        return self._forget_finished(step_replicas(self.replicas))
