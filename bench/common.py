@@ -369,9 +369,10 @@ def run_repeated(
     Run r submits make_prompts(r) at `offsets`. Each run's summary (bench/metrics.summarize) gets
     'new_compiles' (engine compiles inside the run) and, where any step decoded, 'roofline'
     (bench/metrics.traced_decode_roofline: any mix of waves, windows and prompt lengths). With
-    `report`, each run's summary is printed (timed runs on stdout, warm-up runs on stderr). Returns {'warmup_runs': [{'tag', 'summary'}], 'runs': [{'tag',
-    'summary', 'requests'}] (timed; requests: trace_lists), 'summary': summarize_runs over the
-    timed runs, 'series': tag -> {'ttft_ms', 'itl_ms'} for plot_distributions (not JSON)}.
+    `report`, each run's summary is printed (timed runs on stdout, warm-up runs on stderr).
+    Returns {'warmup_runs': [{'tag', 'summary'}], 'runs': [{'tag', 'summary', 'requests'}]
+    (timed; requests: trace_lists), 'summary': summarize_runs over the timed runs, 'series':
+    tag -> {'ttft_ms', 'itl_ms'} for plot_distributions (not JSON)}.
 
     Between the warm-up runs and the end the heap is frozen (`freeze_heap`), as a server freezes
     it once its programs are compiled: what the warm-up compiled is not walked by every later
