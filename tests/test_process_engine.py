@@ -97,16 +97,22 @@ def assert_same_outputs(got: list, want: list) -> None:
 
 
 def run_both(llms, prompts, params, tag: str) -> tuple[list, list]:
-    """Each `LLM`'s finished outputs of the same requests (ids tag-i), streamed; checks, while
-    they run, that the requests went to both replicas."""
+    """Each `LLM`'s finished outputs of the same requests (ids tag-i), streamed; checks that
+    the router sent them to both replicas."""
     rids = [f"{tag}-{i}" for i in range(len(prompts))]
     final = {}
-    stream = llms.dp.generate_stream(prompts, params, request_ids=rids)
-    first = next(stream)  # every request routed by now (those finished already: None)
-    assert {llms.dp.engine.replica_of(r) for r in rids} - {None} == {0, 1}
-    for out in [first, *stream]:
-        if out.finished:
-            final[out.request_id] = out
+    router = llms.dp.engine.router
+    route, routed = router.route, []
+    # Each request's replica as it is routed (one replica may finish all of its requests before
+    # the stream's first output, so asking the engine then can miss it).
+    router.route = lambda *a: routed.append(route(*a)) or routed[-1]
+    try:
+        for out in llms.dp.generate_stream(prompts, params, request_ids=rids):
+            if out.finished:
+                final[out.request_id] = out
+    finally:
+        del router.route
+    assert set(routed) == {0, 1}
     want = [o for o in llms.one.generate_stream(prompts, params, request_ids=rids) if o.finished]
     return [final[r] for r in rids], sorted(want, key=lambda o: rids.index(o.request_id))
 
