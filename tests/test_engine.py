@@ -12,7 +12,13 @@ import pytest
 
 from rosejax import LLM, KernelConfig, LLMEngine, SamplingParams
 from rosejax.tokenizer import packaged_gpt2_tokenizer_path
-from tests.conftest import HF_SHAPES, INTERPRET, hf_greedy, make_hf_checkpoint
+from tests.conftest import (
+    HF_SHAPES,
+    INTERPRET,
+    assert_matches_hf_greedy,
+    hf_greedy_cached,
+    make_hf_checkpoint,
+)
 
 SHAPE = HF_SHAPES["hd16"]
 TOK = packaged_gpt2_tokenizer_path()
@@ -23,9 +29,6 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("engine-ckpt")
     model = make_hf_checkpoint(path, seed=7, **SHAPE)
     return str(path), model
-
-
-_hf_greedy = functools.cache(hf_greedy)  # prompts as tuples: several tests reuse them
 
 
 def make_llm(checkpoint, **kw) -> LLM:
@@ -82,7 +85,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 def check_greedy(checkpoint, outputs, prompts, n=24):
     for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.token_ids == _hf_greedy(checkpoint[1], tuple(prompt), n)
+        assert_matches_hf_greedy(checkpoint[1], prompt, out.token_ids, n)
         assert out.finish_reason == "length"
 
 
@@ -224,7 +227,7 @@ def test_prefill_and_its_window_go_out_back_to_back(checkpoint, shared_llm, monk
     engine = shared_llm(max_batch_size=8, decode_steps=3, prefill_chunk_tokens=16).engine
     greedy = functools.partial(SamplingParams, temperature=0.0)
     a, c, f = random_prompts(3, lo=20, hi=21)
-    first = _hf_greedy(checkpoint[1], tuple(c), 1)[0]
+    first = hf_greedy_cached(checkpoint[1], tuple(c), 1)[0]
     f = a[:16] + f[:5]  # a's first two blocks, in the prefix cache once a's first chunk ran
     waves = {
         0: {
@@ -256,7 +259,7 @@ def test_prefill_and_its_window_go_out_back_to_back(checkpoint, shared_llm, monk
         assert sorted(finals) == sorted(set(prompts) - {"e"})
         for rid in "acdfgi":
             n = len(finals[rid].token_ids)
-            assert finals[rid].token_ids == _hf_greedy(checkpoint[1], tuple(prompts[rid][0]), n)
+            assert_matches_hf_greedy(checkpoint[1], prompts[rid][0], finals[rid].token_ids, n)
         assert finals["c"].token_ids == [first] and finals["c"].finish_reason == "stop"
         assert len(finals["d"].token_ids) == 1 and finals["d"].finish_reason == "length"
         assert [len(finals[r].token_ids) for r in "afgi"] == [12, 12, 16, 12]
@@ -313,7 +316,7 @@ def test_blocks_filled_by_decode_serve_the_next_turn(checkpoint, shared_llm):
     hits = llm.engine.allocator.prefix_hit_tokens
     second = llm.generate([turn2], GREEDY, use_tqdm=False)[0]
     assert llm.engine.allocator.prefix_hit_tokens - hits == 3 * 8
-    assert second.token_ids == _hf_greedy(checkpoint[1], tuple(turn2), 24)
+    assert_matches_hf_greedy(checkpoint[1], turn2, second.token_ids, 24)
     assert_clean(llm.engine)
 
 
@@ -352,14 +355,14 @@ def test_seed_reproduces_and_temperature_zero_is_greedy(checkpoint, shared_llm):
     )
     assert high.token_ids != a.token_ids and neg.token_ids == wrapped.token_ids
     g = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0]
-    assert g.token_ids == _hf_greedy(checkpoint[1], tuple(prompt), 16)
+    assert_matches_hf_greedy(checkpoint[1], prompt, g.token_ids, 16)
     assert_clean(llm.engine)
 
 
 def test_stop_token_ids_stop_strings_and_context_limit(checkpoint, shared_llm):
     llm = shared_llm()
     prompt = random_prompts(1, 5, 6)[0]
-    full = _hf_greedy(checkpoint[1], tuple(prompt), 24)
+    full = hf_greedy_cached(checkpoint[1], tuple(prompt), 24)
     stop_id = full[10]
     out = llm.generate(
         [prompt],
@@ -382,11 +385,11 @@ def test_stop_token_ids_stop_strings_and_context_limit(checkpoint, shared_llm):
         0
     ]
     assert len(out.token_ids) == SHAPE["n_positions"] - 120 and out.finish_reason == "length"
-    assert out.token_ids == _hf_greedy(checkpoint[1], tuple(long_prompt), 8)
+    assert_matches_hf_greedy(checkpoint[1], long_prompt, out.token_ids, 8)
     # A prompt that fills the context still gets the token its prefill samples.
     full_prompt = random_prompts(1, SHAPE["n_positions"], SHAPE["n_positions"] + 1)[0]
     out = llm.generate([full_prompt], GREEDY, use_tqdm=False)[0]
-    assert out.token_ids == _hf_greedy(checkpoint[1], tuple(full_prompt), 1)
+    assert_matches_hf_greedy(checkpoint[1], full_prompt, out.token_ids, 1)
     assert out.finish_reason == "length"
     assert_clean(llm.engine)
 
@@ -524,7 +527,7 @@ def test_prefills_run_only_in_warmup_shapes(checkpoint, monkeypatch):
     assert [len(o.token_ids) for o in outs] == [3] * len(prompts)
     allowed = set(engine.prefill_shapes())
     assert used and all(s in allowed for s in used), (used, allowed)
-    assert outs[0].token_ids == _hf_greedy(checkpoint[1], tuple(prompts[0]), 3)
+    assert_matches_hf_greedy(checkpoint[1], prompts[0], outs[0].token_ids, 3)
 
 
 def test_auto_window_stops_at_the_context_limit(checkpoint, shared_llm, monkeypatch):
@@ -667,14 +670,14 @@ def test_decode_width_follows_the_running_requests(checkpoint, shared_llm, monke
             if p is sampled:
                 assert out.token_ids == lone
             else:
-                assert out.token_ids == _hf_greedy(checkpoint[1], tuple(prompt), p.max_tokens)
+                assert_matches_hf_greedy(checkpoint[1], prompt, out.token_ids, p.max_tokens)
         assert_clean(engine)
     buckets = engine.decode_buckets
     assert all(b == buckets[bisect.bisect_left(buckets, n)] for b, n in widths), widths
     assert any(n <= 2 for _, n in widths)  # the survivors ran alone, at width <= 2
     widths.clear()
     out = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]
-    assert out.token_ids == _hf_greedy(checkpoint[1], (1, 2, 3), 24)
+    assert_matches_hf_greedy(checkpoint[1], (1, 2, 3), out.token_ids, 24)
     assert {b for b, _ in widths} == {1}
 
 
@@ -735,7 +738,7 @@ def test_first_programs_compiled_ahead_together_then_the_rest(checkpoint, caplog
     prompts = random_prompts(2, lo=9, hi=20)  # a prefill shape past the first one
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == _hf_greedy(checkpoint[1], tuple(prompt), 5)
+        assert_matches_hf_greedy(checkpoint[1], prompt, out.token_ids, 5)
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, top_k=3), use_tqdm=False)
     assert [len(o.token_ids) for o in outs] == [5, 5]
     assert engine.num_compiles == len(programs)
