@@ -40,8 +40,13 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import benchmark_serving as bs  # noqa: E402
 from bench import common  # noqa: E402
+from bench.serving.flags import add_client_arg  # noqa: E402
+from bench.serving.http_client import Clients, pick_client, served_model  # noqa: E402
+from bench.serving.in_process import records_from_traces  # noqa: E402
+from bench.serving.launch import LaunchedServer  # noqa: E402
+from bench.serving.records import summarize  # noqa: E402
+from bench.serving.workload import Sample, random_dataset, warmup_samples  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=900.0,
         help="seconds to wait for a launched server's /health and its programs' compiles",
     )
-    bs.add_client_arg(g)
+    add_client_arg(g)
     g.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds one request may take"
     )
@@ -123,13 +128,13 @@ def summary(throughputs: Sequence[float], requests: int) -> dict[str, Any]:
     }
 
 
-def side_workload(args: argparse.Namespace, samples: list[bs.Sample], replicas: int):
+def side_workload(args: argparse.Namespace, samples: list[Sample], replicas: int):
     """What a side of `replicas` replicas runs of one run's `samples` (num_prompts x N of them
     with --per-replica)."""
     return samples if args.per_replica and replicas > 1 else samples[: args.num_prompts]
 
 
-def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[bs.Sample]]) -> dict:
+def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[Sample]]) -> dict:
     """A server of `replicas` replicas: the warm-up workloads, then the timed ones."""
     extra = " --engine-process" if args.engine_process else " --no-engine-process"
     server_args = argparse.Namespace(
@@ -139,17 +144,17 @@ def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[bs.Sa
             "server_args": args.server_args + extra,
         }
     )
-    client = bs.pick_client(args.client)
+    client = pick_client(args.client)
     runs = []
     with (
-        bs.LaunchedServer(server_args) as server,
-        bs.Clients(args, server.url, bs.served_model(server.url), client) as clients,
+        LaunchedServer(server_args) as server,
+        Clients(args, server.url, served_model(server.url), client) as clients,
     ):
         for i, samples in enumerate(workloads):
             tag = f"http dp={replicas} run {i}"
             samples = side_workload(args, samples, replicas)
             records, duration = clients.run(samples, [0.0] * len(samples), tag)
-            s = bs.summarize(records, duration, [50.0])
+            s = summarize(records, duration, [50.0])
             if s["failed"] or s["output_len_mismatches"]:
                 raise SystemExit(f"{tag}: {s['failed']} failed, errors {s['errors']}")
             runs.append(s["output_throughput"])
@@ -158,7 +163,7 @@ def run_http(args: argparse.Namespace, replicas: int, workloads: list[list[bs.Sa
     return timed | {"server_start_seconds": server.start_seconds}
 
 
-def run_in_process(args: argparse.Namespace, workloads: list[list[bs.Sample]]) -> dict:
+def run_in_process(args: argparse.Namespace, workloads: list[list[Sample]]) -> dict:
     """One engine of N replicas; its replica 0 alone and the whole engine, runs interleaved."""
     from rosejax.sampling import SamplingParams
     from rosejax.settings import configure_process
@@ -179,8 +184,8 @@ def run_in_process(args: argparse.Namespace, workloads: list[list[bs.Sample]]) -
             traces, _ = common.run_workload(
                 side, [s.prompt for s in samples], params, offsets, tag, not args.no_progress
             )
-            records, duration = bs.records_from_traces(traces, samples, offsets)
-            s = bs.summarize(records, duration, [50.0])
+            records, duration = records_from_traces(traces, samples, offsets)
+            s = summarize(records, duration, [50.0])
             runs[key].append(s["output_throughput"])
             print(f"{tag}: {s['output_throughput']:,.0f} tok/s", file=sys.stderr)
     n = {k: len(side_workload(args, workloads[0], int(k))) for k in sides}
@@ -212,10 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--data-parallel-size must be >= 2: the replicas set beside one")
     # Fresh prompts every run (no prefix-cache hits), the same lengths; enough for N replicas.
     total = args.num_prompts * (n if args.per_replica else 1)
-    base = bs.random_dataset(argparse.Namespace(**vars(args) | {"num_prompts": total}), args.seed)
-    workloads = [
-        bs.warmup_samples(base, r, args) for r in range(args.warmup_runs + args.repeat_runs)
-    ]
+    base = random_dataset(argparse.Namespace(**vars(args) | {"num_prompts": total}), args.seed)
+    workloads = [warmup_samples(base, r, args) for r in range(args.warmup_runs + args.repeat_runs)]
     result: dict[str, Any] = {"benchmark": "data_parallel", "replicas": n, "args": vars(args)}
     if args.only != "in-process":
         http = {str(k): run_http(args, k, workloads) for k in (1, n)}

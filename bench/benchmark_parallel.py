@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` impor
 
 from bench import common  # noqa: E402
 from bench import metrics as m  # noqa: E402
-from bench.benchmark_serving import free_port  # noqa: E402
+from bench.serving.launch import free_port  # noqa: E402
 
 REPO = common.REPO
 

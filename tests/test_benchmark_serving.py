@@ -14,6 +14,12 @@ import numpy as np
 import pytest
 
 from bench import benchmark_serving as bs
+from bench.serving.flags import build_parser, percentile_list, request_rate, slo
+from bench.serving.http_client import Clients, _StreamReader
+from bench.serving.launch import server_argv
+from bench.serving.records import Record, even_counts, summarize, token_itls
+from bench.serving.report import format_table
+from bench.serving.workload import arrival_offsets, random_dataset, uniform_lengths
 from rosejax import LLM
 from rosejax.engine_args import engine_kwargs
 from rosejax.serve import cli as serve_cli
@@ -44,53 +50,49 @@ QUIET = ["--no-progress", "--warmup-runs", "0"]
 
 
 def test_even_counts_and_token_itls():
-    assert bs.even_counts(8, 3) == [1, 3, 4] and sum(bs.even_counts(10, 4)) == 10
-    assert (
-        bs.even_counts(5, 1) == [5]
-        and bs.even_counts(1, 2) == [1, 0]
-        and bs.even_counts(0, 0) == []
-    )
+    assert even_counts(8, 3) == [1, 3, 4] and sum(even_counts(10, 4)) == 10
+    assert even_counts(5, 1) == [5] and even_counts(1, 2) == [1, 0] and even_counts(0, 0) == []
     # events at 1.0 (2 tokens), 1.4 (4 tokens), 1.5 (none), 2.1 (1 token)
-    itl = bs.token_itls([1.0, 1.4, 1.5, 2.1], [2, 4, 0, 1])
+    itl = token_itls([1.0, 1.4, 1.5, 2.1], [2, 4, 0, 1])
     assert itl == pytest.approx([0.0, 0.1, 0.1, 0.1, 0.1, 0.7])
-    assert len(itl) == 2 + 4 + 1 - 1 and bs.token_itls([], []) == []
+    assert len(itl) == 2 + 4 + 1 - 1 and token_itls([], []) == []
 
 
 def test_arrivals_lengths_and_flag_types():
-    assert bs.arrival_offsets(3, math.inf, 1.0, 0) == [0.0, 0.0, 0.0]
-    a = bs.arrival_offsets(4000, 50.0, 1.0, 7)
-    assert a == bs.arrival_offsets(4000, 50.0, 1.0, 7) and a[0] == 0.0
+    assert arrival_offsets(3, math.inf, 1.0, 0) == [0.0, 0.0, 0.0]
+    a = arrival_offsets(4000, 50.0, 1.0, 7)
+    assert a == arrival_offsets(4000, 50.0, 1.0, 7) and a[0] == 0.0
     gaps = np.diff(a)
     assert (gaps > 0).all() and np.mean(gaps) == pytest.approx(1 / 50, rel=0.06)
     assert np.std(gaps) == pytest.approx(1 / 50, rel=0.1)  # exponential: std = mean
-    even = np.diff(bs.arrival_offsets(4000, 50.0, 16.0, 7))  # gamma shape 16: std = mean / 4
+    even = np.diff(arrival_offsets(4000, 50.0, 16.0, 7))  # gamma shape 16: std = mean / 4
     assert np.mean(even) == pytest.approx(1 / 50, rel=0.05) and np.std(even) < 0.4 / 50
-    lens = bs.uniform_lengths(10, 0.5, 2000, np.random.default_rng(0))
+    lens = uniform_lengths(10, 0.5, 2000, np.random.default_rng(0))
     assert min(lens) == 5 and max(lens) == 15
-    assert bs.uniform_lengths(7, 0.0, 5, np.random.default_rng(0)) == [7] * 5
-    assert bs.percentile_list("99,90") == [50.0, 90.0, 99.0]
-    assert bs.slo("tpot:2.5") == ("tpot", 2.5)
+    assert uniform_lengths(7, 0.0, 5, np.random.default_rng(0)) == [7] * 5
+    assert percentile_list("99,90") == [50.0, 90.0, 99.0]
+    assert slo("tpot:2.5") == ("tpot", 2.5)
     for bad in ("x:1", "ttft", "ttft:-1"):
         with pytest.raises(argparse.ArgumentTypeError):
-            bs.slo(bad)
+            slo(bad)
     with pytest.raises(argparse.ArgumentTypeError):
-        bs.request_rate("0")
-    assert bs.request_rate("inf") == math.inf
+        request_rate("0")
+    assert request_rate("inf") == math.inf
 
 
 def test_launch_passes_the_engine_flags_through():
     extra = ["--kernel", "attention=xla", "--kernel-tile", "linear.num_warps=2"]
     extra += ["--decode-steps", "4", "--no-prefix-cache", "--dtype", "float32"]
     extra += ["--no-prefill-overlap"]
-    args = bs.build_parser().parse_args([*ENGINE_FLAGS, *extra])
-    served = serve_cli.build_parser().parse_args(bs.server_argv(args))
+    args = build_parser(bs.__doc__).parse_args([*ENGINE_FLAGS, *extra])
+    served = serve_cli.build_parser().parse_args(server_argv(args))
     assert engine_kwargs(served) == engine_kwargs(args)
     assert engine_kwargs(served)["prefill_overlap"] is False
     assert (served.model, served.seed) == ("random:tiny", 3)
 
 
 def _record(i, sent, events, tokens, end, counts=None):
-    return bs.Record(i, tokens, sent, 4, sent, events, counts, tokens, end)
+    return Record(i, tokens, sent, 4, sent, events, counts, tokens, end)
 
 
 def test_summarize_by_hand():
@@ -98,9 +100,9 @@ def test_summarize_by_hand():
         _record(0, 0.0, [0.1, 0.3], 5, 0.35),  # ttft 100, tpot 62.5, e2el 350 ms
         _record(1, 0.1, [0.3, 0.4, 0.5], 3, 0.5, [1, 1, 1]),  # ttft 200, tpot 100, e2el 400
         _record(2, 0.2, [0.25], 1, 0.3),  # one token: ttft 50, tpot None (0 for goodput)
-        bs.Record(3, 4, 0.0, error="HTTP 500: boom"),
+        Record(3, 4, 0.0, error="HTTP 500: boom"),
     ]
-    s = bs.summarize(recs, 0.5, [50.0, 90.0], {"ttft": 150.0, "tpot": 80.0})
+    s = summarize(recs, 0.5, [50.0, 90.0], {"ttft": 150.0, "tpot": 80.0})
     assert (s["completed"], s["failed"], s["total_output_tokens"]) == (3, 1, 9)
     assert s["total_input_tokens"] == 12 and s["output_throughput"] == pytest.approx(18.0)
     assert s["ttft_ms"]["p50"] == pytest.approx(100.0) and s["ttft_ms"]["max"] == pytest.approx(200)
@@ -111,13 +113,13 @@ def test_summarize_by_hand():
     assert s["goodput"]["good_requests"] == 2  # record 1 misses both SLOs
     assert s["goodput"]["request_goodput"] == pytest.approx(4.0)
     assert s["errors"] == ["HTTP 500: boom"] and s["itl_token_counts"] == "even_spread"
-    table = bs.format_table({"HTTP": s, "in-process": s}, [50.0, 90.0])
+    table = format_table({"HTTP": s, "in-process": s}, [50.0, 90.0])
     assert "Median TTFT (ms):" in table and "P90 ITL (ms):" in table and "1.000" in table
 
 
 def test_stream_reader_with_continuous_usage():
-    rec = bs.Record(0, 4, 0.0, sent_s=0.0)
-    reader = bs._StreamReader(rec)
+    rec = Record(0, 4, 0.0, sent_s=0.0)
+    reader = _StreamReader(rec)
 
     def chunk(text, total):
         usage = {"prompt_tokens": 3, "completion_tokens": total}
@@ -128,8 +130,8 @@ def test_stream_reader_with_continuous_usage():
     reader.finish()
     assert rec.event_s == pytest.approx([0.1, 0.3]) and rec.event_tokens == [1, 3]
     assert rec.output_tokens == 4 and rec.error is None  # no final usage: the streamed count
-    cut = bs.Record(1, 4, 0.0, sent_s=0.0)
-    reader = bs._StreamReader(cut)
+    cut = Record(1, 4, 0.0, sent_s=0.0)
+    reader = _StreamReader(cut)
     reader.line(b'data: {"choices": [{"text": "x"}]}', 0.1)
     reader.finish()
     assert not cut.ok and "DONE" in cut.error
@@ -140,7 +142,7 @@ def test_stream_reader_with_continuous_usage():
 
 @pytest.fixture(scope="module")
 def server():
-    args = bs.build_parser().parse_args(ENGINE_FLAGS)
+    args = build_parser(bs.__doc__).parse_args(ENGINE_FLAGS)
     llm = LLM(args.model, seed=args.seed, **engine_kwargs(args))
     with ServerThread(create_app(llm.engine, served_model_name="tiny")) as s:
         yield s.url
@@ -221,21 +223,21 @@ def test_poisson_run_against_its_records(server, tmp_path):
         "tpot": 20.0,
         "e2el": 300.0,
     }
-    assert [r["scheduled_s"] for r in recs] == pytest.approx(bs.arrival_offsets(6, 30.0, 1.0, 5))
-    args = bs.build_parser().parse_args([*WORKLOAD, "--seed", "5"])
-    want = [len(s.prompt) for s in bs.random_dataset(args, 5)]
+    assert [r["scheduled_s"] for r in recs] == pytest.approx(arrival_offsets(6, 30.0, 1.0, 5))
+    args = build_parser(bs.__doc__).parse_args([*WORKLOAD, "--seed", "5"])
+    want = [len(s.prompt) for s in random_dataset(args, 5)]
     assert [r["prompt_len"] for r in recs] == want  # the server's usage agrees
 
 
 def test_client_nice_runs_even_one_client_in_a_process_of_that_niceness():
-    args = bs.build_parser().parse_args(
+    args = build_parser(bs.__doc__).parse_args(
         [*WORKLOAD, "--client-processes", "1", "--client-nice", "3"]
     )
-    with bs.Clients(args, "http://127.0.0.1:1", "tiny", "httpx") as clients:
+    with Clients(args, "http://127.0.0.1:1", "tiny", "httpx") as clients:
         assert clients.pool is not None
         assert clients.pool.submit(os.nice, 0).result() == os.nice(0) + 3
     with pytest.raises(SystemExit):
-        bs.build_parser().parse_args([*WORKLOAD, "--client-nice", "20"])
+        build_parser(bs.__doc__).parse_args([*WORKLOAD, "--client-nice", "20"])
 
 
 def _have(module: str) -> bool:

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench.benchmark_serving import free_port
+from bench.serving.launch import free_port
 from rosejax import LLM
 from rosejax.settings import EngineConfig
 from tests.conftest import hf_greedy, make_hf_checkpoint

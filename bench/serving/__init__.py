@@ -1,0 +1,1 @@
+"""The pieces of bench/benchmark_serving.py (the script holds `main`)."""
