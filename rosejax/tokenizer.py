@@ -275,15 +275,15 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> Tokenizer:
     )
 
 
-def warm_tokenizer(tokenizer: Tokenizer) -> None:
+def warm_tokenizer(tokenizer: Tokenizer, chat: bool = True) -> None:
     """Make what a first request would otherwise wait for: the detokenizer's byte table (a
-    tenth of a second for GPT-2's vocabulary, half a second for Qwen3's) and, for a chat
-    template, transformers' renderer of it (a `FastTokenizer` imports transformers on its first
-    chat). A server calls this once it serves; best effort: what fails here fails again where a
-    request needs it, as it would have."""
+    tenth of a second for GPT-2's vocabulary, half a second for Qwen3's) and, with `chat` and a
+    chat template, transformers' renderer of it (a `FastTokenizer` imports transformers on its
+    first chat). A server calls this once it serves; best effort: what fails here fails again
+    where a request needs it, as it would have."""
     try:
         _byte_table(tokenizer, skip_special=False)
-        if getattr(tokenizer, "chat_template", None):
+        if chat and getattr(tokenizer, "chat_template", None):
             chat = [{"role": "user", "content": "Hello"}]
             tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     except Exception:

@@ -392,11 +392,15 @@ def test_cli_engine_process_serves_and_stops_its_children(tmp_path, sig):
 def test_warm_for_serving_warms_the_engines_own_tokenizer():
     """An engine process detokenizes with a tokenizer of its own, which the API servers'
     `warm_tokenizer` does not reach: warming its engine for serving builds the table every
-    request's detokenizer reads, which the first request would otherwise wait for."""
+    request's detokenizer reads, which the first request would otherwise wait for, and not the
+    chat template's renderer."""
     from rosejax.engine.serving import warm_for_serving
     from rosejax.tokenizer import _TABLES, _byte_table
 
     engine = LLM(MODEL, **ENGINE).engine
+    engine.tokenizer.chat_template = "{{ messages[0]['content'] }}"
     assert engine.tokenizer not in _TABLES
     assert warm_for_serving(engine, False) is False  # on the CPU nothing is left to compile
     assert _TABLES[engine.tokenizer][2] == _byte_table(engine.tokenizer, False)
+    # Chats are the API servers' to render: the engine's start imports no transformers for one.
+    assert engine.tokenizer._transformers is None

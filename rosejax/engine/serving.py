@@ -59,10 +59,11 @@ def warm_for_serving(engine: Any, warmup: bool | None) -> bool:
     says: None on a GPU, what a first request needs (the rest compile while idle,
     `compile_while_idle`: every program up front took minutes with an empty compilation
     cache); True, every program. Returns whether programs are left for `compile_while_idle`.
-    Also the tokenizer's tables every request's detokenizer reads (`warm_tokenizer`): an engine
-    process has its own tokenizer, which the API servers' warming does not reach (a first
-    request waited 0.1 s for GPT-2's, half a second for Qwen3's)."""
-    warm_tokenizer(engine.tokenizer)
+    Also the table every request's detokenizer reads (`warm_tokenizer`): an engine process has
+    its own tokenizer, which the API servers' warming does not reach (a first request waited
+    0.1 s for GPT-2's, half a second for Qwen3's). Not the chat template: the API servers
+    render chats, and rendering one here would import transformers into the engine's start."""
+    warm_tokenizer(engine.tokenizer, chat=False)
     background = warmup is None and not engine.on_cpu
     if background:
         engine.compile_ahead(*engine.warmup_programs()[:FIRST_PROGRAMS])
