@@ -10,7 +10,6 @@ otherwise. Replica i runs on `replica_devices(...)[i]`.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -107,17 +106,16 @@ class RoutedReplicas:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         ids = self.prompt_ids(prompt)
-        # A replica whose engine process died takes no new request while another one lives.
-        loads = [
-            math.inf if getattr(r, "died", None) else n
-            for r, n in zip(self.replicas, self.loads, strict=True)
-        ]
-        replica = self.router.route(ids, loads)
+        replica = self.router.route(ids, self._route_loads())
         self.replicas[replica].add_request(request_id, ids, params)
         # Its n sequences each hold a slot and their own tokens (the prompt's blocks shared).
         cost = params.n * request_cost(len(ids), params.max_tokens, self.config.max_model_len)
         self._where[request_id] = (replica, cost)
         self.loads[replica] += cost
+
+    def _route_loads(self) -> list[float]:
+        """The loads the router weighs (a subclass may rule a replica out with inf)."""
+        return self.loads
 
     def _ended(self, request_id: str) -> int | None:
         """Forget an ended request; its replica, or None if it was not here."""

@@ -16,6 +16,7 @@ engine's garbage collection, or the interpreter's exit) stops them.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Sequence
 from multiprocessing.connection import wait
@@ -255,6 +256,10 @@ class ProcessDataParallelEngine(RoutedReplicas):
             r.send_compile(verb, programs)
         for r in self.replicas:
             r.await_compile()
+
+    def _route_loads(self) -> list[float]:
+        # A replica whose engine process died takes no new request while another one lives.
+        return [math.inf if r.died else n for r, n in zip(self.replicas, self.loads, strict=True)]
 
     def step(self) -> list[RequestOutput]:
         """`step_replicas` over every replica; finished requests leave the router's loads."""
