@@ -597,6 +597,16 @@ def load_pyplot():
     return plt
 
 
+def save_figure(plt: Any, fig: Any, path: str, title: str | None = None) -> None:
+    """Title `fig` (if a title is given), write it to `path` as a PNG and close it."""
+    if title is not None:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def plot_distributions(path: str, series: dict[str, dict[str, list]], title: str) -> None:
     """TTFT and ITL: a histogram and a CDF each. `series`: label -> {'ttft_ms': [...],
     'itl_ms': [...]} (one label per run or per engine)."""
@@ -618,11 +628,7 @@ def plot_distributions(path: str, series: dict[str, dict[str, list]], title: str
         for ax in axes[row]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}", file=sys.stderr)
+    save_figure(plt, fig, path, title)
 
 
 def plot_throughput(
@@ -643,7 +649,4 @@ def plot_throughput(
     ax.set_xticks(list(batch_sizes), [str(b) for b in batch_sizes])
     ax.grid(alpha=0.3, which="both")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}", file=sys.stderr)
+    save_figure(plt, fig, path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -121,8 +120,4 @@ def plot_timeline(path: str, runs: dict[str, Sequence[Record]], title: str) -> N
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}", file=sys.stderr)
+    common.save_figure(plt, fig, path, title)
