@@ -7,8 +7,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from rosejax.engine.llm_engine import AUTO_FULL_STEPS, AUTO_OPEN_STEPS
-from rosejax.settings import KERNEL_OPS, KERNEL_SWITCHES, KernelConfig
+from rosejax.engine.llm_engine import AUTO_FULL_STEPS
+from rosejax.settings import KERNEL_OPS, KERNEL_SWITCHES, EngineConfig, KernelConfig
 
 
 def parse_decode_steps(text: str) -> int | str:
@@ -22,7 +22,7 @@ def parse_decode_steps(text: str) -> int | str:
 
 DECODE_STEPS_HELP = (
     f"decode steps per device call (multi-step decode): an int, or 'auto' ({AUTO_FULL_STEPS} "
-    f"while the batch is full, {AUTO_OPEN_STEPS} while it has free slots, cut short while "
+    "while the batch is full, --open-decode-steps while it has free slots, cut short while "
     "requests wait for a slot); default: auto"
 )
 
@@ -159,6 +159,15 @@ def add_engine_args(
         "--decode-steps", type=parse_decode_steps, default="auto", help=DECODE_STEPS_HELP
     )
     p.add_argument(
+        "--open-decode-steps",
+        type=int,
+        default=EngineConfig.open_decode_steps,
+        help="under --decode-steps auto: the window while the batch has free slots (a request "
+        "arriving then waits about this many steps to be admitted) and the shortest window "
+        "while requests wait for a slot; shorter admits sooner, longer spends less host time "
+        "per token; default: %(default)s",
+    )
+    p.add_argument(
         "--no-prefill-overlap",
         action="store_true",
         help="a step that prefills decodes nothing, for A/B timings (by default the running "
@@ -246,6 +255,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         decode_steps=args.decode_steps,
+        open_decode_steps=args.open_decode_steps,
         prefill_overlap=not args.no_prefill_overlap,
         enable_prefix_caching=not args.no_prefix_cache,
         warmup=False if args.no_warmup else None,

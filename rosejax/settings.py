@@ -265,6 +265,9 @@ class EngineConfig:
     prefill_chunk_tokens: int | None = None
     prefill_max_batch_size: int | None = None  # requests per prefill; default max_batch_size
     decode_steps: int | str = "auto"  # steps per decode window, or "auto"
+    # Under "auto": the window while slots are free (a request arriving then starts within about
+    # that many steps), and the shortest window while requests wait for a slot.
+    open_decode_steps: int = 8
     # A step that prefills also dispatches the running requests' decode window right behind the
     # prefill, before reading its first tokens back. Off: that step decodes nothing (an A/B).
     prefill_overlap: bool = True
@@ -314,6 +317,10 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"decode_steps must be 'auto' or an int >= 1, got {self.decode_steps!r}"
+            )
+        if not isinstance(self.open_decode_steps, int) or self.open_decode_steps < 1:
+            raise ValueError(
+                f"open_decode_steps must be an int >= 1, got {self.open_decode_steps!r}"
             )
         if self.min_decode_batch is not None and self.min_decode_batch < 1:
             raise ValueError(f"min_decode_batch must be >= 1, got {self.min_decode_batch}")

@@ -120,14 +120,12 @@ def test_multi_step_windows_equal_single_steps(checkpoint, shared_llm, temperatu
     assert outs[1] == outs[7]
 
 
-@pytest.mark.parametrize("first_finish", [9, 3])
-def test_auto_window_length(checkpoint, first_finish, monkeypatch):
-    """'auto': short windows while slots are free, long ones when full, cut to the first finish
-    while requests wait for a slot, but never below the open-slot window (a window of a step or
-    two costs every row its fixed overhead)."""
-    from rosejax.engine.llm_engine import AUTO_OPEN_STEPS
-
-    engine = make_llm(checkpoint, max_batch_size=2).engine
+@pytest.mark.parametrize("first_finish, open_steps", [(9, 8), (3, 8), (3, 2), (5, 4)])
+def test_auto_window_length(checkpoint, first_finish, open_steps, monkeypatch):
+    """'auto': open_decode_steps while slots are free, long windows when full, cut to the first
+    finish while requests wait for a slot, but never below the open-slot window (a window of a
+    step or two costs every row its fixed overhead)."""
+    engine = make_llm(checkpoint, max_batch_size=2, open_decode_steps=open_steps).engine
     windows = []
     decode = engine.runner.decode
     monkeypatch.setattr(
@@ -138,11 +136,11 @@ def test_auto_window_length(checkpoint, first_finish, monkeypatch):
             f"r{i}", random_prompts(1)[0], SamplingParams(max_tokens=n, temperature=0)
         )
     running = engine.scheduler.running
-    assert engine._window(running) == AUTO_OPEN_STEPS  # nothing admitted yet: slots free
+    assert engine._window(running) == open_steps  # nothing admitted yet: slots free
     engine.step()  # admits r0 and r1 and dispatches their first window; r2 waits for a slot
     assert len(running) == 2 and engine.scheduler.waiting
     # r1 may finish after `first_finish` tokens: its slot is refilled then.
-    assert windows == [max(first_finish, AUTO_OPEN_STEPS)]
+    assert windows == [max(first_finish, open_steps)]
     engine.abort_request("r2")
     assert engine._window(running) == engine.decode_steps == 32  # full, nobody waiting
     while engine.has_unfinished_requests():

@@ -74,6 +74,8 @@ def test_configs_are_hashable_values_and_check_their_fields():
         KernelConfig(tiles=(("matmul", "num_warps", 2),))
     with pytest.raises(ValueError, match="decode_steps"):
         EngineConfig(model="random:tiny", decode_steps=0)
+    with pytest.raises(ValueError, match="open_decode_steps"):
+        EngineConfig(model="random:tiny", open_decode_steps=0)
     with pytest.raises(ValueError, match="at most one"):
         EngineConfig(model="random:tiny", kv_cache_tokens=64, kv_cache_memory_fraction=0.5)
 

@@ -69,7 +69,6 @@ from rosejax.tokenizer import IncrementalDetokenizer, TokenTexts, load_tokenizer
 logger = logging.getLogger("rosejax")
 
 AUTO_FULL_STEPS = 32  # "auto" decode window while the batch is full: throughput
-AUTO_OPEN_STEPS = 8  # "auto" decode window while the batch has free slots
 # Prefills that compute prompt logprobs hold logits [tokens, V] in float32: at most this many
 # padded tokens (V=151,936: 1.2 GB), longer prompts in chunks of PROMPT_LOGPROBS_CHUNK.
 MAX_LOGITS_TOKENS = 2048
@@ -228,6 +227,7 @@ class LLMEngine:
         self.auto_steps = config.decode_steps == "auto"
         self.prefill_overlap = config.prefill_overlap
         self.decode_steps = AUTO_FULL_STEPS if self.auto_steps else config.decode_steps
+        self.open_steps = config.open_decode_steps
         self.allocator = BlockAllocator(
             self._num_blocks(on_cpu), config.block_size, config.enable_prefix_caching
         )
@@ -698,17 +698,17 @@ class LLMEngine:
         """Steps for the next decode window. Fixed when the user chose them; under "auto", the
         full `decode_steps` while the batch is full and nobody waits (throughput), until the
         first running request may finish while requests wait for a slot (its slot is refilled
-        then), and AUTO_OPEN_STEPS while slots are free (a request arriving now starts within
-        that many). No window is shorter than AUTO_OPEN_STEPS: under steady arrivals the first
-        finish was often a step or two away, and windows that short cost every row the window's
-        fixed overhead, for one slot idle a few steps."""
+        then), and `open_decode_steps` while slots are free (a request arriving now starts within
+        about that many). No window is shorter than that: under steady arrivals the first finish
+        was often a step or two away, and windows that short cost every row the window's fixed
+        overhead, for one slot idle a few steps."""
         if not self.auto_steps:
             return self.decode_steps
         if self.scheduler.waiting and len(running) >= self.max_batch_size:
             left = min(r.remaining - r.inflight for r in running)
-            return int(min(self.decode_steps, max(left, AUTO_OPEN_STEPS)))
+            return int(min(self.decode_steps, max(left, self.open_steps)))
         if len(running) < self.max_batch_size:
-            return min(self.decode_steps, AUTO_OPEN_STEPS)
+            return min(self.decode_steps, self.open_steps)
         return self.decode_steps
 
     def _dispatch_decode(self, running: list[Request]) -> bool:
