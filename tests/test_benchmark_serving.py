@@ -117,6 +117,16 @@ def test_summarize_by_hand():
     assert "Median TTFT (ms):" in table and "P90 ITL (ms):" in table and "1.000" in table
 
 
+def test_a_client_meant_to_leave_counts_as_completed_when_its_stream_ends_first():
+    left = _record(0, 0.0, [0.1, 0.2, 0.3], 3, None)
+    left.disconnect_after = 3
+    short = _record(1, 0.0, [0.1, 0.2], 4, 0.25)  # its 4 tokens came in 2 events: never left
+    short.disconnect_after = 3
+    s = summarize([left, short], 0.5, [50.0], {})
+    assert (s["completed"], s["disconnected"], s["failed"]) == (1, 1, 0)
+    assert s["total_output_tokens"] == 4  # the completed one; a client that left has no usage
+
+
 def test_stream_reader_with_continuous_usage():
     rec = Record(0, 4, 0.0, sent_s=0.0)
     reader = _StreamReader(rec)

@@ -60,8 +60,9 @@ class Record:
 
     @property
     def ok(self) -> bool:
+        # A client meant to leave whose stream ended first read the whole answer: completed.
         done = self.error is None and self.end_s is not None and bool(self.event_s)
-        return done and self.disconnect_after is None
+        return done and not self.disconnected
 
     @property
     def counts(self) -> list[int]:
