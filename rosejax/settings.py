@@ -268,6 +268,10 @@ class EngineConfig:
     # Under "auto": the window while slots are free (a request arriving then starts within about
     # that many steps), and the shortest window while requests wait for a slot.
     open_decode_steps: int = 8
+    # A server's idle engine loop, once a request arrives, goes on taking requests while each
+    # comes within this many ms of the last (8x it at most) before it steps: a burst is
+    # prefilled together. 0: it steps at once.
+    idle_gather_ms: float = 0.0
     # A step that prefills also dispatches the running requests' decode window right behind the
     # prefill, before reading its first tokens back. Off: that step decodes nothing (an A/B).
     prefill_overlap: bool = True
@@ -322,6 +326,8 @@ class EngineConfig:
             raise ValueError(
                 f"open_decode_steps must be an int >= 1, got {self.open_decode_steps!r}"
             )
+        if not 0 <= self.idle_gather_ms <= 1000:
+            raise ValueError(f"idle_gather_ms must be in [0, 1000], got {self.idle_gather_ms!r}")
         if self.min_decode_batch is not None and self.min_decode_batch < 1:
             raise ValueError(f"min_decode_batch must be >= 1, got {self.min_decode_batch}")
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:

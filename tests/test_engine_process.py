@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import pickle
+import queue
 import random
 import signal
 import threading
@@ -28,6 +29,7 @@ import pytest
 
 from rosejax import LLM, SamplingParams
 from rosejax.engine.output_rows import RowReader, RowWriter
+from rosejax.engine.serving import GATHER_SPAN, take_commands
 from rosejax.serve import create_app
 from rosejax.serve.engine_process import EngineProcesses
 from rosejax.serve.server import ServerThread
@@ -111,7 +113,8 @@ def served():
     prompt_ids = {rid: llm.engine.prompt_ids(p) for rid, (p, _) in requests.items()}
     # A second API server (`--api-server-count 2`) on the same child, as another API server
     # process connects: through the pipe ends the first hands it.
-    config = EngineConfig(model=MODEL, **ENGINE)
+    # Its loop gathers arrivals while idle: the texts below must not depend on it.
+    config = EngineConfig(model=MODEL, **ENGINE, idle_gather_ms=2.0)
     engine = EngineProcesses(config, api_servers=2)
     (links,) = engine.api_server_links()
     second = EngineProcesses(config, links=links)
@@ -404,3 +407,41 @@ def test_warm_for_serving_warms_the_engines_own_tokenizer():
     assert _TABLES[engine.tokenizer][2] == _byte_table(engine.tokenizer, False)
     # Chats are the API servers' to render: the engine's start imports no transformers for one.
     assert engine.tokenizer._transformers is None
+
+
+def _feed(inbox: queue.SimpleQueue, gaps: list[float]) -> threading.Thread:
+    """Put item i after sleeping gaps[i] seconds, on a thread."""
+
+    def run():
+        for i, gap in enumerate(gaps):
+            time.sleep(gap)
+            inbox.put(i)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("gather", [0.0, 0.25])
+def test_take_commands_gathers_a_burst_only_while_its_arrivals_keep_coming(gather):
+    """Without gathering only what is queued is taken; with it, items 20 ms apart are taken in
+    one call, and one that comes a second after the burst is left for the next."""
+    inbox, taken = queue.SimpleQueue(), []
+    feeder = _feed(inbox, [0.0] + [0.02] * 5 + [1.0])
+    take_commands(inbox, taken.append, wait=2.0, gather=gather)
+    assert taken == ([0, 1, 2, 3, 4, 5] if gather else [0])
+    feeder.join()
+    take_commands(inbox, taken.append, wait=0.0)
+    assert taken[-1] == 6 and sorted(taken) == list(range(7))
+
+
+def test_take_commands_gathers_for_at_most_its_span():
+    """Arrivals that never pause are gathered for GATHER_SPAN gaps at most, then the loop steps."""
+    inbox, taken = queue.SimpleQueue(), []
+    feeder = _feed(inbox, [0.0] + [0.01] * 300)  # 3 s of arrivals
+    start = time.monotonic()
+    take_commands(inbox, taken.append, wait=2.0, gather=0.05)
+    elapsed = time.monotonic() - start
+    assert GATHER_SPAN * 0.05 <= elapsed < GATHER_SPAN * 0.05 + 0.5, elapsed
+    assert 5 <= len(taken) < 200 and taken == list(range(len(taken)))
+    feeder.join()

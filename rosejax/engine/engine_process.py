@@ -36,7 +36,12 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from rosejax.engine.output_rows import RowWriter
-from rosejax.engine.serving import compile_while_idle, engine_snapshot, warm_for_serving
+from rosejax.engine.serving import (
+    compile_while_idle,
+    engine_snapshot,
+    take_commands,
+    warm_for_serving,
+)
 from rosejax.settings import EngineConfig, freeze_heap
 
 log = logging.getLogger("rosejax")
@@ -115,6 +120,7 @@ class _EngineLoop:
         self, engine: Any, conns: Sequence[Connection], background: bool, poll_s: float = 0.05
     ):
         self.engine, self.poll_s = engine, poll_s
+        self.gather_s = engine.engine_config.idle_gather_ms / 1e3
         self.idle, self.stop = threading.Event(), threading.Event()
         self.stop_asked = False  # API server 0 said stop: stop once no other pipe is open
         self.open = set(range(len(conns)))  # the API servers whose pipe is open
@@ -164,20 +170,19 @@ class _EngineLoop:
         except OSError:  # that driver has gone; the receiving thread says so
             pass
 
-    def _commands(self, wait: float) -> None:
-        """Handle every command list received, waiting up to `wait` seconds for the first."""
-        try:
-            item = self.inbox.get(timeout=wait) if wait else self.inbox.get_nowait()
-            while True:
-                pipe, cmds = item
-                if cmds is None:
-                    self._closed(pipe)
-                else:
-                    for cmd in cmds:
-                        self._handle(pipe, cmd)
-                item = self.inbox.get_nowait()
-        except queue.Empty:
-            pass
+    def _commands(self, idle: bool) -> None:
+        """Handle every command list received (`take_commands`: idle, wait for the first and
+        gather a burst's)."""
+        wait, gather = (self.poll_s, self.gather_s) if idle else (0.0, 0.0)
+        take_commands(self.inbox, self._take, wait, gather)
+
+    def _take(self, item: tuple[int, list | None]) -> None:
+        pipe, cmds = item
+        if cmds is None:
+            self._closed(pipe)
+        else:
+            for cmd in cmds:
+                self._handle(pipe, cmd)
 
     def run(self) -> None:
         try:
@@ -185,7 +190,7 @@ class _EngineLoop:
                 busy = self.engine.has_unfinished_requests()
                 if not busy:
                     self.idle.set()
-                self._commands(0 if busy else self.poll_s)
+                self._commands(idle=not busy)
                 self.idle.clear()
                 if 0 not in self.open:  # nothing to serve
                     log.warning("the process driving it has gone; this engine process stops")

@@ -1,13 +1,15 @@
 """What an engine loop does besides stepping, wherever it runs (a server's engine thread,
-`rosejax.serve.engine_loop`; an engine process, `rosejax.engine.engine_process`): the snapshot
-of gauges it publishes, and a server's warm-up: the first programs before it serves, the rest
+`rosejax.serve.engine_loop`; an engine process, `rosejax.engine.engine_process`): taking its
+commands, the snapshot of gauges it publishes, and a server's warm-up: the first programs before it serves, the rest
 compiled while idle. An offline engine warms up as `EngineConfig.warmup` says instead
 (`LLMEngine`)."""
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +17,33 @@ from rosejax.settings import freeze_heap
 from rosejax.tokenizer import warm_tokenizer
 
 log = logging.getLogger("rosejax")
+
+GATHER_SPAN = 8  # an idle loop gathers arrivals for at most this many gaps in all
+
+
+def take_commands(
+    inbox: queue.SimpleQueue, handle: Callable[[Any], None], wait: float, gather: float = 0.0
+) -> None:
+    """`handle` every item in `inbox`, waiting up to `wait` seconds for the first. An idle loop
+    (`gather` > 0) then goes on taking items while each comes within `gather` seconds of the
+    last, for at most GATHER_SPAN x `gather` in all, before its step: the requests of a burst,
+    which reach it one by one, go into one prefill, instead of the first few into a prefill of
+    their own while the rest wait behind its dispatch."""
+    try:
+        item = inbox.get(timeout=wait) if wait else inbox.get_nowait()
+        deadline = time.monotonic() + GATHER_SPAN * gather
+        while True:
+            handle(item)
+            try:
+                item = inbox.get_nowait()
+            except queue.Empty:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                item = inbox.get(timeout=min(gather, left))
+    except queue.Empty:
+        pass
+
 
 _SNAPSHOT_KEYS = (
     "running",

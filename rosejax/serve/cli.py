@@ -15,6 +15,7 @@ from typing import Any
 
 from rosejax.engine_args import add_engine_args, engine_kwargs
 from rosejax.serve.protocol import Limits
+from rosejax.settings import EngineConfig, configure_process
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="most requests allowed to wait beyond a full batch (in flight > "
         "max-batch-size + this -> HTTP 429); -1 = no bound; default: %(default)s",
+    )
+    p.add_argument(
+        "--idle-gather-ms",
+        type=float,
+        default=EngineConfig.idle_gather_ms,
+        metavar="MS",
+        help="an idle engine that receives a request goes on taking requests while each comes "
+        "within MS of the last (8 x MS at most) before it steps, so that a burst is prefilled "
+        "together; costs a lone request up to MS of its TTFT; 0 = step at once; default: "
+        "%(default)s",
     )
     p.add_argument(
         "--seed",
@@ -184,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from rosejax.engine.data_parallel import make_engine, replica_devices
     from rosejax.engine.serving import warm_for_serving
-    from rosejax.settings import EngineConfig, configure_process
 
     api_servers = None
     try:
@@ -206,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             max_stop_chars=args.max_stop_chars,
             read_timeout=args.request_timeout,
         )
-        kwargs = engine_kwargs(args)
+        kwargs = engine_kwargs(args) | {"idle_gather_ms": args.idle_gather_ms}
         config = EngineConfig(model=args.model, seed=args.seed, **kwargs | {"warmup": False})
         configure_process(config.compilation_cache_dir)  # before jax starts its backend
         template = _read_chat_template(args)

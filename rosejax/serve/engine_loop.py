@@ -20,7 +20,7 @@ from typing import Any
 from rosejax.engine.llm_engine import check_request, checked_prompt_ids
 from rosejax.engine.request import RequestOutput
 from rosejax.engine.router import request_cost
-from rosejax.engine.serving import compile_while_idle, engine_snapshot
+from rosejax.engine.serving import compile_while_idle, engine_snapshot, take_commands
 from rosejax.sampling import SamplingParams
 from rosejax.serve.metrics import ServerMetrics
 
@@ -312,6 +312,7 @@ class AsyncEngine(EngineFront):
         self._publish()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._poll_s = poll_s
+        self._gather_s = engine.engine_config.idle_gather_ms / 1e3
         self._thread = threading.Thread(
             target=self._run, name=f"rosejax-engine-{replica}", daemon=True
         )
@@ -388,13 +389,8 @@ class AsyncEngine(EngineFront):
         self._programs_left -= 1
 
     def _drain(self, block: bool) -> None:
-        try:
-            cmd = self._commands.get(timeout=self._poll_s) if block else self._commands.get_nowait()
-            while True:
-                self._handle(cmd)
-                cmd = self._commands.get_nowait()
-        except queue.Empty:
-            pass
+        wait, gather = (self._poll_s, self._gather_s) if block else (0.0, 0.0)
+        take_commands(self._commands, self._handle, wait, gather)
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
