@@ -247,7 +247,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
         "--in-process",
         action="store_true",
         help="also run the same workload through LLMEngine in this process (built from the "
-        "engine flags; after --launch's server stopped) and print HTTP / in-process",
+        "engine flags; after --launch's server stopped) and print HTTP / in-process. Beside a "
+        "--base-url server on the same GPU, give XLA_PYTHON_CLIENT_PREALLOCATE=false and "
+        "--kv-cache-tokens: jax's preallocation of 75%% of the GPU aborts this process",
     )
     g.add_argument(
         "--json",
