@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from bench import benchmark_serving as bs
+from bench import compare_servers as cs
 from bench.serving.flags import build_parser, percentile_list, request_rate, slo
 from bench.serving.http_client import Clients, _StreamReader
 from bench.serving.launch import server_argv
@@ -363,3 +364,33 @@ def test_launch_runs_and_stops_a_server(tmp_path):
     check_run(res, "http", 2)
     assert res["config"]["model"] == "tiny-launched" and res["config"]["launched"]
     assert res["config"]["base_url"].startswith("http://127.0.0.1:")
+
+
+def test_compare_servers_variants_and_their_order():
+    a, b, c = (cs.variant(t) for t in ("a=", "b=--open-decode-steps 4", "c=--x=1 --y"))
+    assert (b.name, b.flags, c.flags) == ("b", "--open-decode-steps 4", "--x=1 --y")
+    for bad in ("noequals", "=flags", "two words=x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cs.variant(bad)
+    order = cs.run_order([a, b, c], 3)
+    assert [(r, v.name) for r, v in order] == [
+        (0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c"),
+    ]  # fmt: skip
+
+
+@pytest.mark.slow  # two server processes starting and compiling: ~10 s of CPU
+def test_compare_servers_runs_each_variant_each_round(tmp_path):
+    out = tmp_path / "cmp.json"
+    argv = [*ENGINE_FLAGS, *WORKLOAD, *QUIET, "--rounds", "2", "--in-process"]
+    argv += ["--variant", "plain=", "--variant", "open2=--open-decode-steps 2", "--json", str(out)]
+    assert cs.main(argv) == 0
+    res = json.loads(out.read_text())
+    plain, open2 = res["variants"]["plain"], res["variants"]["open2"]
+    assert plain["server_cmd"][-2:] == ["--max-waiting", "-1"]  # --server-args's default
+    assert open2["server_cmd"][-2:] == ["--open-decode-steps", "2"]
+    for v in (plain, open2):
+        assert len(v["runs"]) == 2 and all(s["completed"] == 6 for s in v["runs"])
+        tps = sorted(s["output_throughput"] for s in v["runs"])
+        assert v["median"]["output_throughput"] == pytest.approx((tps[0] + tps[1]) / 2)
+        assert v["median"]["ttft_p50"] > 0 and v["start_seconds"] > 0
+    assert res["in_process"]["output_throughput"] > 0

@@ -86,22 +86,26 @@ def add_client_arg(g: argparse._ActionsContainer) -> None:
     )
 
 
-def build_parser(doc: str) -> argparse.ArgumentParser:
-    """The parser, described by `doc` (the script's docstring)."""
+def build_parser(doc: str, where: bool = True) -> argparse.ArgumentParser:
+    """The parser, described by `doc` (the script's docstring); `where=False`: no --base-url or
+    --launch, the script launches its own servers."""
     p = common.new_parser(doc)
     g = p.add_argument_group("server")
-    where = g.add_mutually_exclusive_group()
-    where.add_argument(
-        "--base-url",
-        default=f"http://{LOOPBACK}:8000",
-        help="the running server to drive (its /v1/completions)",
-    )
-    where.add_argument(
-        "--launch",
-        action="store_true",
-        help="start `python -m rosejax.serve` with this script's engine flags on a free "
-        "loopback port, wait for /health, run, then stop it (SIGINT)",
-    )
+    if where:
+        where_group = g.add_mutually_exclusive_group()
+        where_group.add_argument(
+            "--base-url",
+            default=f"http://{LOOPBACK}:8000",
+            help="the running server to drive (its /v1/completions)",
+        )
+        where_group.add_argument(
+            "--launch",
+            action="store_true",
+            help="start `python -m rosejax.serve` with this script's engine flags on a free "
+            "loopback port, wait for /health, run, then stop it (SIGINT)",
+        )
+    else:
+        p.set_defaults(launch=True, base_url=None)
     g.add_argument(
         "--served-model-name",
         default=None,
@@ -295,6 +299,6 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--dataset-path goes with --dataset jsonl (and only with it)")
     if args.vocab_size < 2:
         p.error("--vocab-size must be >= 2")
-    host = args.base_url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
+    host = (args.base_url or "").split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
     if not args.launch and host not in (LOOPBACK, "localhost"):
         p.error(f"--base-url must be a loopback address ({LOOPBACK}), got {args.base_url}")

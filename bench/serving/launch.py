@@ -70,7 +70,9 @@ def programs_to_compile(base_url: str) -> int:
 class LaunchedServer:
     """`python -m rosejax.serve` in a subprocess on a free loopback port, up once /health is."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, env: dict[str, str] | None = None):
+        """`env`: variables set for the server beside this process's."""
+        self.env = env or {}
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
         self.cmd = [
@@ -105,7 +107,7 @@ class LaunchedServer:
 
     def __enter__(self) -> LaunchedServer:
         print(f"launching: {shlex.join(self.cmd)} (log {self.log_path})", file=sys.stderr)
-        env = dict(os.environ)
+        env = dict(os.environ) | self.env
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [common.REPO, env.get("PYTHONPATH")]))
         t0 = time.perf_counter()
         with open(self.log_path, "w") as log:

@@ -1,0 +1,172 @@
+"""Server variants on one workload, alternated in one process: which server flags serve a burst
+(or a Poisson run) better, with the host's drift over the call landing on every variant alike.
+
+Each --variant NAME=FLAGS is `python -m rosejax.serve` with this script's engine flags, then
+--server-args (shared), then FLAGS. All variants are launched first, one after another (a
+compilation cache makes the later ones quick), each with an equal share of the GPU's memory
+(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set); an idle server costs the others nothing. Then each
+of --rounds runs the workload (as bench/benchmark_serving.py does, --warmup-runs first) against
+every variant in turn, the order reversed every other round. With --in-process the same workload
+then runs through `LLMEngine` in this process once, after the servers stopped, and each
+variant's median throughput and TTFT p50 is put beside it (issue 17's ratios).
+
+Prints a row per run and the medians per variant; --json writes every run's summary.
+
+    # GPU: does gathering a burst's arrivals help? 3 rounds, issue 17's burst, in process last
+    PYTHONPATH=. JAX_PLATFORMS=cuda python bench/compare_servers.py --rounds 3 --in-process \\
+        --variant base= --variant gather1="--idle-gather-ms 1" --json bench/out/gather.json
+    # CPU smoke run
+    PYTHONPATH=. python bench/compare_servers.py --model random:tiny --num-prompts 16 \\
+        --output-len 8 --rounds 2 --variant a= --variant b="--open-decode-steps 4"
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402
+from bench.serving.flags import build_parser, check_args  # noqa: E402
+from bench.serving.http_client import pick_client, run_http_side  # noqa: E402
+from bench.serving.in_process import run_in_process  # noqa: E402
+from bench.serving.launch import LaunchedServer  # noqa: E402
+from bench.serving.records import summarize  # noqa: E402
+from bench.serving.workload import arrival_offsets, warmup_samples, workload  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    flags: str  # server flags after --server-args
+
+
+def variant(text: str) -> Variant:
+    """argparse type of --variant: NAME=FLAGS (FLAGS may be empty)."""
+    name, sep, flags = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=FLAGS with NAME a word, got {text!r}")
+    return Variant(name, flags)
+
+
+def run_order(variants: Sequence[Variant], rounds: int) -> list[tuple[int, Variant]]:
+    """(round, variant) in the order they run: each round all variants, every other one
+    reversed, so that no variant always runs first."""
+    return [(r, v) for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
+
+
+def figures(summary: dict[str, Any]) -> dict[str, float]:
+    """A run's headline figures (ms, tok/s)."""
+    return {
+        "output_throughput": summary["output_throughput"],
+        "ttft_p50": summary["ttft_ms"]["p50"],
+        "ttft_p99": summary["ttft_ms"]["p99"],
+        "tpot_p50": summary["tpot_ms"]["p50"],
+        "event_gap_max": summary["event_gap_max_ms"],
+    }
+
+
+def medians(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def row(label: str, f: dict[str, float], base: dict[str, float] | None = None) -> str:
+    text = (
+        f"{label:<28} {f['output_throughput']:>10,.0f} tok/s  TTFT p50 {f['ttft_p50']:7.1f} "
+        f"p99 {f['ttft_p99']:7.1f} ms  TPOT p50 {f['tpot_p50']:.3f} ms  "
+        f"max gap {f['event_gap_max']:6.1f} ms"
+    )
+    if base:
+        text += (
+            f"  | / in process: {f['output_throughput'] / base['output_throughput']:.3f}, "
+            f"TTFT {f['ttft_p50'] / base['ttft_p50']:.2f}x"
+        )
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser(__doc__, where=False)
+    g = p.add_argument_group("variants")
+    g.add_argument(
+        "--variant",
+        type=variant,
+        action="append",
+        required=True,
+        metavar="NAME=FLAGS",
+        help="a server to compare: NAME, then its flags after --server-args (repeatable; "
+        "NAME= for the server as --server-args leaves it)",
+    )
+    g.add_argument(
+        "--rounds", type=int, default=3, help="runs against each variant; default: %(default)s"
+    )
+    args = p.parse_args(common.glue_flag_values(argv, ["--server-args", "--variant"]))
+    check_args(p, args)
+    variants: list[Variant] = args.variant
+    if args.rounds < 1 or len({v.name for v in variants}) != len(variants):
+        p.error("--rounds must be >= 1 and each --variant NAME given once")
+    samples = workload(args)
+    offsets = arrival_offsets(len(samples), args.request_rate, args.burstiness, args.seed)
+    warmups = [warmup_samples(samples, r, args) for r in range(args.warmup_runs)]
+    client = pick_client(args.client)
+    slos = dict(args.goodput) if args.goodput else None
+    share = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.9 / len(variants):.3f}"}
+    env = {} if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ else share
+
+    runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
+    starts: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for v in variants:
+            log = f"{args.server_log}.{v.name}" if args.server_log else None
+            v_args = argparse.Namespace(
+                **vars(args) | {"server_args": f"{args.server_args} {v.flags}", "server_log": log}
+            )
+            servers[v.name] = stack.enter_context(LaunchedServer(v_args, env))
+            starts[v.name] = {
+                "server_cmd": servers[v.name].cmd,
+                "start_seconds": servers[v.name].start_seconds,
+                "compiled_seconds": servers[v.name].compiled_seconds,
+            }
+        for r, v in run_order(variants, args.rounds):
+            records, duration, _ = run_http_side(
+                args, servers[v.name].url, samples, offsets, warmups, client
+            )
+            summary = summarize(records, duration, args.percentiles, slos)
+            runs[v.name].append(summary)
+            print(row(f"round {r} {v.name}", figures(summary)), flush=True)
+    base = None
+    if args.in_process:
+        local, local_duration, _ = run_in_process(args, samples, offsets, warmups)
+        base = figures(summarize(local, local_duration, args.percentiles, slos))
+        print(row("in process", base))
+    print("medians over the rounds")
+    result: dict[str, Any] = {"benchmark": "compare_servers", "variants": {}}
+    for v in variants:
+        med = medians([figures(s) for s in runs[v.name]])
+        print(row(v.name, med, base))
+        failed = sum(s["failed"] for s in runs[v.name])
+        if failed:
+            print(f"{v.name}: {failed} requests failed over its runs")
+        result["variants"][v.name] = {
+            "flags": v.flags,
+            **starts[v.name],
+            "median": med,
+            "runs": runs[v.name],
+        }
+    result["in_process"] = base
+    result["args"] = {k: str(val) for k, val in vars(args).items()}
+    result["environment"] = common.environment()
+    common.write_json(args.json, result)
+    return 0 if all(s["completed"] for ss in runs.values() for s in ss) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
