@@ -1,8 +1,8 @@
 """What an engine loop does besides stepping, wherever it runs (a server's engine thread,
 `rosejax.serve.engine_loop`; an engine process, `rosejax.engine.engine_process`): taking its
-commands, the snapshot of gauges it publishes, and a server's warm-up: the first programs before it serves, the rest
-compiled while idle. An offline engine warms up as `EngineConfig.warmup` says instead
-(`LLMEngine`)."""
+commands, the snapshot of gauges it publishes, and a server's warm-up: the first programs
+before it serves, the rest compiled while idle. An offline engine warms up as
+`EngineConfig.warmup` says instead (`LLMEngine`)."""
 
 from __future__ import annotations
 
