@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     result: dict[str, Any] = {"benchmark": "serving", "config": config}
     if args.in_process:
-        local, local_duration, info = run_in_process(args, samples, offsets, warmups)
+        ((local, local_duration),), info = run_in_process(args, samples, offsets, warmups)
         summaries["in-process"] = summarize(local, local_duration, args.percentiles, slos)
         detailed["in_process"] = local
         result["in_process_engine"] = info

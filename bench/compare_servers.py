@@ -7,8 +7,8 @@ compilation cache makes the later ones quick), each with an equal share of the G
 (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set); an idle server costs the others nothing. Then each
 of --rounds runs the workload (as bench/benchmark_serving.py does, --warmup-runs first) against
 every variant in turn, the order reversed every other round. With --in-process the same workload
-then runs through `LLMEngine` in this process once, after the servers stopped, and each
-variant's median throughput and TTFT p50 is put beside it (issue 17's ratios).
+then runs --rounds times through one `LLMEngine` in this process, after the servers stopped,
+and each variant's median throughput and TTFT p50 is put beside its median (issue 17's ratios).
 
 Prints a row per run and the medians per variant; --json writes every run's summary.
 
@@ -142,12 +142,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             summary = summarize(records, duration, args.percentiles, slos)
             runs[v.name].append(summary)
             print(row(f"round {r} {v.name}", figures(summary)), flush=True)
-    base = None
+    base, local_runs = None, []
     if args.in_process:
-        local, local_duration, _ = run_in_process(args, samples, offsets, warmups)
-        base = figures(summarize(local, local_duration, args.percentiles, slos))
-        print(row("in process", base))
+        local, _ = run_in_process(args, samples, offsets, warmups, repeats=args.rounds)
+        for r, (records, duration) in enumerate(local):
+            local_runs.append(summarize(records, duration, args.percentiles, slos))
+            print(row(f"round {r} in process", figures(local_runs[-1])))
+        base = medians([figures(s) for s in local_runs])
     print("medians over the rounds")
+    if base:
+        print(row("in process", base))
     result: dict[str, Any] = {"benchmark": "compare_servers", "variants": {}}
     for v in variants:
         med = medians([figures(s) for s in runs[v.name]])
@@ -161,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "median": med,
             "runs": runs[v.name],
         }
-    result["in_process"] = base
+    result["in_process"] = {"median": base, "runs": local_runs} if base else None
     result["args"] = {k: str(val) for k, val in vars(args).items()}
     result["environment"] = common.environment()
     common.write_json(args.json, result)

@@ -393,4 +393,7 @@ def test_compare_servers_runs_each_variant_each_round(tmp_path):
         tps = sorted(s["output_throughput"] for s in v["runs"])
         assert v["median"]["output_throughput"] == pytest.approx((tps[0] + tps[1]) / 2)
         assert v["median"]["ttft_p50"] > 0 and v["start_seconds"] > 0
-    assert res["in_process"]["output_throughput"] > 0
+    local = res["in_process"]
+    assert len(local["runs"]) == 2 and all(s["completed"] == 6 for s in local["runs"])
+    tps = sorted(s["output_throughput"] for s in local["runs"])
+    assert local["median"]["output_throughput"] == pytest.approx((tps[0] + tps[1]) / 2)

@@ -45,8 +45,10 @@ def run_in_process(
     samples: Sequence[Sample],
     offsets: Sequence[float],
     warmups: Sequence[Sequence[Sample]],
-) -> tuple[list[Record], float, dict[str, Any]]:
-    """The workload through LLMEngine stepping in this process (bench/common.run_workload)."""
+    repeats: int = 1,
+) -> tuple[list[tuple[list[Record], float]], dict[str, Any]]:
+    """The workload through LLMEngine stepping in this process (bench/common.run_workload),
+    after the warm-ups: `repeats` timed runs on one engine, each as (records, duration)."""
     from rosejax.sampling import SamplingParams
     from rosejax.settings import configure_process
 
@@ -82,14 +84,16 @@ def run_in_process(
     for r, ws in enumerate(warmups):
         run(ws, f"in-process warm-up {r}")
     compiles = engine.num_compiles
-    traces, steps = run(samples, "in-process")
-    records, duration = records_from_traces(traces, samples, offsets)
-    view = m.summarize(traces, steps)
+    runs = []
+    for r in range(repeats):
+        traces, steps = run(samples, "in-process" if repeats == 1 else f"in-process {r}")
+        runs.append(records_from_traces(traces, samples, offsets))
+    view = m.summarize(traces, steps)  # the last run's
     info = {
         "environment": env,
         "build_seconds": build_s,
-        "compiles_in_timed_run": engine.num_compiles - compiles,
+        "compiles_in_timed_runs": engine.num_compiles - compiles,
         "decode_throughput_tok_s": view["decode_throughput_tok_s"],
         "steps": view["steps"],
     }
-    return records, duration, info
+    return runs, info
