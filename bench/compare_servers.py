@@ -121,20 +121,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = {} if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ else share
 
     runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
-    starts: dict[str, dict[str, Any]] = {}
+    servers: dict[str, LaunchedServer] = {}
     with contextlib.ExitStack() as stack:
-        servers = {}
         for v in variants:
             log = f"{args.server_log}.{v.name}" if args.server_log else None
             v_args = argparse.Namespace(
                 **vars(args) | {"server_args": f"{args.server_args} {v.flags}", "server_log": log}
             )
             servers[v.name] = stack.enter_context(LaunchedServer(v_args, env))
-            starts[v.name] = {
-                "server_cmd": servers[v.name].cmd,
-                "start_seconds": servers[v.name].start_seconds,
-                "compiled_seconds": servers[v.name].compiled_seconds,
-            }
         for r, v in run_order(variants, args.rounds):
             records, duration, _ = run_http_side(
                 args, servers[v.name].url, samples, offsets, warmups, client
@@ -159,9 +153,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed = sum(s["failed"] for s in runs[v.name])
         if failed:
             print(f"{v.name}: {failed} requests failed over its runs")
+        server = servers[v.name]
         result["variants"][v.name] = {
             "flags": v.flags,
-            **starts[v.name],
+            "server_cmd": server.cmd,
+            "start_seconds": server.start_seconds,
+            "compiled_seconds": server.compiled_seconds,
             "median": med,
             "runs": runs[v.name],
         }

@@ -299,6 +299,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--dataset-path goes with --dataset jsonl (and only with it)")
     if args.vocab_size < 2:
         p.error("--vocab-size must be >= 2")
-    host = (args.base_url or "").split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
-    if not args.launch and host not in (LOOPBACK, "localhost"):
-        p.error(f"--base-url must be a loopback address ({LOOPBACK}), got {args.base_url}")
+    if not args.launch:
+        host = args.base_url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
+        if host not in (LOOPBACK, "localhost"):
+            p.error(f"--base-url must be a loopback address ({LOOPBACK}), got {args.base_url}")
