@@ -4,17 +4,19 @@
 Each --variant NAME=FLAGS is `python -m rosejax.serve` with this script's engine flags, then
 --server-args (shared), then FLAGS. All variants are launched first, one after another (a
 compilation cache makes the later ones quick), each with an equal share of the GPU's memory
-(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set); an idle server costs the others nothing. Then each
-of --rounds runs the workload (as bench/benchmark_serving.py does, --warmup-runs first) against
-every variant in turn, the order reversed every other round. With --in-process the same workload
-then runs --rounds times through one `LLMEngine` in this process, after the servers stopped,
-and each variant's median throughput and TTFT p50 is put beside its median (issue 17's ratios).
+(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set) and one KV budget (twice what the workload holds at
+once, unless --kv-cache-tokens says; all then run one set of programs); an idle server costs the
+others nothing. Then each of --rounds runs the workload (as bench/benchmark_serving.py does,
+--warmup-runs first) against every variant in turn, the order reversed every other round. With
+--in-process the same workload then runs --rounds times through one `LLMEngine` in this process,
+after the servers stopped, and each variant's median throughput and TTFT p50 is put beside its
+median (issue 17's ratios).
 
 Prints a row per run and the medians per variant; --json writes every run's summary.
 
-    # GPU: does gathering a burst's arrivals help? 3 rounds, issue 17's burst, in process last
+    # GPU: what gathering a burst's arrivals gives: 3 rounds, issue 17's burst, in process last
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/compare_servers.py --rounds 3 --in-process \\
-        --variant base= --variant gather1="--idle-gather-ms 1" --json bench/out/gather.json
+        --variant base= --variant nogather="--idle-gather-ms 0" --json bench/out/gather.json
     # CPU smoke run
     PYTHONPATH=. python bench/compare_servers.py --model random:tiny --num-prompts 16 \\
         --output-len 8 --rounds 2 --variant a= --variant b="--open-decode-steps 4"
@@ -40,7 +42,12 @@ from bench.serving.http_client import pick_client, run_http_side  # noqa: E402
 from bench.serving.in_process import run_in_process  # noqa: E402
 from bench.serving.launch import LaunchedServer  # noqa: E402
 from bench.serving.records import summarize  # noqa: E402
-from bench.serving.workload import arrival_offsets, warmup_samples, workload  # noqa: E402
+from bench.serving.workload import (  # noqa: E402
+    Sample,
+    arrival_offsets,
+    warmup_samples,
+    workload,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +68,18 @@ def run_order(variants: Sequence[Variant], rounds: int) -> list[tuple[int, Varia
     """(round, variant) in the order they run: each round all variants, every other one
     reversed, so that no variant always runs first."""
     return [(r, v) for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
+
+
+def shared_kv_tokens(args: argparse.Namespace, samples: Sequence[Sample]) -> int | None:
+    """One KV budget for every server and the in-process engine, unless one is given: twice what
+    the workload holds at once. Left to each, they size it from the memory they find (each
+    server gets a share of it) and each compiles every program again for its own cache shape.
+    None for text prompts, whose token counts only the server knows."""
+    lengths = [s.prompt_len for s in samples]
+    if args.kv_cache_tokens or args.kv_cache_memory_fraction or None in lengths:
+        return args.kv_cache_tokens
+    longest = max(n + s.output_len for n, s in zip(lengths, samples, strict=True))
+    return 2 * min(len(samples), args.max_batch_size) * longest
 
 
 def figures(summary: dict[str, Any]) -> dict[str, float]:
@@ -113,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds < 1 or len({v.name for v in variants}) != len(variants):
         p.error("--rounds must be >= 1 and each --variant NAME given once")
     samples = workload(args)
+    args.kv_cache_tokens = shared_kv_tokens(args, samples)
     offsets = arrival_offsets(len(samples), args.request_rate, args.burstiness, args.seed)
     warmups = [warmup_samples(samples, r, args) for r in range(args.warmup_runs)]
     client = pick_client(args.client)

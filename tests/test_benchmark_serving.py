@@ -20,7 +20,7 @@ from bench.serving.http_client import Clients, _StreamReader
 from bench.serving.launch import server_argv
 from bench.serving.records import Record, even_counts, summarize, token_itls
 from bench.serving.report import format_table
-from bench.serving.workload import arrival_offsets, random_dataset, uniform_lengths
+from bench.serving.workload import Sample, arrival_offsets, random_dataset, uniform_lengths
 from rosejax import LLM
 from rosejax.engine_args import engine_kwargs
 from rosejax.serve import cli as serve_cli
@@ -376,6 +376,21 @@ def test_compare_servers_variants_and_their_order():
     assert [(r, v.name) for r, v in order] == [
         (0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"), (2, "a"), (2, "b"), (2, "c"),
     ]  # fmt: skip
+
+
+def test_compare_servers_gives_every_side_one_kv_budget():
+    rng = np.random.default_rng()
+    samples = [Sample([1] * int(rng.integers(1, 50)), int(rng.integers(1, 50))) for _ in range(9)]
+    longest = max(len(s.prompt) + s.output_len for s in samples)
+    args = argparse.Namespace(kv_cache_tokens=None, kv_cache_memory_fraction=None, max_batch_size=4)
+    assert cs.shared_kv_tokens(args, samples) == 2 * 4 * longest  # 4 of the 9 at once
+    args.max_batch_size = 64
+    assert cs.shared_kv_tokens(args, samples) == 2 * 9 * longest
+    given = argparse.Namespace(**vars(args) | {"kv_cache_tokens": 777})
+    assert cs.shared_kv_tokens(given, samples) == 777
+    fraction = argparse.Namespace(**vars(args) | {"kv_cache_memory_fraction": 0.5})
+    assert cs.shared_kv_tokens(fraction, samples) is None  # the servers size it from that
+    assert cs.shared_kv_tokens(args, [*samples, Sample("text", 8)]) is None
 
 
 @pytest.mark.slow  # two server processes starting and compiling: ~10 s of CPU
