@@ -270,8 +270,8 @@ class EngineConfig:
     open_decode_steps: int = 8
     # A server's idle engine loop, once a request arrives, goes on taking requests while each
     # comes within this many ms of the last (8x it at most) before it steps: a burst is
-    # prefilled together. 0: it steps at once.
-    idle_gather_ms: float = 0.0
+    # prefilled together (a lone request pays up to this much TTFT). 0: it steps at once.
+    idle_gather_ms: float = 2.0
     # A step that prefills also dispatches the running requests' decode window right behind the
     # prefill, before reading its first tokens back. Off: that step decodes nothing (an A/B).
     prefill_overlap: bool = True

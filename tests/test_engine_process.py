@@ -113,8 +113,8 @@ def served():
     prompt_ids = {rid: llm.engine.prompt_ids(p) for rid, (p, _) in requests.items()}
     # A second API server (`--api-server-count 2`) on the same child, as another API server
     # process connects: through the pipe ends the first hands it.
-    # Its loop gathers arrivals while idle: the texts below must not depend on it.
-    config = EngineConfig(model=MODEL, **ENGINE, idle_gather_ms=2.0)
+    # Its loop gathers arrivals while idle (the default): the texts below must not depend on it.
+    config = EngineConfig(model=MODEL, **ENGINE)
     engine = EngineProcesses(config, api_servers=2)
     (links,) = engine.api_server_links()
     second = EngineProcesses(config, links=links)
