@@ -269,6 +269,29 @@ def test_penalties_bias_and_min_tokens_match_reference(checkpoint, llm):
     assert_clean(llm)
 
 
+def test_min_tokens_past_int32_holds_stops_off_to_the_context_end(checkpoint, llm):
+    """min_tokens (and max_tokens) of 3e9 hold EOS off until the context is full, even with
+    EOS forced by +100, beside rows it must not touch: the device's int32 step counts took it
+    once as an overflow that failed every request in the step."""
+    _, model = checkpoint
+    huge = 3 * 10**9
+    prompts = random_prompts(4, hi=16)
+    params = [
+        SamplingParams(max_tokens=huge, min_tokens=huge, temperature=0, logit_bias={EOS: 100}),
+        SamplingParams(max_tokens=8, temperature=0, logit_bias={EOS: 100}),
+        SamplingParams(max_tokens=8, temperature=0),
+        SamplingParams(max_tokens=8, temperature=0, min_tokens=3, logit_bias={EOS: 100}),
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    room = SHAPE["n_positions"] - len(prompts[0])
+    assert len(outs[0].token_ids) == room and outs[0].finish_reason == "length"
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
+        n = min(p.max_tokens, SHAPE["n_positions"] - len(prompt))
+        assert out.token_ids == reference_greedy(model, prompt, n, p, {EOS}), p
+    assert outs[1].token_ids == [EOS] and outs[3].token_ids[3] == EOS
+    assert_clean(llm)
+
+
 @pytest.mark.slow
 def test_penalties_survive_preemption(checkpoint):
     """A cache too small for everyone preempts requests; recomputed, their counts come back

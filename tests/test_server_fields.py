@@ -322,6 +322,7 @@ CHAT = dict(messages=[{"role": "user", "content": "a"}])
         (CompletionRequest, dict(logit_bias={"-1": 1}), "logit_bias"),
         (CompletionRequest, dict(logit_bias={"5": 101}), "logit_bias"),
         (CompletionRequest, dict(logit_bias={"5": "1"}), "logit_bias"),
+        (CompletionRequest, dict(logit_bias={"9" * 5000: 1}), "logit_bias"),
         (CompletionRequest, dict(min_tokens=-1), "min_tokens"),
         (CompletionRequest, dict(min_tokens=9, max_tokens=8), "min_tokens"),
         (CompletionRequest, dict(min_p=1.5), "min_p"),

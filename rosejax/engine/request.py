@@ -340,7 +340,8 @@ class Request:
         if self.params.min_tokens:
             ids += self.device_stop_ids
             values += [-math.inf] * len(self.device_stop_ids)
-            until += [self.params.min_tokens] * len(self.device_stop_ids)
+            # Past max_output it holds to the end alike, and fits the device's int32.
+            until += [min(self.params.min_tokens, self.max_output)] * len(self.device_stop_ids)
         return ids, values, until
 
     @property

@@ -184,7 +184,9 @@ class _Sampling(_Body):
             return None
         out = {}
         for key, bias in self.logit_bias.items():
-            _require(key.isascii() and key.isdecimal(), "logit_bias", "keyed by token ids", key)
+            # A token id has a few digits (and int() refuses a string past 4,300 of them).
+            is_id = key.isascii() and key.isdecimal() and len(key) <= 18
+            _require(is_id, "logit_bias", "keyed by token ids", key[:40])
             _require(-100 <= bias <= 100, "logit_bias", "biases in [-100, 100]", bias)
             out[int(key)] = bias
         return out
