@@ -108,17 +108,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 server_start_seconds=server.start_seconds,
                 server_compiled_seconds=server.compiled_seconds,
             )
-            records, duration, model = run_http_side(
+            records, duration, model, counts = run_http_side(
                 args, server.url, samples, offsets, warmups, client
             )
         config["base_url"] = server.url
     else:
-        records, duration, model = run_http_side(
+        records, duration, model, counts = run_http_side(
             args, args.base_url, samples, offsets, warmups, client
         )
         config["base_url"] = args.base_url
     config["model"] = model
-    summaries = {"HTTP": summarize(records, duration, args.percentiles, slos)}
+    summaries = {"HTTP": summarize(records, duration, args.percentiles, slos) | counts}
     detailed = {"http": records}
 
     result: dict[str, Any] = {"benchmark": "serving", "config": config}
@@ -135,6 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{label} error: {err}")
         if s["output_len_mismatches"]:
             print(f"{label}: {s['output_len_mismatches']} requests got another output length")
+    if counts:
+        print(
+            f"HTTP: the engine ran {counts['prefill_steps']} prefill steps and preempted "
+            f"{counts['preemptions']} requests in the timed run"
+        )
     if summaries["HTTP"]["completed"] and summaries["HTTP"]["itl_token_counts"] != "exact":
         print(
             "HTTP ITL: tokens per event not streamed; the first event counts 1, the rest share "

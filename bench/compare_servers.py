@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -87,9 +88,12 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
     return {
         "output_throughput": summary["output_throughput"],
         "ttft_p50": summary["ttft_ms"]["p50"],
+        "ttft_p90": summary["ttft_ms"].get("p90", math.nan),  # unless --percentiles left it out
         "ttft_p99": summary["ttft_ms"]["p99"],
         "tpot_p50": summary["tpot_ms"]["p50"],
         "event_gap_max": summary["event_gap_max_ms"],
+        # a server's runs only: a burst admitted in one prefill or in several
+        **({"prefill_steps": summary["prefill_steps"]} if "prefill_steps" in summary else {}),
     }
 
 
@@ -100,9 +104,11 @@ def medians(runs: Sequence[dict[str, float]]) -> dict[str, float]:
 def row(label: str, f: dict[str, float], base: dict[str, float] | None = None) -> str:
     text = (
         f"{label:<28} {f['output_throughput']:>10,.0f} tok/s  TTFT p50 {f['ttft_p50']:7.1f} "
-        f"p99 {f['ttft_p99']:7.1f} ms  TPOT p50 {f['tpot_p50']:.3f} ms  "
+        f"p90 {f['ttft_p90']:7.1f} p99 {f['ttft_p99']:7.1f} ms  TPOT p50 {f['tpot_p50']:.3f} ms  "
         f"max gap {f['event_gap_max']:6.1f} ms"
     )
+    if "prefill_steps" in f:
+        text += f"  prefills {f['prefill_steps']:g}"
     if base:
         text += (
             f"  | / in process: {f['output_throughput'] / base['output_throughput']:.3f}, "
@@ -150,10 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             servers[v.name] = stack.enter_context(LaunchedServer(v_args, env))
         for r, v in run_order(variants, args.rounds):
-            records, duration, _ = run_http_side(
+            records, duration, _, counts = run_http_side(
                 args, servers[v.name].url, samples, offsets, warmups, client
             )
-            summary = summarize(records, duration, args.percentiles, slos)
+            summary = summarize(records, duration, args.percentiles, slos) | counts
             runs[v.name].append(summary)
             print(row(f"round {r} {v.name}", figures(summary)), flush=True)
     base, local_runs = None, []

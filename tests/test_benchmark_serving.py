@@ -235,6 +235,9 @@ def test_poisson_run_against_its_records(server, tmp_path):
         "e2el": 300.0,
     }
     assert [r["scheduled_s"] for r in recs] == pytest.approx(arrival_offsets(6, 30.0, 1.0, 5))
+    # The engine's counters over the timed run: 6 short prompts in 1-6 prefills, none preempted.
+    assert 1 <= res["results"]["http"]["prefill_steps"] <= 6
+    assert res["results"]["http"]["preemptions"] == 0
     args = build_parser(bs.__doc__).parse_args([*WORKLOAD, "--seed", "5"])
     want = [len(s.prompt) for s in random_dataset(args, 5)]
     assert [r["prompt_len"] for r in recs] == want  # the server's usage agrees

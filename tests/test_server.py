@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -378,6 +379,13 @@ def test_models_health_and_metrics(served, client):
     assert m["rosejax_generation_tokens_total"] >= 3
     assert m["rosejax_time_to_first_token_seconds_count"] >= 1
     assert m["rosejax_kv_blocks_total"] > 0
+    # A prompt shorter than a block (no prefix cache hit): one prefill of its tokens.
+    prompt = np.random.default_rng().integers(10, 100, 5).tolist()
+    client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+    after = wait_idle(url)
+    for name, grew in (("prefill_steps", 1), ("prefill_tokens", 5), ("preemptions", 0)):
+        key = f"rosejax_{name}_total"
+        assert after[key] - m[key] == grew, name
 
 
 # ------------------------------------------------------------------------- the command line

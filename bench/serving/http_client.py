@@ -347,6 +347,30 @@ class Clients:
         return records, max(d for _, d in parts)
 
 
+# The engine's counters that tell how a run was served: a burst admitted in one prefill or in
+# several (its later parts waiting behind a decode window), requests preempted.
+ENGINE_COUNTERS = {
+    "prefill_steps": "rosejax_prefill_steps_total",
+    "preemptions": "rosejax_preemptions_total",
+}
+
+
+def metric_sums(base_url: str, names: Sequence[str]) -> dict[str, float] | None:
+    """Each named sample of the server's /metrics summed over its labels (replicas, API
+    servers); None if it does not answer."""
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=5) as r:
+            lines = r.read().decode().splitlines()
+    except OSError:
+        return None
+    sums = dict.fromkeys(names, 0.0)
+    for line in lines:
+        name = line.split("{")[0].split(" ")[0]
+        if name in sums:
+            sums[name] += float(line.split()[-1])
+    return sums
+
+
 def run_http_side(
     args: argparse.Namespace,
     url: str,
@@ -354,7 +378,9 @@ def run_http_side(
     offsets: list[float],
     warmups: list[list[Sample]],
     client: str,
-) -> tuple[list[Record], float, str]:
+) -> tuple[list[Record], float, str, dict[str, int]]:
+    """The warm-ups, then the timed run: its records, duration, the model name sent, and
+    ENGINE_COUNTERS' growth over it (empty if the server has no /metrics)."""
     model = args.served_model_name or served_model(url)
     with Clients(args, url, model, client) as clients:
         for r, ws in enumerate(warmups):
@@ -362,5 +388,12 @@ def run_http_side(
             bad = [x.error for x in recs if not x.ok and not x.disconnected]
             if bad:
                 print(f"warm-up {r}: {len(bad)} requests failed, e.g. {bad[0]}", file=sys.stderr)
+        before = metric_sums(url, list(ENGINE_COUNTERS.values()))
         records, duration = clients.run(samples, offsets, "http")
-    return records, duration, model
+        after = metric_sums(url, list(ENGINE_COUNTERS.values()))
+    counts = (
+        {key: int(after[name] - before[name]) for key, name in ENGINE_COUNTERS.items()}
+        if before and after
+        else {}
+    )
+    return records, duration, model, counts

@@ -12,12 +12,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from typing import Any
 
 from bench import common
 from bench.serving.flags import LOOPBACK
-from bench.serving.http_client import http_get_json
+from bench.serving.http_client import http_get_json, metric_sums
 
 
 def _unparse(value: Any) -> str:
@@ -58,13 +57,8 @@ def free_port() -> int:
 def programs_to_compile(base_url: str) -> int:
     """The server's rosejax_programs_to_compile gauge, summed over its replicas (0 if it has
     none or does not answer)."""
-    try:
-        with urllib.request.urlopen(base_url + "/metrics", timeout=5) as r:
-            lines = r.read().decode().splitlines()
-    except OSError:
-        return 0
     name = "rosejax_programs_to_compile"
-    return sum(int(float(x.split()[-1])) for x in lines if x.startswith((name + " ", name + "{")))
+    return int((metric_sums(base_url, [name]) or {name: 0})[name])
 
 
 class LaunchedServer:

@@ -290,6 +290,7 @@ class LLMEngine:
         # results back into requests (bench/profile_decode.py prints it).
         self.host_seconds = {"dispatch": 0.0, "wait": 0.0, "harvest": 0.0}
         self.prefill_tokens_computed = 0
+        self.prefill_steps = 0  # prefill programs run: a burst admitted at once is one
         self._warm: set[tuple[str, int, int | bool]] = set()  # programs warm-up compiled
         # Programs compile_ahead compiled (warm-up compiles none twice), not run yet: appended by
         # the compiling thread, taken by the stepping one (a deque: both thread-safe).
@@ -594,6 +595,7 @@ class LLMEngine:
         self._kill[slots] = False
         suffix = plan.num_tokens
         self.prefill_tokens_computed += sum(suffix)
+        self.prefill_steps += 1
         b, t = self._prefill_shape(len(requests), max(suffix))
         # Rows whose prompt logprobs this prefill computes: (request, row, first position,
         # positions).

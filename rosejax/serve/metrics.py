@@ -83,6 +83,21 @@ _SNAPSHOT = {
         "Prompt tokens whose KV came from the prefix cache.",
         "counter",
     ),
+    "prefill_steps": (
+        "rosejax_prefill_steps",
+        "Prefill programs run (the requests of a burst admitted together share one).",
+        "counter",
+    ),
+    "prefill_tokens": (
+        "rosejax_prefill_tokens",
+        "Prompt tokens prefilled (those served from the prefix cache not counted).",
+        "counter",
+    ),
+    "preemptions": (
+        "rosejax_preemptions",
+        "Running requests preempted for KV cache blocks (their KV computed again later).",
+        "counter",
+    ),
     "programs_to_compile": (
         "rosejax_programs_to_compile",
         "Programs the server still compiles while idle (a shape needed first compiles then).",
