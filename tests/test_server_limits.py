@@ -499,6 +499,25 @@ def test_overload_429_says_when_to_retry(served):
     assert error_of(r, 429)["code"] == "overloaded" and r.headers["retry-after"] == "1"
 
 
+def test_overload_counts_each_choice(served):
+    """A request's n choices each take a batch slot: the 429 bound counts them, as the 400 for
+    a request that could never fit does."""
+    body = {"prompt": ["the"] * 5, "n": 2, "max_tokens": 100, "ignore_eos": True}
+
+    async def overload() -> list[httpx.Response]:  # alone: nothing else in flight
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as h:
+            async with h.stream("POST", "/v1/completions", json={**body, "stream": True}):
+                short = {**body, "max_tokens": 1}
+                past = await h.post("/v1/completions", json={**short, "prompt": ["a"] * 4})
+                at = await h.post("/v1/completions", json={**short, "prompt": ["a"] * 3})
+                return [past, at]  # 10 + 8 > 16; 10 + 6 = 16
+
+    past, at = asyncio.run(overload())
+    idle(served)
+    assert error_of(past, 429)["code"] == "overloaded"
+    assert at.status_code == 200 and len(at.json()["choices"]) == 6, at.text
+
+
 def test_wrong_method_is_405_with_allow(served):
     r = httpx.get(served.url + "/v1/completions")
     assert error_of(r, 405) and r.headers["allow"] == "POST"

@@ -265,7 +265,7 @@ def create_app(
         if limit is not None and len(prompts) * n > limit:
             raise APIError(
                 f"this request asks for {len(prompts) * n} choices ({len(prompts)} prompts, n="
-                f"{n}); the server holds at most {limit} requests at once (--max-batch-size + "
+                f"{n}); the server holds at most {limit} sequences at once (--max-batch-size + "
                 "--max-waiting), so it can never be served: send fewer per request",
                 param="prompt",
                 code="too_many_prompts",

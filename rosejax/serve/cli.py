@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-waiting",
         type=int,
         default=512,
-        help="most requests allowed to wait beyond a full batch (in flight > "
-        "max-batch-size + this -> HTTP 429); -1 = no bound; default: %(default)s",
+        help="most sequences allowed to wait beyond a full batch, a request's n choices each "
+        "counting (in flight > max-batch-size + this -> HTTP 429); -1 = no bound; default: "
+        "%(default)s",
     )
     p.add_argument(
         "--idle-gather-ms",

@@ -143,7 +143,9 @@ class EngineFront:
         # submission (the event loop), taken off as each request ends (the engine's side).
         self._load_lock = threading.Lock()
         self._load = 0
-        self._costs: dict[str, int] = {}  # request id -> its cost
+        # Sequences in flight (each request's n: each takes a batch slot), what the 429 bounds.
+        self._sequences = 0
+        self._costs: dict[str, tuple[int, int]] = {}  # request id -> (its cost, its n)
         self._cut_at: float | None = None  # set by begin_shutdown: when open requests are ended
         self.snapshot = snapshot
         self.metrics = (metrics or ServerMetrics()).replica(replica, lambda: self.snapshot)
@@ -153,9 +155,10 @@ class EngineFront:
         """Tokens in flight: each submitted request's prompt and most new tokens, until it ends."""
         return self._load
 
-    def _add_load(self, tokens: int) -> None:
+    def _add_load(self, tokens: int, sequences: int) -> None:
         with self._load_lock:
             self._load += tokens
+            self._sequences += sequences
 
     def _check_open(self, alive: bool) -> None:
         if self._cut_at is not None:
@@ -167,7 +170,8 @@ class EngineFront:
         if self.max_in_flight is None or in_flight + more <= self.max_in_flight:
             return None
         return Overloaded(
-            f"the server is overloaded: {in_flight} requests in flight, at most "
+            f"the server is overloaded: {in_flight} sequences in flight (a request's n "
+            f"choices each count), at most "
             f"{self.max_in_flight} (batch {self.max_batch_size} + max waiting "
             f"{self.max_waiting}); retry later"
         )
@@ -190,15 +194,15 @@ class EngineFront:
         ids = [checked_prompt_ids(p, tokenizer, config) for p in prompts]
         for i in ids:
             check_request(i, params, config, kv_blocks, block_size)
-        overloaded = self._overloaded(len(self._sinks), len(ids))
+        overloaded = self._overloaded(self._sequences, len(ids) * params.n)
         if overloaded is not None:
             raise overloaded
         rids = [f"{request_id}-{i}" for i in range(len(ids))]
         sink = _Sink(asyncio.get_running_loop(), rids)
         for rid, i in zip(rids, ids, strict=True):
             cost = request_cost(len(i), params.max_tokens, config.max_model_len)
-            self._add_load(cost)
-            self._costs[rid] = cost
+            self._add_load(cost, params.n)
+            self._costs[rid] = cost, params.n
             self._sinks[rid] = sink
         return sink, ids
 
@@ -214,7 +218,8 @@ class EngineFront:
         """Drop an ended request (its sink and its load); its sink, None if it was not here."""
         sink = self._sinks.pop(rid, None)
         if sink is not None:
-            self._add_load(-self._costs.pop(rid))
+            cost, n = self._costs.pop(rid)
+            self._add_load(-cost, -n)
         return sink
 
     def _deliver(self, outputs: Sequence[RequestOutput]) -> None:
