@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         "admitting a burst of hundreds of requests delays every first token. N > 1 runs the "
         "engine in engine processes (not with --no-engine-process); this process is API "
         "server 0 and spawns the others. Each API server bounds its own share of "
-        "--max-waiting (429 past max-batch-size + ceil(max-waiting / N) requests in flight "
+        "--max-waiting (429 past max-batch-size + ceil(max-waiting / N) sequences in flight "
         "through it: it cannot see the others' without a round trip). /metrics reports the "
         "whole server whichever process answers: request counters and latency histograms "
         "summed over the API servers (prometheus_client's multiprocess mode, in a temporary "
