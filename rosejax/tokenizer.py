@@ -303,20 +303,24 @@ def chat_prompt_ids(
     the rendered text tokenized without adding special tokens again, which is what
     `tokenizer.apply_chat_template(messages, tokenize=True)` gives (the template writes BOS
     itself; `add_special_tokens` adds the tokenizer's on top, as vLLM's /tokenize may).
-    `chat_template_kwargs` go to the template, e.g. Qwen3's `enable_thinking`."""
+    `chat_template_kwargs` go to the template, e.g. Qwen3's `enable_thinking`. ValueError if
+    there is no template or it fails on these messages."""
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError(
             "the tokenizer has no chat template (GPT-2's has none): pass chat_template, or "
             "use generate() with a plain prompt"
         )
-    text = tokenizer.apply_chat_template(
-        list(messages),
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        chat_template=chat_template,
-        **(chat_template_kwargs or {}),
-    )
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    try:
+        text = tokenizer.apply_chat_template(
+            list(messages),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **(chat_template_kwargs or {}),
+        )
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as e:  # jinja's errors, a message the template refuses, a kwarg it takes
+        raise ValueError(f"the chat template failed on these messages: {e}") from e
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -468,6 +468,52 @@ def test_chat_prompt_ids_are_the_chat_template(tmp_path_factory, name, model_typ
         assert out.prompt_token_ids == off["input_ids"] != expected
 
 
+@pytest.mark.skipif(not os.path.isdir(TOKENIZERS), reason="needs ../shared/tokenizers")
+def test_chat_server_takes_template_kwargs_a_developer_message_and_the_rest_of_the_context(
+    tmp_path_factory,
+):
+    """Over HTTP as through LLM.chat: chat_template_kwargs reach Qwen3's template (thinking
+    off), a developer message renders as the system message it is (the template drops roles
+    it does not know), and a chat without max_tokens runs to the end of the context, as
+    OpenAI's and vLLM's do; a template that fails is a 400 here and a ValueError offline."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from rosejax.serve import create_app
+    from tests.test_server import ServerThread
+
+    path = _chat_checkpoint(tmp_path_factory, "qwen3", "qwen3", 151936)
+    tok = AutoTokenizer.from_pretrained(path)
+    llm = LLM(path, block_size=16, max_batch_size=2, warmup=False, dtype="float32")
+    words = np.random.default_rng().choice(["terse", "kind", "brief", "exact"], 3)
+    asked = [
+        {"role": "developer", "content": f"Be {words[0]}."},
+        {"role": "user", "content": f"Say {words[1]} and {words[2]}."},
+    ]
+    system = [{"role": "system", "content": asked[0]["content"]}, asked[1]]
+    off = {"enable_thinking": False}
+    want = tok.apply_chat_template(system, add_generation_prompt=True, **off)["input_ids"]
+    assert want != tok.apply_chat_template(asked[1:], add_generation_prompt=True)["input_ids"]
+    with ServerThread(create_app(llm.engine, served_model_name="q")) as server:
+        body = {"model": "q", "messages": asked, "chat_template_kwargs": off}
+        got = httpx.post(server.url + "/tokenize", json=body, timeout=60).json()
+        assert got["tokens"] == want
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={**body, "ignore_eos": True, "temperature": 0},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] == len(want)
+        assert usage["completion_tokens"] == 256 - len(want)  # the context's end
+        bad = {**body, "chat_template_kwargs": {"tokenize": True}}  # the template call's own
+        r = httpx.post(server.url + "/v1/chat/completions", json=bad, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    with pytest.raises(ValueError, match="chat template failed"):
+        llm.chat(asked, chat_template_kwargs={"tokenize": True}, use_tqdm=False)
+
+
 # --------------------------------------------------------------------------- chunked prefill
 
 

@@ -345,16 +345,15 @@ def create_app(
             # Token ids, not text: the template writes BOS itself, which encoding its text
             # again would double (Llama 3).
             return chat_prompt_ids(tokenizer, messages, **kwargs)
-        except Exception as e:  # jinja errors, e.g. a template that refuses a role order
-            raise APIError(
-                f"the chat template failed on these messages: {e}", param="messages"
-            ) from e
+        except ValueError as e:  # the template failed, e.g. it refuses a role order
+            raise APIError(str(e), param="messages") from e
 
     def prepare_chat(raw: bytes):
         req = parse(parse_json(raw), ChatRequest, CHAT_UNSUPPORTED)
         check_request(req)
         params = req.sampling_params()
-        ids = tokenize([chat_ids(req.messages)], req.choices_per_prompt)
+        ids = chat_ids(req.messages, chat_template_kwargs=req.chat_template_kwargs)
+        ids = tokenize([ids], req.choices_per_prompt)
         return req, params, ids, formatter(req, True)
 
     async def prepared(scope: dict[str, Any], receive: Receive, prepare) -> Any:
@@ -438,6 +437,7 @@ def create_app(
                 req.messages,
                 add_generation_prompt=req.add_generation_prompt is not False,
                 add_special_tokens=bool(req.add_special_tokens),
+                chat_template_kwargs=req.chat_template_kwargs,
             )
         else:
             check_chars(len(req.prompt), "prompt has", "prompt")

@@ -76,6 +76,8 @@ COMPLETION_UNSUPPORTED = {
     "best_of": ((1,), "best_of is not implemented"),
     "suffix": (("",), "suffix (insertion) is not implemented"),
 }
+UNTIL_CONTEXT = 2**31 - 1  # a chat's max_tokens when it gives none
+
 CHAT_UNSUPPORTED = {
     "tools": (([],), "tool calling is not implemented"),
     "tool_choice": (("none",), "tool calling is not implemented"),
@@ -366,12 +368,15 @@ class ChatMessage(_Body):
     def as_dict(self) -> dict[str, str]:
         c = self.content
         text = "".join(p.text for p in c) if isinstance(c, list) else (c or "")
-        return {"role": self.role, "content": text}
+        # OpenAI's newer name for system; templates (Qwen3's) render system and drop the rest.
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": text}
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = _bounds(minimum=1)
+    chat_template_kwargs: dict[str, Any] | None = None  # to the template: Qwen3's enable_thinking
     logprobs: bool | None = False  # each token's logprob
     # with logprobs: the `top_logprobs` most likely tokens at each token, and their logprobs
     top_logprobs: int | None = _bounds(minimum=0, maximum=MAX_LOGPROBS)
@@ -386,10 +391,13 @@ class ChatRequest(_Sampling):
         if n and not self.logprobs:
             raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
 
-    def _max_tokens(self) -> int | None:
+    def _max_tokens(self) -> int:
         # max_completion_tokens is the newer name; it wins when both are given, as in OpenAI.
-        limit = self.max_completion_tokens
-        return self.max_tokens if limit is None else limit
+        limit = (
+            self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+        )
+        # Neither: the rest of the context, as in OpenAI and vLLM (the engine caps it there).
+        return UNTIL_CONTEXT if limit is None else limit
 
 
 class TokenizeRequest(_Body):
@@ -402,15 +410,15 @@ class TokenizeRequest(_Body):
     # template writes them).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None  # messages only; default true
+    chat_template_kwargs: dict[str, Any] | None = None  # messages only
     return_token_strs: bool | None = False  # also each token's string (the vocabulary's form)
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError("give either prompt or messages", param="prompt")
-        if self.add_generation_prompt is not None and self.messages is None:
-            raise APIError(
-                "add_generation_prompt applies to messages only", param="add_generation_prompt"
-            )
+        for name in ("add_generation_prompt", "chat_template_kwargs"):
+            if getattr(self, name) is not None and self.messages is None:
+                raise APIError(f"{name} applies to messages only", param=name)
 
 
 class DetokenizeRequest(_Body):
