@@ -10,7 +10,17 @@ from rosejax.sampling import SamplingParams
 from rosejax.settings import EngineConfig
 from rosejax.tokenizer import chat_prompt_ids
 
-Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]
+Prompt = str | Sequence[int] | dict  # a dict: vLLM's {"prompt": ...} or {"prompt_token_ids": ...}
+Prompts = Prompt | Sequence[Prompt]
+
+
+def _unwrapped(prompt):
+    """vLLM's prompt dicts, {"prompt": text} or {"prompt_token_ids": ids}, as the text or ids."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if len(prompt) == 1 and next(iter(prompt)) in ("prompt", "prompt_token_ids"):
+        return next(iter(prompt.values()))
+    raise ValueError(f'a prompt dict has one key, "prompt" or "prompt_token_ids": {list(prompt)}')
 
 
 class LLM:
@@ -26,10 +36,17 @@ class LLM:
         self._submitted = 0  # requests submitted so far: default ids are gen-N
 
     def _submit(self, prompts: Prompts, sampling_params, request_ids=None) -> list[str]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if not isinstance(prompts, str | Sequence | dict):
+            raise ValueError(f"prompts: a prompt or a list of them, got {type(prompts).__name__}")
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [_unwrapped(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, Sequence) or not all(
+            isinstance(p, SamplingParams) for p in sampling_params
+        ):
+            raise ValueError("sampling_params: a SamplingParams, or a list of them")
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         base = self._submitted

@@ -421,6 +421,11 @@ def test_streaming_pieces_add_up(checkpoint, shared_llm):
         ([1, 2, 3], {"top_p": 1.5}, "top_p"),
         ([1, 2, 3], {"top_k": -1}, "top_k"),
         ([5000], GREEDY, "token ids must be in"),
+        (None, GREEDY, "a prompt is a str or a list of token ids"),
+        ([1.5, 2], GREEDY, "token ids must be ints"),
+        ([True, 2], GREEDY, "token ids must be ints"),
+        ("\ud800", GREEDY, "cannot be tokenized"),
+        ({"prompt_ids": [1, 2]}, GREEDY, "prompt dict"),
     ],
 )
 def test_bad_input_is_rejected_and_engine_keeps_serving(
@@ -434,6 +439,23 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(
         llm.generate(good + [prompt], params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()  # all or nothing
     check_greedy(checkpoint, llm.generate(good, GREEDY, use_tqdm=False), good)
+    assert_clean(llm.engine)
+
+
+def test_vllm_prompt_dicts_and_bad_argument_types(checkpoint, shared_llm):
+    """vLLM's {"prompt_token_ids": ...} and {"prompt": ...} are prompts; arguments of the wrong
+    type are a ValueError (not a TypeError from deep inside), and the engine serves on."""
+    llm = shared_llm()
+    good = random_prompts(2)
+    text = str(np.random.default_rng().choice(list("abcdefgh")))  # one id inside the vocab
+    wrapped = [{"prompt_token_ids": good[0]}, {"prompt": text}, good[1]]
+    outs = llm.generate(wrapped, GREEDY, use_tqdm=False)
+    plain = llm.generate([good[0], text, good[1]], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    check_greedy(checkpoint, [outs[0], outs[2]], good)
+    for prompts, params in ((5, GREEDY), (good, {"max_tokens": 2}), (good, 3), (good, ["x"])):
+        with pytest.raises(ValueError):
+            llm.generate(prompts, params, use_tqdm=False)
     assert_clean(llm.engine)
 
 

@@ -105,9 +105,18 @@ def checked_prompt_ids(prompt: str | Sequence[int], tokenizer: Any, config: Any)
     model's (`config`) context and vocabulary (ValueError)."""
     n_pos, vocab = config.max_model_len, config.vocab_size
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        try:
+            ids = tokenizer.encode(prompt)
+        except Exception as e:  # e.g. a lone surrogate, which no encoding holds
+            raise ValueError(f"the prompt's text cannot be tokenized: {e}") from e
+    elif not isinstance(prompt, Sequence | np.ndarray):
+        raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
     else:  # the length first: a hostile list is not copied
-        ids = list(map(int, prompt)) if len(prompt) <= n_pos else prompt
+        if len(prompt) > n_pos:
+            raise ValueError(f"prompt has {len(prompt)} tokens, more than the context ({n_pos})")
+        if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt token ids must be ints")
+        ids = list(map(int, prompt))
     if not ids:
         raise ValueError("prompt is empty")
     if len(ids) > n_pos:
