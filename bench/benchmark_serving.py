@@ -78,16 +78,14 @@ from bench.serving.in_process import run_in_process  # noqa: E402
 from bench.serving.launch import LaunchedServer  # noqa: E402
 from bench.serving.records import summarize  # noqa: E402
 from bench.serving.report import compare, format_table, plot_timeline, series_of  # noqa: E402
-from bench.serving.workload import arrival_offsets, warmup_samples, workload  # noqa: E402
+from bench.serving.workload import timed_workload  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser(__doc__)
     args = p.parse_args(common.glue_flag_values(argv, ["--server-args"]))
     check_args(p, args)
-    samples = workload(args)
-    offsets = arrival_offsets(len(samples), args.request_rate, args.burstiness, args.seed)
-    warmups = [warmup_samples(samples, r, args) for r in range(args.warmup_runs)]
+    samples, offsets, warmups = timed_workload(args)
     client = pick_client(args.client)
     slos = dict(args.goodput) if args.goodput else None
     config: dict[str, Any] = {

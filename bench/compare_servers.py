@@ -43,12 +43,7 @@ from bench.serving.http_client import pick_client, run_http_side  # noqa: E402
 from bench.serving.in_process import run_in_process  # noqa: E402
 from bench.serving.launch import LaunchedServer  # noqa: E402
 from bench.serving.records import summarize  # noqa: E402
-from bench.serving.workload import (  # noqa: E402
-    Sample,
-    arrival_offsets,
-    warmup_samples,
-    workload,
-)
+from bench.serving.workload import Sample, timed_workload  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     variants: list[Variant] = args.variant
     if args.rounds < 1 or len({v.name for v in variants}) != len(variants):
         p.error("--rounds must be >= 1 and each --variant NAME given once")
-    samples = workload(args)
+    samples, offsets, warmups = timed_workload(args)
     args.kv_cache_tokens = shared_kv_tokens(args, samples)
-    offsets = arrival_offsets(len(samples), args.request_rate, args.burstiness, args.seed)
-    warmups = [warmup_samples(samples, r, args) for r in range(args.warmup_runs)]
     client = pick_client(args.client)
     slos = dict(args.goodput) if args.goodput else None
     share = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.9 / len(variants):.3f}"}

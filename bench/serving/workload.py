@@ -94,3 +94,12 @@ def workload(args: argparse.Namespace) -> list[Sample]:
     if args.dataset == "jsonl":
         return jsonl_dataset(args.dataset_path, args.num_prompts, args.output_len)
     return random_dataset(args, args.seed)
+
+
+def timed_workload(
+    args: argparse.Namespace,
+) -> tuple[list[Sample], list[float], list[list[Sample]]]:
+    """The timed run's samples and arrival offsets (the flags'), and each warm-up's samples."""
+    samples = workload(args)
+    offsets = arrival_offsets(len(samples), args.request_rate, args.burstiness, args.seed)
+    return samples, offsets, [warmup_samples(samples, r, args) for r in range(args.warmup_runs)]

@@ -111,9 +111,9 @@ def checked_prompt_ids(prompt: str | Sequence[int], tokenizer: Any, config: Any)
             raise ValueError(f"the prompt's text cannot be tokenized: {e}") from e
     elif not isinstance(prompt, Sequence | np.ndarray):
         raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
-    else:  # the length first: a hostile list is not copied
-        if len(prompt) > n_pos:
-            raise ValueError(f"prompt has {len(prompt)} tokens, more than the context ({n_pos})")
+    elif len(prompt) > n_pos:  # the length first: a hostile list is neither read nor copied
+        ids = prompt
+    else:
         if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt token ids must be ints")
         ids = list(map(int, prompt))
