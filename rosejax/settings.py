@@ -269,9 +269,11 @@ class EngineConfig:
     # that many steps), and the shortest window while requests wait for a slot.
     open_decode_steps: int = 8
     # A server's idle engine loop, once a request arrives, goes on taking requests while each
-    # comes within this many ms of the last (8x it at most) before it steps: a burst is
-    # prefilled together (a lone request pays up to this much TTFT). 0: it steps at once.
+    # comes within idle_gather_ms of the last (idle_gather_max_ms in all at most) before it
+    # steps: a burst is prefilled together (a lone request pays up to idle_gather_ms of TTFT).
+    # 0: it steps at once.
     idle_gather_ms: float = 2.0
+    idle_gather_max_ms: float = 16.0
     # A step that prefills also dispatches the running requests' decode window right behind the
     # prefill, before reading its first tokens back. Off: that step decodes nothing (an A/B).
     prefill_overlap: bool = True
@@ -328,6 +330,10 @@ class EngineConfig:
             )
         if not 0 <= self.idle_gather_ms <= 1000:
             raise ValueError(f"idle_gather_ms must be in [0, 1000], got {self.idle_gather_ms!r}")
+        if not 0 <= self.idle_gather_max_ms <= 10000:
+            raise ValueError(
+                f"idle_gather_max_ms must be in [0, 10000], got {self.idle_gather_max_ms!r}"
+            )
         if self.min_decode_batch is not None and self.min_decode_batch < 1:
             raise ValueError(f"min_decode_batch must be >= 1, got {self.min_decode_batch}")
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:

@@ -18,20 +18,22 @@ from rosejax.tokenizer import warm_tokenizer
 
 log = logging.getLogger("rosejax")
 
-GATHER_SPAN = 8  # an idle loop gathers arrivals for at most this many gaps in all
-
 
 def take_commands(
-    inbox: queue.SimpleQueue, handle: Callable[[Any], None], wait: float, gather: float = 0.0
+    inbox: queue.SimpleQueue,
+    handle: Callable[[Any], None],
+    wait: float,
+    gather: float = 0.0,
+    gather_max: float = 0.0,
 ) -> None:
     """`handle` every item in `inbox`, waiting up to `wait` seconds for the first. An idle loop
     (`gather` > 0) then goes on taking items while each comes within `gather` seconds of the
-    last, for at most GATHER_SPAN x `gather` in all, before its step: the requests of a burst,
+    last, for at most `gather_max` seconds in all, before its step: the requests of a burst,
     which reach it one by one, go into one prefill, instead of the first few into a prefill of
     their own while the rest wait behind its dispatch."""
     try:
         item = inbox.get(timeout=wait) if wait else inbox.get_nowait()
-        deadline = time.monotonic() + GATHER_SPAN * gather
+        deadline = time.monotonic() + (gather_max if gather else 0.0)
         while True:
             handle(item)
             try:

@@ -50,9 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=EngineConfig.idle_gather_ms,
         metavar="MS",
         help="an idle engine that receives a request goes on taking requests while each comes "
-        "within MS of the last (8 x MS at most) before it steps, so that a burst is prefilled "
-        "together; costs a lone request up to MS of its TTFT; 0 = step at once; default: "
-        "%(default)s",
+        "within MS of the last (--idle-gather-max-ms in all at most) before it steps, so that a "
+        "burst is prefilled together; costs a lone request up to MS of its TTFT; 0 = step at "
+        "once; default: %(default)s",
+    )
+    p.add_argument(
+        "--idle-gather-max-ms",
+        type=float,
+        default=EngineConfig.idle_gather_max_ms,
+        metavar="MS",
+        help="the longest an idle engine gathers a burst's requests (--idle-gather-ms) before "
+        "it steps; default: %(default)s",
     )
     p.add_argument(
         "--seed",
@@ -217,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
             max_stop_chars=args.max_stop_chars,
             read_timeout=args.request_timeout,
         )
-        kwargs = engine_kwargs(args) | {"idle_gather_ms": args.idle_gather_ms}
+        gather = {
+            "idle_gather_ms": args.idle_gather_ms,
+            "idle_gather_max_ms": args.idle_gather_max_ms,
+        }
+        kwargs = engine_kwargs(args) | gather
         config = EngineConfig(model=args.model, seed=args.seed, **kwargs | {"warmup": False})
         configure_process(config.compilation_cache_dir)  # before jax starts its backend
         template = _read_chat_template(args)

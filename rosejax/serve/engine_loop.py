@@ -317,7 +317,8 @@ class AsyncEngine(EngineFront):
         self._publish()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._poll_s = poll_s
-        self._gather_s = engine.engine_config.idle_gather_ms / 1e3
+        config = engine.engine_config
+        self._gather_s = (config.idle_gather_ms / 1e3, config.idle_gather_max_ms / 1e3)
         self._thread = threading.Thread(
             target=self._run, name=f"rosejax-engine-{replica}", daemon=True
         )
@@ -394,8 +395,8 @@ class AsyncEngine(EngineFront):
         self._programs_left -= 1
 
     def _drain(self, block: bool) -> None:
-        wait, gather = (self._poll_s, self._gather_s) if block else (0.0, 0.0)
-        take_commands(self._commands, self._handle, wait, gather)
+        wait, gather = (self._poll_s, self._gather_s) if block else (0.0, (0.0, 0.0))
+        take_commands(self._commands, self._handle, wait, *gather)
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
