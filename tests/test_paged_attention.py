@@ -411,20 +411,24 @@ def test_decode_attention_xla_path(kernels):
 
 
 @pytest.mark.parametrize(
-    "batch,kv_heads,max_pages,block_size,want",
+    "batch,q_heads,kv_heads,max_pages,block_size,want",
     [
-        (1, 8, 640, 64, 33),  # Qwen3-0.6B B=1 at 40,960 tokens: 8 x 33 programs ~ 2 a SM
-        (1, 8, 512, 64, 32),  # a 32k table: 32 splits of 16 pages at most
-        (16, 8, 640, 64, 3),  # 128 programs: 3 splits
-        (17, 8, 640, 64, 1),  # 136 programs fill 132 SMs
-        (256, 8, 640, 64, 1),  # B=256
-        (1, 12, 16, 64, 1),  # GPT-2's 1,024 tokens: one run of 1,024 tokens
-        (1, 12, 64, 16, 1),  # ... at block size 16 too
-        (1, 8, 32, 64, 2),  # 2,048 tokens: two runs of 1,024
+        (1, 16, 8, 640, 64, 33),  # Qwen3-0.6B B=1 at 40,960 tokens: 8 x 33 programs ~ 2 a SM
+        (1, 16, 8, 32, 64, 8),  # a 2,048-token table: 8 splits of 256 tokens at most
+        (8, 16, 8, 640, 64, 5),  # 64 programs: 5 give 2 a SM
+        (16, 16, 8, 640, 64, 4),  # 128 programs: 3 would give 2 a SM, MIN_SPLITS is 4
+        (32, 16, 8, 640, 64, 1),  # 512 query heads: 2 a SM already
+        (16, 32, 8, 640, 64, 1),  # Llama-3.1-8B's 16-row program: 512 query heads
+        (256, 16, 8, 640, 64, 1),  # B=256
+        (16, 12, 12, 16, 64, 4),  # GPT-2's 16-row program at 1,024 tokens: 4 runs of 256
+        (1, 12, 12, 64, 16, 4),  # ... a 1-row one at block size 16
+        (22, 12, 12, 16, 64, 1),  # 264 query heads
+        (1, 16, 8, 7, 64, 1),  # 448 tokens: one run of 256 and a part
+        (1, 16, 8, 8, 64, 2),  # 512 tokens: two runs
     ],
 )
-def test_default_decode_splits(batch, kv_heads, max_pages, block_size, want):
-    assert default_decode_splits(batch, kv_heads, max_pages, block_size) == want
+def test_default_decode_splits(batch, q_heads, kv_heads, max_pages, block_size, want):
+    assert default_decode_splits(batch, q_heads, kv_heads, max_pages, block_size) == want
 
 
 def test_decode_attention_splits_long_tables():
@@ -432,7 +436,7 @@ def test_decode_attention_splits_long_tables():
     split it (2,048 tokens a row at 2 rows x 2 KV heads): equal to the append reference."""
     rng = np.random.default_rng()
     b, h, group, d, bs, mb = 2, 2, 2, 32, 16, 128
-    assert default_decode_splits(b, h, mb, bs) > 1
+    assert default_decode_splits(b, h * group, h, mb, bs) > 1
     hq = h * group
     _, k, v, tables, lengths = make_case(rng, b, h, d, bs, mb, "float32")
     lengths = jnp.asarray([rng.integers(1, 40 * bs), 3], jnp.int32)

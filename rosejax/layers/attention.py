@@ -103,24 +103,31 @@ def append_kv(
     )
 
 
-# Split-K decode attention (`default_decode_splits`); not measured on a GPU yet.
+# Split-K decode attention (`default_decode_splits`); figures: docs/performance-log.md, session 27.
 GPU_SMS = 132  # an H100 SXM's SMs (an H200's too)
 SPLIT_PROGRAMS_PER_SM = 2  # programs the splits aim for a SM, to hide each one's memory latency
-MIN_SPLIT_TOKENS = 1024  # of a full table a split covers at least (16 pages at block size 64)
+MIN_SPLIT_TOKENS = 256  # of a full table a split covers at least (4 pages at block size 64)
+# Splits at least, where splitting at all: a short context's pages walked in one run are a chain
+# of dependent loads (H200, GPT-2's 16-row program at B=1 and B=16: 4 splits -10% and -6% a step).
+MIN_SPLITS = 4
 
 
-def default_decode_splits(batch: int, kv_heads: int, max_pages: int, block_size: int) -> int:
+def default_decode_splits(
+    batch: int, q_heads: int, kv_heads: int, max_pages: int, block_size: int
+) -> int:
     """Programs per (row, KV head) of the Pallas decode attention of a compiled program: 1 where
-    B x H programs already fill the GPU or a full table (max_pages) splits into fewer than two
-    runs of MIN_SPLIT_TOKENS; else enough for SPLIT_PROGRAMS_PER_SM programs a SM, but no more
-    than give each split MIN_SPLIT_TOKENS of a full table. Why: one program per (row, KV head)
-    walks a long context alone (B=1, 8 KV heads: 8 programs on 132 SMs), and a split shorter
-    than that costs more in its partials and their merge than its pages take to read."""
-    programs = batch * kv_heads
+    the B x Hq query heads already give every SM SPLIT_PROGRAMS_PER_SM (Qwen3's 32-row program
+    lost 5% to 4 splits, where GPT-2's 16-row one, 192 query heads, gained 6%) or a full table
+    (max_pages) splits into fewer than two runs of MIN_SPLIT_TOKENS; else enough for
+    SPLIT_PROGRAMS_PER_SM programs a SM and at least MIN_SPLITS, but no more than give each
+    split MIN_SPLIT_TOKENS of a full table. Why: one program per (row, KV head) walks a long
+    context alone (B=1, 8 KV heads: 8 programs on 132 SMs), and a split shorter than that costs
+    more in its partials and their merge than its pages take to read."""
+    fill = SPLIT_PROGRAMS_PER_SM * GPU_SMS
     most = max_pages * block_size // MIN_SPLIT_TOKENS
-    if programs >= GPU_SMS or most < 2:
+    if batch * q_heads >= fill or most < 2:
         return 1
-    return min(-(-SPLIT_PROGRAMS_PER_SM * GPU_SMS // programs), most)
+    return min(max(-(-fill // (batch * kv_heads)), MIN_SPLITS), most)
 
 
 def _decode_kernel_runs(kernels: KernelConfig, k_cache: jax.Array) -> bool:
@@ -156,7 +163,9 @@ def decode_attention(
     `decode_kernel_appends`."""
     pallas = _decode_kernel_runs(kernels, k_cache)
     h, _, bs, _ = k_cache.shape
-    tiles = {"num_splits": default_decode_splits(qkv.shape[0], h, block_tables.shape[1], bs)}
+    hq = num_q_heads or h
+    splits = default_decode_splits(qkv.shape[0], hq, h, block_tables.shape[1], bs)
+    tiles = {"num_splits": splits}
     tiles |= kernels.tile_kwargs("attention") | {"interpret": kernels.interpret}
     if num_q_heads is not None and num_q_heads != h:
         tiles["num_q_heads"] = num_q_heads
