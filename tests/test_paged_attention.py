@@ -414,15 +414,17 @@ def test_decode_attention_xla_path(kernels):
     "batch,q_heads,kv_heads,max_pages,block_size,want",
     [
         (1, 16, 8, 640, 64, 33),  # Qwen3-0.6B B=1 at 40,960 tokens: 8 x 33 programs ~ 2 a SM
+        (1, 16, 8, 16, 64, 4),  # ... at 1,024 tokens: 4 splits of 256
         (1, 16, 8, 32, 64, 8),  # a 2,048-token table: 8 splits of 256 tokens at most
         (8, 16, 8, 640, 64, 5),  # 64 programs: 5 give 2 a SM
-        (16, 16, 8, 640, 64, 4),  # 128 programs: 3 would give 2 a SM, MIN_SPLITS is 4
-        (32, 16, 8, 640, 64, 1),  # 512 query heads: 2 a SM already
-        (16, 32, 8, 640, 64, 1),  # Llama-3.1-8B's 16-row program: 512 query heads
+        (16, 16, 8, 640, 64, 3),  # 128 programs: 3
+        (16, 32, 8, 640, 64, 3),  # Llama-3.1-8B's 16-row program too
+        (17, 16, 8, 640, 64, 1),  # 136 grouped programs fill 132 SMs
         (256, 16, 8, 640, 64, 1),  # B=256
         (16, 12, 12, 16, 64, 4),  # GPT-2's 16-row program at 1,024 tokens: 4 runs of 256
         (1, 12, 12, 64, 16, 4),  # ... a 1-row one at block size 16
-        (22, 12, 12, 16, 64, 1),  # 264 query heads
+        (21, 12, 12, 16, 64, 4),  # 252 one-head programs: under 2 a SM
+        (22, 12, 12, 16, 64, 1),  # 264: 2 a SM
         (1, 16, 8, 7, 64, 1),  # 448 tokens: one run of 256 and a part
         (1, 16, 8, 8, 64, 2),  # 512 tokens: two runs
     ],

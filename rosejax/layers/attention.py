@@ -107,27 +107,31 @@ def append_kv(
 GPU_SMS = 132  # an H100 SXM's SMs (an H200's too)
 SPLIT_PROGRAMS_PER_SM = 2  # programs the splits aim for a SM, to hide each one's memory latency
 MIN_SPLIT_TOKENS = 256  # of a full table a split covers at least (4 pages at block size 64)
-# Splits at least, where splitting at all: a short context's pages walked in one run are a chain
-# of dependent loads (H200, GPT-2's 16-row program at B=1 and B=16: 4 splits -10% and -6% a step).
-MIN_SPLITS = 4
+# A program of one query head (GPT-2) walks its pages with vector arithmetic and keeps a SM less
+# busy than a group of heads on the matrix units: such programs split up to 2 a SM, at least 4
+# ways (H200, GPT-2's 16-row program, 192 programs: 4 splits -6%, 2 splits -5%); grouped ones up
+# to 1 a SM (Qwen3's 32-row program, 256 programs: 4 splits +4.7%).
+MIN_SPLITS_ONE_HEAD = 4
 
 
 def default_decode_splits(
     batch: int, q_heads: int, kv_heads: int, max_pages: int, block_size: int
 ) -> int:
     """Programs per (row, KV head) of the Pallas decode attention of a compiled program: 1 where
-    the B x Hq query heads already give every SM SPLIT_PROGRAMS_PER_SM (Qwen3's 32-row program
-    lost 5% to 4 splits, where GPT-2's 16-row one, 192 query heads, gained 6%) or a full table
-    (max_pages) splits into fewer than two runs of MIN_SPLIT_TOKENS; else enough for
-    SPLIT_PROGRAMS_PER_SM programs a SM and at least MIN_SPLITS, but no more than give each
+    the B x H programs already fill the GPU (above) or a full table (max_pages) splits into
+    fewer than two runs of MIN_SPLIT_TOKENS; else enough for SPLIT_PROGRAMS_PER_SM programs a
+    SM (at least MIN_SPLITS_ONE_HEAD with one query head a program), but no more than give each
     split MIN_SPLIT_TOKENS of a full table. Why: one program per (row, KV head) walks a long
     context alone (B=1, 8 KV heads: 8 programs on 132 SMs), and a split shorter than that costs
     more in its partials and their merge than its pages take to read."""
-    fill = SPLIT_PROGRAMS_PER_SM * GPU_SMS
+    programs = batch * kv_heads
     most = max_pages * block_size // MIN_SPLIT_TOKENS
-    if batch * q_heads >= fill or most < 2:
+    grouped = q_heads > kv_heads
+    full = GPU_SMS if grouped else SPLIT_PROGRAMS_PER_SM * GPU_SMS
+    if programs >= full or most < 2:
         return 1
-    return min(max(-(-fill // (batch * kv_heads)), MIN_SPLITS), most)
+    fewest = 1 if grouped else MIN_SPLITS_ONE_HEAD
+    return min(max(-(-SPLIT_PROGRAMS_PER_SM * GPU_SMS // programs), fewest), most)
 
 
 def _decode_kernel_runs(kernels: KernelConfig, k_cache: jax.Array) -> bool:
