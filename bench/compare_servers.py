@@ -10,13 +10,15 @@ others nothing. Then each of --rounds runs the workload (as bench/benchmark_serv
 --warmup-runs first) against every variant in turn, the order reversed every other round. With
 --in-process the same workload then runs --rounds times through one `LLMEngine` in this process,
 after the servers stopped, and each variant's median throughput and TTFT p50 is put beside its
-median (issue 17's ratios).
+median (issue 17's ratios). With --floor TPOT_MS one more variant, `floor`, is
+bench/serving/floor_server.py: no engine, each request's tokens streamed at that TPOT, so its
+row is what these clients and HTTP leave of the in-process figures on this host.
 
 Prints a row per run and the medians per variant; --json writes every run's summary.
 
     # GPU: what gathering a burst's arrivals gives: 3 rounds, issue 17's burst, in process last
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/compare_servers.py --rounds 3 --in-process \\
-        --variant base= --variant nogather="--idle-gather-ms 0" --json bench/out/gather.json
+        --variant base= --variant nogather="--idle-gather-ms 0" --floor 0.9 --json bench/out/gather.json
     # CPU smoke run
     PYTHONPATH=. python bench/compare_servers.py --model random:tiny --num-prompts 16 \\
         --output-len 8 --rounds 2 --variant a= --variant b="--open-decode-steps 4"
@@ -44,6 +46,8 @@ from bench.serving.in_process import run_in_process  # noqa: E402
 from bench.serving.launch import LaunchedServer  # noqa: E402
 from bench.serving.records import summarize  # noqa: E402
 from bench.serving.workload import Sample, timed_workload  # noqa: E402
+
+FLOOR = "floor"  # --floor's variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +131,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     g.add_argument(
         "--rounds", type=int, default=3, help="runs against each variant; default: %(default)s"
     )
+    g.add_argument(
+        "--floor",
+        type=float,
+        metavar="TPOT_MS",
+        help="also a variant `floor`: bench/serving/floor_server.py, no engine, streaming each "
+        "request's tokens at TPOT_MS (give the in-process TPOT): the HTTP floor of this host, "
+        "what no server can beat with these clients",
+    )
     args = p.parse_args(common.glue_flag_values(argv, ["--server-args", "--variant"]))
     check_args(p, args)
-    variants: list[Variant] = args.variant
+    variants: list[Variant] = args.variant + ([Variant(FLOOR, "")] if args.floor else [])
     if args.rounds < 1 or len({v.name for v in variants}) != len(variants):
-        p.error("--rounds must be >= 1 and each --variant NAME given once")
+        p.error(
+            f"--rounds must be >= 1 and each --variant NAME given once ({FLOOR!r} with --floor)"
+        )
     samples, offsets, warmups = timed_workload(args)
     args.kv_cache_tokens = shared_kv_tokens(args, samples)
     client = pick_client(args.client)
@@ -147,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             v_args = argparse.Namespace(
                 **vars(args) | {"server_args": f"{args.server_args} {v.flags}", "server_log": log}
             )
-            servers[v.name] = stack.enter_context(LaunchedServer(v_args, env))
+            floor = args.floor if v.name == FLOOR else None
+            servers[v.name] = stack.enter_context(LaunchedServer(v_args, env, floor))
         for r, v in run_order(variants, args.rounds):
             records, duration, _, counts = run_http_side(
                 args, servers[v.name].url, samples, offsets, warmups, client

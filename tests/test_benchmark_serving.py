@@ -17,7 +17,7 @@ from bench import benchmark_serving as bs
 from bench import compare_servers as cs
 from bench.serving.flags import build_parser, percentile_list, request_rate, slo
 from bench.serving.http_client import Clients, _StreamReader
-from bench.serving.launch import server_argv
+from bench.serving.launch import LaunchedServer, server_argv
 from bench.serving.records import Record, even_counts, summarize, token_itls
 from bench.serving.report import format_table
 from bench.serving.workload import Sample, arrival_offsets, random_dataset, uniform_lengths
@@ -369,6 +369,22 @@ def test_launch_runs_and_stops_a_server(tmp_path):
     assert res["config"]["base_url"].startswith("http://127.0.0.1:")
 
 
+def test_the_floor_server_streams_each_request_as_a_decode_loop_of_its_tpot(tmp_path):
+    """bench/serving/floor_server.py, launched as compare_servers' --floor does: every request
+    gets its max_tokens, the first alone and the rest in windows of 32, the last no sooner than
+    (max_tokens - 1) x TPOT after the first."""
+    rng = np.random.default_rng()
+    tpot_ms, output_len = float(rng.uniform(1.0, 3.0)), int(rng.integers(34, 100))
+    launch = build_parser(bs.__doc__).parse_args(["--launch", "--launch-timeout", "60"])
+    with LaunchedServer(launch, floor_tpot_ms=tpot_ms) as floor:
+        assert floor.cmd[2] == "bench.serving.floor_server"
+        workload = ["--input-len", "5", "--output-len", str(output_len), "--num-prompts", "5"]
+        res = run(tmp_path, "--base-url", floor.url, *workload, "--client-processes", "1")
+    for r in check_run(res, "http", 5):
+        assert len(r["event_s"]) == 1 + math.ceil((output_len - 1) / 32)
+        assert r["event_s"][-1] - r["event_s"][0] >= (output_len - 1) * tpot_ms / 1e3 - 1e-3
+
+
 def test_compare_servers_variants_and_their_order():
     a, b, c = (cs.variant(t) for t in ("a=", "b=--open-decode-steps 4", "c=--x=1 --y"))
     assert (b.name, b.flags, c.flags) == ("b", "--open-decode-steps 4", "--x=1 --y")
@@ -401,8 +417,13 @@ def test_compare_servers_runs_each_variant_each_round(tmp_path):
     out = tmp_path / "cmp.json"
     argv = [*ENGINE_FLAGS, *WORKLOAD, *QUIET, "--rounds", "2", "--in-process"]
     argv += ["--variant", "plain=", "--variant", "open2=--open-decode-steps 2", "--json", str(out)]
-    assert cs.main(argv) == 0
+    assert cs.main([*argv, "--floor", "1"]) == 0
     res = json.loads(out.read_text())
+    floor = res["variants"]["floor"]
+    assert floor["server_cmd"][2] == "bench.serving.floor_server"
+    assert len(floor["runs"]) == 2 and all(s["completed"] == 6 for s in floor["runs"])
+    with pytest.raises(SystemExit):  # a variant of that name beside --floor
+        cs.main([*argv, "--variant", "floor=", "--floor", "1"])
     plain, open2 = res["variants"]["plain"], res["variants"]["open2"]
     assert plain["server_cmd"][-2:] == ["--max-waiting", "-1"]  # --server-args's default
     assert open2["server_cmd"][-2:] == ["--open-decode-steps", "2"]

@@ -62,28 +62,40 @@ def programs_to_compile(base_url: str) -> int:
 
 
 class LaunchedServer:
-    """`python -m rosejax.serve` in a subprocess on a free loopback port, up once /health is."""
+    """`python -m rosejax.serve` in a subprocess on a free loopback port, up once /health is;
+    or, given `floor_tpot_ms`, `bench.serving.floor_server` (no engine) streaming at that TPOT."""
 
-    def __init__(self, args: argparse.Namespace, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        env: dict[str, str] | None = None,
+        floor_tpot_ms: float | None = None,
+    ):
         """`env`: variables set for the server beside this process's."""
         self.env = env or {}
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "rosejax.serve",
-            *server_argv(args),
-            *(["--served-model-name", args.served_model_name] if args.served_model_name else []),
-            "--host",
-            LOOPBACK,
-            "--port",
-            str(self.port),
-            "--log-level",
-            "warning",
-            "--no-access-log",
-            *shlex.split(args.server_args),
-        ]
+        where = ["--host", LOOPBACK, "--port", str(self.port)]
+        if floor_tpot_ms is not None:
+            floor = ["bench.serving.floor_server", "--tpot-ms", str(floor_tpot_ms)]
+            self.cmd = [sys.executable, "-m", *floor, *where]
+        else:
+            self.cmd = [
+                sys.executable,
+                "-m",
+                "rosejax.serve",
+                *server_argv(args),
+                *(
+                    ["--served-model-name", args.served_model_name]
+                    if args.served_model_name
+                    else []
+                ),
+                *where,
+                "--log-level",
+                "warning",
+                "--no-access-log",
+                *shlex.split(args.server_args),
+            ]
         self.timeout = args.launch_timeout
         if args.server_log:
             self.log_path = args.server_log
