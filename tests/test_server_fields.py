@@ -98,6 +98,8 @@ def test_tokenize_detokenize_and_tokenizer_info_agree_with_the_tokenizer(served)
         rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
         want = tok.encode(rendered, add_special_tokens=False)
         assert post(url, "/tokenize", body)["tokens"] == want
+        # no tools, as a chat request may say: the same tokens
+        assert post(url, "/tokenize", body | {"tools": []})["tokens"] == want
     info = httpx.get(url + "/tokenizer_info", timeout=10).json()
     assert info["eos_token"] == tok.eos_token == "<|endoftext|>"
     assert info["tokenizer_class"] and info["chat_template"] == TEMPLATE
@@ -114,6 +116,7 @@ def test_tokenize_detokenize_and_tokenizer_info_agree_with_the_tokenizer(served)
         ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
         ("/tokenize", {"prompt": "a", "frobnicate": 1}, "frobnicate"),
         ("/tokenize", {"prompt": "a", "model": "gpt-4"}, "model"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "tools": [{}]}, "tools"),
         ("/detokenize", {}, "tokens"),
         ("/detokenize", {"tokens": [-1]}, "tokens"),
         ("/detokenize", {"tokens": [50257]}, "tokens"),

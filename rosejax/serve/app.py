@@ -41,6 +41,7 @@ from rosejax.serve.metrics import CONTENT_TYPE, ServerMetrics
 from rosejax.serve.protocol import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,
+    TOKENIZE_UNSUPPORTED,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -161,17 +162,23 @@ def _request_schemas(
                 seq,
                 {"type": "array", "items": {"anyOf": [text, seq]}, "minItems": 1},
             ]
-        for name, (neutral, why) in unsupported.items():
-            props[name] = {
-                "description": f"not supported ({why}); accepted as null or {list(neutral)}",
-                "enum": [None, *neutral],
-            }
+        _describe_unsupported(props, unsupported)
         schemas[model.__name__] = schema
-    for model in (TokenizeRequest, DetokenizeRequest):
+    for model, unsupported in ((TokenizeRequest, TOKENIZE_UNSUPPORTED), (DetokenizeRequest, {})):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
+        _describe_unsupported(schema["properties"], unsupported)
         schemas[model.__name__] = schema
     return schemas
+
+
+def _describe_unsupported(props: dict[str, Any], unsupported: dict) -> None:
+    """A schema's properties gain the unsupported fields, with the values that are accepted."""
+    for name, (neutral, why) in unsupported.items():
+        props[name] = {
+            "description": f"not supported ({why}); accepted as null or {list(neutral)}",
+            "enum": [None, *neutral],
+        }
 
 
 # Bodies up to this size are decoded, validated and tokenized on the event loop.
@@ -430,7 +437,7 @@ def create_app(
     }
 
     def tokenize_body(raw: bytes) -> dict[str, Any]:
-        req = parse(parse_json(raw), TokenizeRequest)
+        req = parse(parse_json(raw), TokenizeRequest, TOKENIZE_UNSUPPORTED)
         check_model(req.model)
         if req.messages is not None:
             ids = chat_ids(

@@ -86,6 +86,8 @@ CHAT_UNSUPPORTED = {
     "parallel_tool_calls": ((), "tool calling is not implemented"),
     "response_format": (({"type": "text"},), "structured output is not implemented"),
 }
+# /tokenize renders messages as a chat does: the same neutral tools
+TOKENIZE_UNSUPPORTED = {"tools": CHAT_UNSUPPORTED["tools"]}
 
 
 def _neutral(value: Any, neutral: tuple) -> bool:
