@@ -267,7 +267,7 @@ class SamplingParams:
     """What a user asks of one request (vLLM-style). Validated on construction: a bad value is a
     ValueError that names its field.
 
-    top_k: 0 keeps every token (vLLM's -1 is rejected: use 0). top_p: in (0, 1], 1.0 = off.
+    top_k: 0 keeps every token (so does -1, vLLM's older form of it). top_p: in (0, 1], 1.0 = off.
     temperature: 0 = greedy. seed: an int in [-2**63, 2**64) (a negative one means its 64-bit two's
     complement, as in torch); None = a seed the engine draws from its own seed, one per request.
     stop: strings that end the output (not included in it). stop_token_ids: extra stop ids.
@@ -318,8 +318,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= 0 (0 or -1 = off), got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {self.top_p!r}")
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
@@ -373,7 +373,7 @@ class SamplingParams:
         set_ = functools.partial(object.__setattr__, self)
         set_("max_tokens", int(self.max_tokens))
         set_("temperature", float(self.temperature))
-        set_("top_k", int(self.top_k))
+        set_("top_k", max(int(self.top_k), 0))
         set_("top_p", float(self.top_p))
         set_("seed", None if self.seed is None else int(self.seed))
         set_("stop", None if stop is None else list(stop))

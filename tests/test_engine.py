@@ -419,7 +419,7 @@ def test_streaming_pieces_add_up(checkpoint, shared_llm):
         ([1, 2, 3], {"temperature": -0.5}, "temperature"),
         ([1, 2, 3], {"top_p": 0.0}, "top_p"),
         ([1, 2, 3], {"top_p": 1.5}, "top_p"),
-        ([1, 2, 3], {"top_k": -1}, "top_k"),
+        ([1, 2, 3], {"top_k": -2}, "top_k"),
         ([5000], GREEDY, "token ids must be in"),
         (None, GREEDY, "a prompt is a str or a list of token ids"),
         ([1.5, 2], GREEDY, "token ids must be ints"),

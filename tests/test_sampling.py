@@ -228,7 +228,7 @@ def test_new_values_do_not_recompile():
         {"temperature": -0.1},
         {"temperature": float("nan")},
         {"temperature": "1"},
-        {"top_k": -1},
+        {"top_k": -2},
         {"top_k": 2.5},
         {"top_p": 0.0},
         {"top_p": 1.5},
@@ -273,3 +273,4 @@ def test_params_normalised():
     sp = SamplingParams(logit_bias={np.int64(3): np.float32(2.5)}, presence_penalty=1, min_p=0)
     assert sp.logit_bias == {3: 2.5} and type(next(iter(sp.logit_bias))) is int
     assert type(sp.presence_penalty) is float and type(sp.min_p) is float
+    assert SamplingParams(top_k=-1, seed=3) == SamplingParams(top_k=0, seed=3)  # vLLM's "off"

@@ -306,7 +306,7 @@ BAD = [  # (body, param the error must name, or None)
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "temperature": "hot"}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
-    ({"prompt": "hi", "top_k": -1}, "top_k"),
+    ({"prompt": "hi", "top_k": -2}, "top_k"),
     ({"prompt": "hi", "seed": "x"}, "seed"),
     ({"prompt": "hi", "stop": [1]}, "stop"),
     ({"prompt": "hi", "stream": "yes"}, "stream"),
@@ -358,6 +358,16 @@ def test_extreme_but_valid_values_are_served(client):
             model=NAME, prompt="the cat", temperature=1.0, **oai({"max_tokens": 3, **kw})
         )
         assert resp.choices[0].finish_reason in ("stop", "length"), kw
+    # vLLM's older "off" for top_k: the same text as leaving it out, at one seed
+    texts = [
+        client.completions.create(
+            model=NAME, prompt="the cat", temperature=1.0, **oai({"max_tokens": 8, "seed": 7, **kw})
+        )
+        .choices[0]
+        .text
+        for kw in ({"top_k": -1}, {})
+    ]
+    assert texts[0] == texts[1]
 
 
 def test_models_health_and_metrics(served, client):

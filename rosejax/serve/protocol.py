@@ -129,7 +129,7 @@ class _Sampling(_Body):
     max_tokens: int | None = _bounds(minimum=1)
     temperature: float | None = _bounds(minimum=0)
     top_p: float | None = _bounds(exclusiveMinimum=0, maximum=1)
-    top_k: int | None = _bounds(minimum=0)  # extra, as in vLLM
+    top_k: int | None = _bounds(minimum=-1)  # extra, as in vLLM (0 or -1: off)
     min_p: float | None = _bounds(minimum=0, maximum=1)  # extra, as in vLLM
     seed: int | None = _bounds(minimum=-(2**63), maximum=2**64 - 1)
     stop: str | list[str] | None = None
