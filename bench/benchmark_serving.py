@@ -73,6 +73,7 @@ from bench.serving.http_client import (  # noqa: E402
     client_version,
     pick_client,
     run_http_side,
+    ttft_parts,
 )
 from bench.serving.in_process import run_in_process  # noqa: E402
 from bench.serving.launch import LaunchedServer  # noqa: E402
@@ -138,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"HTTP: the engine ran {counts['prefill_steps']} prefill steps and preempted "
             f"{counts['preemptions']} requests in the timed run"
         )
+    if "server_ttft_ms" in counts:
+        print(f"HTTP: the server's TTFT, mean ms a request: {ttft_parts(counts)}")
     if summaries["HTTP"]["completed"] and summaries["HTTP"]["itl_token_counts"] != "exact":
         print(
             "HTTP ITL: tokens per event not streamed; the first event counts 1, the rest share "

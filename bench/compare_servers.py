@@ -41,7 +41,12 @@ if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` impor
 
 from bench import common  # noqa: E402
 from bench.serving.flags import build_parser, check_args  # noqa: E402
-from bench.serving.http_client import pick_client, run_http_side  # noqa: E402
+from bench.serving.http_client import (  # noqa: E402
+    ENGINE_TIMES,
+    pick_client,
+    run_http_side,
+    ttft_parts,
+)
 from bench.serving.in_process import run_in_process  # noqa: E402
 from bench.serving.launch import LaunchedServer  # noqa: E402
 from bench.serving.records import summarize  # noqa: E402
@@ -91,8 +96,9 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         "ttft_p99": summary["ttft_ms"]["p99"],
         "tpot_p50": summary["tpot_ms"]["p50"],
         "event_gap_max": summary["event_gap_max_ms"],
-        # a server's runs only: a burst admitted in one prefill or in several
-        **({"prefill_steps": summary["prefill_steps"]} if "prefill_steps" in summary else {}),
+        # a server's runs only: a burst admitted in one prefill or in several, and where its
+        # TTFT went (ENGINE_TIMES)
+        **{k: summary[k] for k in ("prefill_steps", *ENGINE_TIMES) if k in summary},
     }
 
 
@@ -108,6 +114,8 @@ def row(label: str, f: dict[str, float], base: dict[str, float] | None = None) -
     )
     if "prefill_steps" in f:
         text += f"  prefills {f['prefill_steps']:g}"
+    if "server_ttft_ms" in f:
+        text += f"  server TTFT: {ttft_parts(f)}"
     if base:
         text += (
             f"  | / in process: {f['output_throughput'] / base['output_throughput']:.3f}, "

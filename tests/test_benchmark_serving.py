@@ -238,6 +238,11 @@ def test_poisson_run_against_its_records(server, tmp_path):
     # The engine's counters over the timed run: 6 short prompts in 1-6 prefills, none preempted.
     assert 1 <= res["results"]["http"]["prefill_steps"] <= 6
     assert res["results"]["http"]["preemptions"] == 0
+    # and the server's TTFT in its parts: each >= 0, within the server's TTFT, which is within
+    # the clients' (theirs adds the way in and out of the sockets)
+    http = res["results"]["http"]
+    parts = [http[k] for k in ("dispatch_ms", "queue_ms", "prefill_ms")]
+    assert min(parts) >= 0 and sum(parts) <= http["server_ttft_ms"] <= http["ttft_ms"]["mean"]
     args = build_parser(bs.__doc__).parse_args([*WORKLOAD, "--seed", "5"])
     want = [len(s.prompt) for s in random_dataset(args, 5)]
     assert [r["prompt_len"] for r in recs] == want  # the server's usage agrees

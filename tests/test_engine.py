@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -390,6 +391,25 @@ def test_stop_token_ids_stop_strings_and_context_limit(checkpoint, shared_llm):
     assert_matches_hf_greedy(checkpoint[1], full_prompt, out.token_ids, 1)
     assert out.finish_reason == "length"
     assert_clean(llm.engine)
+
+
+def test_outputs_carry_when_each_request_arrived_was_scheduled_and_got_its_first_token(
+    shared_llm,
+):
+    """RequestOutput.metrics (vLLM's): arrival <= first prefill <= first token read back, all
+    within the generate call, the same in every output of a request (a request's times are
+    set once, even when it is preempted and prefilled again)."""
+    llm = shared_llm()
+    start = time.monotonic()
+    streams: dict[str, list] = {}
+    for out in llm.generate_stream(random_prompts(6), GREEDY):
+        streams.setdefault(out.request_id, []).append(out.metrics)
+    end = time.monotonic()
+    for times in streams.values():
+        m = times[0]
+        assert start <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= end
+        assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
+        assert all(t == m for t in times)
 
 
 def test_streaming_pieces_add_up(checkpoint, shared_llm):

@@ -221,7 +221,8 @@ def test_rows_rebuild_every_output_of_the_engine(served):
     for outputs in served.steps:
         rows = pickle.loads(pickle.dumps([writer.row(out) for out in outputs]))
         for out, row in zip(outputs, rows, strict=True):
-            assert reader.output(row) == out, out.request_id
+            assert reader.output(row) == out, out.request_id  # its metrics too
+            assert out.metrics.first_token_time is not None
             seen[out.request_id] += 1
             changed = [c.index for c in out.outputs if c.new_token_ids or c.new_text]
             assert [entry[0] for entry in row[1]] == changed, out

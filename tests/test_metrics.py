@@ -102,6 +102,7 @@ def _random_ops(rng: random.Random, n: int) -> list[list]:
             ["generation_tokens", replica, rng.randint(1, 64)],
             ["prompt_tokens", replica, rng.randint(1, 200)],
             ["finished", replica, rng.choice(["stop", "length", "abort", "error"])],
+            ["starts", replica, [[rng.expovariate(100.0) for _ in range(3)]]],
         ]
         if rng.random() < 0.3:
             ops.append(["rejected", rng.choice(["invalid", "overloaded"])])
@@ -115,6 +116,8 @@ def _apply(metrics: ServerMetrics, ops: list[list]) -> None:
             metrics.rejected.labels(args[0]).inc()
         elif name == "finished":
             replicas[args[0]].finished(args[1]).inc()
+        elif name == "starts":  # a request's (dispatch, queue, prefill) seconds
+            replicas[args[0]].observe_step(0, 0, [], {}, [tuple(s) for s in args[1]])
         elif name in ("ttft", "e2e", "itl"):
             getattr(replicas[args[0]], name).observe(*args[1:])
         else:

@@ -389,6 +389,13 @@ def test_models_health_and_metrics(served, client):
     assert m["rosejax_generation_tokens_total"] >= 3
     assert m["rosejax_time_to_first_token_seconds_count"] >= 1
     assert m["rosejax_kv_blocks_total"] > 0
+    # TTFT's parts (the engine's RequestMetrics beside the server's own times): one of each
+    # per request, each >= 0, together within the TTFT
+    parts = [f"rosejax_request_{p}_time_seconds" for p in ("dispatch", "queue", "prefill")]
+    ttft = "rosejax_time_to_first_token_seconds"
+    for name in parts:
+        assert m[f"{name}_count"] == m[f"{ttft}_count"] and m[f"{name}_sum"] >= 0, name
+    assert sum(m[f"{name}_sum"] for name in parts) <= m[f"{ttft}_sum"]
     # A prompt shorter than a block (no prefix cache hit): one prefill of its tokens.
     prompt = np.random.default_rng().integers(10, 100, 5).tolist()
     client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)

@@ -353,6 +353,23 @@ ENGINE_COUNTERS = {
     "prefill_steps": "rosejax_prefill_steps_total",
     "preemptions": "rosejax_preemptions_total",
 }
+# Where the server's TTFT went (histograms, mean ms per request of the run): the API server to
+# the engine, the engine's queue, the prefill; TTFT less the three is the way back.
+ENGINE_TIMES = {
+    "dispatch_ms": "rosejax_request_dispatch_time_seconds",
+    "queue_ms": "rosejax_request_queue_time_seconds",
+    "prefill_ms": "rosejax_request_prefill_time_seconds",
+    "server_ttft_ms": "rosejax_time_to_first_token_seconds",
+}
+
+
+def ttft_parts(counts: dict[str, float]) -> str:
+    """The server's mean TTFT of a run in its parts (ENGINE_TIMES), as a line."""
+    parts = [counts[k] for k in ("dispatch_ms", "queue_ms", "prefill_ms")]
+    back = counts["server_ttft_ms"] - sum(parts)
+    return "dispatch {:.1f} + queue {:.1f} + prefill {:.1f} + back {:.1f} = {:.1f} ms".format(
+        *parts, back, counts["server_ttft_ms"]
+    )
 
 
 def metric_sums(base_url: str, names: Sequence[str]) -> dict[str, float] | None:
@@ -378,22 +395,27 @@ def run_http_side(
     offsets: list[float],
     warmups: list[list[Sample]],
     client: str,
-) -> tuple[list[Record], float, str, dict[str, int]]:
+) -> tuple[list[Record], float, str, dict[str, float]]:
     """The warm-ups, then the timed run: its records, duration, the model name sent, and
-    ENGINE_COUNTERS' growth over it (empty if the server has no /metrics)."""
+    ENGINE_COUNTERS' growth over it and the mean of each ENGINE_TIMES over it (empty if the
+    server has no /metrics)."""
     model = args.served_model_name or served_model(url)
+    names = list(ENGINE_COUNTERS.values())
+    names += [f"{name}_{part}" for name in ENGINE_TIMES.values() for part in ("sum", "count")]
     with Clients(args, url, model, client) as clients:
         for r, ws in enumerate(warmups):
             recs, _ = clients.run(ws, offsets, f"warm-up {r}")
             bad = [x.error for x in recs if not x.ok and not x.disconnected]
             if bad:
                 print(f"warm-up {r}: {len(bad)} requests failed, e.g. {bad[0]}", file=sys.stderr)
-        before = metric_sums(url, list(ENGINE_COUNTERS.values()))
+        before = metric_sums(url, names)
         records, duration = clients.run(samples, offsets, "http")
-        after = metric_sums(url, list(ENGINE_COUNTERS.values()))
-    counts = (
-        {key: int(after[name] - before[name]) for key, name in ENGINE_COUNTERS.items()}
-        if before and after
-        else {}
-    )
+        after = metric_sums(url, names)
+    counts: dict[str, float] = {}
+    if before and after:
+        counts = {key: int(after[name] - before[name]) for key, name in ENGINE_COUNTERS.items()}
+        for key, name in ENGINE_TIMES.items():
+            n = after[f"{name}_count"] - before[f"{name}_count"]
+            if n:
+                counts[key] = 1e3 * (after[f"{name}_sum"] - before[f"{name}_sum"]) / n
     return records, duration, model, counts

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from rosejax.engine.block_manager import BlockAllocator
 from rosejax.engine.request import (
     Request,
+    RequestMetrics,
     RequestOutput,
     RequestStatus,
     SequenceGroup,
@@ -531,7 +532,8 @@ class LLMEngine:
             seed = int(self._seeds.integers(2**64, dtype=np.uint64)) if seed is None else seed + i
             sequence.seed = seed % 2**64  # the device takes a seed's 64 bits as two words
         self._arrivals += 1
-        self._requests[request_id] = SequenceGroup(request_id, sequences, self.token_texts)
+        metrics = RequestMetrics(time.monotonic())
+        self._requests[request_id] = SequenceGroup(request_id, sequences, metrics, self.token_texts)
         for sequence in sequences:
             self.scheduler.add(sequence)
 
@@ -590,6 +592,10 @@ class LLMEngine:
         if plan is None:
             return False
         requests = plan.requests
+        now = time.monotonic()
+        for r in requests:
+            if r.group.metrics.first_scheduled_time is None:
+                r.group.metrics.first_scheduled_time = now
         # Rows that end their prompt take a slot and sample their first token; a chunk of a
         # prompt prefilled in chunks writes its KV only (its row's slot index is dropped).
         done = [r for r, final in zip(requests, plan.final, strict=True) if final]
@@ -786,6 +792,7 @@ class LLMEngine:
         if prompt is not None:
             self._take_prompt_logprobs(*prompt)
         decoded = kind == "decode"
+        now = time.monotonic()
         for request, epoch, column in roster:
             if request.epoch != epoch or request.status != RequestStatus.RUNNING:
                 continue  # preempted or aborted since: its tokens here are void
@@ -797,6 +804,8 @@ class LLMEngine:
                 row = row[: row.index(-1)]
             group = request.group
             touched[group.request_id] = group
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
             try:
                 self._take(request, row, decoded, logprobs, column)
             except Exception as e:  # a failure serving one request ends that request alone

@@ -3,9 +3,10 @@ engine) for each `RequestOutput` of a step (a row), and the `RequestOutput` the 
 from it, equal to the one the engine made.
 
 A row carries only what the driver has not seen, in plain lists and arrays (cheap to pickle):
-(request id, sequences, prompt logprobs, error), `sequences` holding one entry per sequence that
-changed this step: (index, new token ids, new text, finish reason, new logprobs, cumulative
-logprob). Logprobs travel as the engine keeps them, `FlatLogprobs`' arrays (`arrays_from`), and
+(request id, sequences, prompt logprobs, error, times), `sequences` holding one entry per
+sequence that changed this step: (index, new token ids, new text, finish reason, new logprobs,
+cumulative logprob); `times` the request's `RequestMetrics` as a tuple in its first row, else
+None. Logprobs travel as the engine keeps them, `FlatLogprobs`' arrays (`arrays_from`), and
 are kept so on the driver's side, whose `FlatLogprobs` read each token's text
 (`Logprob.decoded_token`) from a `TokenTexts` of the same tokenizer, as the engine's do.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rosejax.engine.request import CompletionOutput, FlatLogprobs, RequestOutput
+from rosejax.engine.request import CompletionOutput, FlatLogprobs, RequestMetrics, RequestOutput
 from rosejax.sampling import SamplingParams
 
 
@@ -40,8 +41,12 @@ class RowWriter:
         if out.finish_reason == "error":
             return self.error_row(rid, out.error)
         seen = self._seen.get(rid)
-        if seen is None:
+        times = None
+        if seen is None:  # its first row
             seen = self._seen[rid] = _Seen()
+            m = out.metrics
+            if m is not None:  # (dataclasses.astuple deep-copies: several times the cost)
+                times = (m.arrival_time, m.first_scheduled_time, m.first_token_time)
         prompt = None
         have = out.prompt_logprobs
         if have is not None and len(have) > seen.prompt_logprobs:
@@ -69,12 +74,12 @@ class RowWriter:
                 seen.ended.add(c.index)
         if out.finished:
             del self._seen[rid]
-        return (rid, sequences, prompt, None)
+        return (rid, sequences, prompt, None, times)
 
     def error_row(self, rid: str, error: str | None) -> tuple:
         """The row of a request that failed: it ends with `error`."""
         self._seen.pop(rid, None)
-        return (rid, [], None, error)
+        return (rid, [], None, error, None)
 
     def forget(self, rid: str) -> None:
         """A request aborted: no row of it follows."""
@@ -95,7 +100,7 @@ class _Sequence:
 
 
 class _Request:
-    __slots__ = ("prompt", "sequences", "prompt_logprobs")
+    __slots__ = ("prompt", "sequences", "prompt_logprobs", "metrics")
 
     def __init__(self, prompt: list[int], params: SamplingParams, texts: Any):
         def flat(top: int | None, **kw: Any) -> FlatLogprobs | None:
@@ -104,6 +109,7 @@ class _Request:
         self.prompt = prompt
         self.sequences = [_Sequence(flat(params.logprobs)) for _ in range(params.n)]
         self.prompt_logprobs = flat(params.prompt_logprobs, leading_none=True)
+        self.metrics: RequestMetrics | None = None
 
 
 class RowReader:
@@ -124,12 +130,14 @@ class RowReader:
 
     def output(self, row: tuple) -> RequestOutput | None:
         """The row's `RequestOutput` as the engine made it; None for a request forgotten."""
-        rid, changed, prompt, error = row
+        rid, changed, prompt, error, times = row
         if error is not None:
             return self.error_output(rid, error)
         req = self._requests.get(rid)
         if req is None:
             return None
+        if times is not None:
+            req.metrics = RequestMetrics(*times)
         if prompt is not None:
             req.prompt_logprobs.extend_arrays(prompt)
         new = {}
@@ -159,7 +167,9 @@ class RowReader:
                     text,
                 )
             )
-        return RequestOutput.from_outputs(rid, req.prompt, outputs, req.prompt_logprobs)
+        out = RequestOutput.from_outputs(rid, req.prompt, outputs, req.prompt_logprobs)
+        out.metrics = req.metrics
+        return out
 
     def error_output(self, rid: str, error: str) -> RequestOutput | None:
         """The last output of a request that failed with `error` (the engine failed, or its
@@ -169,5 +179,14 @@ class RowReader:
             return None
         first = req.sequences[0]
         return RequestOutput(
-            rid, req.prompt, first.tokens, first.text, [], "", True, "error", error
+            rid,
+            req.prompt,
+            first.tokens,
+            first.text,
+            [],
+            "",
+            True,
+            "error",
+            error,
+            metrics=req.metrics,
         )

@@ -167,6 +167,24 @@ PromptLogprobs = Sequence[dict[int, Logprob] | None]
 
 
 @dataclasses.dataclass
+class RequestMetrics:
+    """When the engine took a request, first scheduled it into a prefill and read its first
+    token back (vLLM's RequestMetrics): seconds of `time.monotonic()`, one clock for every
+    process of a host, so an API server can set them beside its own times."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """From arrival to the first prefill that took it."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     """One generated sequence (vLLM's CompletionOutput), and what this step added to it."""
 
@@ -203,6 +221,7 @@ class RequestOutput:
     error: str | None = None  # what failed, when finish_reason is "error"
     outputs: list[CompletionOutput] = dataclasses.field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
+    metrics: RequestMetrics | None = None  # the engine's times of the request
 
     @classmethod
     def from_outputs(
@@ -452,15 +471,24 @@ class SequenceGroup:
     scheduler runs one by one) and the prompt's logprobs; a step hands out one RequestOutput
     for all of them."""
 
-    __slots__ = ("request_id", "prompt_token_ids", "sequences", "prompt_logprobs", "error")
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sequences",
+        "prompt_logprobs",
+        "error",
+        "metrics",
+    )
 
     def __init__(
         self,
         request_id: str,
         sequences: list[Request],
+        metrics: RequestMetrics,
         token_texts: Mapping[int, str] | None = None,  # id -> the decoded_token of logprobs
     ):
         self.request_id = request_id
+        self.metrics = metrics
         self.prompt_token_ids = sequences[0].prompt_token_ids
         self.sequences = sequences
         for sequence in sequences:
@@ -503,8 +531,11 @@ class SequenceGroup:
                 finished=True,
                 finish_reason="error",
                 error=self.error,
+                metrics=self.metrics,
             )
         outputs = [s.take_completion() for s in self.sequences]
-        return RequestOutput.from_outputs(
+        out = RequestOutput.from_outputs(
             self.request_id, self.prompt_token_ids, outputs, self.prompt_logprobs
         )
+        out.metrics = self.metrics
+        return out

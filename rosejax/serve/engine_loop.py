@@ -51,7 +51,7 @@ class _Sink:
         self.loop, self.rids = loop, list(rids)
         self.items: collections.deque = collections.deque()
         self.waiter: asyncio.Future | None = None  # the reader's, while it waits for an item
-        self.arrival = time.perf_counter()
+        self.arrival = time.monotonic()  # the engine's clock (`RequestMetrics`)
         self.last: dict[str, float] = {}  # request id -> time of its latest token
 
     def put(self, item: RequestOutput | BaseException) -> bool:
@@ -226,10 +226,11 @@ class EngineFront:
         """Hand one step's outputs to their sinks, in order, once the metrics are observed:
         the counts for the whole step at once (in multiprocess mode each observation is a
         locked write into a file's map)."""
-        now = time.perf_counter()
+        now = time.monotonic()
         m = self.metrics
         tokens = prompt_tokens = 0
         gaps: list[tuple[float, int]] = []  # (time per token, tokens) of each later window
+        starts: list[tuple[float, float, float]] = []  # (dispatch, queue, prefill) of first ones
         ended: collections.Counter[str] = collections.Counter()  # finish reason -> requests
         handed: list[tuple[_Sink, RequestOutput | EngineError]] = []
         for out in outputs:
@@ -244,6 +245,16 @@ class EngineFront:
                 if last is None:
                     m.ttft.observe(now - sink.arrival)
                     prompt_tokens += len(out.prompt_token_ids)
+                    t = out.metrics
+                    if t is not None and t.first_token_time is not None:
+                        scheduled = t.first_scheduled_time
+                        starts.append(
+                            (
+                                t.arrival_time - sink.arrival,
+                                scheduled - t.arrival_time,
+                                t.first_token_time - scheduled,
+                            )
+                        )
                 else:
                     gaps.append(((now - last) / n, n))  # a window hands over n tokens at once
                 sink.last[rid] = now
@@ -256,7 +267,7 @@ class EngineFront:
                 ended[out.finish_reason or "stop"] += 1
                 m.e2e.observe(now - sink.arrival)
             handed.append((sink, out))
-        m.observe_step(tokens, prompt_tokens, gaps, ended)
+        m.observe_step(tokens, prompt_tokens, gaps, ended, starts)
         for sink, item in handed:
             if not sink.put(item) and isinstance(item, RequestOutput) and not item.finished:
                 self._forget(item.request_id)

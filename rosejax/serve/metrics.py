@@ -267,6 +267,29 @@ class ServerMetrics:
             _LATENCY_BUCKETS,
             r,
         )
+        # Where a request's TTFT goes, observed with its first token from the engine's times
+        # (`RequestMetrics`): TTFT less these three is the way back to the API server.
+        self.dispatch_time = CountedHistogram(
+            "rosejax_request_dispatch_time_seconds",
+            "From a request's submission in an API server to its arrival at the engine.",
+            ["replica"],
+            _LATENCY_BUCKETS,
+            r,
+        )
+        self.queue_time = CountedHistogram(
+            "rosejax_request_queue_time_seconds",
+            "From a request's arrival at the engine to the prefill that first took it.",
+            ["replica"],
+            _LATENCY_BUCKETS,
+            r,
+        )
+        self.prefill_time = CountedHistogram(
+            "rosejax_request_prefill_time_seconds",
+            "From a request's first prefill to its first token read back from the device.",
+            ["replica"],
+            _LATENCY_BUCKETS,
+            r,
+        )
         self.e2e = Histogram(
             "rosejax_request_latency_seconds",
             "From a request's arrival to its end.",
@@ -314,6 +337,11 @@ class ReplicaMetrics:
         self.ttft = metrics.ttft.labels(replica)
         self.itl = metrics.itl.labels(replica)
         self.e2e = metrics.e2e.labels(replica)
+        self._starts = (
+            metrics.dispatch_time.labels(replica),
+            metrics.queue_time.labels(replica),
+            metrics.prefill_time.labels(replica),
+        )
         self.generation_tokens = metrics.generation_tokens.labels(replica)
         self.prompt_tokens = metrics.prompt_tokens.labels(replica)
         self._finished = metrics.finished
@@ -328,14 +356,19 @@ class ReplicaMetrics:
         prompt_tokens: int,
         gaps: Iterable[tuple[float, int]],
         ended: Mapping[str, int],
+        starts: Sequence[tuple[float, float, float]] = (),
     ) -> None:
         """One step's counts, each metric written once: tokens generated, prompt tokens of
         requests given their first token, inter-token latencies ((seconds per token, tokens)
-        of each request's window), requests ended by finish reason."""
+        of each request's window), requests ended by finish reason, and the (dispatch, queue,
+        prefill) seconds of requests given their first token."""
         if tokens:
             self.generation_tokens.inc(tokens)
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens)
         self.itl.observe_many(gaps)
+        if starts:
+            for histogram, seconds in zip(self._starts, zip(*starts, strict=True), strict=True):
+                histogram.observe_many((s, 1) for s in seconds)
         for reason, count in ended.items():
             self.finished(reason).inc(count)
