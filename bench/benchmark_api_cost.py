@@ -99,7 +99,10 @@ def stub_engine(conn: Any, model: str, output_len: int, window: int, window_s: f
                         seq = CompletionOutput(
                             0, text, tokens, None, None, reason, new_ids, new_text
                         )
-                        outs = [RequestOutput.from_outputs(r, p, [seq], None) for r, p in added]
+                        outs = [
+                            RequestOutput.from_outputs(r, p, [seq], None, reason is not None)
+                            for r, p in added
+                        ]
                         message = ("out", [writer.row(o) for o in outs], SNAPSHOT)
                         messages.append(ForkingPickler.dumps(message))
                     for message in messages:

@@ -212,6 +212,43 @@ def test_n_sequences_share_the_prompt_and_reproduce(checkpoint, llm, prefix_cach
     assert_clean(llm)
 
 
+def test_n_beyond_the_batch_streams_every_sequence_as_n_singles(llm):
+    """n=10 on a batch of 4 runs in waves, so most steps change a few of the ten: every step's
+    output holds all ten, each the whole sequence so far with only that step's new tokens and
+    text (the pieces add up to it), no earlier output changes later, and the final ones equal
+    n=1 requests with seed + i."""
+    n, seed = 10, 4321
+    prompt = random_prompts(1, lo=5, hi=6)[0]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=seed, n=n, logprobs=1)
+    outputs, seen = [], []
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    texts = [""] * n
+    for out in llm.generate_stream([prompt], params):
+        assert [c.index for c in out.outputs] == list(range(n))
+        for c in out.outputs:
+            tokens[c.index] += c.new_token_ids
+            texts[c.index] += c.new_text
+            assert (c.token_ids, c.text) == (tokens[c.index], texts[c.index])
+            assert len(c.logprobs) == len(c.token_ids)
+        assert out.finished == all(c.finished() for c in out.outputs)
+        outputs.append(out)
+        seen.append([(list(c.token_ids), c.text, c.new_text) for c in out.outputs])
+    assert [[(c.token_ids, c.text, c.new_text) for c in o.outputs] for o in outputs] == seen
+    # Waves: some steps changed only part of the ten, and some sequence ended before the rest.
+    assert any(0 < sum(bool(c.new_token_ids) for c in o.outputs) < n for o in outputs)
+    assert any(c.finished() for c in outputs[-2].outputs)
+    final = outputs[-1]
+    assert final.finished and not any(o.finished for o in outputs[:-1])
+    singles = [
+        SamplingParams(max_tokens=6, temperature=1.0, seed=seed + i, logprobs=1) for i in range(n)
+    ]
+    want = llm.generate([prompt] * n, singles, use_tqdm=False)
+    for c, w in zip(final.outputs, want, strict=True):
+        assert (c.token_ids, c.text, c.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+        assert c.cumulative_logprob == pytest.approx(w.outputs[0].cumulative_logprob, abs=1e-4)
+    assert_clean(llm)
+
+
 def reference_greedy(
     model, prompt: list[int], n: int, params: SamplingParams, stop_ids
 ) -> list[int]:

@@ -581,7 +581,7 @@ class LLMEngine:
         outputs = []
         for group in touched.values():
             outputs.append(group.take_output())
-            if group.finished:
+            if outputs[-1].finished:
                 del self._requests[group.request_id]
         return outputs
 
@@ -806,6 +806,7 @@ class LLMEngine:
             touched[group.request_id] = group
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
+            group.fed(request)
             try:
                 self._take(request, row, decoded, logprobs, column)
             except Exception as e:  # a failure serving one request ends that request alone

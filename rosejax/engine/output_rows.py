@@ -98,9 +98,33 @@ class _Sequence:
         self.cumulative_logprob: float | None = None if logprobs is None else 0.0
         self.finish_reason: str | None = None
 
+    def output(self, index: int, new_ids: list[int], new_text: str) -> CompletionOutput:
+        """Its output so far (it is sequence `index`), and what the latest row added."""
+        # A finished sequence's lists never change again; a running one's are copied (its
+        # logprobs snapshot: no copy).
+        ended = self.finish_reason is not None
+        return CompletionOutput(
+            index,
+            self.text,
+            self.tokens if ended else list(self.tokens),
+            self.cumulative_logprob,
+            self.logprobs if ended or self.logprobs is None else self.logprobs.snapshot(),
+            self.finish_reason,
+            new_ids,
+            new_text,
+        )
+
 
 class _Request:
-    __slots__ = ("prompt", "sequences", "prompt_logprobs", "metrics")
+    __slots__ = (
+        "prompt",
+        "sequences",
+        "prompt_logprobs",
+        "metrics",
+        "outputs",
+        "news",
+        "unfinished",
+    )
 
     def __init__(self, prompt: list[int], params: SamplingParams, texts: Any):
         def flat(top: int | None, **kw: Any) -> FlatLogprobs | None:
@@ -110,6 +134,11 @@ class _Request:
         self.sequences = [_Sequence(flat(params.logprobs)) for _ in range(params.n)]
         self.prompt_logprobs = flat(params.prompt_logprobs, leading_none=True)
         self.metrics: RequestMetrics | None = None
+        # Each sequence's latest output, as the engine's `SequenceGroup` keeps them: a row remakes
+        # only those it changes and those whose latest output has new tokens or text (`news`).
+        self.outputs = [s.output(i, [], "") for i, s in enumerate(self.sequences)]
+        self.news: set[int] = set()
+        self.unfinished = params.n  # sequences whose latest output is not finished
 
 
 class RowReader:
@@ -140,7 +169,7 @@ class RowReader:
             req.metrics = RequestMetrics(*times)
         if prompt is not None:
             req.prompt_logprobs.extend_arrays(prompt)
-        new = {}
+        new: dict[int, tuple[list[int], str]] = {}
         for index, ids, text, reason, logprobs, cumulative in changed:
             s = req.sequences[index]
             s.tokens.extend(ids)
@@ -149,25 +178,18 @@ class RowReader:
                 s.logprobs.extend_arrays(logprobs)
             s.cumulative_logprob, s.finish_reason = cumulative, reason
             new[index] = (ids, text)
-        outputs = []
-        for index, s in enumerate(req.sequences):
-            ids, text = new.get(index, ([], ""))
-            # A finished sequence's lists never change again; a running one's are copied (its
-            # logprobs snapshot: no copy).
-            ended = s.finish_reason is not None
-            outputs.append(
-                CompletionOutput(
-                    index,
-                    s.text,
-                    s.tokens if ended else list(s.tokens),
-                    s.cumulative_logprob,
-                    s.logprobs if ended or s.logprobs is None else s.logprobs.snapshot(),
-                    s.finish_reason,
-                    ids,
-                    text,
-                )
+        for index in req.news.union(new):
+            was_running = req.outputs[index].finish_reason is None
+            output = req.outputs[index] = req.sequences[index].output(
+                index, *new.get(index, ([], ""))
             )
-        out = RequestOutput.from_outputs(rid, req.prompt, outputs, req.prompt_logprobs)
+            if was_running and output.finish_reason is not None:
+                req.unfinished -= 1
+        req.news = {index for index, (ids, text) in new.items() if ids or text}
+        # A copy: the RequestOutputs of earlier rows keep the outputs they were made with.
+        out = RequestOutput.from_outputs(
+            rid, req.prompt, list(req.outputs), req.prompt_logprobs, req.unfinished == 0
+        )
         out.metrics = req.metrics
         return out
 

@@ -230,12 +230,12 @@ class RequestOutput:
         prompt_token_ids: list[int],
         outputs: list[CompletionOutput],
         prompt_logprobs: PromptLogprobs | None,
+        finished: bool,  # every sequence is: counted by the caller, not found by a look at all n
     ) -> RequestOutput:
         """A request's output from its sequences' (the flat fields are outputs[0]'s)."""
         first = outputs[0]
-        # Positional, and a list where a generator would do: made for every request at every
-        # step (and again in a server's API process), keywords and a generator cost it 3x.
-        finished = all([c.finish_reason is not None for c in outputs])
+        # Positional: made for every request at every step (and again in a server's API
+        # process), where keywords cost it more.
         return cls(
             request_id,
             prompt_token_ids,
@@ -478,6 +478,9 @@ class SequenceGroup:
         "prompt_logprobs",
         "error",
         "metrics",
+        "_outputs",
+        "_due",
+        "_unfinished",
     )
 
     def __init__(
@@ -500,10 +503,15 @@ class SequenceGroup:
             room = len(self.prompt_token_ids) - 1
             self.prompt_logprobs = FlatLogprobs(top, token_texts, leading_none=True, capacity=room)
         self.error: str | None = None
+        # Each sequence's latest output. A step remakes only those in `_due` (fed since, or whose
+        # latest output has new tokens or text): remaking all n at every step costs n^2 in all.
+        self._outputs = [s.take_completion() for s in sequences]
+        self._due: set[int] = set()
+        self._unfinished = len(sequences)  # sequences whose latest output is not finished
 
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.sequences)
+    def fed(self, sequence: Request) -> None:
+        """`sequence` was given tokens: the next output remakes its CompletionOutput."""
+        self._due.add(sequence.index)
 
     def add_prompt_logprobs(self, start: int, logprobs: TokenLogprobs) -> None:
         """The logprobs (numpy, [t]) of prompt positions start, start + 1, ...; positions
@@ -533,9 +541,21 @@ class SequenceGroup:
                 error=self.error,
                 metrics=self.metrics,
             )
-        outputs = [s.take_completion() for s in self.sequences]
+        due, self._due = self._due, set()
+        for index in due:
+            was_running = self._outputs[index].finish_reason is None
+            output = self._outputs[index] = self.sequences[index].take_completion()
+            if output.new_token_ids or output.new_text:
+                self._due.add(index)  # its next output has the same, without what is new now
+            if was_running and output.finish_reason is not None:
+                self._unfinished -= 1
+        # A copy: the RequestOutputs of earlier steps keep the outputs they were made with.
         out = RequestOutput.from_outputs(
-            self.request_id, self.prompt_token_ids, outputs, self.prompt_logprobs
+            self.request_id,
+            self.prompt_token_ids,
+            list(self._outputs),
+            self.prompt_logprobs,
+            self._unfinished == 0,
         )
         out.metrics = self.metrics
         return out

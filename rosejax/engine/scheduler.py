@@ -101,13 +101,13 @@ class Scheduler:
         """Its allocation plan; None while it must wait for a sibling's chunked prefill."""
         if request.prompt_logprobs_needed:
             return self.allocator.probe(tokens, use_cache=False)
-        siblings = [s for s in request.group.sequences if s is not request]
-        if any(s is self.prefilling for s in siblings):
+        # By its group, not by a look at its n siblings: n admissions would cost n^2 in all.
+        if self.prefilling is not None and self.prefilling.group is request.group:
             return None  # its prompt's blocks are not all written yet: share them once they are
         if not self.allocator.enable_prefix_caching:  # else the cache finds the sibling's blocks
             prompt = len(request.prompt_token_ids)
-            for s in siblings:
-                if s.status == RequestStatus.RUNNING:
+            for s in request.group.sequences:
+                if s is not request and s.status == RequestStatus.RUNNING:
                     n = min(prompt, len(tokens) - 1) // self.allocator.block_size
                     return self.allocator.probe(tokens, shared=s.table.blocks[:n])
         return self.allocator.probe(tokens)
