@@ -411,26 +411,25 @@ def test_decode_attention_xla_path(kernels):
 
 
 @pytest.mark.parametrize(
-    "batch,q_heads,kv_heads,max_pages,block_size,want",
+    "batch,kv_heads,max_pages,block_size,matrix_units,want",
     [
-        (1, 16, 8, 640, 64, 33),  # Qwen3-0.6B B=1 at 40,960 tokens: 8 x 33 programs ~ 2 a SM
-        (1, 16, 8, 16, 64, 4),  # ... at 1,024 tokens: 4 splits of 256
-        (1, 16, 8, 32, 64, 8),  # a 2,048-token table: 8 splits of 256 tokens at most
-        (8, 16, 8, 640, 64, 5),  # 64 programs: 5 give 2 a SM
-        (16, 16, 8, 640, 64, 3),  # 128 programs: 3
-        (16, 32, 8, 640, 64, 3),  # Llama-3.1-8B's 16-row program too
-        (17, 16, 8, 640, 64, 1),  # 136 grouped programs fill 132 SMs
-        (256, 16, 8, 640, 64, 1),  # B=256
-        (16, 12, 12, 16, 64, 4),  # GPT-2's 16-row program at 1,024 tokens: 4 runs of 256
-        (1, 12, 12, 64, 16, 4),  # ... a 1-row one at block size 16
-        (21, 12, 12, 16, 64, 4),  # 252 one-head programs: under 2 a SM
-        (22, 12, 12, 16, 64, 1),  # 264: 2 a SM
-        (1, 16, 8, 7, 64, 1),  # 448 tokens: one run of 256 and a part
-        (1, 16, 8, 8, 64, 2),  # 512 tokens: two runs
+        (1, 8, 640, 64, True, 33),  # Qwen3-0.6B B=1 at 40,960 tokens: 8 x 33 programs ~ 2 a SM
+        (1, 8, 16, 64, True, 4),  # ... at 1,024 tokens: 4 splits of 256
+        (1, 8, 32, 64, True, 8),  # a 2,048-token table: 8 splits of 256 tokens at most
+        (8, 8, 640, 64, True, 5),  # 64 programs: 5 give 2 a SM
+        (16, 8, 640, 64, True, 3),  # 128 programs: 3 (Qwen3's and Llama's 16-row programs)
+        (17, 8, 640, 64, True, 1),  # 136 matrix-unit programs fill 132 SMs
+        (256, 8, 640, 64, True, 1),  # B=256
+        (16, 12, 16, 64, False, 4),  # GPT-2's 16-row program at 1,024 tokens: 4 runs of 256
+        (1, 12, 64, 16, False, 4),  # ... a 1-row one at block size 16
+        (21, 12, 16, 64, False, 4),  # 252 vector-path programs: under 2 a SM
+        (22, 12, 16, 64, False, 1),  # 264: 2 a SM
+        (1, 8, 7, 64, True, 1),  # 448 tokens: one run of 256 and a part
+        (1, 8, 8, 64, True, 2),  # 512 tokens: two runs
     ],
 )
-def test_default_decode_splits(batch, q_heads, kv_heads, max_pages, block_size, want):
-    assert default_decode_splits(batch, q_heads, kv_heads, max_pages, block_size) == want
+def test_default_decode_splits(batch, kv_heads, max_pages, block_size, matrix_units, want):
+    assert default_decode_splits(batch, kv_heads, max_pages, block_size, matrix_units) == want
 
 
 def test_decode_attention_splits_long_tables():
@@ -438,7 +437,7 @@ def test_decode_attention_splits_long_tables():
     split it (2,048 tokens a row at 2 rows x 2 KV heads): equal to the append reference."""
     rng = np.random.default_rng()
     b, h, group, d, bs, mb = 2, 2, 2, 32, 16, 128
-    assert default_decode_splits(b, h * group, h, mb, bs) > 1
+    assert default_decode_splits(b, h, mb, bs, matrix_units=True) > 1
     hq = h * group
     _, k, v, tables, lengths = make_case(rng, b, h, d, bs, mb, "float32")
     lengths = jnp.asarray([rng.integers(1, 40 * bs), 3], jnp.int32)

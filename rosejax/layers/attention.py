@@ -11,8 +11,8 @@ absolute position `p` sees the keys at logical positions `0..p` of its block tab
   attends among its own tokens (`causal_attention_xla`); otherwise `paged_attention_xla` walks the
   rows' pages a chunk at a time, as far as the batch's last query needs.
 - `decode_attention`: one query per row, K/V written and attended in one call: rosejax's Pallas
-  kernel (`pallas_kernels/paged_attention.py`; split over each row's pages where few rows and
-  long tables leave the GPU idle: `default_decode_splits`), which writes the K/V itself unless
+  kernel (`pallas_kernels/paged_attention.py`; split over each row's pages where few rows leave
+  the GPU idle or walk their pages in long chains: `default_decode_splits`), which writes the K/V itself unless
   `kernels.fused_kv_append` is off (then `append_kv` does), or XLA (`paged_decode_attention_xla`,
   the same chunked walk), as the `KernelConfig` says and for caches the kernel does not tile.
   The kernel that writes K/V itself can also take q and k before their RoPE (and q/k RMSNorm).
@@ -30,9 +30,11 @@ import jax.numpy as jnp
 
 from pallas_kernels import kv_append
 from pallas_kernels.paged_attention import (
+    DEFAULT_MATRIX_MIN_GROUP,
     decode_kernel_supported,
     paged_decode_attention,
     paged_decode_attention_append,
+    uses_matrix_units,
 )
 from pallas_kernels.paged_prefill_attention import (
     paged_prefill_attention,
@@ -103,34 +105,32 @@ def append_kv(
     )
 
 
-# Split-K decode attention (`default_decode_splits`); figures: docs/performance-log.md, session 27.
+# Split-K decode attention (`default_decode_splits`; measured: docs/performance-log.md).
 GPU_SMS = 132  # an H100 SXM's SMs (an H200's too)
 SPLIT_PROGRAMS_PER_SM = 2  # programs the splits aim for a SM, to hide each one's memory latency
 MIN_SPLIT_TOKENS = 256  # of a full table a split covers at least (4 pages at block size 64)
-# A program of one query head (GPT-2) walks its pages with vector arithmetic and keeps a SM less
-# busy than a group of heads on the matrix units: such programs split up to 2 a SM, at least 4
-# ways (H200, GPT-2's 16-row program, 192 programs: 4 splits -6%, 2 splits -5%); grouped ones up
-# to 1 a SM (Qwen3's 32-row program, 256 programs: 4 splits +4.7%).
-MIN_SPLITS_ONE_HEAD = 4
+# A vector-path program (one query head, GPT-2) keeps a SM less busy than a matrix-unit one (a
+# group of heads): it splits while B x H < 2 x GPU_SMS, and then at least this many ways.
+MIN_SPLITS_VECTOR = 4
 
 
 def default_decode_splits(
-    batch: int, q_heads: int, kv_heads: int, max_pages: int, block_size: int
+    batch: int, kv_heads: int, max_pages: int, block_size: int, matrix_units: bool
 ) -> int:
     """Programs per (row, KV head) of the Pallas decode attention of a compiled program: 1 where
-    the B x H programs already fill the GPU (above) or a full table (max_pages) splits into
-    fewer than two runs of MIN_SPLIT_TOKENS; else enough for SPLIT_PROGRAMS_PER_SM programs a
-    SM (at least MIN_SPLITS_ONE_HEAD with one query head a program), but no more than give each
-    split MIN_SPLIT_TOKENS of a full table. Why: one program per (row, KV head) walks a long
-    context alone (B=1, 8 KV heads: 8 programs on 132 SMs), and a split shorter than that costs
-    more in its partials and their merge than its pages take to read."""
+    the B x H programs already fill the GPU (GPU_SMS of them on the matrix units, twice that
+    on the vector path) or a full table (max_pages) splits into fewer than two runs of
+    MIN_SPLIT_TOKENS; else enough for SPLIT_PROGRAMS_PER_SM programs a SM (at least
+    MIN_SPLITS_VECTOR on the vector path), but no more than give each split MIN_SPLIT_TOKENS of a
+    full table. Why: one program per (row, KV head) walks its pages as a chain of loads (B=1, 8
+    KV heads: 8 programs on 132 SMs), and a split shorter than that costs more in its partials
+    and their merge than its pages take to read."""
     programs = batch * kv_heads
     most = max_pages * block_size // MIN_SPLIT_TOKENS
-    grouped = q_heads > kv_heads
-    full = GPU_SMS if grouped else SPLIT_PROGRAMS_PER_SM * GPU_SMS
+    full = GPU_SMS if matrix_units else SPLIT_PROGRAMS_PER_SM * GPU_SMS
     if programs >= full or most < 2:
         return 1
-    fewest = 1 if grouped else MIN_SPLITS_ONE_HEAD
+    fewest = 1 if matrix_units else MIN_SPLITS_VECTOR
     return min(max(-(-SPLIT_PROGRAMS_PER_SM * GPU_SMS // programs), fewest), most)
 
 
@@ -166,11 +166,12 @@ def decode_attention(
     `qk_norm`), q and k of qkv are first rotated (and normalized) in the kernel: only where
     `decode_kernel_appends`."""
     pallas = _decode_kernel_runs(kernels, k_cache)
-    h, _, bs, _ = k_cache.shape
-    hq = num_q_heads or h
-    splits = default_decode_splits(qkv.shape[0], hq, h, block_tables.shape[1], bs)
-    tiles = {"num_splits": splits}
-    tiles |= kernels.tile_kwargs("attention") | {"interpret": kernels.interpret}
+    h, _, bs, d = k_cache.shape
+    tiles = kernels.tile_kwargs("attention")
+    min_group = tiles.get("matrix_min_group", DEFAULT_MATRIX_MIN_GROUP)
+    matrix = uses_matrix_units((num_q_heads or h) // h, bs, d, min_group)
+    splits = default_decode_splits(qkv.shape[0], h, block_tables.shape[1], bs, matrix)
+    tiles = {"num_splits": splits} | tiles | {"interpret": kernels.interpret}
     if num_q_heads is not None and num_q_heads != h:
         tiles["num_q_heads"] = num_q_heads
     if decode_kernel_appends(kernels, k_cache):  # finds the slots from block_tables and seq_lens
