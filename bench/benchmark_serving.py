@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"HTTP: the engine ran {counts['prefill_steps']} prefill steps and preempted "
             f"{counts['preemptions']} requests in the timed run"
         )
-    if "server_ttft_ms" in counts:
+    if "back_ms" in counts:
         print(f"HTTP: the server's TTFT, mean ms a request: {ttft_parts(counts)}")
     if summaries["HTTP"]["completed"] and summaries["HTTP"]["itl_token_counts"] != "exact":
         print(

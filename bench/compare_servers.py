@@ -98,7 +98,7 @@ def figures(summary: dict[str, Any]) -> dict[str, float]:
         "event_gap_max": summary["event_gap_max_ms"],
         # a server's runs only: a burst admitted in one prefill or in several, and where its
         # TTFT went (ENGINE_TIMES)
-        **{k: summary[k] for k in ("prefill_steps", *ENGINE_TIMES) if k in summary},
+        **{k: summary[k] for k in ("prefill_steps", *ENGINE_TIMES, "back_ms") if k in summary},
     }
 
 
@@ -114,7 +114,7 @@ def row(label: str, f: dict[str, float], base: dict[str, float] | None = None) -
     )
     if "prefill_steps" in f:
         text += f"  prefills {f['prefill_steps']:g}"
-    if "server_ttft_ms" in f:
+    if "back_ms" in f:
         text += f"  server TTFT: {ttft_parts(f)}"
     if base:
         text += (
@@ -149,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(common.glue_flag_values(argv, ["--server-args", "--variant"]))
     check_args(p, args)
-    variants: list[Variant] = args.variant + ([Variant(FLOOR, "")] if args.floor else [])
+    floor_variant = [Variant(FLOOR, "")] if args.floor is not None else []
+    variants: list[Variant] = args.variant + floor_variant
     if args.rounds < 1 or len({v.name for v in variants}) != len(variants):
         p.error(
             f"--rounds must be >= 1 and each --variant NAME given once ({FLOOR!r} with --floor)"
@@ -158,7 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.kv_cache_tokens = shared_kv_tokens(args, samples)
     client = pick_client(args.client)
     slos = dict(args.goodput) if args.goodput else None
-    share = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.9 / len(variants):.3f}"}
+    # the floor takes no GPU memory
+    share = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.9 / len(args.variant):.3f}"}
     env = {} if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ else share
 
     runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}

@@ -319,7 +319,7 @@ class SamplingParams:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= 0 (0 or -1 = off), got {self.top_k!r}")
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1 = off), got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {self.top_p!r}")
         if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):

@@ -243,6 +243,7 @@ def test_poisson_run_against_its_records(server, tmp_path):
     http = res["results"]["http"]
     parts = [http[k] for k in ("dispatch_ms", "queue_ms", "prefill_ms")]
     assert min(parts) >= 0 and sum(parts) <= http["server_ttft_ms"] <= http["ttft_ms"]["mean"]
+    assert http["back_ms"] == pytest.approx(http["server_ttft_ms"] - sum(parts))
     args = build_parser(bs.__doc__).parse_args([*WORKLOAD, "--seed", "5"])
     want = [len(s.prompt) for s in random_dataset(args, 5)]
     assert [r["prompt_len"] for r in recs] == want  # the server's usage agrees

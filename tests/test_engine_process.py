@@ -429,7 +429,7 @@ def test_take_commands_gathers_a_burst_only_while_its_arrivals_keep_coming(gathe
     one call, and one that comes a second after the burst is left for the next."""
     inbox, taken = queue.SimpleQueue(), []
     feeder = _feed(inbox, [0.0] + [0.02] * 5 + [1.0])
-    take_commands(inbox, taken.append, wait=2.0, gather=gather, gather_max=10.0)
+    take_commands(inbox, taken.append, wait=2.0, gather=(gather, 10.0) if gather else None)
     assert taken == ([0, 1, 2, 3, 4, 5] if gather else [0])
     feeder.join()
     take_commands(inbox, taken.append, wait=0.0)
@@ -441,7 +441,7 @@ def test_take_commands_gathers_for_at_most_its_span():
     inbox, taken = queue.SimpleQueue(), []
     feeder = _feed(inbox, [0.0] + [0.01] * 300)  # 3 s of arrivals
     start = time.monotonic()
-    take_commands(inbox, taken.append, wait=2.0, gather=0.05, gather_max=0.4)
+    take_commands(inbox, taken.append, wait=2.0, gather=(0.05, 0.4))
     elapsed = time.monotonic() - start
     assert 0.4 <= elapsed < 0.4 + 0.5, elapsed
     assert 5 <= len(taken) < 200 and taken == list(range(len(taken)))

@@ -78,6 +78,8 @@ def test_configs_are_hashable_values_and_check_their_fields():
         EngineConfig(model="random:tiny", open_decode_steps=0)
     with pytest.raises(ValueError, match="idle_gather_ms"):
         EngineConfig(model="random:tiny", idle_gather_ms=-1)
+    with pytest.raises(ValueError, match="idle_gather_max_ms"):
+        EngineConfig(model="random:tiny", idle_gather_max_ms=-1)
     with pytest.raises(ValueError, match="at most one"):
         EngineConfig(model="random:tiny", kv_cache_tokens=64, kv_cache_memory_fraction=0.5)
 

@@ -49,7 +49,8 @@ def create_app(tpot_s: float, window: int) -> Starlette:
 
     async def completions(request: Request) -> StreamingResponse:
         body = await request.json()
-        max_tokens = int(body.get("max_tokens") or 16)
+        max_tokens = body.get("max_tokens")
+        max_tokens = 16 if max_tokens is None else int(max_tokens)
         prompt = body.get("prompt")
         usage = {
             "prompt_tokens": len(prompt) if isinstance(prompt, list) else 0,
@@ -90,8 +91,8 @@ def _serve(sock: socket.socket, tpot_s: float, window: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; default: %(default)s")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; default: %(default)s")
     p.add_argument(
         "--api-server-count",
         type=int,

@@ -363,12 +363,13 @@ ENGINE_TIMES = {
 }
 
 
+TTFT_PARTS = ("dispatch_ms", "queue_ms", "prefill_ms", "back_ms")
+
+
 def ttft_parts(counts: dict[str, float]) -> str:
-    """The server's mean TTFT of a run in its parts (ENGINE_TIMES), as a line."""
-    parts = [counts[k] for k in ("dispatch_ms", "queue_ms", "prefill_ms")]
-    back = counts["server_ttft_ms"] - sum(parts)
+    """The server's mean TTFT of a run in its parts (TTFT_PARTS), as a line."""
     return "dispatch {:.1f} + queue {:.1f} + prefill {:.1f} + back {:.1f} = {:.1f} ms".format(
-        *parts, back, counts["server_ttft_ms"]
+        *(counts[k] for k in TTFT_PARTS), counts["server_ttft_ms"]
     )
 
 
@@ -418,4 +419,7 @@ def run_http_side(
             n = after[f"{name}_count"] - before[f"{name}_count"]
             if n:
                 counts[key] = 1e3 * (after[f"{name}_sum"] - before[f"{name}_sum"]) / n
+        if counts.keys() >= ENGINE_TIMES.keys():  # (a server of before the parts has TTFT only)
+            parts = sum(counts[k] for k in TTFT_PARTS[:3])
+            counts["back_ms"] = counts["server_ttft_ms"] - parts
     return records, duration, model, counts

@@ -39,6 +39,7 @@ from rosejax.engine.output_rows import RowWriter
 from rosejax.engine.serving import (
     compile_while_idle,
     engine_snapshot,
+    gather_seconds,
     take_commands,
     warm_for_serving,
 )
@@ -120,8 +121,7 @@ class _EngineLoop:
         self, engine: Any, conns: Sequence[Connection], background: bool, poll_s: float = 0.05
     ):
         self.engine, self.poll_s = engine, poll_s
-        config = engine.engine_config
-        self.gather_s = (config.idle_gather_ms / 1e3, config.idle_gather_max_ms / 1e3)
+        self.gather_s = gather_seconds(engine.engine_config)
         self.idle, self.stop = threading.Event(), threading.Event()
         self.stop_asked = False  # API server 0 said stop: stop once no other pipe is open
         self.open = set(range(len(conns)))  # the API servers whose pipe is open
@@ -174,8 +174,10 @@ class _EngineLoop:
     def _commands(self, idle: bool) -> None:
         """Handle every command list received (`take_commands`: idle, wait for the first and
         gather a burst's)."""
-        wait, gather = (self.poll_s, self.gather_s) if idle else (0.0, (0.0, 0.0))
-        take_commands(self.inbox, self._take, wait, *gather)
+        if idle:
+            take_commands(self.inbox, self._take, self.poll_s, self.gather_s)
+        else:
+            take_commands(self.inbox, self._take, 0.0)
 
     def _take(self, item: tuple[int, list | None]) -> None:
         pipe, cmds = item

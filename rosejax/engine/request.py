@@ -169,8 +169,9 @@ PromptLogprobs = Sequence[dict[int, Logprob] | None]
 @dataclasses.dataclass
 class RequestMetrics:
     """When the engine took a request, first scheduled it into a prefill and read its first
-    token back (vLLM's RequestMetrics): seconds of `time.monotonic()`, one clock for every
-    process of a host, so an API server can set them beside its own times."""
+    token back (as vLLM's RequestMetrics), in seconds of `time.monotonic()` (not the wall clock
+    vLLM's arrival_time is on): one clock for every process of a host, so an API server can set
+    them beside its own times."""
 
     arrival_time: float
     first_scheduled_time: float | None = None

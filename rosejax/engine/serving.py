@@ -19,21 +19,26 @@ from rosejax.tokenizer import warm_tokenizer
 log = logging.getLogger("rosejax")
 
 
+def gather_seconds(config: Any) -> tuple[float, float]:
+    """An idle loop's `take_commands` gather, (gap, span) in seconds, from an EngineConfig."""
+    return config.idle_gather_ms / 1e3, config.idle_gather_max_ms / 1e3
+
+
 def take_commands(
     inbox: queue.SimpleQueue,
     handle: Callable[[Any], None],
     wait: float,
-    gather: float = 0.0,
-    gather_max: float = 0.0,
+    gather: tuple[float, float] | None = None,
 ) -> None:
     """`handle` every item in `inbox`, waiting up to `wait` seconds for the first. An idle loop
-    (`gather` > 0) then goes on taking items while each comes within `gather` seconds of the
-    last, for at most `gather_max` seconds in all, before its step: the requests of a burst,
+    (`gather` = (gap, span)) then goes on taking items while each comes within `gap` seconds of
+    the last, for at most `span` seconds in all, before its step: the requests of a burst,
     which reach it one by one, go into one prefill, instead of the first few into a prefill of
     their own while the rest wait behind its dispatch."""
+    gap, span = gather or (0.0, 0.0)
     try:
         item = inbox.get(timeout=wait) if wait else inbox.get_nowait()
-        deadline = time.monotonic() + (gather_max if gather else 0.0)
+        deadline = time.monotonic() + (span if gap else 0.0)
         while True:
             handle(item)
             try:
@@ -42,7 +47,7 @@ def take_commands(
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise
-                item = inbox.get(timeout=min(gather, left))
+                item = inbox.get(timeout=min(gap, left))
     except queue.Empty:
         pass
 

@@ -20,7 +20,12 @@ from typing import Any
 from rosejax.engine.llm_engine import check_request, checked_prompt_ids
 from rosejax.engine.request import RequestOutput
 from rosejax.engine.router import request_cost
-from rosejax.engine.serving import compile_while_idle, engine_snapshot, take_commands
+from rosejax.engine.serving import (
+    compile_while_idle,
+    engine_snapshot,
+    gather_seconds,
+    take_commands,
+)
 from rosejax.sampling import SamplingParams
 from rosejax.serve.metrics import ServerMetrics
 
@@ -328,8 +333,7 @@ class AsyncEngine(EngineFront):
         self._publish()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._poll_s = poll_s
-        config = engine.engine_config
-        self._gather_s = (config.idle_gather_ms / 1e3, config.idle_gather_max_ms / 1e3)
+        self._gather_s = gather_seconds(engine.engine_config)
         self._thread = threading.Thread(
             target=self._run, name=f"rosejax-engine-{replica}", daemon=True
         )
@@ -406,8 +410,10 @@ class AsyncEngine(EngineFront):
         self._programs_left -= 1
 
     def _drain(self, block: bool) -> None:
-        wait, gather = (self._poll_s, self._gather_s) if block else (0.0, (0.0, 0.0))
-        take_commands(self._commands, self._handle, wait, *gather)
+        if block:
+            take_commands(self._commands, self._handle, self._poll_s, self._gather_s)
+        else:
+            take_commands(self._commands, self._handle, 0.0)
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
