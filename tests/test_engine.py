@@ -4,6 +4,7 @@ sampling, stops, bad input, aborts, and the allocator left clean."""
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import itertools
 import time
@@ -397,14 +398,19 @@ def test_outputs_carry_when_each_request_arrived_was_scheduled_and_got_its_first
     shared_llm,
 ):
     """RequestOutput.metrics (vLLM's): arrival <= first prefill <= first token read back, all
-    within the generate call, the same in every output of a request (a request's times are
-    set once, even when it is preempted and prefilled again)."""
-    llm = shared_llm()
+    within the generate call, the same in every output of a request: its times are set once,
+    though a cache this small preempts requests, which are prefilled again."""
+    engine = shared_llm(kv_cache_tokens=13 * 8).engine  # as the preemption test's
+    preemptions = engine.scheduler.num_preemptions
     start = time.monotonic()
     streams: dict[str, list] = {}
-    for out in llm.generate_stream(random_prompts(6), GREEDY):
-        streams.setdefault(out.request_id, []).append(out.metrics)
+    for rid, prompt in enumerate(random_prompts(5, lo=16, hi=36)):
+        engine.add_request(str(rid), prompt, GREEDY)
+    while engine.has_unfinished_requests():
+        for out in engine.step():  # a copy of each: what the output said then
+            streams.setdefault(out.request_id, []).append(dataclasses.replace(out.metrics))
     end = time.monotonic()
+    assert engine.scheduler.num_preemptions > preemptions
     for times in streams.values():
         m = times[0]
         assert start <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= end
