@@ -15,7 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from rosejax.engine.request import CompletionOutput, FlatLogprobs, RequestMetrics, RequestOutput
+from rosejax.engine.request import (
+    CompletionOutput,
+    FlatLogprobs,
+    LatestOutputs,
+    RequestMetrics,
+    RequestOutput,
+)
 from rosejax.sampling import SamplingParams
 
 
@@ -121,9 +127,7 @@ class _Request:
         "sequences",
         "prompt_logprobs",
         "metrics",
-        "outputs",
-        "news",
-        "unfinished",
+        "latest",
     )
 
     def __init__(self, prompt: list[int], params: SamplingParams, texts: Any):
@@ -134,11 +138,7 @@ class _Request:
         self.sequences = [_Sequence(flat(params.logprobs)) for _ in range(params.n)]
         self.prompt_logprobs = flat(params.prompt_logprobs, leading_none=True)
         self.metrics: RequestMetrics | None = None
-        # Each sequence's latest output, as the engine's `SequenceGroup` keeps them: a row remakes
-        # only those it changes and those whose latest output has new tokens or text (`news`).
-        self.outputs = [s.output(i, [], "") for i, s in enumerate(self.sequences)]
-        self.news: set[int] = set()
-        self.unfinished = params.n  # sequences whose latest output is not finished
+        self.latest = LatestOutputs([s.output(i, [], "") for i, s in enumerate(self.sequences)])
 
 
 class RowReader:
@@ -178,20 +178,12 @@ class RowReader:
                 s.logprobs.extend_arrays(logprobs)
             s.cumulative_logprob, s.finish_reason = cumulative, reason
             new[index] = (ids, text)
-        for index in req.news.union(new):
-            was_running = req.outputs[index].finish_reason is None
-            output = req.outputs[index] = req.sequences[index].output(
-                index, *new.get(index, ([], ""))
-            )
-            if was_running and output.finish_reason is not None:
-                req.unfinished -= 1
-        req.news = {index for index, (ids, text) in new.items() if ids or text}
-        # A copy: the RequestOutputs of earlier rows keep the outputs they were made with.
-        out = RequestOutput.from_outputs(
-            rid, req.prompt, list(req.outputs), req.prompt_logprobs, req.unfinished == 0
+        outputs = req.latest.update(
+            new, lambda i: req.sequences[i].output(i, *new.get(i, ([], "")))
         )
-        out.metrics = req.metrics
-        return out
+        return RequestOutput.from_outputs(
+            rid, req.prompt, outputs, req.prompt_logprobs, req.latest.unfinished == 0, req.metrics
+        )
 
     def error_output(self, rid: str, error: str) -> RequestOutput | None:
         """The last output of a request that failed with `error` (the engine failed, or its

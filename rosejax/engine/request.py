@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import overload
 
 import numpy as np
@@ -232,6 +232,7 @@ class RequestOutput:
         outputs: list[CompletionOutput],
         prompt_logprobs: PromptLogprobs | None,
         finished: bool,  # every sequence is: counted by the caller, not found by a look at all n
+        metrics: RequestMetrics | None = None,
     ) -> RequestOutput:
         """A request's output from its sequences' (the flat fields are outputs[0]'s)."""
         first = outputs[0]
@@ -249,7 +250,37 @@ class RequestOutput:
             None,  # error
             outputs,
             prompt_logprobs,
+            metrics,
         )
+
+
+class LatestOutputs:
+    """The latest CompletionOutput of each of a request's n sequences, remade only where it
+    changed: the sequences given something since (`update`'s `due`), and once more those whose
+    latest output carried new tokens or text, to hand them out without it. Remaking all n at
+    every step cost n^2 over a request."""
+
+    __slots__ = ("outputs", "unfinished", "_news")
+
+    def __init__(self, outputs: list[CompletionOutput]):
+        self.outputs = outputs
+        self.unfinished = len(outputs)  # sequences whose latest output is not finished
+        self._news: set[int] = set()
+
+    def update(
+        self, due: Iterable[int], make: Callable[[int], CompletionOutput]
+    ) -> list[CompletionOutput]:
+        """Remake sequence i's output as `make(i)` where due or news; every output, in a new
+        list (the RequestOutputs handed out before keep the outputs they were made with)."""
+        remake, self._news = self._news.union(due), set()
+        for index in remake:
+            was_running = self.outputs[index].finish_reason is None
+            output = self.outputs[index] = make(index)
+            if output.new_token_ids or output.new_text:
+                self._news.add(index)
+            if was_running and output.finish_reason is not None:
+                self.unfinished -= 1
+        return list(self.outputs)
 
 
 # Tokens a request's logprobs have room for before their arrays first grow (by doubling): all
@@ -479,9 +510,8 @@ class SequenceGroup:
         "prompt_logprobs",
         "error",
         "metrics",
-        "_outputs",
-        "_due",
-        "_unfinished",
+        "_latest",
+        "_fed",
     )
 
     def __init__(
@@ -504,15 +534,12 @@ class SequenceGroup:
             room = len(self.prompt_token_ids) - 1
             self.prompt_logprobs = FlatLogprobs(top, token_texts, leading_none=True, capacity=room)
         self.error: str | None = None
-        # Each sequence's latest output. A step remakes only those in `_due` (fed since, or whose
-        # latest output has new tokens or text): remaking all n at every step costs n^2 in all.
-        self._outputs = [s.take_completion() for s in sequences]
-        self._due: set[int] = set()
-        self._unfinished = len(sequences)  # sequences whose latest output is not finished
+        self._latest = LatestOutputs([s.take_completion() for s in sequences])
+        self._fed: set[int] = set()  # sequences given tokens since the last output
 
     def fed(self, sequence: Request) -> None:
         """`sequence` was given tokens: the next output remakes its CompletionOutput."""
-        self._due.add(sequence.index)
+        self._fed.add(sequence.index)
 
     def add_prompt_logprobs(self, start: int, logprobs: TokenLogprobs) -> None:
         """The logprobs (numpy, [t]) of prompt positions start, start + 1, ...; positions
@@ -542,21 +569,13 @@ class SequenceGroup:
                 error=self.error,
                 metrics=self.metrics,
             )
-        due, self._due = self._due, set()
-        for index in due:
-            was_running = self._outputs[index].finish_reason is None
-            output = self._outputs[index] = self.sequences[index].take_completion()
-            if output.new_token_ids or output.new_text:
-                self._due.add(index)  # its next output has the same, without what is new now
-            if was_running and output.finish_reason is not None:
-                self._unfinished -= 1
-        # A copy: the RequestOutputs of earlier steps keep the outputs they were made with.
-        out = RequestOutput.from_outputs(
+        fed, self._fed = self._fed, set()
+        outputs = self._latest.update(fed, lambda i: self.sequences[i].take_completion())
+        return RequestOutput.from_outputs(
             self.request_id,
             self.prompt_token_ids,
-            list(self._outputs),
+            outputs,
             self.prompt_logprobs,
-            self._unfinished == 0,
+            self._latest.unfinished == 0,
+            self.metrics,
         )
-        out.metrics = self.metrics
-        return out
