@@ -98,6 +98,7 @@ def _filter_key(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for beside each token (vLLM's default)
 MAX_LOGIT_BIAS = 256  # logit_bias entries per request
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Token counts for the penalties: u16 per (row, token), the output count in the low 15 bits
 # (saturating: past 32,767 of one token the frequency penalty stops growing) and whether the
 # prompt holds the token in the top bit. Half the bytes of int32 counts (B=256 x V=151,936:
@@ -384,6 +385,8 @@ class SamplingParams:
             set_(name, None if getattr(self, name) is None else int(getattr(self, name)))
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             set_(name, float(getattr(self, name)))
+        # The device holds it in float32: a larger one acts as float32's largest (was inf).
+        set_("repetition_penalty", min(self.repetition_penalty, FLOAT32_MAX))
         set_("logit_bias", None if bias is None else {int(t): float(v) for t, v in bias.items()})
         set_("min_tokens", int(self.min_tokens))
 

@@ -274,3 +274,5 @@ def test_params_normalised():
     assert sp.logit_bias == {3: 2.5} and type(next(iter(sp.logit_bias))) is int
     assert type(sp.presence_penalty) is float and type(sp.min_p) is float
     assert SamplingParams(top_k=-1, seed=3) == SamplingParams(top_k=0, seed=3)  # vLLM's "off"
+    # past float32 (the device's): its largest, not an overflow to inf
+    assert np.float32(SamplingParams(repetition_penalty=1e300).repetition_penalty) < np.inf
