@@ -29,6 +29,7 @@ import pytest
 
 from rosejax import LLM, SamplingParams
 from rosejax.engine.output_rows import RowReader, RowWriter
+from rosejax.engine.request import RequestMetrics, RequestOutput
 from rosejax.engine.serving import take_commands
 from rosejax.serve import create_app
 from rosejax.serve.engine_process import EngineProcesses
@@ -228,6 +229,19 @@ def test_rows_rebuild_every_output_of_the_engine(served):
             assert [entry[0] for entry in row[1]] == changed, out
             early_end |= not out.finished and out.outputs[0].finish_reason is not None
     assert min(seen.values()) >= 2 and early_end, (seen, f"seed {SEED}")
+
+
+def test_a_request_that_fails_at_its_first_row_keeps_its_times():
+    """An engine output that ends a request with an error before any other row of it: the
+    driver's rebuilt output has its error and its engine times, as the engine's has."""
+    rng = random.Random()
+    times = sorted(rng.uniform(0, 1e4) for _ in range(3))
+    failed = RequestOutput("r", [1, 2], [], "", [], "", True, "error", "boom")
+    failed.metrics = RequestMetrics(*times)
+    writer, reader = RowWriter(), RowReader(None)
+    reader.expect("r", [1, 2], SamplingParams())
+    out = reader.output(pickle.loads(pickle.dumps(writer.row(failed))))
+    assert (out.finish_reason, out.error, out.metrics) == ("error", "boom", failed.metrics)
 
 
 def _without_ids(body: dict) -> dict:

@@ -200,6 +200,29 @@ def test_abort_and_bad_input_leave_nothing_queued(llms):
     assert out.token_ids == llms.one.generate(good, greedy, use_tqdm=False)[0].token_ids
 
 
+def test_an_id_added_again_right_after_its_abort_gets_only_its_own_outputs(llms):
+    """Rows the child sent for an aborted request before it read the abort must not reach a
+    new request of the same id (they did: extra tokens, or the old output as the new one)."""
+    rng = random.Random(SEED + 3)
+    engine = llms.dp.engine
+    long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    for _ in range(3):
+        engine.add_request("again", ids(rng, 4), long)
+        while not engine.step():  # running: its rows are on their way
+            pass
+        engine.abort_request("again")
+        prompt = ids(rng, 6)
+        engine.add_request("again", prompt, short)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        want = llms.one.generate(prompt, short, use_tqdm=False)[0]
+        assert {o.request_id for o in outs} == {"again"} and outs[-1].finished
+        assert outs[-1].token_ids == want.token_ids and outs[-1].metrics is not None
+    idle(engine)
+
+
 # Last of the module: it kills one of the module engine's children.
 def test_killed_child_fails_only_its_requests(llms):
     rng = random.Random(SEED + 3)

@@ -44,15 +44,15 @@ class RowWriter:
 
     def row(self, out: RequestOutput) -> tuple:
         rid = out.request_id
-        if out.finish_reason == "error":
-            return self.error_row(rid, out.error)
         seen = self._seen.get(rid)
-        times = None
-        if seen is None:  # its first row
+        times, m = None, out.metrics
+        if seen is None and m is not None:  # its first row carries its times (not astuple's
+            # deep copy: several times the cost)
+            times = (m.arrival_time, m.first_scheduled_time, m.first_token_time)
+        if out.finish_reason == "error":
+            return self.error_row(rid, out.error, times)
+        if seen is None:
             seen = self._seen[rid] = _Seen()
-            m = out.metrics
-            if m is not None:  # (dataclasses.astuple deep-copies: several times the cost)
-                times = (m.arrival_time, m.first_scheduled_time, m.first_token_time)
         prompt = None
         have = out.prompt_logprobs
         if have is not None and len(have) > seen.prompt_logprobs:
@@ -82,10 +82,12 @@ class RowWriter:
             del self._seen[rid]
         return (rid, sequences, prompt, None, times)
 
-    def error_row(self, rid: str, error: str | None) -> tuple:
-        """The row of a request that failed: it ends with `error`."""
+    def error_row(
+        self, rid: str, error: str | None, times: tuple[float, ...] | None = None
+    ) -> tuple:
+        """The row of a request that failed: it ends with `error` (`times`: as in a first row)."""
         self._seen.pop(rid, None)
-        return (rid, [], None, error, None)
+        return (rid, [], None, error, times)
 
     def forget(self, rid: str) -> None:
         """A request aborted: no row of it follows."""
@@ -161,7 +163,7 @@ class RowReader:
         """The row's `RequestOutput` as the engine made it; None for a request forgotten."""
         rid, changed, prompt, error, times = row
         if error is not None:
-            return self.error_output(rid, error)
+            return self.error_output(rid, error, times)
         req = self._requests.get(rid)
         if req is None:
             return None
@@ -185,12 +187,17 @@ class RowReader:
             rid, req.prompt, outputs, req.prompt_logprobs, req.latest.unfinished == 0, req.metrics
         )
 
-    def error_output(self, rid: str, error: str) -> RequestOutput | None:
+    def error_output(
+        self, rid: str, error: str, times: tuple[float, ...] | None = None
+    ) -> RequestOutput | None:
         """The last output of a request that failed with `error` (the engine failed, or its
-        process died); None for a request forgotten. It is forgotten then."""
+        process died; `times` as its row has them); None for a request forgotten. It is
+        forgotten then."""
         req = self._requests.pop(rid, None)
         if req is None:
             return None
+        if times is not None:
+            req.metrics = RequestMetrics(*times)
         first = req.sequences[0]
         return RequestOutput(
             rid,

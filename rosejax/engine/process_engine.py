@@ -15,6 +15,7 @@ engine's garbage collection, or the interpreter's exit) stops them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import weakref
@@ -58,7 +59,12 @@ class ReplicaProcess:
         self.snapshot = info.snapshot
         self._programs = list(info.warmup_programs)
         self._rows = RowReader(token_texts)
-        self._unfinished: set[str] = set()  # added, no finished output received yet
+        # Added, no finished output received yet: request id -> its id in the engine process,
+        # unique per add (`request_id#k`), so that rows still coming for an aborted request
+        # never reach a new one of the same id; and back.
+        self._unfinished: dict[str, str] = {}
+        self._request_ids: dict[str, str] = {}
+        self._adds = itertools.count()
         self._commands: list[tuple] = []  # not sent yet, in order
         self._received: list[RequestOutput] = []  # not returned by `step` yet
         self._answers: list[str | None] = []  # of warmup / compile_ahead: None or an error
@@ -97,18 +103,24 @@ class ReplicaProcess:
         check_request(ids, params, self.config, self.num_kv_blocks, self.block_size)
         if self.died is not None:
             raise RuntimeError(self.died)
-        self._rows.expect(request_id, ids, params)
-        self._unfinished.add(request_id)
-        self._commands.append(("add", [(request_id, ids)], params))
+        engine_id = f"{request_id}#{next(self._adds)}"
+        self._rows.expect(engine_id, ids, params)
+        self._unfinished[request_id] = engine_id
+        self._request_ids[engine_id] = request_id
+        self._commands.append(("add", [(engine_id, ids)], params))
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; no output of it follows. Unknown ids are ignored."""
         if self._received:
             self._received = [o for o in self._received if o.request_id != request_id]
-        if request_id in self._unfinished:
-            self._unfinished.discard(request_id)
-            self._rows.forget(request_id)
-            self._commands.append(("abort", [request_id]))
+        engine_id = self._unfinished.pop(request_id, None)
+        if engine_id is not None:
+            self._forget(engine_id)
+            self._commands.append(("abort", [engine_id]))
+
+    def _forget(self, engine_id: str) -> None:
+        del self._request_ids[engine_id]
+        self._rows.forget(engine_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished or self._received)
@@ -151,12 +163,14 @@ class ReplicaProcess:
                     self._answers.append(message[1])
                     continue
                 for row in message[1]:
-                    out = self._rows.output(row)
+                    out = self._rows.output(row)  # None: a request aborted since
                     if out is not None:
+                        engine_id = out.request_id
+                        out.request_id = self._request_ids[engine_id]
                         self._received.append(out)
                         if out.finished:
-                            self._unfinished.discard(out.request_id)
-                            self._rows.forget(out.request_id)
+                            del self._unfinished[out.request_id]
+                            self._forget(engine_id)
         except (EOFError, OSError):
             self._fail(self.child.exit_code())
 
@@ -167,9 +181,12 @@ class ReplicaProcess:
             "see the log above"
         )
         log.error("%s; failing its %d requests in flight", self.died, len(self._unfinished))
-        for rid in sorted(self._unfinished):
-            self._received.append(self._rows.error_output(rid, self.died))
+        for rid, engine_id in sorted(self._unfinished.items()):
+            out = self._rows.error_output(engine_id, self.died)
+            out.request_id = rid
+            self._received.append(out)
         self._unfinished.clear()
+        self._request_ids.clear()
 
     def send_compile(self, verb: str, programs: Sequence[Program] | None) -> None:
         """Ask for `LLMEngine.warmup(programs)` or `compile_ahead(*programs)` (`verb`); its
