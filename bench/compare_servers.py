@@ -18,7 +18,8 @@ Prints a row per run and the medians per variant; --json writes every run's summ
 
     # GPU: what gathering a burst's arrivals gives: 3 rounds, issue 17's burst, in process last
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/compare_servers.py --rounds 3 --in-process \\
-        --variant base= --variant nogather="--idle-gather-ms 0" --floor 0.9 --json bench/out/gather.json
+        --variant base= --variant nogather="--idle-gather-ms 0" --floor 0.9 \\
+        --json bench/out/gather.json
     # CPU smoke run
     PYTHONPATH=. python bench/compare_servers.py --model random:tiny --num-prompts 16 \\
         --output-len 8 --rounds 2 --variant a= --variant b="--open-decode-steps 4"

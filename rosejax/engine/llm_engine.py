@@ -804,7 +804,7 @@ class LLMEngine:
                 row = row[: row.index(-1)]
             group = request.group
             touched[group.request_id] = group
-            if group.metrics.first_token_time is None:
+            if not decoded and group.metrics.first_token_time is None:  # (a prefill's token)
                 group.metrics.first_token_time = now
             group.fed(request)
             try:

@@ -61,9 +61,8 @@ class ReplicaProcess:
         self._rows = RowReader(token_texts)
         # Added, no finished output received yet: request id -> its id in the engine process,
         # unique per add (`request_id#k`), so that rows still coming for an aborted request
-        # never reach a new one of the same id; and back.
+        # never reach a new one of the same id.
         self._unfinished: dict[str, str] = {}
-        self._request_ids: dict[str, str] = {}
         self._adds = itertools.count()
         self._commands: list[tuple] = []  # not sent yet, in order
         self._received: list[RequestOutput] = []  # not returned by `step` yet
@@ -106,7 +105,6 @@ class ReplicaProcess:
         engine_id = f"{request_id}#{next(self._adds)}"
         self._rows.expect(engine_id, ids, params)
         self._unfinished[request_id] = engine_id
-        self._request_ids[engine_id] = request_id
         self._commands.append(("add", [(engine_id, ids)], params))
 
     def abort_request(self, request_id: str) -> None:
@@ -115,12 +113,8 @@ class ReplicaProcess:
             self._received = [o for o in self._received if o.request_id != request_id]
         engine_id = self._unfinished.pop(request_id, None)
         if engine_id is not None:
-            self._forget(engine_id)
+            self._rows.forget(engine_id)
             self._commands.append(("abort", [engine_id]))
-
-    def _forget(self, engine_id: str) -> None:
-        del self._request_ids[engine_id]
-        self._rows.forget(engine_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished or self._received)
@@ -166,11 +160,11 @@ class ReplicaProcess:
                     out = self._rows.output(row)  # None: a request aborted since
                     if out is not None:
                         engine_id = out.request_id
-                        out.request_id = self._request_ids[engine_id]
+                        out.request_id = engine_id.rpartition("#")[0]
                         self._received.append(out)
                         if out.finished:
                             del self._unfinished[out.request_id]
-                            self._forget(engine_id)
+                            self._rows.forget(engine_id)
         except (EOFError, OSError):
             self._fail(self.child.exit_code())
 
@@ -186,7 +180,6 @@ class ReplicaProcess:
             out.request_id = rid
             self._received.append(out)
         self._unfinished.clear()
-        self._request_ids.clear()
 
     def send_compile(self, verb: str, programs: Sequence[Program] | None) -> None:
         """Ask for `LLMEngine.warmup(programs)` or `compile_ahead(*programs)` (`verb`); its

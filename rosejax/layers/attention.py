@@ -12,9 +12,10 @@ absolute position `p` sees the keys at logical positions `0..p` of its block tab
   rows' pages a chunk at a time, as far as the batch's last query needs.
 - `decode_attention`: one query per row, K/V written and attended in one call: rosejax's Pallas
   kernel (`pallas_kernels/paged_attention.py`; split over each row's pages where few rows leave
-  the GPU idle or walk their pages in long chains: `default_decode_splits`), which writes the K/V itself unless
-  `kernels.fused_kv_append` is off (then `append_kv` does), or XLA (`paged_decode_attention_xla`,
-  the same chunked walk), as the `KernelConfig` says and for caches the kernel does not tile.
+  the GPU idle or walk their pages in long chains: `default_decode_splits`), which writes the
+  K/V itself unless `kernels.fused_kv_append` is off (then `append_kv` does), or XLA
+  (`paged_decode_attention_xla`, the same chunked walk), as the `KernelConfig` says and for
+  caches the kernel does not tile.
   The kernel that writes K/V itself can also take q and k before their RoPE (and q/k RMSNorm).
 - `append_kv`: the `kv_append` dispatcher's kernels (or its XLA scatter), for prefill chunks and
   unfused decode steps.

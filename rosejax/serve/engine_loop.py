@@ -251,7 +251,7 @@ class EngineFront:
                     m.ttft.observe(now - sink.arrival)
                     prompt_tokens += len(out.prompt_token_ids)
                     t = out.metrics
-                    if t is not None and t.first_token_time is not None:
+                    if t is not None:  # (set by the engine before any output)
                         scheduled = t.first_scheduled_time
                         starts.append(
                             (
