@@ -13,14 +13,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rosejax.settings import freeze_heap
+from rosejax.settings import EngineConfig, freeze_heap
 from rosejax.tokenizer import warm_tokenizer
 
 log = logging.getLogger("rosejax")
 
 
-def gather_seconds(config: Any) -> tuple[float, float]:
-    """An idle loop's `take_commands` gather, (gap, span) in seconds, from an EngineConfig."""
+def gather_seconds(config: EngineConfig) -> tuple[float, float]:
+    """An idle loop's `take_commands` gather, (gap, span) in seconds."""
     return config.idle_gather_ms / 1e3, config.idle_gather_max_ms / 1e3
 
 
