@@ -2,7 +2,8 @@
 (or a Poisson run) better, with the host's drift over the call landing on every variant alike.
 
 Each --variant NAME=FLAGS is `python -m rosejax.serve` with this script's engine flags, then
---server-args (shared), then FLAGS. All variants are launched first, one after another (a
+--server-args (shared), then FLAGS; FLAGS' leading VAR=VALUE words, as on a shell's command line,
+are that server's environment (what only a process can differ in: XLA_FLAGS). All variants are launched first, one after another (a
 compilation cache makes the later ones quick), each with an equal share of the GPU's memory
 (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set) and one KV budget (twice what the workload holds at
 once, unless --kv-cache-tokens says; all then run one set of programs); an idle server costs the
@@ -20,6 +21,10 @@ Prints a row per run and the medians per variant; --json writes every run's summ
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/compare_servers.py --rounds 3 --in-process \\
         --variant base= --variant nogather="--idle-gather-ms 0" --floor 0.9 \\
         --json bench/out/gather.json
+    # GPU: an XLA flag, process-wide, as a server's environment
+    PYTHONPATH=. JAX_PLATFORMS=cuda python bench/compare_servers.py --rounds 3 --in-process \\
+        --variant base= \\
+        --variant skip="XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
     # CPU smoke run
     PYTHONPATH=. python bench/compare_servers.py --model random:tiny --num-prompts 16 \\
         --output-len 8 --rounds 2 --variant a= --variant b="--open-decode-steps 4"
@@ -32,6 +37,8 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
+import shlex
 import statistics
 import sys
 from collections.abc import Sequence
@@ -56,18 +63,31 @@ from bench.serving.workload import Sample, timed_workload  # noqa: E402
 FLOOR = "floor"  # --floor's variant
 
 
+_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
     flags: str  # server flags after --server-args
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # the server's, beside ours
 
 
 def variant(text: str) -> Variant:
-    """argparse type of --variant: NAME=FLAGS (FLAGS may be empty)."""
+    """argparse type of --variant: NAME=FLAGS (FLAGS may be empty), FLAGS' leading VAR=VALUE
+    words the server's environment."""
     name, sep, flags = text.partition("=")
     if not sep or not name.isidentifier():
         raise argparse.ArgumentTypeError(f"expected NAME=FLAGS with NAME a word, got {text!r}")
-    return Variant(name, flags)
+    try:
+        words = shlex.split(flags)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--variant {name}: {e}") from None
+    env = {}
+    while words and _ENV_WORD.match(words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    return Variant(name, shlex.join(words) if env else flags, env)
 
 
 def run_order(variants: Sequence[Variant], rounds: int) -> list[tuple[int, Variant]]:
@@ -134,8 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         required=True,
         metavar="NAME=FLAGS",
-        help="a server to compare: NAME, then its flags after --server-args (repeatable; "
-        "NAME= for the server as --server-args leaves it)",
+        help="a server to compare: NAME, then its flags after --server-args, led by any "
+        "VAR=VALUE words of its environment (repeatable; NAME= for the server as --server-args "
+        "leaves it)",
     )
     g.add_argument(
         "--rounds", type=int, default=3, help="runs against each variant; default: %(default)s"
@@ -173,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 **vars(args) | {"server_args": f"{args.server_args} {v.flags}", "server_log": log}
             )
             floor = args.floor if v.name == FLOOR else None
-            servers[v.name] = stack.enter_context(LaunchedServer(v_args, env, floor))
+            servers[v.name] = stack.enter_context(LaunchedServer(v_args, env | v.env, floor))
         for r, v in run_order(variants, args.rounds):
             records, duration, _, counts = run_http_side(
                 args, servers[v.name].url, samples, offsets, warmups, client
@@ -201,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = servers[v.name]
         result["variants"][v.name] = {
             "flags": v.flags,
+            "env": v.env,
             "server_cmd": server.cmd,
             "start_seconds": server.start_seconds,
             "compiled_seconds": server.compiled_seconds,

@@ -394,7 +394,10 @@ def test_the_floor_server_streams_each_request_as_a_decode_loop_of_its_tpot(tmp_
 def test_compare_servers_variants_and_their_order():
     a, b, c = (cs.variant(t) for t in ("a=", "b=--open-decode-steps 4", "c=--x=1 --y"))
     assert (b.name, b.flags, c.flags) == ("b", "--open-decode-steps 4", "--x=1 --y")
-    for bad in ("noequals", "=flags", "two words=x"):
+    assert a.env == b.env == c.env == {}
+    d = cs.variant("d=XLA_FLAGS='--f=1 --g=2' A_1= --x=1 B=2")  # only leading words are env
+    assert (d.env, d.flags) == ({"XLA_FLAGS": "--f=1 --g=2", "A_1": ""}, "--x=1 B=2")
+    for bad in ("noequals", "=flags", "two words=x", "e=A='unclosed"):
         with pytest.raises(argparse.ArgumentTypeError):
             cs.variant(bad)
     order = cs.run_order([a, b, c], 3)
@@ -422,7 +425,9 @@ def test_compare_servers_gives_every_side_one_kv_budget():
 def test_compare_servers_runs_each_variant_each_round(tmp_path):
     out = tmp_path / "cmp.json"
     argv = [*ENGINE_FLAGS, *WORKLOAD, *QUIET, "--rounds", "2", "--in-process"]
-    argv += ["--variant", "plain=", "--variant", "open2=--open-decode-steps 2", "--json", str(out)]
+    argv += ["--variant", "plain=", "--json", str(out)]
+    dump = tmp_path / "dump"  # where that server's XLA writes what it compiles, if it has the env
+    argv += ["--variant", f"open2=XLA_FLAGS='--xla_dump_to={dump}' --open-decode-steps 2"]
     assert cs.main([*argv, "--floor", "1"]) == 0
     res = json.loads(out.read_text())
     floor = res["variants"]["floor"]
@@ -433,6 +438,8 @@ def test_compare_servers_runs_each_variant_each_round(tmp_path):
     plain, open2 = res["variants"]["plain"], res["variants"]["open2"]
     assert plain["server_cmd"][-2:] == ["--max-waiting", "-1"]  # --server-args's default
     assert open2["server_cmd"][-2:] == ["--open-decode-steps", "2"]
+    assert open2["env"] == {"XLA_FLAGS": f"--xla_dump_to={dump}"} and plain["env"] == {}
+    assert any(dump.iterdir())
     for v in (plain, open2):
         assert len(v["runs"]) == 2 and all(s["completed"] == 6 for s in v["runs"])
         tps = sorted(s["output_throughput"] for s in v["runs"])
