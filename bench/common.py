@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import heapq
 import json
 import os
 import platform
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -71,6 +74,39 @@ def ints(text: str) -> list[int]:
     if not out or any(x < 1 for x in out):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return out
+
+
+_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    flags: str  # command-line flags (compare_servers: the server's after --server-args)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # its process's, beside ours
+
+
+def variant(text: str) -> Variant:
+    """argparse type of a --variant run in a process of its own: NAME=FLAGS (FLAGS may be
+    empty), FLAGS' leading VAR=VALUE words its environment, as on a shell's command line."""
+    name, sep, flags = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected NAME=FLAGS with NAME a word, got {text!r}")
+    try:
+        words = shlex.split(flags)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--variant {name}: {e}") from None
+    env = {}
+    while words and _ENV_WORD.match(words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    return Variant(name, shlex.join(words) if env else flags, env)
+
+
+def run_order(variants: Sequence[Variant], rounds: int) -> list[tuple[int, Variant]]:
+    """(round, variant) in the order they run: each round all variants, every other one
+    reversed, so that no variant always runs first."""
+    return [(r, v) for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
 
 
 def add_engine_args(p: argparse.ArgumentParser, max_batch_size: int = 64) -> None:

@@ -34,11 +34,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 import os
-import re
-import shlex
 import statistics
 import sys
 from collections.abc import Sequence
@@ -48,6 +45,7 @@ if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` impor
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
+from bench.common import Variant, run_order, variant  # noqa: E402
 from bench.serving.flags import build_parser, check_args  # noqa: E402
 from bench.serving.http_client import (  # noqa: E402
     ENGINE_TIMES,
@@ -61,39 +59,6 @@ from bench.serving.records import summarize  # noqa: E402
 from bench.serving.workload import Sample, timed_workload  # noqa: E402
 
 FLOOR = "floor"  # --floor's variant
-
-
-_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    name: str
-    flags: str  # server flags after --server-args
-    env: dict[str, str] = dataclasses.field(default_factory=dict)  # the server's, beside ours
-
-
-def variant(text: str) -> Variant:
-    """argparse type of --variant: NAME=FLAGS (FLAGS may be empty), FLAGS' leading VAR=VALUE
-    words the server's environment."""
-    name, sep, flags = text.partition("=")
-    if not sep or not name.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected NAME=FLAGS with NAME a word, got {text!r}")
-    try:
-        words = shlex.split(flags)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--variant {name}: {e}") from None
-    env = {}
-    while words and _ENV_WORD.match(words[0]):
-        key, _, value = words.pop(0).partition("=")
-        env[key] = value
-    return Variant(name, shlex.join(words) if env else flags, env)
-
-
-def run_order(variants: Sequence[Variant], rounds: int) -> list[tuple[int, Variant]]:
-    """(round, variant) in the order they run: each round all variants, every other one
-    reversed, so that no variant always runs first."""
-    return [(r, v) for r in range(rounds) for v in (variants if r % 2 == 0 else variants[::-1])]
 
 
 def shared_kv_tokens(args: argparse.Namespace, samples: Sequence[Sample]) -> int | None:

@@ -693,6 +693,7 @@ def test_plots(tmp_path):
             ["--kernel", "--kernel-tile", "--trace-dir", "--decode-steps", "--timed-runs"],
         ),
         ("compare_variants", ["--runs", "--batch", "--decode-steps", "--json"]),
+        ("profile_burst", ["--variant", "--rounds", "--bursts", "--trace-dir", "--json"]),
         ("benchmark_data_parallel", ["--data-parallel-size", "--only", "--repeat-runs", "--json"]),
         ("benchmark_parallel", ["--out-dir", "--tp", "--tpot-model", "--skip-processes"]),
         ("benchmark_startup", ["--checkout", "--runs", "--untimed-runs", "--json"]),
@@ -712,6 +713,31 @@ def test_help_as_a_file(script, flags):
     )
     for flag in flags:
         assert flag in out.stdout
+
+
+@pytest.mark.slow  # three engine processes: ~15 s of CPU
+def test_profile_burst_variants(tmp_path):
+    """Each variant in a process of its own, with its environment and engine flags; its first
+    step's phases nest as the engine calls them, and a variant of other weights is caught by
+    the token check."""
+    from bench.profile_burst import main
+
+    out, dump = tmp_path / "burst.json", tmp_path / "dump"
+    argv = ["--model", "random:tiny", "--max-batch-size", "6", "--num-prompts", "5"]
+    argv += ["--input-len", "7", "--bursts", "2", "--rounds", "1", "--json", str(out)]
+    argv += ["--variant", "a=", "--variant", f"b=XLA_FLAGS=--xla_dump_to={dump} --decode-steps 4"]
+    assert main([*argv, "--variant", "c=--seed 7"]) == 1  # c's tokens differ
+    res = json.loads(out.read_text())["variants"]
+    assert res["a"]["requests_differing"] == res["b"]["requests_differing"] == 0
+    assert res["c"]["requests_differing"] > 0
+    assert res["b"]["env"] == {"XLA_FLAGS": f"--xla_dump_to={dump}"} and any(dump.iterdir())
+    for v in res.values():
+        (run,) = v["runs"]
+        assert len(run["phases"]) == 2
+        for ph in run["phases"]:
+            assert ph["first_tokens"] == 5 and ph["add"] > 0
+            assert 0 < ph["prefill_call"] <= ph["admit"] <= ph["step"]
+            assert 0 < ph["decode_call"] <= ph["step"] and ph["wait"] <= ph["harvest"] <= ph["step"]
 
 
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
