@@ -7,7 +7,7 @@ environment (XLA flags are process-wide), the rest engine flags after this scrip
 --rounds runs every variant once (the order reversed every other round); a process runs one
 untimed burst (it compiles), then --bursts timed ones, each of new prompts (the same in every
 variant), greedy to --output-len tokens (--no-warmup: the untimed burst compiles only what a
-burst needs). Phases, ms: `add` (the requests added), `step` (the
+burst needs; the heap is frozen after it, as a server's is once built). Phases, ms: `add` (the requests added), `step` (the
 whole first step), `admit` (admission and the prefill's call), `prefill_call` (the prefill
 program's call: on a GPU mostly XLA launching it), `decode_call` (the first decode window's
 call), `harvest` (reading the prefill back, `wait` of it for the device). Prints each process's
@@ -148,7 +148,8 @@ def run_bursts(args: argparse.Namespace, trace_dir: str | None) -> dict[str, Any
         ms["first_tokens"] = sum(1 for ids in out.values() if ids)
         while engine.has_unfinished_requests():
             out |= {o.request_id: o.outputs[0].token_ids for o in engine.step()}
-        if burst == 0:
+        if burst == 0:  # compiled: out of the collector's view, as a server's heap
+            common.freeze_heap()
             continue
         phases.append(ms)
         tokens.append([list(out[f"{burst}-{i}"]) for i in range(len(prompts))])
