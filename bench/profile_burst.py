@@ -220,7 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for r, v in common.run_order(args.variant, args.rounds):
         trace = os.path.join(args.trace_dir, v.name) if args.trace_dir and r == 0 else None
-        res = run_process(driver_argv(glued), v, trace)
+        # One workload for all: the burst's size given, whatever a variant's batch size.
+        res = run_process([*driver_argv(glued), f"--num-prompts={args.num_prompts}"], v, trace)
         runs[v.name].append(res)
         print(row(f"round {r} {v.name}", medians(res["phases"])), flush=True)
     print(f"medians over {args.rounds} x {args.bursts} bursts of {args.num_prompts} requests")
