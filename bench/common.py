@@ -76,6 +76,14 @@ def ints(text: str) -> list[int]:
     return out
 
 
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a benchmark's child process (a launched server, a variant's run):
+    this process's with `extra` set, and this repository first on PYTHONPATH."""
+    env = dict(os.environ) | extra
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    return env
+
+
 _ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 

@@ -3,12 +3,13 @@
 
 Each --variant NAME=FLAGS is `python -m rosejax.serve` with this script's engine flags, then
 --server-args (shared), then FLAGS; FLAGS' leading VAR=VALUE words, as on a shell's command line,
-are that server's environment (what only a process can differ in: XLA_FLAGS). All variants are launched first, one after another (a
-compilation cache makes the later ones quick), each with an equal share of the GPU's memory
-(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set) and one KV budget (twice what the workload holds at
-once, unless --kv-cache-tokens says; all then run one set of programs); an idle server costs the
-others nothing. Then each of --rounds runs the workload (as bench/benchmark_serving.py does,
---warmup-runs first) against every variant in turn, the order reversed every other round. With
+are that server's environment (what only a process can differ in: XLA_FLAGS). All variants are
+launched first, one after another (a compilation cache makes the later ones quick), each with
+an equal share of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set) and one KV
+budget (twice what the workload holds at once, unless --kv-cache-tokens says; all then run one
+set of programs); an idle server costs the others nothing. Then each of --rounds runs the
+workload (as bench/benchmark_serving.py does, --warmup-runs first) against every variant in
+turn, the order reversed every other round. With
 --in-process the same workload then runs --rounds times through one `LLMEngine` in this process,
 after the servers stopped, and each variant's median throughput and TTFT p50 is put beside its
 median (issue 17's ratios). With --floor TPOT_MS one more variant, `floor`, is

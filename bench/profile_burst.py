@@ -7,18 +7,19 @@ environment (XLA flags are process-wide), the rest engine flags after this scrip
 --rounds runs every variant once (the order reversed every other round); a process runs one
 untimed burst (it compiles), then --bursts timed ones, each of new prompts (the same in every
 variant), greedy to --output-len tokens (--no-warmup: the untimed burst compiles only what a
-burst needs; the heap is frozen after it, as a server's is once built). Phases, ms: `add` (the requests added), `step` (the
-whole first step), `admit` (admission and the prefill's call), `prefill_call` (the prefill
-program's call: on a GPU mostly XLA launching it), `decode_call` (the first decode window's
-call), `harvest` (reading the prefill back, `wait` of it for the device). Prints each process's
-medians, then each variant's over all its bursts beside the first variant's, with the requests
-whose tokens differ from the first variant's; --json writes it all; --trace-dir DIR writes a
-jax.profiler trace of each variant's first timed step (DIR/NAME; a traced step is slower).
+burst needs; the heap is frozen after it, as a server's is once built). Phases, ms: `add` (the
+requests added), `step` (the whole first step), `admit` (admission and the prefill's call),
+`prefill_call` (the prefill program's call: on a GPU mostly XLA launching it), `decode_call`
+(the first decode window's call), `harvest` (reading the prefill back, `wait` of it for the
+device). Prints each process's medians, then each variant's over all its bursts beside the
+first variant's, with the requests whose tokens differ from the first variant's; --json writes
+it all; --trace-dir DIR writes a jax.profiler trace of each variant's first timed step
+(DIR/NAME; a traced step is slower).
 
     # GPU: XLA's CUDA graphs updated only where parameters and results moved
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/profile_burst.py --max-batch-size 256 \\
-        --kv-cache-tokens 131072 --no-warmup --compilation-cache-dir /tmp/jax-cache --variant base= \\
-        --variant skip="XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+        --kv-cache-tokens 131072 --no-warmup --compilation-cache-dir /tmp/jax-cache \\
+        --variant base= --variant skip="XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
     # CPU smoke run
     PYTHONPATH=. python bench/profile_burst.py --model random:tiny --max-batch-size 8 \\
         --bursts 2 --rounds 1 --variant a= --variant b="--decode-steps 4"
@@ -46,6 +47,8 @@ import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
 
+# The driver's flags, not passed to a variant's process.
+DRIVER_FLAGS = ("--variant", "--rounds", "--json", "--trace-dir")
 PHASES = ("add", "step", "admit", "prefill_call", "decode_call", "harvest", "wait")
 # The engine's parts timed inside the step: phase -> (attribute of the engine or "", method).
 _TIMED = {
@@ -166,8 +169,7 @@ def run_process(argv: Sequence[str], v: common.Variant, trace_dir: str | None) -
         path = os.path.join(tmp, "run.json")
         cmd = [sys.executable, os.path.abspath(__file__), *argv, *shlex.split(v.flags)]
         cmd += ["--worker-json", path] + (["--trace-dir", trace_dir] if trace_dir else [])
-        env = dict(os.environ) | v.env
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [common.REPO, env.get("PYTHONPATH")]))
+        env = common.child_env(v.env)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=common.REPO)
         if proc.returncode:
             raise RuntimeError(
@@ -192,13 +194,12 @@ def row(label: str, med: dict[str, float], base: dict[str, float] | None = None)
 
 def driver_argv(argv: Sequence[str]) -> list[str]:
     """This script's argv for a variant's process: without the driver's own flags."""
-    own = ("--variant", "--rounds", "--json", "--trace-dir")
-    return [a for a in argv if not a.startswith(tuple(f"{f}=" for f in own))]
+    return [a for a in argv if not a.startswith(tuple(f"{f}=" for f in DRIVER_FLAGS))]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
-    glued = common.glue_flag_values(argv, ["--variant", "--rounds", "--json", "--trace-dir"])
+    glued = common.glue_flag_values(argv, DRIVER_FLAGS)
     args = p.parse_args(glued)
     args.num_prompts = args.num_prompts or args.max_batch_size
     if (

@@ -113,8 +113,7 @@ class LaunchedServer:
 
     def __enter__(self) -> LaunchedServer:
         print(f"launching: {shlex.join(self.cmd)} (log {self.log_path})", file=sys.stderr)
-        env = dict(os.environ) | self.env
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [common.REPO, env.get("PYTHONPATH")]))
+        env = common.child_env(self.env)
         t0 = time.perf_counter()
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
