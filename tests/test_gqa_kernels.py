@@ -21,6 +21,7 @@ from pallas_kernels.paged_attention import (
     uses_matrix_units,
 )
 from pallas_kernels.paged_prefill_attention import (
+    default_block_q,
     paged_prefill_attention,
     paged_prefill_attention_reference,
 )
@@ -498,6 +499,8 @@ def test_default_block_rows(n, e, want):
 
 PREFILL_IMPLS = {
     "pallas": functools.partial(paged_prefill_attention, block_q=16, interpret=INTERPRET),
+    # One tile a chunk (the default rows a program cover these chunks).
+    "pallas_default": functools.partial(paged_prefill_attention, interpret=INTERPRET),
     "reference": jax.jit(paged_prefill_attention_reference),
     "xla": jax.jit(paged_attention_xla),
 }
@@ -508,10 +511,11 @@ PREFILL_IMPLS = {
 @pytest.mark.parametrize("cached", [[0, 0], [0, 37, 5]], ids=["fresh", "prefix"])
 def test_paged_prefill_matches_oracle(impl, h, group, d, cached):
     """Rows continuing cached prefixes (or not) with chunks of different lengths, padded to T;
-    a padded row (seq_lens 0) gives zeros. Real tokens checked against the oracle."""
+    a padded row (seq_lens 0) gives zeros. Real tokens checked against the oracle. Chunks of up
+    to 40 tokens give 16-row tiles pages they see whole and pages they see in part."""
     rng = np.random.default_rng()
-    bs, mb = 16, 4
-    new = [int(n) for n in rng.integers(1, 21, len(cached))]
+    bs, mb = 16, 6
+    new = [int(n) for n in rng.integers(1, 41, len(cached))]
     b, t = len(cached) + 1, max(new)  # + a padded row
     num_blocks = 1 + b * mb
     k = rng.normal(size=(h, num_blocks, bs, d)).astype(np.float32)
@@ -538,14 +542,20 @@ def test_paged_prefill_matches_oracle(impl, h, group, d, cached):
             np.testing.assert_allclose(out[row, i][None], want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("t,want", [(1, 16), (8, 16), (17, 32), (100, 128), (4096, 128)])
+def test_default_block_q(t, want):
+    assert default_block_q(t) == want
+
+
 # ------------------------------------------------------------------------- Triton lowering
 
 
 def test_fused_decode_kernels_lower_to_triton():
     """The kernels a Qwen3-0.6B decode step fuses (the attention with q/k norm and RoPE, split or
     not, on the matrix units or not, the gate/up projection with SwiGLU, RMSNorm several rows a
-    program) lower to Triton for a GPU, here too: the Pallas-to-Triton lowering rejects what
-    Triton cannot tile (shapes not powers of two, unsupported ops) before any GPU is needed."""
+    program) and its prefill attention lower to Triton for a GPU, here too: the Pallas-to-Triton
+    lowering rejects what Triton cannot tile (shapes not powers of two, unsupported ops) before
+    any GPU is needed."""
     b, h, group, d, bs = 16, 8, 2, 128, 64
     dt = jnp.bfloat16
     qkv = jnp.zeros((b, h * (group + 2), d), dt)
@@ -575,6 +585,17 @@ def test_fused_decode_kernels_lower_to_triton():
             (jnp.zeros((16, 1024), dt), jnp.zeros((1024, 2 * 3072), dt), jnp.zeros(6144, dt)),
         ),
         "rms_norm": (rms_norm, (jnp.zeros((6144, d), dt), jnp.ones(d, dt))),
+        "prefill_attention": (
+            paged_prefill_attention,
+            (
+                jnp.zeros((2, 300, h * group, d), dt),
+                cache,
+                cache,
+                tables[:2],
+                jnp.zeros((2, 300), jnp.int32),  # positions
+                lengths[:2],
+            ),
+        ),
     }
     for name, (fn, args) in calls.items():
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
