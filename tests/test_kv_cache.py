@@ -470,8 +470,9 @@ def test_num_blocks_for_exact_values():
 
 
 class _FakeDevice:
-    def __init__(self, stats):
+    def __init__(self, stats, platform="gpu"):
         self.stats = stats
+        self.platform = platform
 
     def memory_stats(self):
         return self.stats
@@ -490,11 +491,15 @@ def test_num_blocks_for_memory_fraction(monkeypatch):
     assert num_blocks_for(config, 16, jnp.float32, memory_fraction=0.5, max_num_seqs=4) == 5
     with pytest.raises(ValueError, match="not enough"):
         num_blocks_for(config, 16, jnp.float32, memory_fraction=0.5, max_num_seqs=5)
-    # A device without stats (a CPU) sizes the cache from the host's available memory.
-    monkeypatch.setattr(jax, "local_devices", lambda: [_FakeDevice(None)])
+    # A CPU (no stats) sizes the cache from the host's available memory; a GPU without stats (its
+    # VMM allocator) is told to give the size.
     pages = {"SC_AVPHYS_PAGES": 3 * per_block, "SC_PAGE_SIZE": 4}
     monkeypatch.setattr(kv_cache.os, "sysconf", pages.__getitem__)
+    monkeypatch.setattr(jax, "local_devices", lambda: [_FakeDevice(None, "cpu")])
     assert num_blocks_for(config, 16, jnp.float32, memory_fraction=0.5) == 6
+    monkeypatch.setattr(jax, "local_devices", lambda: [_FakeDevice(None)])
+    with pytest.raises(ValueError, match="--kv-cache-tokens"):
+        num_blocks_for(config, 16, jnp.float32, memory_fraction=0.5)
 
 
 @pytest.mark.parametrize(

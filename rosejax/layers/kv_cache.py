@@ -61,10 +61,18 @@ def kv_cache_bytes_per_block(config: Any, block_size: int, dtype, shards: int = 
 
 def free_memory_bytes(device: jax.Device | None = None) -> int:
     """Free bytes for the cache: `device`'s (default: the first local device's) allocator pool,
-    or, where the device keeps no stats (a CPU), the host's available memory."""
-    stats = (device or jax.local_devices()[0]).memory_stats()
+    or, on a CPU (no stats), the host's available memory. An accelerator without stats (XLA's VMM
+    allocator, e.g. under `--xla_gpu_command_buffer_update_mode=SKIP_TEMP`) is an error: the
+    host's memory says nothing of the device's."""
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats()
     if stats and "bytes_limit" in stats:
         return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if device.platform != "cpu":
+        raise ValueError(
+            f"{device} reports no memory limit to size the KV cache from: give its size with "
+            "--kv-cache-tokens"
+        )
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
