@@ -9,7 +9,8 @@ the compute floor, and its decode steps at that context against the memory floor
   --bandwidth-gbs.
 
 Each run sends a fresh prompt (no prefix-cache hit); --warmup-runs compile what the runs use.
-Prefill follows the engine's flags: one prefill, or --prefill-chunk-tokens at a time.
+Prefill follows the engine's flags: chunks of --prefill-chunk-tokens (default:
+--max-prefill-tokens); one prefill with --prefill-chunk-tokens at least the context.
 
     # issue 19: Qwen3-0.6B shape at 32k context on one GPU
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/benchmark_long_context.py \\

@@ -128,8 +128,9 @@ def add_engine_args(
         "--prefill-chunk-tokens",
         type=int,
         default=None,
-        help="prefill prompts longer than this a chunk at a time, between decode windows; "
-        "default: every prompt in one prefill",
+        help="prefill prompts longer than this a chunk at a time, between decode windows, so "
+        "running requests keep streaming; default: --max-prefill-tokens; --max-model-len or "
+        "more: every prompt in one prefill",
     )
     p.add_argument(
         "--max-model-len",

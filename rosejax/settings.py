@@ -261,7 +261,8 @@ class EngineConfig:
     seed: int = 0  # random weights of random:<preset>, and the seeds of seedless requests
     max_prefill_tokens: int = 4096  # prompt tokens per prefill at most
     # Prompts with more uncached tokens are prefilled this many at a time, between decode
-    # windows (one such prompt at once). None: every prompt in one prefill.
+    # windows (one such prompt at once), so the running requests keep streaming. None:
+    # max_prefill_tokens; max_model_len or more: every prompt in one prefill.
     prefill_chunk_tokens: int | None = None
     prefill_max_batch_size: int | None = None  # requests per prefill; default max_batch_size
     decode_steps: int | str = "auto"  # steps per decode window, or "auto"

@@ -524,13 +524,8 @@ def _assert_clean(llm) -> None:
     engine.allocator.check_invariants()
 
 
-def test_chunked_prefill_between_decode_windows(small_qwen3):
-    """Prompts longer than the chunk are prefilled 24 tokens at a time while the others decode;
-    a prompt that shares blocks a later chunk has not written yet must not take them from the
-    prefix cache; an abort mid-prompt frees everything. Tokens equal HF's."""
-    path, hf = small_qwen3
-    llm = make_llm(path, prefill_chunk_tokens=24, decode_steps=2)
-    engine = llm.engine
+def log_runner_calls(engine) -> list[str]:
+    """The engine's prefill and decode program calls, in order, as they happen."""
     calls: list[str] = []
     for kind in ("prefill", "decode"):
         original = getattr(engine.runner, kind)
@@ -540,6 +535,17 @@ def test_chunked_prefill_between_decode_windows(small_qwen3):
             return _original(*a, **k)
 
         setattr(engine.runner, kind, logged)
+    return calls
+
+
+def test_chunked_prefill_between_decode_windows(small_qwen3):
+    """Prompts longer than the chunk are prefilled 24 tokens at a time while the others decode;
+    a prompt that shares blocks a later chunk has not written yet must not take them from the
+    prefix cache; an abort mid-prompt frees everything. Tokens equal HF's."""
+    path, hf = small_qwen3
+    llm = make_llm(path, prefill_chunk_tokens=24, decode_steps=2)
+    engine = llm.engine
+    calls = log_runner_calls(engine)
     rng = np.random.default_rng(3)
     short = rng.integers(0, 500, 5).tolist()
     long_a = rng.integers(0, 500, 58).tolist()
@@ -574,6 +580,27 @@ def test_chunked_prefill_between_decode_windows(small_qwen3):
     assert ",".join(calls).startswith("prefill,decode," * 3 + "decode")
     check_greedy(hf, outs, prompts, GREEDY.max_tokens)
     _assert_clean(llm)
+
+
+def test_prompts_past_the_prefill_budget_are_chunked_by_default(small_qwen3):
+    """Without `prefill_chunk_tokens` a prompt longer than `max_prefill_tokens` is prefilled that
+    many tokens at a time (a length bucket of its own; no longer prefill is compiled), a
+    running request decoding between its chunks. Tokens equal HF's."""
+    path, hf = small_qwen3
+    llm = make_llm(path, max_prefill_tokens=20, decode_steps=2)
+    engine = llm.engine
+    assert engine.prefill_chunk == 20 and 20 in engine.prefill_len_buckets
+    assert max(t for _, t in engine.prefill_shapes()) == 20
+    calls = log_runner_calls(engine)
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 500, 3).tolist(), rng.integers(0, 500, 54).tolist()]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    # The short prompt's prefill, then the long one's 20 + 20 + 14 tokens, each beside a window.
+    assert ",".join(calls).startswith("prefill,decode," * 4 + "decode")
+    check_greedy(hf, outs, prompts, GREEDY.max_tokens)
+    _assert_clean(llm)
+    # At the context or more: one prefill a prompt, as before chunks.
+    assert make_llm(path, max_prefill_tokens=64).engine.prefill_chunk is None
 
 
 def config_context(engine) -> int:

@@ -250,11 +250,14 @@ class LLMEngine:
         max_len = self.config.max_model_len
         self.prefill_batch_buckets = _buckets(prefill_batch, factor=4)
         self.prefill_len_buckets = _buckets(max_len, start=min(8, max_len), factor=4)
-        # Prompts longer than a chunk are prefilled a chunk at a time between decode windows;
-        # without chunks a prefill must hold any one prompt, the whole context.
-        self.prefill_chunk = config.prefill_chunk_tokens
-        if self.prefill_chunk is not None and self.prefill_chunk >= max_len:
+        # Prompts longer than a chunk (default: the prefill budget) are prefilled a chunk at a
+        # time between decode windows; without chunks a prefill must hold any one prompt, the
+        # whole context. A chunk is a length bucket of its own: not padded to the next one.
+        self.prefill_chunk = config.prefill_chunk_tokens or config.max_prefill_tokens
+        if self.prefill_chunk >= max_len:
             self.prefill_chunk = None
+        else:
+            self.prefill_len_buckets = sorted({*self.prefill_len_buckets, self.prefill_chunk})
         self.scheduler = Scheduler(
             self.allocator,
             self.max_batch_size,
