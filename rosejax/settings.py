@@ -315,6 +315,8 @@ class EngineConfig:
             KernelConfig.for_backend("cpu", **dict(self.kernel_overrides))
         if self.max_batch_size < 1 or self.block_size < 1:
             raise ValueError("max_batch_size and block_size must be >= 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -76,6 +76,9 @@ def test_configs_are_hashable_values_and_check_their_fields():
         EngineConfig(model="random:tiny", decode_steps=0)
     with pytest.raises(ValueError, match="open_decode_steps"):
         EngineConfig(model="random:tiny", open_decode_steps=0)
+    for field in ("max_prefill_tokens", "prefill_chunk_tokens"):  # the chunk defaults to the first
+        with pytest.raises(ValueError, match=f"{field} must be >= 1"):
+            EngineConfig(model="random:tiny", **{field: 0})
     with pytest.raises(ValueError, match="idle_gather_ms"):
         EngineConfig(model="random:tiny", idle_gather_ms=-1)
     with pytest.raises(ValueError, match="idle_gather_max_ms"):
