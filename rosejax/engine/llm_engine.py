@@ -392,13 +392,13 @@ class LLMEngine:
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
         """Every (rows, tokens) bucket the scheduler can admit (its own rule, on the buckets)."""
-        # With chunks no prefill is longer than one.
-        longest = _bucket(self.prefill_chunk, self.prefill_len_buckets) if self.prefill_chunk else 0
+        # With chunks no prefill is longer than one (a chunk is a length bucket of its own).
+        longest = self.prefill_chunk or self.prefill_len_buckets[-1]
         return [
             (b, t)
             for b in self.prefill_batch_buckets
             for t in self.prefill_len_buckets
-            if self.scheduler.prefill_fits(b, t) and (not longest or t <= longest)
+            if self.scheduler.prefill_fits(b, t) and t <= longest
         ]
 
     def warmup_programs(self) -> list[tuple[str, int, int | bool]]:
