@@ -24,6 +24,7 @@ included, is replicated: every device (and process) computes the same tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -37,7 +38,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from rosejax.host_inputs import Layout, pack, unpack
-from rosejax.layers.attention import ForwardMetadata
+from rosejax.layers.attention import LONG_CHAIN_TOKENS, ForwardMetadata, decode_num_splits
 from rosejax.layers.kv_cache import KVCache
 from rosejax.layers.parallel import place, replicated, tensor_parallel_forward
 from rosejax.models import family_of
@@ -180,6 +181,7 @@ class ModelRunner:
         self.max_decode_steps = max_decode_steps
         self.max_table_updates = max_table_updates
         self.max_blocks = -(-config.max_model_len // cache.block_size)
+        self.tensor_parallel_size = placement.size if isinstance(placement, Mesh) else 1
         state = empty_slot_state(num_slots, self.max_blocks, config.vocab_size)
         if isinstance(placement, Mesh):
             state = jax.tree.map(lambda a: place(a, replicated(placement)), state)
@@ -531,16 +533,53 @@ class ModelRunner:
         updates: list[tuple[int, int, int]],
         moves: list[tuple[int, int]] = (),
         extras: bool = False,
+        long_rows: bool = False,
     ) -> tuple[jax.Array, TokenLogprobs | None]:
         """Dispatch a decode window (asynchronously) -> its tokens [K, batch] and their logprobs
         (None unless `extras`); `updates` are (slot, index, block) entries of the block tables
         that changed since the last window (slots after the moves), `moves` (src, dst) rows of
         the slot state to move first; `extras`: some row has logits processors, min_p or
-        logprobs (another program)."""
-        key, args, static = self._decode_call(batch, greedy, extras, kill, updates, moves, n_steps)
-        program = self._decode_program(batch)
+        logprobs (another program); `long_rows`: a row is longer than `long_row_tokens(batch)`
+        (another program)."""
+        kernels = self.decode_kernels(batch, long_rows)
+        key, args, static = self._decode_call(
+            batch, greedy, extras, kill, updates, moves, n_steps, kernels
+        )
+        program = self._decode_program(batch, kernels)
         out, logprobs, self.cache, self.state = self._run(key, program, args, **static)
         return out, logprobs
+
+    def _decode_splits(self, batch: int, long_rows: bool) -> int | None:
+        """The decode attention's splits in a window of `batch` rows (`decode_num_splits`)."""
+        c = self.config
+        return decode_num_splits(
+            self.kernels,
+            batch,
+            c.num_kv_heads // self.tensor_parallel_size,
+            c.num_heads // c.num_kv_heads,
+            self.max_blocks,
+            self.cache.block_size,
+            c.head_dim,
+            long_rows,
+        )
+
+    def long_row_tokens(self, batch: int) -> int | None:
+        """The context length past which a row makes a decode window of `batch` rows run the
+        long-row program (its decode attention split finer: one run of the default splits
+        would be longer than LONG_CHAIN_TOKENS), None where no row the context holds does."""
+        splits = self._decode_splits(batch, long_rows=False)
+        if splits is None or splits == self._decode_splits(batch, long_rows=True):
+            return None
+        tokens = splits * LONG_CHAIN_TOKENS
+        return tokens if tokens < self.config.max_model_len else None
+
+    def decode_kernels(self, batch: int, long_rows: bool) -> KernelConfig:
+        """The kernels of a decode window of `batch` rows: with `long_rows` (where
+        `long_row_tokens(batch)`), the decode attention's long-row splits as its tile."""
+        if not long_rows or self.long_row_tokens(batch) is None:
+            return self.kernels
+        tile = ("attention", "num_splits", self._decode_splits(batch, long_rows=True))
+        return dataclasses.replace(self.kernels, tiles=(*self.kernels.tiles, tile))
 
     def _decode_call(
         self,
@@ -551,6 +590,7 @@ class ModelRunner:
         updates: list[tuple[int, int, int]],
         moves: list[tuple[int, int]],
         n_steps: int,
+        kernels: KernelConfig,
     ) -> tuple[tuple, tuple, dict]:
         """A decode window's executable key, arguments and static arguments: the host's inputs
         in one buffer (padded table updates and moves: index S, dropped)."""
@@ -562,29 +602,29 @@ class ModelRunner:
             m[:, : len(moves)] = np.asarray(moves, np.int32).T
         inputs = dict(kill=kill, updates=u, moves=m, n_steps=np.int32(n_steps))
         packed, layout = pack(inputs)
-        static = dict(
-            layout=layout, batch=batch, greedy=greedy, extras=extras, kernels=self.kernels
-        )
-        key = ("decode", batch, greedy, extras, self.kernels)
+        static = dict(layout=layout, batch=batch, greedy=greedy, extras=extras, kernels=kernels)
+        key = ("decode", batch, greedy, extras, kernels)
         return key, (self.params, self.cache, self.state, packed), static
 
     def compile_decode(
-        self, batch: int, greedy: bool, extras: bool, pool: Executor
+        self, batch: int, greedy: bool, extras: bool, pool: Executor, long_rows: bool = False
     ) -> Callable[[], None]:
         """Compile ahead the decode window of `batch` rows (see `_compile_ahead`)."""
         kill = np.zeros(self.num_slots, bool)
-        key, args, static = self._decode_call(batch, greedy, extras, kill, [], [], 0)
-        return self._compile_ahead(key, self._decode_program(batch), args, pool, **static)
+        kernels = self.decode_kernels(batch, long_rows)
+        key, args, static = self._decode_call(batch, greedy, extras, kill, [], [], 0, kernels)
+        program = self._decode_program(batch, kernels)
+        return self._compile_ahead(key, program, args, pool, **static)
 
-    def _decode_program(self, batch: int) -> Callable:
-        key = (batch, self.kernels)
+    def _decode_program(self, batch: int, kernels: KernelConfig) -> Callable:
+        key = (batch, kernels)
         program = self._decode_programs.get(key)
         if program is None:
             program = self._decode_programs[key] = jax.jit(
                 self._decode_fn,
                 donate_argnums=(1, 2),
                 static_argnames=("layout", "batch", "greedy", "extras", "kernels"),
-                compiler_options=self.kernels.decode_compiler_options(batch) or None,
+                compiler_options=kernels.decode_compiler_options(batch) or None,
                 **self._out_shardings(2),  # tokens, their logprobs; cache; state
             )
         return program

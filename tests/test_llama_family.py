@@ -603,5 +603,46 @@ def test_prompts_past_the_prefill_budget_are_chunked_by_default(small_qwen3):
     assert make_llm(path, max_prefill_tokens=64).engine.prefill_chunk is None
 
 
+@pytest.mark.slow  # interpreted kernels
+def test_long_row_windows_split_its_pages_finer(small_qwen3, monkeypatch):
+    """While a row is longer than `long_row_tokens`, decode windows run the program whose decode
+    attention splits every row's pages finer (the long-row splits as its tile); before it and
+    after it finishes, the default one. Tokens equal HF's. The thresholds are lowered to this
+    model's 64-token context (at the real ones only rows of 4,096+ tokens switch)."""
+    from rosejax import model_runner
+    from rosejax.layers import attention
+
+    monkeypatch.setattr(model_runner, "LONG_CHAIN_TOKENS", 16)
+    monkeypatch.setattr(attention, "LONG_SPLIT_TOKENS", 16)
+    path, hf = small_qwen3
+    kernels = KernelConfig.for_backend("gpu", interpret=INTERPRET)
+    llm = make_llm(
+        path, decode_steps=2, min_decode_batch=4, block_size=16, kernels=kernels, warmup=False
+    )
+    runner = llm.engine.runner
+    assert runner.long_row_tokens(4) == 16
+    assert runner.decode_kernels(4, True).tile_kwargs("attention") == {"num_splits": 4}
+    assert runner.decode_kernels(4, False) == kernels
+    assert ("decode-long", 4, True) in llm.engine.warmup_programs()
+    windows: list[tuple[bool, int]] = []  # (long_rows, the longest row's context)
+    decode = runner.decode
+
+    def logged(*a, **k):
+        running = llm.engine.scheduler.running
+        windows.append((a[7], max(r.num_tokens + r.inflight for r in running)))
+        return decode(*a, **k)
+
+    runner.decode = logged
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 500, 3).tolist(), rng.integers(0, 500, 5).tolist()]
+    params = [GREEDY, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[0].token_ids == hf_greedy(hf, prompts[0], 10)
+    assert outs[1].token_ids == hf_greedy(hf, prompts[1], 20)
+    assert [long for long, _ in windows] == [longest > 16 for _, longest in windows]
+    assert {long for long, _ in windows} == {True, False}
+    _assert_clean(llm)
+
+
 def config_context(engine) -> int:
     return engine.config.max_model_len

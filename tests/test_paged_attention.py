@@ -23,6 +23,7 @@ from rosejax.layers.attention import (
     causal_attention_xla,
     decode_attention,
     default_decode_splits,
+    long_row_decode_splits,
     paged_attention_xla,
     paged_decode_attention_xla,
     prefill_attention,
@@ -430,6 +431,23 @@ def test_decode_attention_xla_path(kernels):
 )
 def test_default_decode_splits(batch, kv_heads, max_pages, block_size, matrix_units, want):
     assert default_decode_splits(batch, kv_heads, max_pages, block_size, matrix_units) == want
+
+
+@pytest.mark.parametrize(
+    "batch, kv_heads, max_pages, block_size, matrix_units, want",
+    [
+        (128, 8, 640, 64, True, 16),  # Qwen3-0.6B, 128 rows: 16 x 1,024 programs
+        (256, 8, 640, 64, True, 8),  # 256 rows: 8
+        (16, 8, 640, 64, True, 40),  # 16 rows: runs of 1,024 tokens of the 40,960 table
+        (1, 8, 640, 64, True, 40),  # 1 row: finer than the default 33
+        (1, 8, 16, 64, True, 4),  # a 1,024-token table: the default's 4 runs of 256
+        (256, 12, 16, 64, False, 1),  # GPT-2's 256 rows: one run of its 1,024 tokens
+    ],
+)
+def test_long_row_decode_splits(batch, kv_heads, max_pages, block_size, matrix_units, want):
+    args = (batch, kv_heads, max_pages, block_size, matrix_units)
+    assert long_row_decode_splits(*args) == want
+    assert long_row_decode_splits(*args) >= default_decode_splits(*args)
 
 
 def test_decode_attention_splits_long_tables():

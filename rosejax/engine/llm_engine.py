@@ -287,6 +287,8 @@ class LLMEngine:
             self.devices[0] if mesh is None else mesh,
         )
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
+        # Per bucket, the context past which a row makes a window run the long-row program.
+        self._long_row_tokens = {b: self.runner.long_row_tokens(b) for b in self.decode_buckets}
         self.seed = config.seed
         # Seeds of requests that bring none; each replica draws its own stream.
         self._seeds = np.random.default_rng(config.seed if replica == 0 else [config.seed, replica])
@@ -411,9 +413,15 @@ class LLMEngine:
         tests need few). Prefills with them compile on first use."""
         prefill = [("prefill", b, t) for b, t in sorted(self.prefill_shapes(), key=math.prod)]
         decode = [("decode", b, g) for b in self.decode_buckets for g in (True, False)]
+        long = [
+            ("decode-long", b, g)
+            for b in self.decode_buckets
+            if self._long_row_tokens[b] is not None
+            for g in (True, False)
+        ]
         extras = [] if self.on_cpu else [("decode-extras", b, False) for b in self.decode_buckets]
         plain = prefill[:1] + decode[:2] + sorted(prefill[1:] + decode[2:], key=lambda p: p[1])
-        return plain + extras
+        return plain + long + extras
 
     def cold_programs(self) -> list[tuple[str, int, int | bool]]:
         """The programs of `warmup_programs()` not compiled yet, in that order."""
@@ -458,7 +466,8 @@ class LLMEngine:
         if kind == "prefill":
             self.runner.prefill(self._prefill_batch([], [], [], rows, arg, False))
         else:
-            self.runner.decode(rows, 0, arg, self._kill, [], (), kind == "decode-extras")
+            extras, long_rows = kind == "decode-extras", kind == "decode-long"
+            self.runner.decode(rows, 0, arg, self._kill, [], (), extras, long_rows)
         jax.block_until_ready(self.runner.state)
         self._warm.add(program)
         return time.perf_counter() - t0
@@ -482,7 +491,8 @@ class LLMEngine:
                     batch = self._prefill_batch([], [], [], rows, arg, False)
                     finish = self.runner.compile_prefill(batch, pool)
                 else:
-                    finish = self.runner.compile_decode(rows, arg, kind == "decode-extras", pool)
+                    extras, long_rows = kind == "decode-extras", kind == "decode-long"
+                    finish = self.runner.compile_decode(rows, arg, extras, pool, long_rows)
                 started.append((program, t0, finish))
             for (kind, rows, arg), t0, finish in started:
                 finish()
@@ -748,8 +758,13 @@ class LLMEngine:
         b = _bucket(max(r.slot for r in running) + 1, self.decode_buckets)
         extras = any(r.extras for r in running)
         greedy = not extras and all(r.params.temperature == 0 for r in running)
+        long_row = self._long_row_tokens[b]
+        long_rows = long_row is not None and any(
+            r.num_tokens + r.inflight > long_row for r in running
+        )
         # A copy: on the CPU jax may alias a numpy argument, and this one is reset at once.
-        out = self.runner.decode(b, k, greedy, self._kill.copy(), updates, moves, extras)
+        kill = self._kill.copy()
+        out = self.runner.decode(b, k, greedy, kill, updates, moves, extras, long_rows)
         self._kill[:] = False
         roster = [(r, r.epoch, r.slot) for r in running]
         self._pending.append(("decode", *out, roster, k, None))
