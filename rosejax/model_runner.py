@@ -182,6 +182,10 @@ class ModelRunner:
         self.max_table_updates = max_table_updates
         self.max_blocks = -(-config.max_model_len // cache.block_size)
         self.tensor_parallel_size = placement.size if isinstance(placement, Mesh) else 1
+        # Per decode batch, made on first use: (the context past which a row makes a window run
+        # the long-row program, that program's kernels), or None where no row the context holds
+        # does (`_long_row_program`).
+        self._long_rows: dict[int, tuple[int, KernelConfig] | None] = {}
         state = empty_slot_state(num_slots, self.max_blocks, config.vocab_size)
         if isinstance(placement, Mesh):
             state = jax.tree.map(lambda a: place(a, replicated(placement)), state)
@@ -563,23 +567,34 @@ class ModelRunner:
             long_rows,
         )
 
+    def _long_row_program(self, batch: int) -> tuple[int, KernelConfig] | None:
+        """For windows of `batch` rows: the context past which a row makes them run the long-row
+        program (one run of the default splits would be longer than LONG_CHAIN_TOKENS) and that
+        program's kernels (the long-row splits as the attention's tile); None where the two
+        split alike or no row the context holds gets that long. Worked out once a batch."""
+        if batch not in self._long_rows:
+            self._long_rows[batch] = None
+            splits = self._decode_splits(batch, long_rows=False)
+            finer = self._decode_splits(batch, long_rows=True)
+            if splits is not None and finer != splits:
+                tokens = splits * LONG_CHAIN_TOKENS
+                tiles = (*self.kernels.tiles, ("attention", "num_splits", finer))
+                if tokens < self.config.max_model_len:
+                    kernels = dataclasses.replace(self.kernels, tiles=tiles)
+                    self._long_rows[batch] = tokens, kernels
+        return self._long_rows[batch]
+
     def long_row_tokens(self, batch: int) -> int | None:
         """The context length past which a row makes a decode window of `batch` rows run the
-        long-row program (its decode attention split finer: one run of the default splits
-        would be longer than LONG_CHAIN_TOKENS), None where no row the context holds does."""
-        splits = self._decode_splits(batch, long_rows=False)
-        if splits is None or splits == self._decode_splits(batch, long_rows=True):
-            return None
-        tokens = splits * LONG_CHAIN_TOKENS
-        return tokens if tokens < self.config.max_model_len else None
+        long-row program (its decode attention split finer), None where no row gets that long."""
+        program = self._long_row_program(batch)
+        return None if program is None else program[0]
 
     def decode_kernels(self, batch: int, long_rows: bool) -> KernelConfig:
         """The kernels of a decode window of `batch` rows: with `long_rows` (where
-        `long_row_tokens(batch)`), the decode attention's long-row splits as its tile."""
-        if not long_rows or self.long_row_tokens(batch) is None:
-            return self.kernels
-        tile = ("attention", "num_splits", self._decode_splits(batch, long_rows=True))
-        return dataclasses.replace(self.kernels, tiles=(*self.kernels.tiles, tile))
+        `long_row_tokens(batch)`), the long-row program's."""
+        program = self._long_row_program(batch) if long_rows else None
+        return self.kernels if program is None else program[1]
 
     def _decode_call(
         self,

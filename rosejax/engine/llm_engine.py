@@ -287,8 +287,6 @@ class LLMEngine:
             self.devices[0] if mesh is None else mesh,
         )
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
-        # Per bucket, the context past which a row makes a window run the long-row program.
-        self._long_row_tokens = {b: self.runner.long_row_tokens(b) for b in self.decode_buckets}
         self.seed = config.seed
         # Seeds of requests that bring none; each replica draws its own stream.
         self._seeds = np.random.default_rng(config.seed if replica == 0 else [config.seed, replica])
@@ -416,7 +414,7 @@ class LLMEngine:
         long = [
             ("decode-long", b, g)
             for b in self.decode_buckets
-            if self._long_row_tokens[b] is not None
+            if self.runner.long_row_tokens(b) is not None
             for g in (True, False)
         ]
         extras = [] if self.on_cpu else [("decode-extras", b, False) for b in self.decode_buckets]
@@ -750,18 +748,18 @@ class LLMEngine:
             return False
         moves = self._compact(running)
         updates = []
+        longest = 0  # the longest row's context by the end of this window
         for r in running:
             blocks = r.table.blocks
             updates += [(r.slot, i, blocks[i]) for i in range(r.blocks_on_device, len(blocks))]
             r.blocks_on_device = len(blocks)
             r.inflight += k
+            longest = max(longest, r.num_tokens + r.inflight)
         b = _bucket(max(r.slot for r in running) + 1, self.decode_buckets)
         extras = any(r.extras for r in running)
         greedy = not extras and all(r.params.temperature == 0 for r in running)
-        long_row = self._long_row_tokens[b]
-        long_rows = long_row is not None and any(
-            r.num_tokens + r.inflight > long_row for r in running
-        )
+        long_row = self.runner.long_row_tokens(b)
+        long_rows = long_row is not None and longest > long_row
         # A copy: on the CPU jax may alias a numpy argument, and this one is reset at once.
         kill = self._kill.copy()
         out = self.runner.decode(b, k, greedy, kill, updates, moves, extras, long_rows)

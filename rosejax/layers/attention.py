@@ -174,7 +174,7 @@ def decode_num_splits(
     """Programs per (row, KV head) of the Pallas decode attention of a program of these shapes:
     the kernels' `attention.num_splits` tile if set, else `default_decode_splits` (with
     `long_rows`: `long_row_decode_splits`); None where the kernel does not run."""
-    if not (kernels.attention == "pallas" and decode_kernel_supported(head_dim, block_size)):
+    if not _decode_kernel_runs(kernels, head_dim, block_size):
         return None
     tiles = kernels.tile_kwargs("attention")
     if "num_splits" in tiles:
@@ -185,18 +185,18 @@ def decode_num_splits(
     return rule(batch, kv_heads, max_pages, block_size, matrix)
 
 
-def _decode_kernel_runs(kernels: KernelConfig, k_cache: jax.Array) -> bool:
+def _decode_kernel_runs(kernels: KernelConfig, head_dim: int, block_size: int) -> bool:
     """Whether `decode_attention` runs a Pallas kernel: chosen, and tiling the cache (Triton
     tiles are powers of two: other head dims or block sizes take XLA's path)."""
-    return kernels.attention == "pallas" and decode_kernel_supported(
-        k_cache.shape[3], k_cache.shape[2]
-    )
+    return kernels.attention == "pallas" and decode_kernel_supported(head_dim, block_size)
 
 
 def decode_kernel_appends(kernels: KernelConfig, k_cache: jax.Array) -> bool:
     """Whether `decode_attention` runs the Pallas kernel that writes the step's K/V itself: the
     one that can also normalize and rotate q and k (`rope`, `qk_norm`)."""
-    return _decode_kernel_runs(kernels, k_cache) and kernels.fused_kv_append
+    return _decode_kernel_runs(kernels, k_cache.shape[3], k_cache.shape[2]) and (
+        kernels.fused_kv_append
+    )
 
 
 def decode_attention(
@@ -216,8 +216,8 @@ def decode_attention(
     """Write each row's new K/V, then attend over the row's `seq_lens` tokens. With `rope` (and
     `qk_norm`), q and k of qkv are first rotated (and normalized) in the kernel: only where
     `decode_kernel_appends`."""
-    pallas = _decode_kernel_runs(kernels, k_cache)
     h, _, bs, d = k_cache.shape
+    pallas = _decode_kernel_runs(kernels, d, bs)
     splits = decode_num_splits(
         kernels, qkv.shape[0], h, (num_q_heads or h) // h, block_tables.shape[1], bs, d
     )
