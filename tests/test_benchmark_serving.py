@@ -129,6 +129,8 @@ def test_a_client_meant_to_leave_counts_as_completed_when_its_stream_ends_first(
 
 
 def test_stream_reader_with_continuous_usage():
+    """Every chunk that brings tokens is an event, with text or without (a character's first
+    bytes); one that brings none (the finish alone) is not."""
     rec = Record(0, 4, 0.0, sent_s=0.0)
     reader = _StreamReader(rec)
 
@@ -136,16 +138,23 @@ def test_stream_reader_with_continuous_usage():
         usage = {"prompt_tokens": 3, "completion_tokens": total}
         return ("data: " + json.dumps({"choices": [{"text": text}], "usage": usage})).encode()
 
-    for t, line in enumerate([chunk("a", 1), chunk("", 2), chunk("bc", 4), b"", b"data: [DONE]"]):
+    lines = [chunk("a", 1), chunk("", 2), chunk("bc", 4), chunk("", 4), b"", b"data: [DONE]"]
+    for t, line in enumerate(lines):
         reader.line(line, 0.1 * (t + 1))
     reader.finish()
-    assert rec.event_s == pytest.approx([0.1, 0.3]) and rec.event_tokens == [1, 3]
+    assert rec.event_s == pytest.approx([0.1, 0.2, 0.3]) and rec.event_tokens == [1, 1, 2]
     assert rec.output_tokens == 4 and rec.error is None  # no final usage: the streamed count
     cut = Record(1, 4, 0.0, sent_s=0.0)
     reader = _StreamReader(cut)
     reader.line(b'data: {"choices": [{"text": "x"}]}', 0.1)
     reader.finish()
     assert not cut.ok and "DONE" in cut.error
+    silent = Record(2, 4, 0.0, sent_s=0.0)
+    reader = _StreamReader(silent)
+    reader.line(b'data: {"choices": [], "usage": {"completion_tokens": 0}}', 0.1)
+    reader.line(b"data: [DONE]", 0.2)
+    reader.finish()
+    assert not silent.ok and silent.error == "nothing streamed"
 
 
 # -------------------------------------------------------------------------- whole runs

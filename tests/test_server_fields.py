@@ -10,6 +10,7 @@ persistent compilation cache).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -453,6 +454,40 @@ def test_echo_with_logprobs_puts_the_prompts_first_and_streams_the_same():
     for key in ("tokens", "token_logprobs", "text_offset"):
         assert sum((p["logprobs"][key] for p in pieces), []) == lp[key]
     assert isinstance(sent[0], _Sent) and sent[0].finished
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_every_output_with_new_tokens_streams_a_chunk_with_text_or_without(chat):
+    """An output whose new tokens add no text (a character's first bytes) still streams a
+    chunk, its text "" and its tokens' logprobs with it, as vLLM streams; an output that adds
+    nothing streams none."""
+    rng = np.random.default_rng(SEED + 3)
+    G, k = 8, 2
+    gen = [int(x) for x in rng.integers(0, VOCAB - 2, size=G)]
+    steps, _, _ = steps_for(rng.normal(size=(G, VOCAB)), gen, k)
+    textless = set(rng.choice(G, size=4, replace=False).tolist())
+    texts = ["" if j in textless else decode(t) for j, t in enumerate(gen)]
+    ends = sorted({1, G, *rng.choice(np.arange(1, G), size=4).tolist()})
+    schedule = [e for e in ends[:-1] for _ in range(2)] + [G]  # each output but the last twice
+    fmt = Formatter("cmpl-x", NAME, chat=chat, logprobs=k, decode=decode)
+    sent: dict = {}
+    got = []  # (text, tokens) of each chunk
+    for g in schedule:
+        finish = "length" if g == G else None
+        choice = CompletionOutput(0, "".join(texts[:g]), gen[:g], None, steps[:g], finish)
+        out = types.SimpleNamespace(prompt_token_ids=[1], prompt_logprobs=None, outputs=[choice])
+        for chunk in fmt.chunks(0, out, sent):
+            c = json.loads(chunk)["choices"][0]
+            if chat:
+                tokens = [e["token"] for e in c["logprobs"]["content"]]
+                got.append((c["delta"].get("content", ""), tokens))
+            else:
+                got.append((c["text"], c["logprobs"]["tokens"]))
+    want = [
+        ("".join(texts[a:b]), [decode(t) for t in gen[a:b]])
+        for a, b in itertools.pairwise([0, *ends])
+    ]
+    assert got == want, f"seed {SEED}"
 
 
 def _random_text(rng: random.Random) -> str:

@@ -110,14 +110,15 @@ def completion_body(model: str, s: Sample, args: argparse.Namespace) -> dict[str
 
 
 class _StreamReader:
-    """Feeds one response's SSE lines into its Record."""
+    """Feeds one response's SSE lines into its Record. Every chunk with a choice is an event,
+    as vLLM's benchmark counts them (the server streams one for each step's new tokens, with
+    or without text), but one that continuous usage stats say brought no token."""
 
     def __init__(self, rec: Record):
         self.rec = rec
         self.done = False
-        self.exact = True  # every text event carried cumulative usage so far
-        self.seen = 0  # cumulative completion tokens at the last text event
-        self.pending = 0  # tokens of chunks without text, for the next text event
+        self.exact = True  # every event carried cumulative usage so far
+        self.seen = 0  # cumulative completion tokens at the last event
 
     def line(self, raw: bytes, now: float) -> None:
         raw = raw.strip()
@@ -134,41 +135,35 @@ class _StreamReader:
             rec.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
             return
         usage = obj.get("usage") or None
-        choices = obj.get("choices") or []
-        if not choices:  # the final usage chunk
+        if not obj.get("choices"):  # the final usage chunk
             if usage:
                 rec.output_tokens = int(usage.get("completion_tokens") or 0)
                 rec.prompt_len = usage.get("prompt_tokens", rec.prompt_len)
             return
-        text = choices[0].get("text") or ""
         new = None
         if usage and usage.get("completion_tokens") is not None:  # continuous usage stats
             total = int(usage["completion_tokens"])
             new, self.seen = total - self.seen, total
-        if not text:
-            self.pending += new or 0
-            return
+            if not new:
+                return
         rec.event_s.append(now)
         if new is None:
             self.exact = False
         elif self.exact:
             if rec.event_tokens is None:
                 rec.event_tokens = []
-            rec.event_tokens.append(new + self.pending)
-            self.pending = 0
+            rec.event_tokens.append(new)
 
     def finish(self) -> None:
         rec = self.rec
         if not self.exact:
             rec.event_tokens = None
-        elif rec.event_tokens and self.pending:  # tokens after the last text: the last event's
-            rec.event_tokens[-1] += self.pending
         if rec.disconnected:  # left on purpose: no [DONE], no usage
             return
         if rec.error is None and not self.done:
             rec.error = "the stream ended without data: [DONE]"
         if rec.error is None and not rec.event_s:
-            rec.error = "no text streamed"
+            rec.error = "nothing streamed"
         if rec.error is None and not rec.output_tokens:  # no usage: count what was streamed
             rec.output_tokens = sum(rec.event_tokens) if rec.event_tokens else len(rec.event_s)
 

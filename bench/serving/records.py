@@ -47,7 +47,7 @@ class Record:
     scheduled_s: float  # when it was due
     prompt_len: int | None = None  # from the final usage (or the token-id prompt)
     sent_s: float | None = None  # when it was sent (after waiting for a concurrency slot)
-    event_s: list[float] = dataclasses.field(default_factory=list)  # each event bringing text
+    event_s: list[float] = dataclasses.field(default_factory=list)  # each event bringing tokens
     event_tokens: list[int] | None = None  # tokens each event brought, where known exactly
     output_tokens: int = 0  # from the final usage
     end_s: float | None = None  # the stream's end ([DONE] read)

@@ -233,7 +233,10 @@ class Formatter:
             if s.finished:
                 continue
             unsent_prompt = self.echo is not None and not s.started
-            news = unsent_prompt or (not self.echo_only and len(c.text) > s.chars)
+            # New tokens make a chunk even without new text (a character's first bytes, a
+            # token without text), as vLLM streams: the client sees every step's tokens.
+            grew = len(c.token_ids) > s.tokens or len(c.text) > s.chars
+            news = unsent_prompt or (not self.echo_only and grew)
             if not (news or finish):
                 continue
             text, logprobs = self._piece(i, out, c, s)
