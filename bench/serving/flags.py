@@ -209,7 +209,7 @@ def build_parser(doc: str, where: bool = True) -> argparse.ArgumentParser:
         "--continuous-usage-stats",
         action="store_true",
         help="ask for cumulative usage in every chunk (vLLM's stream_options."
-        "continuous_usage_stats) for exact tokens per event; rosejax answers 400 to it today",
+        "continuous_usage_stats) for exact tokens per event",
     )
     g.add_argument(
         "--disconnect-fraction",
