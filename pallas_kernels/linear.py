@@ -351,9 +351,16 @@ def _pallas_linear(
 def linear_partial_sums_reference(
     x: jax.Array,  # [M, K]
     w: jax.Array,  # [K, N]
-) -> jax.Array:  # [1, M, N] float32: one split
-    """Plain XLA: x @ w accumulated in float32, as a single partial sum."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32)[None]
+    splits: int = 1,
+) -> jax.Array:  # [S, M, N] float32
+    """Plain XLA: x @ w accumulated in float32, as `splits` partial sums over equal runs of K
+    (one batched matmul: S times the output tiles of one)."""
+    (m, k), n = x.shape, w.shape[1]
+    if k % splits:
+        raise ValueError(f"K={k} does not split into {splits} equal runs")
+    xs = x.reshape(m, splits, k // splits)  # [M, S, K/S]
+    ws = w.reshape(splits, k // splits, n)  # [S, K/S, N]
+    return jnp.einsum("msk,skn->smn", xs, ws, preferred_element_type=jnp.float32)
 
 
 def linear_reference(

@@ -228,8 +228,9 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         help="a kernel-config setting (repeatable): attention, prefill_attention, kv_append, "
         "layer_norm, rms_norm, linear = "
         "pallas | xla; " + ", ".join(KERNEL_SWITCHES) + " = on | off; "
-        "kv_append_min_batch, linear_max_rows, cublas_min_batch = an int (cublas_min_batch also "
-        "none). Default: every Pallas kernel on a GPU, XLA on a CPU, then $ROSEJAX_* switches",
+        "kv_append_min_batch, linear_max_rows, cublas_min_batch, xla_split_k_min_rows = an int "
+        "(the last two also none). Default: every Pallas kernel on a GPU, XLA on a CPU, then "
+        "$ROSEJAX_* switches",
     )
     p.add_argument(
         "--kernel-tile",

@@ -54,6 +54,7 @@ ENV_COMPILATION_CACHE_DIR = "ROSEJAX_COMPILATION_CACHE_DIR"
 DEFAULT_CUBLAS_MIN_BATCH = 256
 # Rows up to which `Linear` runs the Pallas matmul; XLA's split-K GEMMs win from 32 rows (H100).
 DEFAULT_LINEAR_MAX_ROWS = 16
+DEFAULT_XLA_SPLIT_K_MIN_ROWS = 256
 # Every append kernel beat XLA's scatter at every batch measured, B=1 included (H200).
 DEFAULT_KV_APPEND_MIN_BATCH = 1
 # GPT-2's decode batches of 1-16 share one 16-row program on a GPU: the Pallas matmul pads to 16
@@ -163,6 +164,12 @@ class KernelConfig:
     # Decode programs of at least this many rows use cuBLAS GEMMs, smaller ones XLA's Triton
     # GEMMs; None leaves the choice to XLA (XLA_FLAGS names xla_gpu_enable_triton_gemm).
     cublas_min_batch: int | None = DEFAULT_CUBLAS_MIN_BATCH
+    # Decode steps of at least this many rows run the residual matmuls whose sum a norm reads
+    # (attention output and MLP down projections) as two float32 partial sums over K in one
+    # batched GEMM, summed in the norm's kernel: twice the output tiles of one GEMM (256 rows,
+    # H200: 0.980x the step time for Qwen3-0.6B, 0.964x for GPT-2; 64 rows: even). None: never
+    # (and off the GPU).
+    xla_split_k_min_rows: int | None = None
     # Decode programs order their command buffer's kernels by the buffers they share
     # (CONCURRENT; -0.5% to -1.8% ms/step, H200) rather than in program order.
     concurrent_command_buffers: bool = True
@@ -186,6 +193,10 @@ class KernelConfig:
         for name in ("kv_append_min_batch", "linear_max_rows"):
             if getattr(self, name) < 0:
                 raise ValueError(f"kernels.{name} must be >= 0, got {getattr(self, name)}")
+        if self.xla_split_k_min_rows is not None and self.xla_split_k_min_rows < 1:
+            raise ValueError(
+                f"kernels.xla_split_k_min_rows must be >= 1 or None, got {self.xla_split_k_min_rows}"
+            )
 
     @classmethod
     def for_backend(cls, backend: str | None = None, **overrides) -> KernelConfig:
@@ -212,6 +223,7 @@ class KernelConfig:
             if _xla_flags_name("xla_gpu_enable_triton_gemm")
             else env_int(ENV_CUBLAS_MIN_BATCH, DEFAULT_CUBLAS_MIN_BATCH)
         )
+        values["xla_split_k_min_rows"] = DEFAULT_XLA_SPLIT_K_MIN_ROWS if gpu else None
         values["concurrent_command_buffers"] = not _xla_flags_name(
             "xla_gpu_command_buffer_scheduling_mode"
         )

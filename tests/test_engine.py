@@ -642,6 +642,30 @@ def test_layer_kernels_match_hf(checkpoint, monkeypatch, layer_norm):
     assert max(rows for name, rows in calls if name.startswith("linear")) <= 16
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
+def test_xla_split_k_decode_matches_hf(checkpoint, monkeypatch):
+    """Decode steps of `xla_split_k_min_rows` rows or more run the residual projections as two
+    partial sums of one XLA GEMM, added inside the next layer norm's kernel: greedy outputs
+    still match HF; prefills (and the XLA matmuls' own epilogues) are untouched."""
+    from rosejax.layers import layer_norm as ln_layer
+
+    calls = []
+    add_layer_norm = ln_layer.add_layer_norm
+
+    def spy(partials, *args, **kwargs):
+        calls.append(partials.shape)
+        return add_layer_norm(partials, *args, **kwargs)
+
+    monkeypatch.setattr(ln_layer, "add_layer_norm", spy)
+    kernels = KernelConfig(layer_norm="pallas", xla_split_k_min_rows=2, interpret=INTERPRET)
+    llm = make_llm(checkpoint, kernels=kernels)
+    prompts = random_prompts(3)
+    check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+    assert_clean(llm.engine)
+    # Decode programs of 2+ rows (the 4-row bucket): two per layer, of two splits each.
+    assert calls and {shape[0] for shape in calls} == {2} and {shape[1] for shape in calls} >= {4}
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["append_fused", "kv_append_dispatcher"])
 def test_attention_kernels_match_hf(checkpoint, monkeypatch, fused):
     """The GPU's decode attention, chosen by the kernel config and interpreted here, wired into

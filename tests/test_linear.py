@@ -152,6 +152,7 @@ PARTIAL_IMPLS = {
         linear_partial_sums, block_m=16, block_k=32, max_k_steps=1, interpret=INTERPRET
     ),
     "reference": linear_partial_sums_reference,
+    "reference_split_2": functools.partial(linear_partial_sums_reference, splits=2),
 }
 
 
@@ -238,6 +239,53 @@ def test_deferred_linear_returns_pending_sum_only_for_the_kernel(
     np.testing.assert_allclose(
         np.asarray(value), oracle(x, w, b, r, activation), rtol=1e-4, atol=1e-4
     )
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_xla_partial_sums_are_equal_runs_of_k(splits):
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.normal(size=(6, 128)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(128, 48)), jnp.float32)
+    got = np.asarray(linear_partial_sums_reference(x, w, splits), np.float64)
+    assert got.shape == (splits, 6, 48)
+    run = 128 // splits
+    for s in range(splits):
+        want = oracle(
+            x[:, s * run : (s + 1) * run], w[s * run : (s + 1) * run], np.zeros(48), None, None
+        )
+        np.testing.assert_allclose(got[s], want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="does not split"):
+        linear_partial_sums_reference(x, w, 3)
+
+
+@pytest.mark.parametrize(
+    "shape,k,pending",
+    [
+        ((40, 1), 128, True),  # a decode step of enough rows: XLA's split-K GEMM
+        ((39, 1), 128, False),  # one row fewer: one GEMM, its epilogue
+        ((2, 20), 128, False),  # a prefill
+        ((40, 1), 99, False),  # K odd
+    ],
+)
+def test_xla_split_k_defers_decode_steps_of_many_rows(shape, k, pending):
+    from rosejax.layers import linear as layers
+
+    rng = np.random.default_rng()
+    kernels = KernelConfig(xla_split_k_min_rows=40)
+    x = jnp.asarray(rng.normal(size=(*shape, k)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(k, 64)) / 11, jnp.float32)
+    b, r = jnp.asarray(rng.normal(size=64)), jnp.asarray(rng.normal(size=(*shape, 64)))
+    got = Linear(64, None, kernels).apply({"params": {"kernel": w, "bias": b}}, x, r, defer=True)
+    assert isinstance(got, layers.PendingSum) == pending
+    if pending:
+        assert got.partials.shape == (layers.XLA_SPLIT_K, shape[0], 64)
+    value = np.asarray(got.value() if pending else got).reshape(-1, 64)
+    want = oracle(x.reshape(-1, k), w, b, r.reshape(-1, 64), None)
+    np.testing.assert_allclose(value, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="xla_split_k_min_rows"):
+        KernelConfig(xla_split_k_min_rows=0)
+    assert KernelConfig.for_backend("gpu").xla_split_k_min_rows == 256
+    assert KernelConfig.for_backend("cpu").xla_split_k_min_rows is None
 
 
 def test_untileable_shapes_fall_back_to_xla():

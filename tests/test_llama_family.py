@@ -538,6 +538,29 @@ def log_runner_calls(engine) -> list[str]:
     return calls
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
+def test_xla_split_k_decode_matches_hf(small_qwen3, monkeypatch):
+    """Decode steps whose o_proj and down projections are two partial sums of one XLA GEMM,
+    added inside the next RMSNorm's kernel (`xla_split_k_min_rows`): tokens equal HF's."""
+    from rosejax.layers import linear as linear_layer
+
+    path, hf = small_qwen3
+    splits = []
+    partial_sums = linear_layer.linear_partial_sums_reference
+    monkeypatch.setattr(
+        linear_layer,
+        "linear_partial_sums_reference",
+        lambda x, w, s=1: splits.append((x.shape[0], s)) or partial_sums(x, w, s),
+    )
+    kernels = KernelConfig(rms_norm="pallas", xla_split_k_min_rows=2, interpret=INTERPRET)
+    llm = make_llm(path, kernels=kernels)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 500, n).tolist() for n in (3, 9, 14)]
+    check_greedy(hf, llm.generate(prompts, GREEDY, use_tqdm=False), prompts, GREEDY.max_tokens)
+    layers = llm.engine.runner.config.num_hidden_layers
+    assert splits.count((4, 2)) == 2 * layers  # the 4-row decode program, traced once
+
+
 def test_chunked_prefill_between_decode_windows(small_qwen3):
     """Prompts longer than the chunk are prefilled 24 tokens at a time while the others decode;
     a prompt that shares blocks a later chunk has not written yet must not take them from the

@@ -11,6 +11,9 @@ by a Pallas kernel or XLA as the `KernelConfig` says.
   `LayerNorm` adds bias and residual in its own kernel (`add_layer_norm`), which also stores
   the sum for the residual stream. Per layer that is one kernel fewer, and the matmul may split
   K over more programs for free.
+- Decode steps of many rows (`kernels.xla_split_k_min_rows`) defer those sums on XLA's path
+  too: two float32 partial sums over K in one batched GEMM (twice the output tiles of a GEMM
+  whose few columns leave most of a GPU idle), the residual added in the norm's kernel.
 - A SwiGLU MLP's gate/up projection (activation "swiglu", kernel [in, 2F]) returns
   silu(gate) * up [..., F]: the Pallas kernel computes it on its accumulators
   (`kernels.fused_swiglu`), every other path in XLA after the product
@@ -42,6 +45,9 @@ from pallas_kernels.linear import (
     swiglu,
 )
 from rosejax.settings import XLA_KERNELS, KernelConfig
+
+# Partial sums of XLA's split-K GEMMs (`KernelConfig.xla_split_k_min_rows`): 4 was no faster.
+XLA_SPLIT_K = 2
 
 
 def pallas_linear_enabled(
@@ -143,6 +149,10 @@ class Linear(nn.Module):
                 return PendingSum(partials, bias, residual)
             y = finish_partial_sums(partials, bias, res, activation=self.activation, dtype=x.dtype)
             return y.reshape(*lead, out)
+        if not pallas and defer and residual is not None and self.activation is None:
+            if self.xla_split_k(rows, k, decode=lead[-1] == 1):
+                partials = linear_partial_sums_reference(flat, kernel, XLA_SPLIT_K)
+                return PendingSum(partials, bias, residual)
         if not pallas:
             y = linear_reference(flat, kernel, bias, res, activation=self.activation)
             return y.reshape(*lead, out)
@@ -150,6 +160,12 @@ class Linear(nn.Module):
             return PendingSum(linear_partial_sums(flat, kernel, **tiles), bias, residual)
         y = linear(flat, kernel, bias, res, activation=self.activation, **tiles)
         return y.reshape(*lead, out)
+
+    def xla_split_k(self, rows: int, k: int, decode: bool) -> bool:
+        """Whether a deferred call on XLA's path returns XLA_SPLIT_K partial sums (decode steps
+        of `kernels.xla_split_k_min_rows` rows or more; `decode`: one token a row)."""
+        least = self.kernels.xla_split_k_min_rows
+        return decode and least is not None and rows >= least and k % XLA_SPLIT_K == 0
 
     def fused_swiglu(self, rows: int, k: int) -> bool:
         """Whether the Pallas kernel computes this swiglu layer's silu(gate) * up itself."""
