@@ -387,7 +387,7 @@ def test_launch_runs_and_stops_a_server(tmp_path):
 def test_the_floor_server_streams_each_request_as_a_decode_loop_of_its_tpot(tmp_path):
     """bench/serving/floor_server.py, launched as compare_servers' --floor does: every request
     gets its max_tokens, the first alone and the rest in windows of 32, the last no sooner than
-    (max_tokens - 1) x TPOT after the first."""
+    (max_tokens - 1) x TPOT after the request; the stop it is asked for exits 0."""
     rng = np.random.default_rng()
     tpot_ms, output_len = float(rng.uniform(1.0, 3.0)), int(rng.integers(34, 100))
     launch = build_parser(bs.__doc__).parse_args(["--launch", "--launch-timeout", "60"])
@@ -395,9 +395,12 @@ def test_the_floor_server_streams_each_request_as_a_decode_loop_of_its_tpot(tmp_
         assert floor.cmd[2] == "bench.serving.floor_server"
         workload = ["--input-len", "5", "--output-len", str(output_len), "--num-prompts", "5"]
         res = run(tmp_path, "--base-url", floor.url, *workload, "--client-processes", "1")
+        assert floor.stop() == 0
     for r in check_run(res, "http", 5):
         assert len(r["event_s"]) == 1 + math.ceil((output_len - 1) / 32)
-        assert r["event_s"][-1] - r["event_s"][0] >= (output_len - 1) * tpot_ms / 1e3 - 1e-3
+        # From the send: the server's clock starts after it, and the first event's delivery may
+        # lag the last one's by more than a millisecond on a loaded machine.
+        assert r["event_s"][-1] - r["sent_s"] >= (output_len - 1) * tpot_ms / 1e3
 
 
 def test_compare_servers_variants_and_their_order():

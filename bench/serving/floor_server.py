@@ -16,6 +16,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import time
@@ -86,6 +87,10 @@ def _serve(sock: socket.socket, tpot_s: float, window: int) -> None:
     config = uvicorn.Config(
         create_app(tpot_s, window), log_level="warning", access_log=False, lifespan="off"
     )
+    # uvicorn stops gracefully on SIGINT/SIGTERM and then re-raises the signal under the handlers
+    # it found: no-op ones make a requested stop exit 0, as rosejax.serve's.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     uvicorn.Server(config).run(sockets=[sock])
 
 
