@@ -165,10 +165,10 @@ class KernelConfig:
     # GEMMs; None leaves the choice to XLA (XLA_FLAGS names xla_gpu_enable_triton_gemm).
     cublas_min_batch: int | None = DEFAULT_CUBLAS_MIN_BATCH
     # Decode steps of at least this many rows run the residual matmuls whose sum a norm reads
-    # (attention output and MLP down projections) as two float32 partial sums over K in one
-    # batched GEMM, summed in the norm's kernel: twice the output tiles of one GEMM (256 rows,
-    # H200: 0.980x the step time for Qwen3-0.6B, 0.964x for GPT-2; 64 rows: even). None: never
-    # (and off the GPU).
+    # (attention output and MLP down projections) of at most 1,024 output columns as two float32
+    # partial sums over K in one batched GEMM, summed in the norm's kernel: twice the output
+    # tiles of one GEMM (256 rows, H200: 0.979x the step time for Qwen3-0.6B, 0.964x for GPT-2;
+    # 128 rows: 1.004x / 1.012x). None: never (and off the GPU).
     xla_split_k_min_rows: int | None = None
     # Decode programs order their command buffer's kernels by the buffers they share
     # (CONCURRENT; -0.5% to -1.8% ms/step, H200) rather than in program order.

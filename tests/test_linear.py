@@ -259,28 +259,30 @@ def test_xla_partial_sums_are_equal_runs_of_k(splits):
 
 
 @pytest.mark.parametrize(
-    "shape,k,pending",
+    "shape,k,n,pending",
     [
-        ((40, 1), 128, True),  # a decode step of enough rows: XLA's split-K GEMM
-        ((39, 1), 128, False),  # one row fewer: one GEMM, its epilogue
-        ((2, 20), 128, False),  # a prefill
-        ((40, 1), 99, False),  # K odd
+        ((40, 1), 128, 64, True),  # a decode step of enough rows: XLA's split-K GEMM
+        ((40, 1), 128, 1024, True),  # as wide as it splits
+        ((39, 1), 128, 64, False),  # one row fewer: one GEMM, its epilogue
+        ((2, 20), 128, 64, False),  # a prefill
+        ((40, 1), 99, 64, False),  # K odd
+        ((40, 1), 128, 1040, False),  # wider output
     ],
 )
-def test_xla_split_k_defers_decode_steps_of_many_rows(shape, k, pending):
+def test_xla_split_k_defers_decode_steps_of_many_rows(shape, k, n, pending):
     from rosejax.layers import linear as layers
 
     rng = np.random.default_rng()
     kernels = KernelConfig(xla_split_k_min_rows=40)
     x = jnp.asarray(rng.normal(size=(*shape, k)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(k, 64)) / 11, jnp.float32)
-    b, r = jnp.asarray(rng.normal(size=64)), jnp.asarray(rng.normal(size=(*shape, 64)))
-    got = Linear(64, None, kernels).apply({"params": {"kernel": w, "bias": b}}, x, r, defer=True)
+    w = jnp.asarray(rng.normal(size=(k, n)) / 11, jnp.float32)
+    b, r = jnp.asarray(rng.normal(size=n)), jnp.asarray(rng.normal(size=(*shape, n)))
+    got = Linear(n, None, kernels).apply({"params": {"kernel": w, "bias": b}}, x, r, defer=True)
     assert isinstance(got, layers.PendingSum) == pending
     if pending:
-        assert got.partials.shape == (layers.XLA_SPLIT_K, shape[0], 64)
-    value = np.asarray(got.value() if pending else got).reshape(-1, 64)
-    want = oracle(x.reshape(-1, k), w, b, r.reshape(-1, 64), None)
+        assert got.partials.shape == (layers.XLA_SPLIT_K, shape[0], n)
+    value = np.asarray(got.value() if pending else got).reshape(-1, n)
+    want = oracle(x.reshape(-1, k), w, b, r.reshape(-1, n), None)
     np.testing.assert_allclose(value, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="xla_split_k_min_rows"):
         KernelConfig(xla_split_k_min_rows=0)

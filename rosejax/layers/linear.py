@@ -12,8 +12,9 @@ by a Pallas kernel or XLA as the `KernelConfig` says.
   the sum for the residual stream. Per layer that is one kernel fewer, and the matmul may split
   K over more programs for free.
 - Decode steps of many rows (`kernels.xla_split_k_min_rows`) defer those sums on XLA's path
-  too: two float32 partial sums over K in one batched GEMM (twice the output tiles of a GEMM
-  whose few columns leave most of a GPU idle), the residual added in the norm's kernel.
+  too where the output is narrow: two float32 partial sums over K in one batched GEMM (twice
+  the output tiles of a GEMM whose few columns leave most of a GPU idle), the residual added in
+  the norm's kernel.
 - A SwiGLU MLP's gate/up projection (activation "swiglu", kernel [in, 2F]) returns
   silu(gate) * up [..., F]: the Pallas kernel computes it on its accumulators
   (`kernels.fused_swiglu`), every other path in XLA after the product
@@ -46,8 +47,11 @@ from pallas_kernels.linear import (
 )
 from rosejax.settings import XLA_KERNELS, KernelConfig
 
-# Partial sums of XLA's split-K GEMMs (`KernelConfig.xla_split_k_min_rows`): 4 was no faster.
+# XLA's split-K GEMMs (`KernelConfig.xla_split_k_min_rows`): two partial sums (4 were no
+# faster), for outputs of at most 1,024 columns (Llama-3.2-1B's 2,048 fill an H200 without it:
+# 1.006x the step time with it).
 XLA_SPLIT_K = 2
+XLA_SPLIT_K_MAX_COLUMNS = 1024
 
 
 def pallas_linear_enabled(
@@ -163,9 +167,11 @@ class Linear(nn.Module):
 
     def xla_split_k(self, rows: int, k: int, decode: bool) -> bool:
         """Whether a deferred call on XLA's path returns XLA_SPLIT_K partial sums (decode steps
-        of `kernels.xla_split_k_min_rows` rows or more; `decode`: one token a row)."""
+        of `kernels.xla_split_k_min_rows` rows or more, narrow outputs; `decode`: one token a
+        row)."""
         least = self.kernels.xla_split_k_min_rows
-        return decode and least is not None and rows >= least and k % XLA_SPLIT_K == 0
+        narrow = self.features <= XLA_SPLIT_K_MAX_COLUMNS and k % XLA_SPLIT_K == 0
+        return decode and narrow and least is not None and rows >= least
 
     def fused_swiglu(self, rows: int, k: int) -> bool:
         """Whether the Pallas kernel computes this swiglu layer's silu(gate) * up itself."""
