@@ -284,10 +284,13 @@ def test_xla_split_k_defers_decode_steps_of_many_rows(shape, k, n, pending):
     value = np.asarray(got.value() if pending else got).reshape(-1, n)
     want = oracle(x.reshape(-1, k), w, b, r.reshape(-1, n), None)
     np.testing.assert_allclose(value, want, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="xla_split_k_min_rows"):
-        KernelConfig(xla_split_k_min_rows=0)
+
+
+def test_xla_split_k_is_a_gpu_default():
     assert KernelConfig.for_backend("gpu").xla_split_k_min_rows == 256
     assert KernelConfig.for_backend("cpu").xla_split_k_min_rows is None
+    with pytest.raises(ValueError, match="xla_split_k_min_rows"):
+        KernelConfig(xla_split_k_min_rows=0)
 
 
 def test_untileable_shapes_fall_back_to_xla():
