@@ -1,6 +1,8 @@
 """The first step of a burst, by phase: --num-prompts requests added at once to an idle engine,
 then the step that prefills them all and hands out their first tokens (the TTFT of a burst that
-an engine pays in process and in a server alike), timed around the engine's parts.
+an engine pays in process and in a server alike), timed around the engine's parts. With
+--groups G the burst comes in G equal groups, each added right before one step, as a server's
+arrivals split a burst into G prefills; the phases are then summed over those G steps.
 
 Each --variant NAME=FLAGS runs in processes of its own: FLAGS' leading VAR=VALUE words are its
 environment (XLA flags are process-wide), the rest engine flags after this script's. Each of
@@ -11,7 +13,9 @@ burst needs; the heap is frozen after it, as a server's is once built). Phases, 
 requests added), `step` (the whole first step), `admit` (admission and the prefill's call),
 `prefill_call` (the prefill program's call: on a GPU mostly XLA launching it), `decode_call`
 (the first decode window's call), `harvest` (reading the prefill back, `wait` of it for the
-device). Prints each process's medians, then each variant's over all its bursts beside the
+device); and over the whole burst, `ttft` (the first add to the last request's first token) and
+`burst` (to its last request's last token: what a burst's throughput sees). Prints each
+process's medians, then each variant's over all its bursts beside the
 first variant's, with the requests whose tokens differ from the first variant's; --json writes
 it all; --trace-dir DIR writes a jax.profiler trace of each variant's first timed step
 (DIR/NAME; a traced step is slower).
@@ -20,6 +24,9 @@ it all; --trace-dir DIR writes a jax.profiler trace of each variant's first time
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/profile_burst.py --max-batch-size 256 \\
         --kv-cache-tokens 131072 --no-warmup --compilation-cache-dir /tmp/jax-cache \\
         --variant base= --variant skip="XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+    # A burst in three prefills (a server's) against one (in process)
+    PYTHONPATH=. JAX_PLATFORMS=cuda python bench/profile_burst.py --max-batch-size 256 \\
+        --kv-cache-tokens 131072 --no-warmup --variant one= --variant three="--groups 3"
     # CPU smoke run
     PYTHONPATH=. python bench/profile_burst.py --model random:tiny --max-batch-size 8 \\
         --bursts 2 --rounds 1 --variant a= --variant b="--decode-steps 4"
@@ -49,7 +56,7 @@ from bench import common  # noqa: E402
 
 # The driver's flags, not passed to a variant's process.
 DRIVER_FLAGS = ("--variant", "--rounds", "--json", "--trace-dir")
-PHASES = ("add", "step", "admit", "prefill_call", "decode_call", "harvest", "wait")
+PHASES = ("add", "step", "admit", "prefill_call", "decode_call", "harvest", "wait", "ttft", "burst")
 # The engine's parts timed inside the step: phase -> (attribute of the engine or "", method).
 _TIMED = {
     "admit": ("", "_admit"),
@@ -72,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--input-len", type=int, default=8, help="prompt tokens (random ids)")
     g.add_argument("--output-len", type=int, default=16, help="new tokens a request")
     g.add_argument("--bursts", type=int, default=5, help="timed bursts a process")
+    g.add_argument(
+        "--groups",
+        type=int,
+        default=1,
+        help="the burst's requests come in this many equal groups, each added before one step",
+    )
     g = p.add_argument_group("variants")
     g.add_argument(
         "--variant",
@@ -84,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--rounds", type=int, default=2, help="processes a variant")
     g.add_argument(
-        "--trace-dir", default=None, help="a profiler trace of each variant's first step"
+        "--trace-dir",
+        default=None,
+        help="a profiler trace of each variant's first timed burst, up to its last group's step",
     )
     g.add_argument("--json", default=None, metavar="PATH", help="write every figure here")
     g.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)  # one process's run
@@ -116,6 +131,16 @@ def burst_prompts(args: argparse.Namespace, burst: int, vocab: int) -> list[list
     return rng.integers(0, vocab, (args.num_prompts, args.input_len)).tolist()
 
 
+def take(outputs: Sequence[Any], out: dict[str, list[int]], first: dict[str, float]) -> None:
+    """A step's outputs into `out` (request -> its tokens so far) and `first` (request -> when
+    its first token was out)."""
+    now = time.perf_counter()
+    for o in outputs:
+        out[o.request_id] = o.outputs[0].token_ids
+        if o.outputs[0].token_ids:
+            first.setdefault(o.request_id, now)
+
+
 def run_bursts(args: argparse.Namespace, trace_dir: str | None) -> dict[str, Any]:
     """This process's run: an untimed burst, then --bursts timed ones. Returns each timed
     burst's phases (ms) and every request's tokens."""
@@ -133,24 +158,30 @@ def run_bursts(args: argparse.Namespace, trace_dir: str | None) -> dict[str, Any
         prompts = burst_prompts(args, burst, engine.config.vocab_size)
         totals.clear()
         waited = engine.host_seconds["wait"]
-        t0 = time.perf_counter()
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"{burst}-{i}", prompt, params)
-        t1 = time.perf_counter()
         traced = trace_dir is not None and burst == 1
         if traced:
             jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-        outputs = engine.step()
-        t2 = time.perf_counter()
+        t0 = time.perf_counter()
+        out: dict[str, list[int]] = {}
+        first: dict[str, float] = {}  # request -> when its first token was out
+        add_s = step_s = 0.0
+        for group in np.array_split(np.arange(len(prompts)), args.groups):
+            t1 = time.perf_counter()
+            for i in group:
+                engine.add_request(f"{burst}-{i}", prompts[i], params)
+            t2 = time.perf_counter()
+            take(engine.step(), out, first)
+            add_s, step_s = add_s + t2 - t1, step_s + time.perf_counter() - t2
         if traced:
             jax.profiler.stop_trace()
-        ms = {k: 1e3 * v for k, v in totals.items()}  # the first step's, before the rest's
-        ms |= {"add": 1e3 * (t1 - t0), "step": 1e3 * (t2 - t1)}
+        ms = {k: 1e3 * v for k, v in totals.items()}  # the groups' steps', before the rest's
+        ms |= {"add": 1e3 * add_s, "step": 1e3 * step_s}
         ms["wait"] = 1e3 * (engine.host_seconds["wait"] - waited)
-        out = {o.request_id: o.outputs[0].token_ids for o in outputs}
-        ms["first_tokens"] = sum(1 for ids in out.values() if ids)
+        ms["first_tokens"] = len(first)
         while engine.has_unfinished_requests():
-            out |= {o.request_id: o.outputs[0].token_ids for o in engine.step()}
+            take(engine.step(), out, first)
+        ms["ttft"] = 1e3 * (max(first.values()) - t0)
+        ms["burst"] = 1e3 * (time.perf_counter() - t0)
         if burst == 0:  # compiled: out of the collector's view, as a server's heap
             common.freeze_heap()
             continue
@@ -186,9 +217,8 @@ def medians(phases: Sequence[dict[str, float]]) -> dict[str, float]:
 def row(label: str, med: dict[str, float], base: dict[str, float] | None = None) -> str:
     text = f"{label:<22}" + " ".join(f"{k} {med[k]:7.2f}" for k in PHASES)
     if base:
-        text += "  | step {:.3f}x, prefill call {:.3f}x".format(
-            med["step"] / base["step"], med["prefill_call"] / base["prefill_call"]
-        )
+        ratios = ("step", "prefill_call", "ttft", "burst")
+        text += "  | " + ", ".join(f"{k} {med[k] / base[k]:.3f}x" for k in ratios)
     return text
 
 
@@ -204,10 +234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.num_prompts = args.num_prompts or args.max_batch_size
     if (
         args.num_prompts > args.max_batch_size
-        or min(args.bursts, args.input_len, args.output_len) < 1
+        or min(args.bursts, args.input_len, args.output_len, args.groups) < 1
+        or args.groups > args.num_prompts
     ):
         p.error(
-            "--num-prompts must fit in --max-batch-size; --bursts, --input-len, --output-len >= 1"
+            "--num-prompts must fit in --max-batch-size; --bursts, --input-len, --output-len, "
+            "--groups >= 1, --groups <= --num-prompts"
         )
     if args.data_parallel_size > 1:
         p.error("one engine in a process: --data-parallel-size 1")

@@ -719,16 +719,17 @@ def test_help_as_a_file(script, flags):
 def test_profile_burst_variants(tmp_path):
     """Each variant in a process of its own, with its environment and engine flags; its first
     step's phases nest as the engine calls them, and a variant of other weights is caught by
-    the token check."""
+    the token check; a burst in two groups (two prefills) gives the same tokens."""
     from bench.profile_burst import main
 
     out, dump = tmp_path / "burst.json", tmp_path / "dump"
     argv = ["--model", "random:tiny", "--max-batch-size", "6", "--num-prompts", "5"]
     argv += ["--input-len", "7", "--bursts", "2", "--rounds", "1", "--json", str(out)]
     argv += ["--variant", "a=", "--variant", f"b=XLA_FLAGS=--xla_dump_to={dump} --decode-steps 4"]
-    assert main([*argv, "--variant", "c=--seed 7"]) == 1  # c's tokens differ
+    assert main([*argv, "--variant", "c=--seed 7", "--variant", "d=--groups 2"]) == 1  # c's
     res = json.loads(out.read_text())["variants"]
     assert res["a"]["requests_differing"] == res["b"]["requests_differing"] == 0
+    assert res["d"]["requests_differing"] == 0
     assert res["c"]["requests_differing"] > 0
     assert res["b"]["env"] == {"XLA_FLAGS": f"--xla_dump_to={dump}"} and any(dump.iterdir())
     for v in res.values():
@@ -738,6 +739,7 @@ def test_profile_burst_variants(tmp_path):
             assert ph["first_tokens"] == 5 and ph["add"] > 0
             assert 0 < ph["prefill_call"] <= ph["admit"] <= ph["step"]
             assert 0 < ph["decode_call"] <= ph["step"] and ph["wait"] <= ph["harvest"] <= ph["step"]
+            assert 0 < ph["ttft"] <= ph["burst"]
 
 
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
