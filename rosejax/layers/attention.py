@@ -217,11 +217,11 @@ def decode_attention(
     `qk_norm`), q and k of qkv are first rotated (and normalized) in the kernel: only where
     `decode_kernel_appends`."""
     h, _, bs, d = k_cache.shape
-    pallas = _decode_kernel_runs(kernels, d, bs)
     splits = decode_num_splits(
         kernels, qkv.shape[0], h, (num_q_heads or h) // h, block_tables.shape[1], bs, d
     )
-    tiles = kernels.tile_kwargs("attention") | {"num_splits": splits or 1}
+    pallas = splits is not None  # else XLA's path, which takes no tiles
+    tiles = kernels.tile_kwargs("attention") | {"num_splits": splits}
     tiles["interpret"] = kernels.interpret
     if num_q_heads is not None and num_q_heads != h:
         tiles["num_q_heads"] = num_q_heads

@@ -132,6 +132,7 @@ class Linear(nn.Module):
         flat = x.reshape(rows, k)  # [rows, K]
         out = self.features // 2 if self.activation == "swiglu" else self.features
         res = None if residual is None else residual.reshape(rows, out)
+        deferred = defer and residual is not None and self.activation is None  # a norm adds it
         pallas = pallas_linear_enabled(self.kernels, rows, k, self.features)
         tiles = self.kernels.tile_kwargs("linear") | {"interpret": self.kernels.interpret}
         if pallas and self.activation == "swiglu" and not self.fused_swiglu(rows, k):
@@ -149,18 +150,17 @@ class Linear(nn.Module):
             partials = linear_partial_sums(flat, kernel, **tiles)
             # The splits summed first: the all-reduce carries one [1, M, N] float32 sum.
             partials = jax.lax.psum(partials.sum(axis=0, keepdims=True), self.reduce_axis)
-            if defer and residual is not None and self.activation is None:
+            if deferred:
                 return PendingSum(partials, bias, residual)
             y = finish_partial_sums(partials, bias, res, activation=self.activation, dtype=x.dtype)
             return y.reshape(*lead, out)
-        if not pallas and defer and residual is not None and self.activation is None:
-            if self.xla_split_k(rows, k, decode=lead[-1] == 1):
+        if not pallas:
+            if deferred and self.xla_split_k(rows, k, decode=lead[-1] == 1):
                 partials = linear_partial_sums_reference(flat, kernel, XLA_SPLIT_K)
                 return PendingSum(partials, bias, residual)
-        if not pallas:
             y = linear_reference(flat, kernel, bias, res, activation=self.activation)
             return y.reshape(*lead, out)
-        if defer and residual is not None and self.activation is None:
+        if deferred:
             return PendingSum(linear_partial_sums(flat, kernel, **tiles), bias, residual)
         y = linear(flat, kernel, bias, res, activation=self.activation, **tiles)
         return y.reshape(*lead, out)
