@@ -232,8 +232,8 @@ class ModelRunner:
         batch make other programs: the `EXTRA_ROW_FIELDS` (some row has logits processors,
         min_p or logprobs: the first tokens' logprobs are returned too, else None), and
         `prompt_targets` [Bp, T], the next prompt token at each position, whose logprobs are
-        returned too (logits at every position), with the `prompt_top` alternatives the rows
-        ask for at most; else None."""
+        returned too (logits at every position), with MAX_LOGPROBS alternatives (the host keeps
+        what each row asked for); else None."""
         self.num_compiles += 1  # runs only while tracing
         batch = unpack(packed, layout)
         meta = ForwardMetadata(batch["positions"], batch["seq_lens"], batch["tables"])
@@ -279,7 +279,7 @@ class ModelRunner:
             )  # [Bp]
             first_logprobs = lax.cond(
                 jnp.any(batch["logprobs"] >= 0),
-                lambda: token_logprobs(logits, first, jnp.max(batch["logprobs"])),
+                lambda: token_logprobs(logits, first),
                 lambda: empty_logprobs(first.shape, logits.shape[-1]),
             )
         else:  # no row asks for any: its slot's extras are neutral
@@ -288,7 +288,7 @@ class ModelRunner:
         if with_prompt:
             b, t, vocab = every.shape
             targets = batch["prompt_targets"].reshape(-1)
-            flat = token_logprobs(every.reshape(b * t, vocab), targets, batch["prompt_top"])
+            flat = token_logprobs(every.reshape(b * t, vocab), targets)
             prompt_logprobs = jax.tree.map(lambda a: a.reshape(b, t, *a.shape[1:]), flat)
         steps = batch["steps"] + 1
         alive = ~_stopped(first, batch["stop_ids"], steps, batch["limit"])
@@ -371,7 +371,6 @@ class ModelRunner:
             # What the window's rows ask for is fixed for the window: decided once, not per step.
             procs_on = jnp.any(rows.alive & rows.processors(None).active())
             logprobs_on = jnp.any(rows.alive & (rows.logprobs >= 0))
-            top = jnp.max(jnp.where(rows.alive, rows.logprobs, 0))
 
         def cond(carry):
             k, _, r, *_ = carry
@@ -410,7 +409,7 @@ class ModelRunner:
                 logprobs = lax.cond(
                     logprobs_on,
                     lambda lp: jax.tree.map(
-                        lambda a, v: a.at[k].set(v), lp, token_logprobs(logits, nxt, top)
+                        lambda a, v: a.at[k].set(v), lp, token_logprobs(logits, nxt)
                     ),
                     lambda lp: lp,
                     logprobs,

@@ -694,7 +694,6 @@ class LLMEngine:
             ]
             batch["prompt_targets"] = np.zeros((b, t), np.int32)
             _fill_rows(batch["prompt_targets"], targets)
-            batch["prompt_top"] = np.int32(max(r.params.prompt_logprobs or 0 for r in requests))
         cached = np.asarray(cached, np.int32)
         suffix = np.asarray(suffix, np.int32)
         batch["positions"][:n] += cached[:, None]
