@@ -11,9 +11,15 @@ full vocab with key fold_in(key(seed), step); a 64-bit seed travels as its two 3
 [hi, lo], the key data jax.random.key makes of it (a seed below 2**32 is [0, seed]). Both
 filters keep tokens tied with the last kept one, so the kept set never depends on sort order.
 
-No sort: each filter finds its cutoff with an exact radix select (`_select`, 8 fused passes over
-[B, V]), behind a `lax.cond` so batches that don't use a filter don't pay for it. Measured on an
-H200 (jax 0.11.2, V=50257, per step inside a fori_loop; an argmax alone is ~20 us):
+The cutoffs come from each row's FILTER_CANDIDATES (64) largest values (`find_top_k`: two sorts
+of small arrays) when every filtering row's kept set lies inside them: top_k <= 64 (with or
+without top_p), or a nucleus alone that the 64 hold (a peaked distribution). Else each filter
+finds its cutoff with an exact radix select over the whole row (`_select`, 8 fused passes over
+[B, V]). A batch that doesn't use a filter pays for neither. On an H200 at 256 rows the
+candidates cut top_k=50 from 0.78 to 0.58 ms a step of `sample` and top_k=20 + top_p=0.95 from
+1.49 to 0.59, and cost a flat nucleus 0.17 ms before the radix selects
+(`docs/performance-log.md`). The radix selects alone (jax 0.11.2, V=50257, per step inside a
+fori_loop; an argmax alone is ~20 us):
 
 | B   | greedy | temperature | top_k=50 | top_p=0.9 | both   | (full sort + lax.top_k(64): top_k=50 / top_p) |
 | 16  | 25 us  | 17 us       | 68 us    | 93 us     | 146 us | 229 / 506 us                                  |
@@ -75,9 +81,9 @@ def _select(key: jax.Array, weight: jax.Array, target: jax.Array) -> jax.Array:
     return t
 
 
-def _filter_key(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """u32[B] cutoff on key = _order_key(scaled) [B, V]: keep tokens whose key >= it (0 keeps
-    all). Each filter runs behind its own `lax.cond`, so a batch without it does not pay."""
+def _radix_cutoffs(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.Array):
+    """u32[B] cutoff on key = _order_key(scaled) [B, V] by radix selects over the whole row, each
+    filter behind its own `lax.cond`."""
     zero = jnp.zeros(key.shape[:1], jnp.uint32)
     cut_k = lax.cond(  # the k-th largest value: the largest T with count(key >= T) >= k
         jnp.any(top_k > 0),
@@ -94,6 +100,58 @@ def _filter_key(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.
 
     cut_p = lax.cond(jnp.any(top_p < 1.0), nucleus, lambda: zero)
     return jnp.maximum(cut_k, cut_p)
+
+
+def _candidate_cutoffs(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array):
+    """The same cutoffs from each row's FILTER_CANDIDATES largest values only -> (u32[B], bool[B]:
+    whether the row's kept set lies inside its candidates, so its cutoff is the radix one).
+    It does for top_k <= FILTER_CANDIDATES (unless the k-th value's ties run past the
+    candidates), and for a nucleus alone when the candidates hold top_p of the mass."""
+    c = min(FILTER_CANDIDATES, scaled.shape[1])
+    vals, _ = find_top_k(scaled, c)  # [B, C], largest first
+    k = top_k
+    kth = jnp.where(k > 0, vals[jnp.arange(k.shape[0]), jnp.clip(k - 1, 0, c - 1)], -jnp.inf)
+    kept = vals >= kth[:, None]  # [B, C]: the top-k set (every candidate without top_k)
+    ties_inside = jnp.sum(scaled >= kth[:, None], axis=1) == jnp.sum(kept, axis=1)
+    complete_k = (k == 0) | ((k <= c) & ties_inside)
+    # Probabilities over the top-k set, or over the whole row without top_k.
+    lse = jnp.where(
+        k > 0,
+        jax.nn.logsumexp(jnp.where(kept, vals, -jnp.inf), axis=1),
+        jax.nn.logsumexp(scaled, axis=1),
+    )
+    probs = jnp.where(kept, jnp.exp(vals - lse[:, None]), 0.0)  # [B, C]
+    # mass[b, i]: what a cutoff at vals[b, i] keeps (every candidate at least as large)
+    at_least = vals[:, None, :] >= vals[:, :, None]  # [B, C, C]
+    mass = jnp.sum(jnp.where(at_least, probs[:, None, :], 0.0), axis=2)  # [B, C]
+    reached = kept & (mass >= top_p[:, None])
+    cut_p = jnp.max(jnp.where(reached, vals, -jnp.inf), axis=1)  # [B]
+    complete_p = (top_p >= 1.0) | jnp.any(reached, axis=1)
+    zero = jnp.zeros(k.shape, jnp.uint32)
+    cut = jnp.maximum(
+        jnp.where(k > 0, _order_key(kth), zero), jnp.where(top_p < 1.0, _order_key(cut_p), zero)
+    )
+    return cut, complete_k & complete_p
+
+
+def _filter_key(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """u32[B] cutoff on key = _order_key(scaled) [B, V]: keep tokens whose key >= it (0 keeps
+    all). From the rows' largest values when every row's kept set lies inside them (top_k <=
+    FILTER_CANDIDATES: at 256 x 50,257 the radix selects took 0.47 ms for top_k and 0.85 ms for
+    top_p, H200), else by radix selects; a batch without filters pays for neither."""
+
+    def radix():
+        return _radix_cutoffs(key, scaled, top_k, top_p)
+
+    def filtered():
+        cut, complete = _candidate_cutoffs(scaled, top_k, top_p)
+        return lax.cond(jnp.all(complete), lambda: cut, radix)
+
+    def any_filter():  # a top_k past the candidates goes straight to the radix selects
+        return lax.cond(jnp.any(top_k > FILTER_CANDIDATES), radix, filtered)
+
+    zero = jnp.zeros(key.shape[:1], jnp.uint32)
+    return lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)), any_filter, lambda: zero)
 
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for beside each token (vLLM's default)
@@ -167,26 +225,29 @@ class TokenLogprobs(NamedTuple):
     top_logprobs: jax.Array  # f32[..., N]
 
 
-TOP_K_CHUNK = 64  # columns a chunk in `top_k`'s first pass
+# Rows whose top_k is at most this filter from their largest values only (`_candidate_cutoffs`).
+FILTER_CANDIDATES = 64
 
 
-def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def find_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """The k largest values of each row of x [B, V] (k <= V) and their ids, largest first, ties
-    to the lower id (`lax.top_k`'s order), by sorting small arrays only: the k chunks of
-    TOP_K_CHUNK columns with the largest maxima hold the k largest values (a value outside them
-    is beaten by each of their maxima). XLA's GPU TopK kernel took 0.3 ms a call at 256 x 50,257
-    (k=16) and sorted whole rows for k > 16; these two sorts take ~0.06 ms (H200)."""
+    to the lower id (`lax.top_k`'s order), by sorting small arrays only: the k chunks of W
+    columns with the largest maxima hold the k largest values (a value outside them is beaten
+    by each of their maxima). W, a power of two near sqrt(V / k), keeps both sorts (V / W
+    maxima, k * W candidates) short. XLA's GPU TopK kernel took 0.3 ms a call at 256 x 50,257
+    (k=16) and sorted whole rows for k > 16; these two sorts take ~0.06 ms at k=20 (H200)."""
     b, v = x.shape
-    chunks = -(-v // TOP_K_CHUNK)
-    padded = jnp.pad(x, ((0, 0), (0, chunks * TOP_K_CHUNK - v)), constant_values=-jnp.inf)
-    maxima = padded.reshape(b, chunks, TOP_K_CHUNK).max(axis=2)  # [B, C]
+    width = 2 ** round(math.log2(math.sqrt(v / k)))
+    chunks = -(-v // width)
+    padded = jnp.pad(x, ((0, 0), (0, chunks * width - v)), constant_values=-jnp.inf)
+    maxima = padded.reshape(b, chunks, width).max(axis=2)  # [B, V / W]
     order = jnp.broadcast_to(jnp.arange(chunks, dtype=jnp.int32), maxima.shape)
     _, best = lax.sort((-maxima, order), dimension=1, num_keys=1)  # stable: ties keep id order
     # The chosen chunks in id order, so the stable sort below breaks ties by id.
     best = jnp.sort(best[:, : min(k, chunks)], axis=1)  # [B, k]
-    ids = (best[:, :, None] * TOP_K_CHUNK + jnp.arange(TOP_K_CHUNK, dtype=jnp.int32)).reshape(b, -1)
+    ids = (best[:, :, None] * width + jnp.arange(width, dtype=jnp.int32)).reshape(b, -1)
     values = jnp.where(ids < v, jnp.take_along_axis(x, jnp.minimum(ids, v - 1), axis=1), -jnp.inf)
-    neg, ids = lax.sort((-values, ids), dimension=1, num_keys=1)  # [B, k * TOP_K_CHUNK]
+    neg, ids = lax.sort((-values, ids), dimension=1, num_keys=1)  # [B, k * W]
     return -neg[:, :k], ids[:, :k]
 
 
@@ -200,7 +261,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
     lse = jax.nn.logsumexp(x, axis=1)  # [B]
     chosen = jnp.take_along_axis(x, tokens[:, None], axis=1)[:, 0]  # [B]
     rank = jnp.sum(x >= chosen[:, None], axis=1, dtype=jnp.int32)
-    top_values, top_ids = top_k(x, min(MAX_LOGPROBS, x.shape[1]))
+    top_values, top_ids = find_top_k(x, min(MAX_LOGPROBS, x.shape[1]))
     return TokenLogprobs(chosen - lse, rank, top_ids, top_values - lse[:, None])
 
 

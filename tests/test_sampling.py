@@ -9,8 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rosejax.sampling import (
+    FILTER_CANDIDATES,
     SamplingParams,
+    _candidate_cutoffs,
     _order_key,
+    _radix_cutoffs,
     _select,
     sample,
 )
@@ -88,6 +91,56 @@ def test_order_key_and_select_exact():
         mass = np.array([w[b][key[b] >= t].sum() for t in ks])
         ok = ks[mass >= target[b]]
         assert got[b] == (ok[0] if len(ok) else 0), b
+
+
+def _nucleus_between_masses(values: np.ndarray, rng) -> float:
+    """A top_p halfway between two masses a cutoff can keep (float64), so f32 sums in any order
+    agree on the cutoff."""
+    v = np.sort(values.astype(np.float64))[::-1]
+    probs = np.exp(v - v.max())
+    probs /= probs.sum()
+    masses = [0.0] + [probs[v >= x].sum() for x in np.unique(v)[::-1][:8]]  # the 8 largest
+    i = rng.integers(0, len(masses) - 1)
+    return float((masses[i] + masses[i + 1]) / 2)
+
+
+def test_candidate_cutoffs_equal_the_radix_ones_where_complete():
+    """The filters' cutoffs from each row's largest values equal the radix selects' over the
+    whole row wherever the rows say their kept set lies inside the candidates, and the rows
+    whose kept set cannot (top_k past the candidates, ties of the k-th value past them, a
+    nucleus of a flat row) say so."""
+    rng = np.random.default_rng()
+    b, v, c = 240, 1000, FILTER_CANDIDATES
+    x = rng.standard_normal((b, v)) * 2
+    k, p = np.zeros(b, int), np.ones(b)
+    case = np.arange(b) % 8
+    for r in range(b):
+        if case[r] in (1, 2):  # top_k within the candidates, without and with a nucleus
+            k[r] = rng.integers(1, c + 1)
+        if case[r] == 3:  # a peaked row: a nucleus alone closes among its largest values
+            x[r, rng.choice(v, 12, replace=False)] += 12
+        if case[r] == 4:  # a flat row: the largest 64 of 1000 hold ~15% of the mass
+            x[r] = rng.standard_normal(v) * 0.1
+            p[r] = 0.9
+        if case[r] == 5:  # top_k past the candidates
+            k[r] = rng.integers(c + 1, v)
+        if case[r] == 6:  # the k-th value tied with ~140 others
+            x[r] = rng.integers(-3, 4, v)
+            k[r] = rng.integers(1, 10)
+        if case[r] == 7:  # top_p < 1 with ties of the k-th value inside the candidates
+            x[r, :40] = np.round(x[r, :40]) + 10
+            k[r] = rng.integers(1, 40)
+        if case[r] in (2, 3, 7):
+            kept = np.sort(x[r])[::-1]
+            kept = kept[kept >= kept[k[r] - 1]] if k[r] else kept
+            p[r] = _nucleus_between_masses(kept, rng)
+    x = x.astype(np.float32)
+    args = (jnp.asarray(x), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32))
+    cut, complete = (np.asarray(a) for a in _candidate_cutoffs(*args))
+    radix = np.asarray(_radix_cutoffs(jnp.asarray(_order_key(args[0])), *args))
+    np.testing.assert_array_equal(complete, ~np.isin(case, [4, 5, 6]))
+    np.testing.assert_array_equal(cut[complete], radix[complete])
+    assert (cut[case == 0] == 0).all() and (radix[case != 0] > 0).all()
 
 
 # Modes send batches down different lax.cond branches: both filters, top-k only, top-p only.

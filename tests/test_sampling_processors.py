@@ -16,10 +16,10 @@ from rosejax.sampling import (
     Processors,
     _min_p,
     count_tokens,
+    find_top_k,
     process_logits,
     sample,
     token_logprobs,
-    top_k,
 )
 
 B, V, K = 16, 64, 6  # rows, vocabulary, bias entries per row
@@ -189,8 +189,8 @@ def test_token_logprobs_match_log_softmax():
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 63, 64, 65, 200, 1000])
-def test_top_k_matches_a_stable_sort(vocab):
-    """`top_k` against numpy's stable sort: the k largest, largest first, ties to the lower id,
+def test_find_top_k_matches_a_stable_sort(vocab):
+    """`find_top_k` against numpy's stable sort: the k largest, largest first, ties to the lower id,
     with many ties (a few distinct values, also across chunks), -inf, and k from 1 to vocab."""
     rng = np.random.default_rng()
     x = rng.integers(-3, 4, (B, vocab)).astype(np.float32)
@@ -203,5 +203,5 @@ def test_top_k_matches_a_stable_sort(vocab):
         np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, want, 1))
 
 
-top_k_jit = jax.jit(top_k, static_argnums=1)
+top_k_jit = jax.jit(find_top_k, static_argnums=1)
 token_logprobs_jit = jax.jit(token_logprobs)
