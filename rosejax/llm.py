@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 
 from rosejax.engine.data_parallel import make_engine
 from rosejax.engine.request import RequestOutput
+from rosejax.models.loader import sampling_defaults
 from rosejax.sampling import SamplingParams
 from rosejax.settings import EngineConfig
 from rosejax.tokenizer import chat_prompt_ids
@@ -31,9 +32,18 @@ class LLM:
         data_parallel_size, ...). With data_parallel_size N the prompts are spread over N
         replicas, each in an engine process of its own (`ProcessDataParallelEngine`: a script
         building one needs `if __name__ == "__main__":`, the processes being spawned), or with
-        engine_process=False each on a thread of this process (`DataParallelEngine`)."""
-        self.engine = make_engine(EngineConfig(model=model, **engine_args))
+        engine_process=False each on a thread of this process (`DataParallelEngine`).
+        `generation_config` ("auto": the model's generation_config.json) gives the sampling of
+        calls without SamplingParams (`get_default_sampling_params`)."""
+        config = EngineConfig(model=model, **engine_args)
+        self._sampling_defaults = sampling_defaults(model, config.generation_config)
+        self.engine = make_engine(config)
         self._submitted = 0  # requests submitted so far: default ids are gen-N
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's generation config applied (temperature,
+        top_k, top_p, min_p, repetition_penalty), what a call without SamplingParams uses."""
+        return SamplingParams(**self._sampling_defaults)
 
     def _submit(self, prompts: Prompts, sampling_params, request_ids=None) -> list[str]:
         if not isinstance(prompts, str | Sequence | dict):
@@ -42,7 +52,7 @@ class LLM:
             prompts = [prompts]
         prompts = [_unwrapped(p) for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if not isinstance(sampling_params, Sequence) or not all(
             isinstance(p, SamplingParams) for p in sampling_params
         ):

@@ -261,6 +261,10 @@ class EngineConfig:
 
     model: str  # hub id, local save_pretrained directory, or random:<preset>
     tokenizer: str | None = None  # default: the model's own, else the packaged GPT-2 tokenizer
+    # Where requests' default sampling comes from (vLLM's flag): "auto", the model's
+    # generation_config.json; "vllm", SamplingParams' own; or a directory holding one
+    # (`rosejax.models.loader.sampling_defaults`). The server and `LLM` apply it.
+    generation_config: str = "auto"
     dtype: str = "auto"  # float32 | bfloat16 | float16; auto: float16 on GPU, float32 on CPU
     max_batch_size: int = 64  # requests decoded together
     block_size: int = 64  # tokens per KV block
@@ -348,6 +352,11 @@ class EngineConfig:
         if not 0 <= self.idle_gather_max_ms <= 10000:
             raise ValueError(
                 f"idle_gather_max_ms must be in [0, 10000], got {self.idle_gather_max_ms!r}"
+            )
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(
+                "generation_config must be 'auto', 'vllm' or a directory, got "
+                f"{self.generation_config!r}"
             )
         if self.min_decode_batch is not None and self.min_decode_batch < 1:
             raise ValueError(f"min_decode_batch must be >= 1, got {self.min_decode_batch}")

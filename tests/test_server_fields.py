@@ -226,9 +226,8 @@ def test_new_fields_map_to_sampling_params_kwargs():
     )
     assert req.sampling_kwargs() == dict(
         max_tokens=7,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
+        min_p=0.05,
+        repetition_penalty=1.3,
         seed=None,
         stop=None,
         stop_token_ids=None,
@@ -236,10 +235,8 @@ def test_new_fields_map_to_sampling_params_kwargs():
         n=3,
         presence_penalty=0.5,
         frequency_penalty=-1.0,
-        repetition_penalty=1.3,
         logit_bias={int(key): value for key, value in bias.items()},
         min_tokens=2,
-        min_p=0.05,
         logprobs=k,
         prompt_logprobs=k,
     )
@@ -261,14 +258,40 @@ def test_new_fields_map_to_sampling_params_kwargs():
     # neutral or absent fields stay out, so SamplingParams' defaults hold
     assert set(parsed(CompletionRequest, prompt="a").sampling_kwargs()) == {
         "max_tokens",
-        "temperature",
-        "top_k",
-        "top_p",
         "seed",
         "stop",
         "stop_token_ids",
         "ignore_eos",
     }
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatRequest])
+def test_fields_left_out_take_the_generation_config_defaults(model):
+    """vLLM's --generation-config: each sampling field a request leaves out takes the model's
+    default; one it sends (0 and -1 included) is its own."""
+    body = (
+        dict(prompt="a")
+        if model is CompletionRequest
+        else dict(messages=[{"role": "user", "content": "a"}])
+    )
+    defaults = dict(
+        temperature=rng.uniform(0.1, 2),
+        top_k=rng.randint(1, 100),
+        top_p=rng.uniform(0.1, 1),
+        min_p=rng.uniform(0, 1),
+        repetition_penalty=rng.uniform(0.5, 2),
+    )
+    params = parsed(model, **body).sampling_params(defaults)
+    assert {k: getattr(params, k) for k in defaults} == defaults
+    sent = dict(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+    for name, value in sent.items():
+        own = parsed(model, **body, **{name: value}).sampling_params(defaults)
+        assert getattr(own, name) == (0 if name == "top_k" else value)
+        others = {k: getattr(own, k) for k in defaults if k != name}
+        assert others == {k: v for k, v in defaults.items() if k != name}
+    assert parsed(model, **body).sampling_params() == SamplingParams(
+        max_tokens=params.max_tokens, ignore_eos=False
+    )
 
 
 def test_requests_asking_the_same_share_one_sampling_params():

@@ -99,6 +99,35 @@ def load_checkpoint(model_dir: str, dtype: str | jnp.dtype = "float32") -> tuple
     return config, fam.params_from_tensors(config, tensors, dtype)
 
 
+# The fields of a checkpoint's generation config that become its requests' defaults (vLLM's).
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(model: str, generation_config: str = "auto") -> dict[str, Any]:
+    """vLLM's `--generation-config`: the SamplingParams fields a request leaves out take these
+    values. "auto": the SAMPLING_DEFAULT_FIELDS the model's generation_config.json sets
+    (transformers' `to_diff_dict`, as vLLM reads it; Qwen3: temperature 0.6, top_k 20, top_p
+    0.95; none for a model without one, or random:<preset>); "vllm": none; else a directory
+    holding a generation_config.json. ValueError if that directory has none or a value is out
+    of range."""
+    if generation_config == "vllm" or (generation_config == "auto" and model.startswith("random:")):
+        return {}
+    from transformers import GenerationConfig
+
+    source = model if generation_config == "auto" else generation_config
+    try:
+        diff = GenerationConfig.from_pretrained(source).to_diff_dict()
+    except OSError as e:  # no generation_config.json there (or an unknown hub id)
+        if generation_config == "auto":
+            return {}
+        raise ValueError(f"--generation-config {source!r}: {e}") from e
+    defaults = {k: diff[k] for k in SAMPLING_DEFAULT_FIELDS if diff.get(k) is not None}
+    from rosejax.sampling import SamplingParams
+
+    SamplingParams(**defaults)  # ValueError now, not at every request
+    return defaults
+
+
 def load_model(model: str, dtype: str | jnp.dtype = "float32", seed: int = 0) -> tuple[Any, dict]:
     """`random:<preset>` (random weights of a preset shape), a local directory, or a hub id."""
     if model.startswith("random:"):

@@ -66,6 +66,7 @@ class ApiServers:
         config: EngineConfig,
         limits: Limits,
         template: str | None,
+        sampling_defaults: dict[str, Any],
         engines: EngineProcesses,
     ):
         self.sock = bind_socket(args.host, args.port)
@@ -86,6 +87,7 @@ class ApiServers:
                         config,
                         limits,
                         template,
+                        sampling_defaults,
                         self.metrics_dir,
                     ),
                     name=f"rosejax-api-server-{index}",
@@ -153,6 +155,7 @@ def _api_server_main(
     config: EngineConfig,
     limits: Limits,
     template: str | None,
+    sampling_defaults: dict[str, Any],
     metrics_dir: str,
 ) -> None:
     configure_logging(args.log_level, f" [api server {index}]")
@@ -163,4 +166,15 @@ def _api_server_main(
         return engines, False, engines.close
 
     waiting = max_waiting(args, args.api_server_count)
-    sys.exit(run_server(args, limits, template, build, waiting, sock=sock, metrics_dir=metrics_dir))
+    sys.exit(
+        run_server(
+            args,
+            limits,
+            template,
+            sampling_defaults,
+            build,
+            waiting,
+            sock=sock,
+            metrics_dir=metrics_dir,
+        )
+    )

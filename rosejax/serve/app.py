@@ -192,10 +192,13 @@ def create_app(
     metrics: ServerMetrics | None = None,
     limits: Limits | None = None,
     warm_in_background: bool = False,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> ServingApp:
     """The app for a built `LLMEngine` or `DataParallelEngine` (an engine thread per replica,
     which compiles the programs warm-up has not while idle if `warm_in_background`), or for
-    `EngineProcesses` (a process per replica); its lifespan starts and stops them."""
+    `EngineProcesses` (a process per replica); its lifespan starts and stops them.
+    `sampling_defaults`: what a request's sampling fields left out take (the model's generation
+    config, `rosejax.models.loader.sampling_defaults`)."""
     async_engine = ReplicatedEngine(
         engine, max_waiting=max_waiting, metrics=metrics, warm_in_background=warm_in_background
     )
@@ -324,7 +327,7 @@ def create_app(
     def prepare_completion(raw: bytes):
         req = parse(parse_json(raw), CompletionRequest, COMPLETION_UNSUPPORTED)
         check_request(req)
-        params = req.sampling_params()
+        params = req.sampling_params(sampling_defaults)
         prompts = req.prompts()
         ids = tokenize(prompts, req.choices_per_prompt)
         echo = None
@@ -358,7 +361,7 @@ def create_app(
     def prepare_chat(raw: bytes):
         req = parse(parse_json(raw), ChatRequest, CHAT_UNSUPPORTED)
         check_request(req)
-        params = req.sampling_params()
+        params = req.sampling_params(sampling_defaults)
         ids = chat_ids(req.messages, chat_template_kwargs=req.chat_template_kwargs)
         ids = tokenize([ids], req.choices_per_prompt)
         return req, params, ids, formatter(req, True)

@@ -63,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
         "it steps; default: %(default)s",
     )
     p.add_argument(
+        "--generation-config",
+        default=EngineConfig.generation_config,
+        help="where requests' default sampling comes from, as in vLLM: 'auto', the model's "
+        "generation_config.json (the temperature, top_k, top_p, min_p and repetition_penalty it "
+        "sets become the defaults of requests that leave them out); 'vllm', none (temperature "
+        "1, no filters); or a directory holding a generation_config.json; default: %(default)s",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -204,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rosejax.engine.data_parallel import make_engine, replica_devices
     from rosejax.engine.serving import warm_for_serving
+    from rosejax.models.loader import sampling_defaults
 
     api_servers = None
     try:
@@ -225,14 +234,20 @@ def main(argv: list[str] | None = None) -> int:
             max_stop_chars=args.max_stop_chars,
             read_timeout=args.request_timeout,
         )
-        gather = {
+        served = {  # EngineConfig fields only the server has flags for
             "idle_gather_ms": args.idle_gather_ms,
             "idle_gather_max_ms": args.idle_gather_max_ms,
+            "generation_config": args.generation_config,
         }
-        kwargs = engine_kwargs(args) | gather
+        kwargs = engine_kwargs(args) | served
         config = EngineConfig(model=args.model, seed=args.seed, **kwargs | {"warmup": False})
         configure_process(config.compilation_cache_dir)  # before jax starts its backend
         template = _read_chat_template(args)
+        defaults = sampling_defaults(config.model, config.generation_config)
+        if defaults:
+            logging.getLogger("rosejax").info(
+                "requests' default sampling, from the model's generation config: %s", defaults
+            )
         in_processes = args.engine_process
         if in_processes is None:  # the default: processes for several replicas, or API servers
             in_processes = config.data_parallel_size > 1 or args.api_server_count > 1
@@ -250,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 from rosejax.serve.api_servers import ApiServers
 
                 # On failure it closes the engine processes.
-                api_servers = ApiServers(args, config, limits, template, processes)
+                api_servers = ApiServers(args, config, limits, template, defaults, processes)
         else:
             # Too few devices: refused before listening. Engine processes check their own:
             # jax's backend here would take GPU memory from them.
@@ -267,12 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         return engine, warm_for_serving(engine, kwargs["warmup"]), None
 
     if api_servers is None:
-        return run_server(args, limits, template, build, max_waiting(args, 1))
+        return run_server(args, limits, template, defaults, build, max_waiting(args, 1))
     try:
         return run_server(
             args,
             limits,
             template,
+            defaults,
             build,
             max_waiting(args, args.api_server_count),
             sock=api_servers.sock,
@@ -304,6 +320,7 @@ def run_server(
     args: argparse.Namespace,
     limits: Limits,
     template: str | None,
+    defaults: dict[str, Any],
     build: Callable[[], tuple[Any, bool, Callable[[], None] | None]],
     max_waiting: int | None,
     sock: socket.socket | None = None,
@@ -312,7 +329,8 @@ def run_server(
 ) -> int:
     """Serve until SIGINT/SIGTERM: at once a `LoadingApp` (503s) on `sock` (or on --host and
     --port), then the app over the engine that `build()` returns on a thread of its own (the
-    engine, whether to compile the rest while idle, and how to close it if a stop comes first).
+    engine, whether to compile the rest while idle, and how to close it if a stop comes first),
+    with the chat `template` and the requests' sampling `defaults`.
     `metrics_dir`: this is one of several API server processes, which keep their metrics there
     (`ServerMetrics(shared_dir=...)`). Returns the exit code."""
     from rosejax.serve.app import create_app
@@ -348,6 +366,7 @@ def run_server(
                 metrics=None if metrics_dir is None else ServerMetrics(shared_dir=metrics_dir),
                 limits=limits,
                 warm_in_background=background,
+                sampling_defaults=defaults,
             )
             if not server.should_exit:  # a stop asked for while loading: nothing to serve
                 loading.ready(app)

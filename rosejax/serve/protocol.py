@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
@@ -195,16 +196,23 @@ class _Sampling(_Body):
             out[int(key)] = bias
         return out
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """SamplingParams' keyword arguments for this request. A field the request left out is
-        left out, so SamplingParams' own default holds."""
+    def sampling_kwargs(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """SamplingParams' keyword arguments for this request. A sampling field the request
+        left out takes the model's default (`defaults`: its generation config), else is left
+        out, so SamplingParams' own default holds."""
         max_tokens = self._max_tokens()
+        given = dict(
+            temperature=self.temperature,
+            # Any top_k >= vocab keeps every token; clamp so it fits the engine's int32.
+            top_k=None if self.top_k is None else min(self.top_k, 2**31 - 1),
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+        )
+        sampling = (defaults or {}) | {k: v for k, v in given.items() if v is not None}
         kwargs = dict(
             max_tokens=16 if max_tokens is None else max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            # Any top_k >= vocab keeps every token; clamp so it fits the engine's int32.
-            top_k=min(self.top_k or 0, 2**31 - 1),
-            top_p=1.0 if self.top_p is None else self.top_p,
+            **sampling,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -214,17 +222,15 @@ class _Sampling(_Body):
             n=self.n,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias_ids() or None,
             min_tokens=self.min_tokens,
-            min_p=self.min_p,
             **self.logprob_kwargs(),
         )
         return kwargs | {k: v for k, v in optional.items() if v is not None}
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         try:
-            return _shared_params(self.sampling_kwargs())
+            return _shared_params(self.sampling_kwargs(defaults))
         except ValueError as e:
             first = str(e).split(" ", 1)[0]
             raise APIError(str(e), param=first if first in type(self).model_fields else None) from e
