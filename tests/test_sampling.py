@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 
 from rosejax.sampling import (
     FILTER_CANDIDATES,
+    RADIX_FALLBACK_ROWS,
     SamplingParams,
     _candidate_cutoffs,
+    _filter_key,
     _order_key,
     _radix_cutoffs,
     _select,
@@ -141,6 +143,34 @@ def test_candidate_cutoffs_equal_the_radix_ones_where_complete():
     np.testing.assert_array_equal(complete, ~np.isin(case, [4, 5, 6]))
     np.testing.assert_array_equal(cut[complete], radix[complete])
     assert (cut[case == 0] == 0).all() and (radix[case != 0] > 0).all()
+
+
+@pytest.mark.parametrize("wide", [3, RADIX_FALLBACK_ROWS + 5])
+def test_rows_outside_their_candidates_take_the_radix_cutoff(wide):
+    """A batch of rows whose kept set lies inside their candidates (top_k <= 64, or a peaked
+    nucleus) and `wide` flat rows whose nucleus does not: every row's cutoff equals the radix
+    selects' over the whole batch, whether the flat rows run them alone (a few) or the batch
+    does (many)."""
+    rng = np.random.default_rng()
+    b, v = 64, 1000
+    x = rng.standard_normal((b, v)) * 2
+    k = np.where(rng.random(b) < 0.5, rng.integers(1, FILTER_CANDIDATES + 1, b), 0)
+    p = np.ones(b)
+    flat = set(rng.choice(b, wide, replace=False).tolist())
+    for r in range(b):
+        if r in flat:  # the largest 64 of 1000 hold ~15% of the mass
+            x[r], k[r], p[r] = rng.standard_normal(v) * 0.1, 0, 0.9
+            continue
+        if k[r] == 0:
+            x[r, rng.choice(v, 12, replace=False)] += 12
+        kept = np.sort(x[r])[::-1]
+        kept = kept[kept >= kept[k[r] - 1]] if k[r] else kept
+        p[r] = _nucleus_between_masses(kept, rng)
+    scaled = jnp.asarray(x.astype(np.float32))
+    args = (_order_key(scaled), scaled, jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32))
+    _, complete = _candidate_cutoffs(*args[1:])
+    assert set(np.flatnonzero(~np.asarray(complete)).tolist()) == flat
+    np.testing.assert_array_equal(np.asarray(_filter_key(*args)), np.asarray(_radix_cutoffs(*args)))
 
 
 # Modes send batches down different lax.cond branches: both filters, top-k only, top-p only.
