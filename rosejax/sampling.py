@@ -15,11 +15,12 @@ The cutoffs come from each row's FILTER_CANDIDATES (64) largest values (`find_to
 of small arrays) when every filtering row's kept set lies inside them: top_k <= 64 (with or
 without top_p), or a nucleus alone that the 64 hold (a peaked distribution). Else each filter
 finds its cutoff with an exact radix select over the whole row (`_select`, 8 fused passes over
-[B, V]). A batch that doesn't use a filter pays for neither. On an H200 at 256 rows the
-candidates cut top_k=50 from 0.78 to 0.58 ms a step of `sample` and top_k=20 + top_p=0.95 from
-1.49 to 0.59, and cost a flat nucleus 0.17 ms before the radix selects
-(`docs/performance-log.md`). The radix selects alone (jax 0.11.2, V=50257, per step inside a
-fori_loop; an argmax alone is ~20 us):
+[B, V]), for the rows outside their candidates alone where a large batch has few of them. A
+batch that doesn't use a filter pays for neither. On an H200 at 256 rows the candidates cut
+top_k=50 from 0.79 to 0.58 ms a step of `sample`, top_k=20 + top_p=0.95 from 1.49 to 0.58 and a
+peaked nucleus from 1.14 to 0.59; 4-12 flat rows among 256 cost 0.85 (1.13), all flat 1.36
+(1.14): random weights' case (`docs/performance-log.md`). The radix selects before the
+candidates (jax 0.11.2, V=50257, per step inside a fori_loop; an argmax alone is ~20 us):
 
 | B   | greedy | temperature | top_k=50 | top_p=0.9 | both   | (full sort + lax.top_k(64): top_k=50 / top_p) |
 | 16  | 25 us  | 17 us       | 68 us    | 93 us     | 146 us | 229 / 506 us                                  |
@@ -148,6 +149,10 @@ def _filter_key(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.
     def radix():
         return _radix_cutoffs(key, scaled, top_k, top_p)
 
+    # Rows left to the radix selects alone, at most; more, and the whole batch runs them (few
+    # rows gain little, and cost a compile).
+    alone = RADIX_FALLBACK_ROWS if key.shape[0] > 2 * RADIX_FALLBACK_ROWS else 0
+
     def filtered():
         cut, complete = _candidate_cutoffs(scaled, top_k, top_p)
 
@@ -157,16 +162,22 @@ def _filter_key(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.
             return cut.at[rows].set(jnp.where(complete[rows], cut[rows], sub))
 
         left = jnp.sum(~complete)
-        if key.shape[0] <= 2 * RADIX_FALLBACK_ROWS:  # few rows gain little, and cost a compile
+        if not alone:
             return lax.cond(left == 0, lambda: cut, radix)
-        return lax.cond(
-            left == 0,
-            lambda: cut,
-            lambda: lax.cond(left <= RADIX_FALLBACK_ROWS, few_rows, radix),
-        )
+        return lax.cond(left == 0, lambda: cut, lambda: lax.cond(left <= alone, few_rows, radix))
 
     def any_filter():  # a top_k past the candidates goes straight to the radix selects
-        return lax.cond(jnp.any(top_k > FILTER_CANDIDATES), radix, filtered)
+        straight = jnp.any(top_k > FILTER_CANDIDATES)
+        if not alone:
+            # So does a small batch with a nucleus alone that the candidates cannot hold (their
+            # mass is at most FILTER_CANDIDATES times the likeliest token's): the candidates'
+            # sorts would be wasted (H200, 16 flat rows: 0.52 ms a step of `sample` with them,
+            # 0.40 without, 0.27-0.38 before the candidates). One more pass over the logits,
+            # which a large batch's fast cases would pay for nothing.
+            likeliest = jnp.exp(jnp.max(scaled, axis=1) - jax.nn.logsumexp(scaled, axis=1))
+            flat = (top_k == 0) & (top_p < 1.0) & (FILTER_CANDIDATES * likeliest < top_p)
+            straight |= jnp.any(flat)
+        return lax.cond(straight, radix, filtered)
 
     zero = jnp.zeros(key.shape[:1], jnp.uint32)
     return lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)), any_filter, lambda: zero)

@@ -145,14 +145,14 @@ def test_candidate_cutoffs_equal_the_radix_ones_where_complete():
     assert (cut[case == 0] == 0).all() and (radix[case != 0] > 0).all()
 
 
-@pytest.mark.parametrize("wide", [3, RADIX_FALLBACK_ROWS + 5])
-def test_rows_outside_their_candidates_take_the_radix_cutoff(wide):
+@pytest.mark.parametrize("b, wide", [(64, 3), (64, RADIX_FALLBACK_ROWS + 5), (16, 2)])
+def test_rows_outside_their_candidates_take_the_radix_cutoff(b, wide):
     """A batch of rows whose kept set lies inside their candidates (top_k <= 64, or a peaked
     nucleus) and `wide` flat rows whose nucleus does not: every row's cutoff equals the radix
-    selects' over the whole batch, whether the flat rows run them alone (a few) or the batch
-    does (many)."""
+    selects' over the whole batch, whether the flat rows run them alone (a few in a large
+    batch) or the batch does (many, or a small batch)."""
     rng = np.random.default_rng()
-    b, v = 64, 1000
+    v = 1000
     x = rng.standard_normal((b, v)) * 2
     k = np.where(rng.random(b) < 0.5, rng.integers(1, FILTER_CANDIDATES + 1, b), 0)
     p = np.ones(b)
