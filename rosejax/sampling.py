@@ -81,12 +81,44 @@ def _select(key: jax.Array, weight: jax.Array, target: jax.Array) -> jax.Array:
         best = jnp.maximum(jnp.sum(mass >= target[:, None], axis=1) - 1, 0)
         return t | (best.astype(jnp.uint32) << shift)
 
-    # A loop, not 8 unrolled passes: every decode program holds two of these selects, and
-    # compiling them unrolled cost the CPU test suite minutes.
+    # A loop, not 8 unrolled passes: every decode program holds two or three of these selects,
+    # and unrolled they took 0.26 s of each compile on the CPU (0.16 s now); on an H200 the
+    # loop costs ~0.07 ms a step where the selects run.
     return lax.fori_loop(0, 8, fix_digit, jnp.zeros(key.shape[:1], jnp.uint32))
 
 
-def _radix_cutoffs(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.Array):
+# Rows whose top_k is at most this filter from their largest values only (`_candidate_cutoffs`).
+FILTER_CANDIDATES = 64
+# Up to this many rows whose kept set is not inside their candidates (a wide nucleus) run the
+# radix selects alone, in batches of more than twice as many rows; more, and the whole batch does.
+RADIX_FALLBACK_ROWS = 16
+
+
+def find_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k largest values of each row of x [B, V] (k <= V) and their ids, largest first, ties
+    to the lower id (`lax.top_k`'s order), by sorting small arrays only: the k chunks of W
+    columns with the largest maxima hold the k largest values (a value outside them is beaten
+    by each of their maxima). W, a power of two near sqrt(V / k), keeps both sorts (V / W
+    maxima, k * W candidates) short. XLA's GPU TopK kernel took 0.3 ms a call at 256 x 50,257
+    (k=16) and sorted whole rows for k > 16; these two sorts take ~0.06 ms at k=20 (H200)."""
+    b, v = x.shape
+    width = 2 ** round(math.log2(math.sqrt(v / k)))
+    chunks = -(-v // width)
+    padded = jnp.pad(x, ((0, 0), (0, chunks * width - v)), constant_values=-jnp.inf)
+    maxima = padded.reshape(b, chunks, width).max(axis=2)  # [B, V / W]
+    order = jnp.broadcast_to(jnp.arange(chunks, dtype=jnp.int32), maxima.shape)
+    _, best = lax.sort((-maxima, order), dimension=1, num_keys=1)  # stable: ties keep id order
+    # The chosen chunks in id order, so the stable sort below breaks ties by id.
+    best = jnp.sort(best[:, : min(k, chunks)], axis=1)  # [B, k]
+    ids = (best[:, :, None] * width + jnp.arange(width, dtype=jnp.int32)).reshape(b, -1)
+    values = jnp.where(ids < v, jnp.take_along_axis(x, jnp.minimum(ids, v - 1), axis=1), -jnp.inf)
+    neg, ids = lax.sort((-values, ids), dimension=1, num_keys=1)  # [B, k * W]
+    return -neg[:, :k], ids[:, :k]
+
+
+def _radix_cutoffs(
+    key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> jax.Array:
     """u32[B] cutoff on key = _order_key(scaled) [B, V] by radix selects over the whole row, each
     filter behind its own `lax.cond`."""
     zero = jnp.zeros(key.shape[:1], jnp.uint32)
@@ -107,7 +139,9 @@ def _radix_cutoffs(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: j
     return jnp.maximum(cut_k, cut_p)
 
 
-def _candidate_cutoffs(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array):
+def _candidate_cutoffs(
+    scaled: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """The same cutoffs from each row's FILTER_CANDIDATES largest values only -> (u32[B], bool[B]:
     whether the row's kept set lies inside its candidates, so its cutoff is the radix one).
     It does for top_k <= FILTER_CANDIDATES (unless the k-th value's ties run past the
@@ -252,35 +286,6 @@ class TokenLogprobs(NamedTuple):
     rank: jax.Array  # i32[...]: tokens at least as likely, itself included (vLLM's rank)
     top_ids: jax.Array  # i32[..., N]: the N most likely, most likely first
     top_logprobs: jax.Array  # f32[..., N]
-
-
-# Rows whose top_k is at most this filter from their largest values only (`_candidate_cutoffs`).
-FILTER_CANDIDATES = 64
-# Up to this many rows whose kept set is not inside their candidates (a wide nucleus) run the
-# radix selects alone, in batches of more than twice as many rows; more, and the whole batch does.
-RADIX_FALLBACK_ROWS = 16
-
-
-def find_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The k largest values of each row of x [B, V] (k <= V) and their ids, largest first, ties
-    to the lower id (`lax.top_k`'s order), by sorting small arrays only: the k chunks of W
-    columns with the largest maxima hold the k largest values (a value outside them is beaten
-    by each of their maxima). W, a power of two near sqrt(V / k), keeps both sorts (V / W
-    maxima, k * W candidates) short. XLA's GPU TopK kernel took 0.3 ms a call at 256 x 50,257
-    (k=16) and sorted whole rows for k > 16; these two sorts take ~0.06 ms at k=20 (H200)."""
-    b, v = x.shape
-    width = 2 ** round(math.log2(math.sqrt(v / k)))
-    chunks = -(-v // width)
-    padded = jnp.pad(x, ((0, 0), (0, chunks * width - v)), constant_values=-jnp.inf)
-    maxima = padded.reshape(b, chunks, width).max(axis=2)  # [B, V / W]
-    order = jnp.broadcast_to(jnp.arange(chunks, dtype=jnp.int32), maxima.shape)
-    _, best = lax.sort((-maxima, order), dimension=1, num_keys=1)  # stable: ties keep id order
-    # The chosen chunks in id order, so the stable sort below breaks ties by id.
-    best = jnp.sort(best[:, : min(k, chunks)], axis=1)  # [B, k]
-    ids = (best[:, :, None] * width + jnp.arange(width, dtype=jnp.int32)).reshape(b, -1)
-    values = jnp.where(ids < v, jnp.take_along_axis(x, jnp.minimum(ids, v - 1), axis=1), -jnp.inf)
-    neg, ids = lax.sort((-values, ids), dimension=1, num_keys=1)  # [B, k * W]
-    return -neg[:, :k], ids[:, :k]
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
