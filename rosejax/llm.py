@@ -36,14 +36,14 @@ class LLM:
         `generation_config` ("auto": the model's generation_config.json) gives the sampling of
         calls without SamplingParams (`get_default_sampling_params`)."""
         config = EngineConfig(model=model, **engine_args)
-        self._sampling_defaults = sampling_defaults(model, config.generation_config)
+        self._default_params = SamplingParams(**sampling_defaults(model, config.generation_config))
         self.engine = make_engine(config)
         self._submitted = 0  # requests submitted so far: default ids are gen-N
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the model's generation config applied (temperature,
         top_k, top_p, min_p, repetition_penalty), what a call without SamplingParams uses."""
-        return SamplingParams(**self._sampling_defaults)
+        return self._default_params
 
     def _submit(self, prompts: Prompts, sampling_params, request_ids=None) -> list[str]:
         if not isinstance(prompts, str | Sequence | dict):

@@ -140,9 +140,10 @@ def _radix_cutoffs(
 
 
 def _candidate_cutoffs(
-    scaled: jax.Array, top_k: jax.Array, top_p: jax.Array
+    scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, row_lse: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """The same cutoffs from each row's FILTER_CANDIDATES largest values only -> (u32[B], bool[B]:
+    """The same cutoffs from each row's FILTER_CANDIDATES largest values only (`row_lse`: each
+    row's logsumexp of `scaled`, [B]) -> (u32[B], bool[B]:
     whether the row's kept set lies inside its candidates, so its cutoff is the radix one).
     It does for top_k <= FILTER_CANDIDATES (unless the k-th value's ties run past the
     candidates), and for a nucleus alone when the candidates hold top_p of the mass."""
@@ -154,11 +155,7 @@ def _candidate_cutoffs(
     ties_inside = jnp.sum(scaled >= kth[:, None], axis=1) == jnp.sum(kept, axis=1)
     complete_k = (k == 0) | ((k <= c) & ties_inside)
     # Probabilities over the top-k set, or over the whole row without top_k.
-    lse = jnp.where(
-        k > 0,
-        jax.nn.logsumexp(jnp.where(kept, vals, -jnp.inf), axis=1),
-        jax.nn.logsumexp(scaled, axis=1),
-    )
+    lse = jnp.where(k > 0, jax.nn.logsumexp(jnp.where(kept, vals, -jnp.inf), axis=1), row_lse)
     probs = jnp.where(kept, jnp.exp(vals - lse[:, None]), 0.0)  # [B, C]
     # mass[b, i]: what a cutoff at vals[b, i] keeps (every candidate at least as large)
     at_least = vals[:, None, :] >= vals[:, :, None]  # [B, C, C]
@@ -187,8 +184,8 @@ def _filter_key(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.
     # rows gain little, and cost a compile).
     alone = RADIX_FALLBACK_ROWS if key.shape[0] > 2 * RADIX_FALLBACK_ROWS else 0
 
-    def filtered():
-        cut, complete = _candidate_cutoffs(scaled, top_k, top_p)
+    def filtered(row_lse):
+        cut, complete = _candidate_cutoffs(scaled, top_k, top_p, row_lse)
 
         def few_rows():  # the radix selects over those rows only (padded with row 0)
             rows = jnp.nonzero(~complete, size=RADIX_FALLBACK_ROWS, fill_value=0)[0]  # [R]
@@ -201,17 +198,18 @@ def _filter_key(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.
         return lax.cond(left == 0, lambda: cut, lambda: lax.cond(left <= alone, few_rows, radix))
 
     def any_filter():  # a top_k past the candidates goes straight to the radix selects
+        row_lse = jax.nn.logsumexp(scaled, axis=1)  # [B]: the candidates' nucleus needs it too
         straight = jnp.any(top_k > FILTER_CANDIDATES)
         if not alone:
             # So does a small batch with a nucleus alone that the candidates cannot hold (their
             # mass is at most FILTER_CANDIDATES times the likeliest token's): the candidates'
             # sorts would be wasted (H200, 16 flat rows: 0.52 ms a step of `sample` with them,
-            # 0.40 without, 0.27-0.38 before the candidates). One more pass over the logits,
-            # which a large batch's fast cases would pay for nothing.
-            likeliest = jnp.exp(jnp.max(scaled, axis=1) - jax.nn.logsumexp(scaled, axis=1))
+            # 0.40 without, 0.27-0.38 before the candidates). One more pass over the logits
+            # (the max), which a large batch's fast cases would pay for nothing.
+            likeliest = jnp.exp(jnp.max(scaled, axis=1) - row_lse)
             flat = (top_k == 0) & (top_p < 1.0) & (FILTER_CANDIDATES * likeliest < top_p)
             straight |= jnp.any(flat)
-        return lax.cond(straight, radix, filtered)
+        return lax.cond(straight, radix, lambda: filtered(row_lse))
 
     zero = jnp.zeros(key.shape[:1], jnp.uint32)
     return lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)), any_filter, lambda: zero)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -95,10 +96,11 @@ def test_order_key_and_select_exact():
         assert got[b] == (ok[0] if len(ok) else 0), b
 
 
-def _nucleus_between_masses(values: np.ndarray, rng) -> float:
-    """A top_p halfway between two masses a cutoff can keep (float64), so f32 sums in any order
-    agree on the cutoff."""
-    v = np.sort(values.astype(np.float64))[::-1]
+def _nucleus_between_masses(row: np.ndarray, k: int, rng) -> float:
+    """A top_p halfway between two masses a cutoff can keep in the row's top-k set (float64),
+    so f32 sums in any order agree on the cutoff."""
+    v = np.sort(row.astype(np.float64))[::-1]
+    v = v[v >= v[k - 1]] if k else v
     probs = np.exp(v - v.max())
     probs /= probs.sum()
     masses = [0.0] + [probs[v >= x].sum() for x in np.unique(v)[::-1][:8]]  # the 8 largest
@@ -133,12 +135,11 @@ def test_candidate_cutoffs_equal_the_radix_ones_where_complete():
             x[r, :40] = np.round(x[r, :40]) + 10
             k[r] = rng.integers(1, 40)
         if case[r] in (2, 3, 7):
-            kept = np.sort(x[r])[::-1]
-            kept = kept[kept >= kept[k[r] - 1]] if k[r] else kept
-            p[r] = _nucleus_between_masses(kept, rng)
+            p[r] = _nucleus_between_masses(x[r], k[r], rng)
     x = x.astype(np.float32)
     args = (jnp.asarray(x), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32))
-    cut, complete = (np.asarray(a) for a in _candidate_cutoffs(*args))
+    row_lse = jax.nn.logsumexp(args[0], axis=1)
+    cut, complete = (np.asarray(a) for a in _candidate_cutoffs(*args, row_lse))
     radix = np.asarray(_radix_cutoffs(jnp.asarray(_order_key(args[0])), *args))
     np.testing.assert_array_equal(complete, ~np.isin(case, [4, 5, 6]))
     np.testing.assert_array_equal(cut[complete], radix[complete])
@@ -163,12 +164,10 @@ def test_rows_outside_their_candidates_take_the_radix_cutoff(b, wide):
             continue
         if k[r] == 0:
             x[r, rng.choice(v, 12, replace=False)] += 12
-        kept = np.sort(x[r])[::-1]
-        kept = kept[kept >= kept[k[r] - 1]] if k[r] else kept
-        p[r] = _nucleus_between_masses(kept, rng)
+        p[r] = _nucleus_between_masses(x[r], k[r], rng)
     scaled = jnp.asarray(x.astype(np.float32))
     args = (_order_key(scaled), scaled, jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32))
-    _, complete = _candidate_cutoffs(*args[1:])
+    _, complete = _candidate_cutoffs(*args[1:], jax.nn.logsumexp(scaled, axis=1))
     assert set(np.flatnonzero(~np.asarray(complete)).tolist()) == flat
     np.testing.assert_array_equal(np.asarray(_filter_key(*args)), np.asarray(_radix_cutoffs(*args)))
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from safetensors import safe_open
 
 from rosejax.models import eos_token_ids, family, preset, with_eos_token_ids
+from rosejax.sampling import SamplingParams
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -56,12 +57,16 @@ def _iter_tensors(
                     yield name, f.get_tensor(name).astype(dtype)
 
 
+def _is_hub_id(model: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else is meant as a local path."""
+    return not (model.startswith((".", "/", "~")) or model.count("/") > 1)
+
+
 def resolve_model_dir(model: str) -> str:
     """A local directory as is; otherwise a hub id, fetched (or found in the local HF cache)."""
     if os.path.isdir(model):
         return model
-    # Hub ids are `name` or `org/name`; anything else is meant as a local path.
-    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+    if not _is_hub_id(model):
         raise ValueError(f"model path {model!r} does not exist")
     from huggingface_hub import snapshot_download
 
@@ -76,6 +81,23 @@ def resolve_model_dir(model: str) -> str:
         ) from e
 
 
+def read_generation_config(source: str) -> dict[str, Any] | None:
+    """A checkpoint's generation_config.json: `source` a local directory, or a hub id (that file
+    alone fetched); None where there is none (or the hub cannot be reached)."""
+    path = os.path.join(source, "generation_config.json")
+    if not os.path.isdir(source) and _is_hub_id(source):
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = hf_hub_download(source, "generation_config.json")
+        except Exception:  # offline, unknown repo, no such file: no defaults from it
+            return None
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def load_checkpoint(model_dir: str, dtype: str | jnp.dtype = "float32") -> tuple[Any, dict]:
     """A `save_pretrained` directory (config.json + safetensors) -> (config, params)."""
     config_path = os.path.join(model_dir, "config.json")
@@ -87,10 +109,9 @@ def load_checkpoint(model_dir: str, dtype: str | jnp.dtype = "float32") -> tuple
     config = fam.config_from_hf(hf)
     # generation_config.json's eos ids (often a list: Llama 3's <|eot_id|>, Qwen3's
     # <|endoftext|>) stop generations too, after config.json's.
-    generation_path = os.path.join(model_dir, "generation_config.json")
-    if os.path.exists(generation_path):
-        with open(generation_path) as f:
-            more = json.load(f).get("eos_token_id")
+    generation = read_generation_config(model_dir)
+    if generation is not None:
+        more = generation.get("eos_token_id")
         more = () if more is None else (more,) if isinstance(more, int) else tuple(more)
         ids = eos_token_ids(config)
         config = with_eos_token_ids(config, ids + tuple(i for i in more if i not in ids))
@@ -105,25 +126,19 @@ SAMPLING_DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition
 
 def sampling_defaults(model: str, generation_config: str = "auto") -> dict[str, Any]:
     """vLLM's `--generation-config`: the SamplingParams fields a request leaves out take these
-    values. "auto": the SAMPLING_DEFAULT_FIELDS the model's generation_config.json sets
-    (transformers' `to_diff_dict`, as vLLM reads it; Qwen3: temperature 0.6, top_k 20, top_p
-    0.95; none for a model without one, or random:<preset>); "vllm": none; else a directory
-    holding a generation_config.json. ValueError if that directory has none or a value is out
-    of range."""
+    values. "auto": the SAMPLING_DEFAULT_FIELDS the model's generation_config.json sets (Qwen3:
+    temperature 0.6, top_k 20, top_p 0.95; none for a model without one, or random:<preset>);
+    "vllm": none; else a directory holding a generation_config.json. ValueError if that
+    directory has none or a value is out of range."""
     if generation_config == "vllm" or (generation_config == "auto" and model.startswith("random:")):
         return {}
-    from transformers import GenerationConfig
-
     source = model if generation_config == "auto" else generation_config
-    try:
-        diff = GenerationConfig.from_pretrained(source).to_diff_dict()
-    except OSError as e:  # no generation_config.json there (or an unknown hub id)
+    generation = read_generation_config(source)
+    if generation is None:
         if generation_config == "auto":
             return {}
-        raise ValueError(f"--generation-config {source!r}: {e}") from e
-    defaults = {k: diff[k] for k in SAMPLING_DEFAULT_FIELDS if diff.get(k) is not None}
-    from rosejax.sampling import SamplingParams
-
+        raise ValueError(f"--generation-config {source!r}: no generation_config.json there")
+    defaults = {k: generation[k] for k in SAMPLING_DEFAULT_FIELDS if generation.get(k) is not None}
     SamplingParams(**defaults)  # ValueError now, not at every request
     return defaults
 
