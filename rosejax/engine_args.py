@@ -176,13 +176,6 @@ def add_engine_args(
         "are read back)",
     )
     p.add_argument(
-        "--no-prefill-overlap-from-idle",
-        action="store_true",
-        help="a burst that finds the engine idle is admitted prefill after prefill with no "
-        "decode window behind them, until a step admits no one, so arrivals spread over a few "
-        "steps get in sooner; steady arrivals keep the overlap",
-    )
-    p.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="turn off prefix caching (sharing KV blocks of equal prompt prefixes)",
@@ -266,7 +259,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         decode_steps=args.decode_steps,
         open_decode_steps=args.open_decode_steps,
         prefill_overlap=not args.no_prefill_overlap,
-        prefill_overlap_from_idle=not args.no_prefill_overlap_from_idle,
         enable_prefix_caching=not args.no_prefix_cache,
         warmup=False if args.no_warmup else None,
         kernel_overrides=kernel_overrides(args.kernel, args.kernel_tile),

@@ -294,10 +294,6 @@ class EngineConfig:
     # A step that prefills also dispatches the running requests' decode window right behind the
     # prefill, before reading its first tokens back. Off: that step decodes nothing (an A/B).
     prefill_overlap: bool = True
-    # Off: a burst that finds the engine idle is admitted prefill after prefill with no window
-    # behind them, until a step admits no one, so its later arrivals (a server's burst reaches
-    # the engine over several steps) wait for no window; steady arrivals keep the overlap.
-    prefill_overlap_from_idle: bool = True
     # The smallest decode program: smaller batches pad to it. None: the model family's on a GPU
     # (GPT-2 16, Llama-style 1), 1 on a CPU.
     min_decode_batch: int | None = dataclasses.field(default_factory=_default_min_decode_batch)

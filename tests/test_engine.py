@@ -287,33 +287,6 @@ def test_prefill_and_its_window_go_out_back_to_back(checkpoint, shared_llm, monk
             )
 
 
-def test_a_burst_at_an_idle_engine_is_admitted_before_any_window(
-    checkpoint, shared_llm, monkeypatch
-):
-    """With prefill_overlap_from_idle off, a burst reaching an idle engine over three steps is
-    prefilled step after step with no decode window behind, the first window goes out once a
-    step admits no one, and a request arriving while the burst runs gets the overlap; with it on
-    (the default) the first prefill has its window. Both give HF's greedy tokens."""
-    engine = shared_llm(max_batch_size=8, decode_steps=3, prefill_chunk_tokens=16).engine
-    prompts = random_prompts(7, lo=3, hi=12)
-    params = SamplingParams(temperature=0.0, max_tokens=16)
-    waves = {i: {f"r{j}": (prompts[j], params) for j in (2 * i, 2 * i + 1)} for i in range(3)}
-    waves[6] = {"late": (prompts[6], params)}
-    for from_idle in (False, True):
-        monkeypatch.setattr(engine, "prefill_overlap_from_idle", from_idle)
-        finals, events = run_waves(engine, waves, {}, monkeypatch)
-        assert_clean(engine)
-        kinds = [[e[0] for e in step] for step in events]
-        if from_idle:
-            assert kinds[0][:2] == ["prefill", "decode"], events[:2]
-        else:
-            assert all("decode" not in k and k[0] == "prefill" for k in kinds[:3]), events[:4]
-            assert kinds[3][0] == "decode", events[3]
-        assert kinds[6][:2] == ["prefill", "decode"], events[6]
-        for rid, (prompt, _) in {r: p for w in waves.values() for r, p in w.items()}.items():
-            assert_matches_hf_greedy(checkpoint[1], prompt, finals[rid].token_ids, 16)
-
-
 def test_prefix_caching_same_outputs_fewer_prefill_tokens(checkpoint, shared_llm):
     rng = np.random.default_rng()
     shared = rng.integers(0, SHAPE["vocab_size"], 33).tolist()  # 4 full blocks of 8 + 1

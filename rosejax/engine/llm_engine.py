@@ -236,8 +236,6 @@ class LLMEngine:
         # "auto": long windows for throughput, cut short when a waiting request could be admitted.
         self.auto_steps = config.decode_steps == "auto"
         self.prefill_overlap = config.prefill_overlap
-        self.prefill_overlap_from_idle = config.prefill_overlap_from_idle
-        self._burst = False  # every step since the engine was idle prefilled first tokens
         self.decode_steps = AUTO_FULL_STEPS if self.auto_steps else config.decode_steps
         self.open_steps = config.open_decode_steps
         self.allocator = BlockAllocator(
@@ -579,15 +577,12 @@ class LLMEngine:
         in flight but the newest, oldest first, while the device runs that one; one output per
         request that gained something."""
         t0 = time.perf_counter()
-        idle = not self.scheduler.running
         prefilled = self._admit()
-        self._burst = prefilled and (idle or self._burst)
-        overlap = self.prefill_overlap and (self.prefill_overlap_from_idle or not self._burst)
         running = list(self.scheduler.running)  # every running request holds a slot
         decoded = False
         # Exact behind a prefill: it left each new row's first token, position, step count and
         # alive flag (off if that token already ends the row) in its slot, where windows read.
-        if running and (overlap or not prefilled):
+        if running and (self.prefill_overlap or not prefilled):
             decoded = self._dispatch_decode(running)
         self.host_seconds["dispatch"] += time.perf_counter() - t0
         keep = 1 if prefilled or decoded else 0  # the newest program: the device runs it now
