@@ -18,9 +18,10 @@ finds its cutoff with an exact radix select over the whole row (`_select`, 8 fus
 [B, V]), for the rows outside their candidates alone where a large batch has few of them. A
 batch that doesn't use a filter pays for neither. On an H200 at 256 rows the candidates cut
 top_k=50 from 0.79 to 0.58 ms a step of `sample`, top_k=20 + top_p=0.95 from 1.49 to 0.58 and a
-peaked nucleus from 1.14 to 0.59; 4-12 flat rows among 256 cost 0.85 (1.13), all flat 1.36
-(1.14): random weights' case (`docs/performance-log.md`). The radix selects before the
-candidates (jax 0.11.2, V=50257, per step inside a fori_loop; an argmax alone is ~20 us):
+peaked nucleus from 1.14 to 0.59; 4-12 flat rows among 256 cost 0.85 (1.13), all flat 1.24
+(1.14; they skip the candidates): random weights' case (`docs/performance-log.md`). The radix
+selects before the candidates (jax 0.11.2, V=50257, per step inside a fori_loop; an argmax
+alone is ~20 us):
 
 | B   | greedy | temperature | top_k=50 | top_p=0.9 | both   | (full sort + lax.top_k(64): top_k=50 / top_p) |
 | 16  | 25 us  | 17 us       | 68 us    | 93 us     | 146 us | 229 / 506 us                                  |
@@ -198,17 +199,18 @@ def _filter_key(key: jax.Array, scaled: jax.Array, top_k: jax.Array, top_p: jax.
         return lax.cond(left == 0, lambda: cut, lambda: lax.cond(left <= alone, few_rows, radix))
 
     def any_filter():  # a top_k past the candidates goes straight to the radix selects
-        row_lse = jax.nn.logsumexp(scaled, axis=1)  # [B]: the candidates' nucleus needs it too
-        straight = jnp.any(top_k > FILTER_CANDIDATES)
-        if not alone:
-            # So does a small batch with a nucleus alone that the candidates cannot hold (their
-            # mass is at most FILTER_CANDIDATES times the likeliest token's): the candidates'
-            # sorts would be wasted (H200, 16 flat rows: 0.52 ms a step of `sample` with them,
-            # 0.40 without, 0.27-0.38 before the candidates). One more pass over the logits
-            # (the max), which a large batch's fast cases would pay for nothing.
-            likeliest = jnp.exp(jnp.max(scaled, axis=1) - row_lse)
-            flat = (top_k == 0) & (top_p < 1.0) & (FILTER_CANDIDATES * likeliest < top_p)
-            straight |= jnp.any(flat)
+        row_max = jnp.max(scaled, axis=1)  # [B]
+        shift = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+        # [B], as jax.nn.logsumexp, whose max the flat test shares; the candidates' nucleus reads it
+        row_lse = shift + jnp.log(jnp.sum(jnp.exp(scaled - shift[:, None]), axis=1))
+        # A nucleus alone that the candidates cannot hold: their mass is at most
+        # FILTER_CANDIDATES times the likeliest token's. More such rows than the radix selects
+        # take alone, and the candidates' sorts would be wasted (H200, a step of `sample`: 16
+        # flat rows 0.52 ms with them, 0.40 without; 256 flat rows 1.37-1.39, 1.24-1.25).
+        flat = (
+            (top_k == 0) & (top_p < 1.0) & (FILTER_CANDIDATES * jnp.exp(row_max - row_lse) < top_p)
+        )
+        straight = jnp.any(top_k > FILTER_CANDIDATES) | (jnp.sum(flat) > alone)
         return lax.cond(straight, radix, lambda: filtered(row_lse))
 
     zero = jnp.zeros(key.shape[:1], jnp.uint32)
