@@ -154,7 +154,8 @@ def _candidate_cutoffs(
     whether the row's kept set lies inside its candidates, so its cutoff is the radix one, and
     the candidates: values f32[B, C], largest first, and their ids i32[B, C]).
     It does for top_k <= FILTER_CANDIDATES (unless the k-th value's ties run past the
-    candidates), and for a nucleus alone when the candidates hold top_p of the mass."""
+    candidates), and for a nucleus alone when the candidates hold top_p of the mass (short of
+    their last value, or ties past them could belong to it)."""
     c = min(FILTER_CANDIDATES, scaled.shape[1])
     vals, ids = find_top_k(scaled, c)  # [B, C], largest first
     k = top_k
@@ -176,7 +177,10 @@ def _candidate_cutoffs(
     mass = jnp.sum(jnp.where(at_least, probs[:, None, :], 0.0), axis=2)  # [B, C]
     reached = kept & (mass >= top_p[:, None])
     cut_p = jnp.max(jnp.where(reached, vals, -jnp.inf), axis=1)  # [B]
-    complete_p = (top_p >= 1.0) | jnp.any(reached, axis=1)
+    # A nucleus alone that ends on the last candidate may have ties past it (a top_k's cut
+    # there is the k-th value, whose ties were counted).
+    ends_inside = (k > 0) | (cut_p > vals[:, -1]) | (c == scaled.shape[1])
+    complete_p = (top_p >= 1.0) | (jnp.any(reached, axis=1) & ends_inside)
     zero = jnp.zeros(k.shape, jnp.uint32)
     cut = jnp.maximum(
         jnp.where(k > 0, _order_key(kth), zero), jnp.where(top_p < 1.0, _order_key(cut_p), zero)

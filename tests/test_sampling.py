@@ -117,12 +117,12 @@ def test_candidate_cutoffs_equal_the_radix_ones_where_complete():
     """The filters' cutoffs from each row's largest values equal the radix selects' over the
     whole row wherever the rows say their kept set lies inside the candidates, and the rows
     whose kept set cannot (top_k past the candidates, ties of the k-th value past them, a
-    nucleus of a flat row) say so."""
+    nucleus of a flat row, a nucleus ending on the last candidate with a tie past it) say so."""
     rng = np.random.default_rng()
     b, v, c = 240, 1000, FILTER_CANDIDATES
     x = rng.standard_normal((b, v)) * 2
     k, p = np.zeros(b, int), np.ones(b)
-    case = np.arange(b) % 8
+    case = np.arange(b) % 9
     for r in range(b):
         if case[r] in (1, 2):  # top_k within the candidates, without and with a nucleus
             k[r] = rng.integers(1, c + 1)
@@ -141,12 +141,16 @@ def test_candidate_cutoffs_equal_the_radix_ones_where_complete():
             k[r] = rng.integers(1, 40)
         if case[r] in (2, 3, 7):
             p[r] = _nucleus_between_masses(x[r], k[r], rng)
+        if case[r] == 8:  # a nucleus alone ending on the last candidate, tied with the next value
+            x[r] = -20.0
+            x[r, rng.choice(v, c + 1, replace=False)] = [10.0] * (c - 1) + [5.0, 5.0]
+            p[r] = 0.99985  # past the 63 tens' mass (~0.99979), short of the first 5's (~0.99989)
     x = x.astype(np.float32)
     args = (jnp.asarray(x), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32))
     row_lse = jax.nn.logsumexp(args[0], axis=1)
     cut, complete = (np.asarray(a) for a in _candidate_cutoffs(*args, row_lse)[:2])
     radix = np.asarray(_radix_cutoffs(jnp.asarray(_order_key(args[0])), *args))
-    np.testing.assert_array_equal(complete, ~np.isin(case, [4, 5, 6]))
+    np.testing.assert_array_equal(complete, ~np.isin(case, [4, 5, 6, 8]))
     np.testing.assert_array_equal(cut[complete], radix[complete])
     assert (cut[case == 0] == 0).all() and (radix[case != 0] > 0).all()
 
