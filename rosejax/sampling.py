@@ -200,10 +200,11 @@ class Cutoffs(NamedTuple):
 
 
 def _filter_key(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> Cutoffs:
-    """Each row's cutoff on `_order_key(scaled)` [B, V]. From the rows' largest values where a
-    row's kept set lies inside them (top_k <= FILTER_CANDIDATES: at 256 x 50,257 the radix
-    selects took 0.47 ms for top_k and 0.85 ms for top_p, H200), by radix selects over the other
-    rows (over all of them past RADIX_FALLBACK_ROWS); a batch without filters pays for neither."""
+    """Each row's cutoff on `_order_key(scaled)` [B, V], with its candidates where its kept set
+    lies inside them (`Cutoffs`). From the rows' largest values where it does (top_k <=
+    FILTER_CANDIDATES: at 256 x 50,257 the radix selects took 0.47 ms for top_k and 0.85 ms for
+    top_p, H200), by radix selects over the other rows (over all of them past
+    RADIX_FALLBACK_ROWS); a batch without filters pays for neither."""
     b, c = scaled.shape[0], min(FILTER_CANDIDATES, scaled.shape[1])
     outside = jnp.zeros(b, bool)
     no_candidates = (jnp.zeros((b, c), jnp.float32), jnp.zeros((b, c), jnp.int32))
@@ -219,7 +220,7 @@ def _filter_key(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> Cutoff
 
     def filtered(row_lse):
         cut, complete, vals, ids = _candidate_cutoffs(scaled, top_k, top_p, row_lse)
-        inside = Cutoffs(cut, complete & ((top_k > 0) | (top_p < 1.0)), vals, ids)
+        from_candidates = Cutoffs(cut, complete & ((top_k > 0) | (top_p < 1.0)), vals, ids)
 
         def few_rows():  # the radix selects over those rows only (padded with row 0)
             rows = jnp.nonzero(~complete, size=RADIX_FALLBACK_ROWS, fill_value=0)[0]  # [R]
@@ -230,8 +231,10 @@ def _filter_key(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> Cutoff
 
         left = jnp.sum(~complete)
         if not alone:
-            return lax.cond(left == 0, lambda: inside, radix)
-        return lax.cond(left == 0, lambda: inside, lambda: lax.cond(left <= alone, few_rows, radix))
+            return lax.cond(left == 0, lambda: from_candidates, radix)
+        return lax.cond(
+            left == 0, lambda: from_candidates, lambda: lax.cond(left <= alone, few_rows, radix)
+        )
 
     def row_stats():  # each row's max and logsumexp (as jax.nn.logsumexp's, sharing the max)
         row_max = jnp.max(scaled, axis=1)  # [B]
