@@ -199,7 +199,7 @@ class Cutoffs(NamedTuple):
     ids: jax.Array  # i32[B, C]
 
 
-def _filter_key(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> Cutoffs:
+def _filter_cutoffs(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> Cutoffs:
     """Each row's cutoff on `_order_key(scaled)` [B, V], with its candidates where its kept set
     lies inside them (`Cutoffs`). From the rows' largest values where it does (top_k <=
     FILTER_CANDIDATES: at 256 x 50,257 the radix selects took 0.47 ms for top_k and 0.85 ms for
@@ -275,20 +275,25 @@ def _gumbel(keys: jax.Array, ids: jax.Array) -> jax.Array:
     return -jnp.log(-jnp.log(jnp.maximum(unit, jnp.finfo(jnp.float32).tiny)))
 
 
+def _scores(values: jax.Array, ids: jax.Array, cut: jax.Array, keys: jax.Array) -> jax.Array:
+    """Gumbel-perturbed values [B, N] of the tokens `ids` [B, N] each row keeps
+    (`_order_key(values) >= cut`), -inf for the rest: the draw takes the largest."""
+    kept = _order_key(values) >= cut[:, None]
+    return jnp.where(kept, values + _gumbel(keys, ids), -jnp.inf)
+
+
 def _draw(scaled: jax.Array, cut: jax.Array, keys: jax.Array) -> jax.Array:
-    """Gumbel-max over each row's kept tokens (`_order_key(scaled) >= cut`) -> i32[B]; ties to
-    the lowest id."""
+    """Gumbel-max over each row's kept tokens -> i32[B]; ties to the lowest id (the first)."""
     ids = lax.broadcasted_iota(jnp.int32, scaled.shape, 1)  # [B, V]
-    score = jnp.where(_order_key(scaled) >= cut[:, None], scaled + _gumbel(keys, ids), -jnp.inf)
-    return jnp.argmax(score, axis=1).astype(jnp.int32)
+    return jnp.argmax(_scores(scaled, ids, cut, keys), axis=1).astype(jnp.int32)
 
 
 def _draw_among_candidates(cutoffs: Cutoffs, keys: jax.Array, vocab: int) -> jax.Array:
     """`_draw` over rows whose kept tokens all lie among their candidates, from those alone:
     the same tokens for a hash of FILTER_CANDIDATES ids a row instead of V (at 256 x 151,936 the
-    whole-row draw is a pass of hashes, logs and an argmax over 39M logits)."""
-    kept = _order_key(cutoffs.values) >= cutoffs.cut[:, None]  # [B, C]
-    score = jnp.where(kept, cutoffs.values + _gumbel(keys, cutoffs.ids), -jnp.inf)
+    whole-row draw is a pass of hashes, logs and an argmax over 39M logits). The candidates are
+    in value order, so a tie goes to the lowest id by a min, not by position."""
+    score = _scores(cutoffs.values, cutoffs.ids, cutoffs.cut, keys)  # [B, C]
     best = jnp.max(score, axis=1, keepdims=True)
     return jnp.min(jnp.where(score == best, cutoffs.ids, vocab), axis=1)
 
@@ -419,7 +424,7 @@ def sample(
         # Greedy rows and top_k >= V never filter, so they never make a batch pay for it.
         k = jnp.where(do_sample & (top_k < vocab), top_k, 0)
         p = jnp.where(do_sample, top_p, 1.0)
-        cutoffs = _filter_key(scaled, k, p)
+        cutoffs = _filter_cutoffs(scaled, k, p)
 
         def row_key(s, n):  # s: a 32-bit seed, or the [hi, lo] key data of a 64-bit one
             impl = "threefry2x32"

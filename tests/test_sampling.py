@@ -23,7 +23,7 @@ from rosejax.sampling import (
 _candidate_cutoffs = jax.jit(sampling._candidate_cutoffs)
 _draw = jax.jit(sampling._draw)
 _draw_among_candidates = jax.jit(sampling._draw_among_candidates, static_argnums=2)
-_filter_key = jax.jit(sampling._filter_key)
+_filter_cutoffs = jax.jit(sampling._filter_cutoffs)
 _radix_cutoffs = jax.jit(sampling._radix_cutoffs)
 
 # One shape for (almost) every call: each new shape costs a ~2 s compile on CPU.
@@ -178,7 +178,7 @@ def test_rows_outside_their_candidates_take_the_radix_cutoff(b, wide):
     args = (_order_key(scaled), scaled, jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32))
     _, complete, _, _ = _candidate_cutoffs(*args[1:], jax.nn.logsumexp(scaled, axis=1))
     assert set(np.flatnonzero(~np.asarray(complete)).tolist()) == flat
-    cutoffs = _filter_key(*args[1:])
+    cutoffs = _filter_cutoffs(*args[1:])
     np.testing.assert_array_equal(np.asarray(cutoffs.cut), np.asarray(_radix_cutoffs(*args)))
     assert not np.asarray(cutoffs.inside).any()  # drawn over the whole rows
 
@@ -199,7 +199,7 @@ def test_a_draw_among_the_candidates_is_the_draw_over_the_row():
         if r % 4 != 0:
             p[r] = _nucleus_between_masses(x[r], k[r], rng)
     scaled, k, p = jnp.asarray(x), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32)
-    cutoffs = _filter_key(scaled, k, p)
+    cutoffs = _filter_cutoffs(scaled, k, p)
     assert np.asarray(cutoffs.inside).all()
     keys = jnp.asarray(rng.integers(0, 2**32, (b, 2)), jnp.uint32)
     among = np.asarray(_draw_among_candidates(cutoffs, keys, v))
