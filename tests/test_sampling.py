@@ -14,6 +14,7 @@ from rosejax.sampling import (
     FILTER_CANDIDATES,
     RADIX_FALLBACK_ROWS,
     SamplingParams,
+    Scaled,
     _order_key,
     _select,
     sample,
@@ -148,7 +149,8 @@ def test_candidate_cutoffs_equal_the_radix_ones_where_complete():
     x = x.astype(np.float32)
     args = (jnp.asarray(x), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32))
     row_lse = jax.nn.logsumexp(args[0], axis=1)
-    cut, complete = (np.asarray(a) for a in _candidate_cutoffs(*args, row_lse)[:2])
+    scaled = Scaled(args[0], jnp.ones(b))
+    cut, complete = (np.asarray(a) for a in _candidate_cutoffs(scaled, *args[1:], row_lse)[:2])
     radix = np.asarray(_radix_cutoffs(jnp.asarray(_order_key(args[0])), *args))
     np.testing.assert_array_equal(complete, ~np.isin(case, [4, 5, 6, 8]))
     np.testing.assert_array_equal(cut[complete], radix[complete])
@@ -176,43 +178,51 @@ def test_rows_outside_their_candidates_take_the_radix_cutoff(b, wide):
         p[r] = _nucleus_between_masses(x[r], k[r], rng)
     scaled = jnp.asarray(x.astype(np.float32))
     args = (_order_key(scaled), scaled, jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32))
-    _, complete, _, _ = _candidate_cutoffs(*args[1:], jax.nn.logsumexp(scaled, axis=1))
+    unscaled = Scaled(scaled, jnp.ones(b))
+    _, complete, _, _ = _candidate_cutoffs(unscaled, *args[2:], jax.nn.logsumexp(scaled, axis=1))
     assert set(np.flatnonzero(~np.asarray(complete)).tolist()) == flat
-    cutoffs = _filter_cutoffs(*args[1:])
+    cutoffs = _filter_cutoffs(unscaled, *args[2:])
     np.testing.assert_array_equal(np.asarray(cutoffs.cut), np.asarray(_radix_cutoffs(*args)))
     assert not np.asarray(cutoffs.inside).any()  # drawn over the whole rows
 
 
 def test_a_draw_among_the_candidates_is_the_draw_over_the_row():
-    """Rows whose kept tokens all lie among their 64 largest (top_k <= 64, a peaked nucleus) are
+    """Rows whose kept tokens all lie among their 64 largest (top_k <= 48, a peaked nucleus) are
     drawn from those alone: the same token as the Gumbel-max over the whole row with the same
     keys, and `sample` gives each such row the same token beside a row that sends the batch to
-    the radix selects and the whole-row draw (top_k past the candidates)."""
+    the radix selects and the whole-row draw (top_k past the candidates). bf16 logits, as
+    models give them, with their ties, each row at its own temperature."""
     rng = np.random.default_rng()
     b, v = 32, 1000
-    x = rng.standard_normal((b, v)).astype(np.float32) * 2
-    k = np.where(np.arange(b) % 2 == 0, rng.integers(1, FILTER_CANDIDATES + 1, b), 0)
+    x = (rng.standard_normal((b, v)) * 2).astype(jnp.bfloat16)
+    t = rng.uniform(0.3, 2.0, b).astype(np.float32)
+    # k <= 48: the k-th value's bf16 ties would have to run 16 values deep to leave the 64
+    k = np.where(np.arange(b) % 2 == 0, rng.integers(1, 49, b), 0)
     p = np.ones(b)
     for r in range(b):
         if k[r] == 0:
             x[r, rng.choice(v, 12, replace=False)] += 12
         if r % 4 != 0:
-            p[r] = _nucleus_between_masses(x[r], k[r], rng)
-    scaled, k, p = jnp.asarray(x), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32)
+            p[r] = _nucleus_between_masses(x[r].astype(np.float32) / t[r], k[r], rng)
+    logits, t = jnp.asarray(x), jnp.asarray(t)
+    scaled, k, p = Scaled(logits, t), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32)
     cutoffs = _filter_cutoffs(scaled, k, p)
     assert np.asarray(cutoffs.inside).all()
     keys = jnp.asarray(rng.integers(0, 2**32, (b, 2)), jnp.uint32)
     among = np.asarray(_draw_among_candidates(cutoffs, keys, v))
     np.testing.assert_array_equal(among, np.asarray(_draw(scaled, cutoffs.cut, keys)))
-    assert np.asarray(_order_key(scaled[jnp.arange(b), among]) >= cutoffs.cut).all()
+    chosen = jax.jit(Scaled.values)(scaled)[jnp.arange(b), among]  # the device's division
+    assert np.asarray(_order_key(chosen) >= cutoffs.cut).all()
 
     seeds, steps = rng.integers(0, 2**32, b), rng.integers(0, 10**6, b)
-    alone = np.asarray(sample(scaled, jnp.ones(b), k, p, jnp.asarray(seeds, jnp.uint32), steps))
+    greedy = np.arange(b) % 8 == 3
+    t = jnp.where(jnp.asarray(greedy), 0.0, t)
+    alone = np.asarray(sample(logits, t, k, p, jnp.asarray(seeds, jnp.uint32), steps))
     k_wide = k.at[0].set(200)  # row 0 leaves its candidates: every row is drawn whole
-    beside = np.asarray(
-        sample(scaled, jnp.ones(b), k_wide, p, jnp.asarray(seeds, jnp.uint32), steps)
-    )
+    beside = np.asarray(sample(logits, t, k_wide, p, jnp.asarray(seeds, jnp.uint32), steps))
     np.testing.assert_array_equal(beside[1:], alone[1:])
+    first_max = np.argmax(x.astype(np.float32), axis=1)
+    np.testing.assert_array_equal(alone[greedy], first_max[greedy])
 
 
 # Modes send batches down different lax.cond branches: both filters, top-k only, top-p only.
