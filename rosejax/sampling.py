@@ -138,29 +138,62 @@ FILTER_CANDIDATES = 64
 RADIX_FALLBACK_ROWS = 16
 
 
-def find_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The k largest values of each row of x [B, V] (k <= V; float32 values f32[B, k]) and their
-    ids, largest first, ties to the lower id (`lax.top_k`'s order), by sorting small arrays only: the k chunks of W
-    columns with the largest maxima hold the k largest values (a value outside them is beaten
-    by each of their maxima). W, a power of two near sqrt(V / k), keeps both sorts (V / W
-    maxima, k * W candidates) short. XLA's GPU TopK kernel took 0.3 ms a call at 256 x 50,257
-    (k=16) and sorted whole rows for k > 16; these two sorts take ~0.06 ms at k=20 (H200)."""
-    b, v = x.shape
-    width = 2 ** round(math.log2(math.sqrt(v / k)))
-    chunks = -(-v // width)
-    padded = jnp.pad(x, ((0, 0), (0, chunks * width - v)), constant_values=-jnp.inf)
+# Candidate arrays longer than this are narrowed by another round of chunks before they are
+# sorted (`find_top_k`).
+CANDIDATE_SORT_MAX = 1024
+
+
+def find_top_k(
+    x: jax.Array, k: int, *, sort_max: int = CANDIDATE_SORT_MAX
+) -> tuple[jax.Array, jax.Array]:
+    """The k largest values of each row of x [B, V] (k <= V), as float32 [B, k], and their ids,
+    largest first, ties to the lower id (`lax.top_k`'s order), by sorting small arrays only:
+    the k chunks of W columns with the largest maxima (ties to the lower chunk) hold the k
+    largest values (a value outside them is beaten by each of their maxima), and so on while
+    those candidates number more than `sort_max`. W, a power of two near sqrt(N / k), keeps both
+    sorts (N / W maxima, k * W candidates) short. XLA's GPU TopK kernel took 0.3 ms a call at
+    256 x 50,257 (k=16) and sorted whole rows for k > 16."""
+    values, ids = x, None  # ids None: the column's
+    while values.shape[1] > sort_max:
+        narrowed = _largest_chunks(values, ids, k)
+        if narrowed is None:
+            break
+        values, ids = narrowed
+    values = values.astype(jnp.float32)
+    if ids is None:
+        ids = lax.broadcasted_iota(jnp.int32, values.shape, 1)
+    # (value, id) pairs are distinct: no stable sort needed, and none of its extra operand.
+    neg, ids = lax.sort((-values, ids), dimension=1, num_keys=2, is_stable=False)
+    return -neg[:, :k], ids[:, :k]
+
+
+def _largest_chunks(
+    x: jax.Array, ids: jax.Array | None, k: int
+) -> tuple[jax.Array, jax.Array] | None:
+    """The columns of x [B, N] (ids [B, N] increasing along each row, or None: the column's) in
+    the k chunks of W with the largest maxima, in column order: values f32[B, k * W] (-inf past
+    N) and their ids; None where chunks of W would not narrow the row."""
+    b, n = x.shape
+    width = 2 ** round(math.log2(math.sqrt(n / k)))
+    chunks = -(-n // width)
+    if chunks <= k:
+        return None
+    padded = jnp.pad(x, ((0, 0), (0, chunks * width - n)), constant_values=-jnp.inf)
     # Float32 keys: XLA sorts bf16 ones with cub's radix sort, a custom call that cost the engine
     # ~70 ms of TTFT a burst and ~0.2 ms a decode step (H200, Qwen3-0.6B, 256 sampled rows).
-    maxima = padded.reshape(b, chunks, width).max(axis=2).astype(jnp.float32)  # [B, V / W]
-    order = jnp.broadcast_to(jnp.arange(chunks, dtype=jnp.int32), maxima.shape)
-    _, best = lax.sort((-maxima, order), dimension=1, num_keys=1)  # stable: ties keep id order
-    # The chosen chunks in id order, so the stable sort below breaks ties by id.
-    best = jnp.sort(best[:, : min(k, chunks)], axis=1)  # [B, k]
-    ids = (best[:, :, None] * width + jnp.arange(width, dtype=jnp.int32)).reshape(b, -1)
-    values = jnp.take_along_axis(x, jnp.minimum(ids, v - 1), axis=1).astype(jnp.float32)
-    values = jnp.where(ids < v, values, -jnp.inf)
-    neg, ids = lax.sort((-values, ids), dimension=1, num_keys=1)  # [B, k * W]
-    return -neg[:, :k], ids[:, :k]
+    maxima = padded.reshape(b, chunks, width).max(axis=2).astype(jnp.float32)  # [B, N / W]
+    order = lax.broadcasted_iota(jnp.int32, maxima.shape, 1)
+    _, best = lax.sort((-maxima, order), dimension=1, num_keys=2, is_stable=False)
+    # The chosen chunks in column order: the next round's chunks keep ties in id order.
+    best = jnp.sort(best[:, :k], axis=1)  # [B, k]
+    cols = (best[:, :, None] * width + jnp.arange(width, dtype=jnp.int32)).reshape(b, -1)
+    inside = cols < n
+    at = jnp.minimum(cols, n - 1)
+    values = jnp.take_along_axis(x, at, axis=1).astype(jnp.float32)
+    values = jnp.where(inside, values, -jnp.inf)
+    if ids is not None:  # past N: a padded column, after every real one
+        cols = jnp.where(inside, jnp.take_along_axis(ids, at, axis=1), jnp.iinfo(jnp.int32).max)
+    return values, cols
 
 
 def _radix_cutoffs(

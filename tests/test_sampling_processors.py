@@ -189,20 +189,26 @@ def test_token_logprobs_match_log_softmax():
     assert ids[0, :3].tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize("vocab", [1, 7, 63, 64, 65, 200, 1000])
-def test_find_top_k_matches_a_stable_sort(vocab):
+@pytest.mark.parametrize(
+    "vocab, sort_max",
+    [(1, 1024), (7, 1024), (63, 1024), (64, 1024), (65, 1024), (200, 1024)]
+    + [(1000, 1024), (1000, 8), (3000, 40)],
+)
+def test_find_top_k_matches_a_stable_sort(vocab, sort_max):
     """`find_top_k` against numpy's stable sort: the k largest, largest first, ties to the lower id,
-    with many ties (a few distinct values, also across chunks), -inf, and k from 1 to vocab."""
+    with many ties (a few distinct values, also across chunks), -inf, and k from 1 to vocab; a
+    small `sort_max` narrows the candidates in two or three rounds of chunks."""
     rng = np.random.default_rng()
     x = rng.integers(-3, 4, (B, vocab)).astype(np.float32)
     x[rng.random((B, vocab)) < 0.1] = -np.inf
     x[1] = rng.standard_normal(vocab)  # one row of distinct values
+    x[2, : vocab // 2] = -np.inf  # more -inf than some k: the lowest ids among them
     for k in sorted({1, min(vocab, 5), min(vocab, MAX_LOGPROBS), vocab}):
-        values, ids = top_k_jit(jnp.asarray(x), k)
+        values, ids = top_k_jit(jnp.asarray(x), k, sort_max=sort_max)
         want = np.argsort(-x, axis=1, kind="stable")[:, :k]
         np.testing.assert_array_equal(np.asarray(ids), want)
         np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, want, 1))
 
 
-top_k_jit = jax.jit(find_top_k, static_argnums=1)
+top_k_jit = jax.jit(find_top_k, static_argnums=1, static_argnames="sort_max")
 token_logprobs_jit = jax.jit(token_logprobs)
