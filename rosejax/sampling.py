@@ -10,36 +10,20 @@ reaches top_p, the top token always; 1.0 = off), then a Gumbel-max draw over the
 (ties to the lowest id) with key fold_in(key(seed), step); a 64-bit seed travels as its two
 32-bit words [hi, lo], the key data jax.random.key makes of it (a seed below 2**32 is [0,
 seed]). Both filters keep tokens tied with the last kept one, so the kept set never depends on
-sort order. A token's Gumbel noise is one threefry hash of (the row's key, its id) (`_gumbel`),
-so rows whose kept tokens all lie among their candidates (below) are drawn from those alone,
-to the same token as a draw over the whole row: at 256 x 151,936 on an H200 that took a step
-of `sample` with top_k=20 + top_p=0.95 from 1.02 to 0.85 ms, and Qwen3-0.6B's decode step
-with its generation config's sampling from 3.22 to 2.96 ms.
+sort order.
 
-The cutoffs come from each row's FILTER_CANDIDATES (64) largest values (`find_top_k`: two sorts
-of small arrays) when every filtering row's kept set lies inside them: top_k <= 64 (with or
-without top_p), or a nucleus alone that the 64 hold (a peaked distribution). Else each filter
-finds its cutoff with an exact radix select over the whole row (`_select`, 8 fused passes over
-[B, V]), for the rows outside their candidates alone where a large batch has few of them. A
-batch that doesn't use a filter pays for neither. On an H200 at 256 rows the candidates cut
-top_k=50 from 0.79 to 0.58 ms a step of `sample`, top_k=20 + top_p=0.95 from 1.49 to 0.58 and a
-peaked nucleus from 1.14 to 0.59; 4-12 flat rows among 256 cost 0.85 (1.13), all flat 1.24
-(1.14; they skip the candidates): random weights' case (`docs/performance-log.md`). The radix
-selects before the candidates (jax 0.11.2, V=50257, per step inside a fori_loop; an argmax
-alone is ~20 us):
-
-| B   | greedy | temperature | top_k=50 | top_p=0.9 | both   | (full sort + lax.top_k(64): top_k=50 / top_p) |
-| 16  | 25 us  | 17 us       | 68 us    | 93 us     | 146 us | 229 / 506 us                                  |
-| 256 | 22 us  | 93 us       | 469 us   | 845 us    | 1.17 ms| 581 / 1733 us                                 |
-
-No pass writes a float32 copy of logits / temperature (`Scaled` keeps the two factors, and each
-pass over the row computes the values it reads), the greedy argmax reads the logits in their own
-dtype, and a batch that needs no pass behind a branch skips it (`_cond`): at 256 x 151,936 on an
-H200 a step of `sample` with top_k=20 + top_p=0.95 went from 0.77 to 0.63 ms, and Qwen3-0.6B's
-decode step with its generation config's sampling from 2.96 to 2.69 ms.
-
-XLA's fused [B, V, 16] reduction is compute-bound (~45 us a pass at B=256, ~4x the bytes'
-time): a Pallas select kernel is the next step if sampled batches matter.
+How the draw runs: a token's Gumbel noise is one threefry hash of (the row's key, its id)
+(`_gumbel`), so rows whose kept tokens all lie among their candidates are drawn from those alone,
+to the same token as a draw over the whole row. The candidates are each row's FILTER_CANDIDATES
+(64) largest values (`find_top_k`: sorts of small arrays only), and the cutoffs come from them
+when every filtering row's kept set lies inside them: top_k <= 64 (with or without top_p), or a
+nucleus alone that the 64 hold (a peaked distribution). Else each filter finds its cutoff with an
+exact radix select over the whole row (`_select`, 8 fused passes over [B, V]), for the rows
+outside their candidates alone where a large batch has few of them, and the draw runs over whole
+rows. A batch that doesn't use a filter pays for neither. The passes over [B, V] stay few: none
+writes a float32 copy of logits / temperature (`Scaled` keeps the two factors, and each pass
+computes the values it reads), the greedy argmax reads the logits in their own dtype, and a
+branch stays a branch (`_cond`). Figures: `docs/performance-log.md`, "Seed workloads".
 
 Before the filters, vLLM's order: the logits processors on the raw logits (`process_logits`:
 logit_bias and min_tokens as sparse per-row adds, then the repetition, frequency and presence
