@@ -10,14 +10,17 @@ import jax
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA:CPU without LLVM's optimizations (before jax starts its backend; subprocesses inherit it):
-# the suite's programs are small and run a few times each, so compiling them is most of the
-# time, and -O0 about halves what the engine tests spend on it. No fast-math at either level:
-# sampled tokens and kernel outputs came out bit for bit the same at -O0 and the default.
-# An XLA_FLAGS that names the level keeps its own.
+# XLA:CPU compiling quickly (before jax starts its backend; subprocesses inherit it): the
+# suite's programs are small and run a few times each, so compiling them is most of the time.
+# LLVM at -O0 about halves what the engine tests spend on it; XLA's older fusion emitters
+# instead of its MLIR ones halve it again (an engine's 12 programs from an empty cache: 14.1 ->
+# 7.6 s). No fast-math either way: sampled tokens and kernel outputs came out bit for bit the
+# same at -O0 and the default. An XLA_FLAGS that names a flag keeps its own value.
 _xla_flags = os.environ.get("XLA_FLAGS", "")
-if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in _xla_flags:
-    os.environ["XLA_FLAGS"] = f"{_xla_flags} --xla_backend_optimization_level=0".strip()
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    for _flag in ("xla_backend_optimization_level=0", "xla_cpu_use_fusion_emitters=false"):
+        if _flag.split("=")[0] not in _xla_flags:
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}".strip()
 # One OpenMP thread for torch (the HF references; read when torch is imported, after this): its
 # pool's threads spin, and on a 2-core machine with anything else busy, HF's greedy generate
 # of 24 tokens on these tiny models took 0.5-0.9 s with two threads, 0.02 s with one.
