@@ -160,7 +160,7 @@ def _largest_chunks(
     b, n = x.shape
     width = 2 ** round(math.log2(math.sqrt(n / k)))
     chunks = -(-n // width)
-    if chunks <= k:
+    if width == 1 or chunks <= k:  # chunks of one column are the row itself
         return None
     padded = jnp.pad(x, ((0, 0), (0, chunks * width - n)), constant_values=-jnp.inf)
     # Float32 keys: XLA sorts bf16 ones with cub's radix sort, a custom call that cost the engine
@@ -261,8 +261,8 @@ class Cutoffs(NamedTuple):
 
 
 def _filter_cutoffs(scaled: Scaled, top_k: jax.Array, top_p: jax.Array) -> Cutoffs:
-    """Each row's cutoff on `_order_key(scaled.values())` [B, V], with its candidates where its kept set
-    lies inside them (`Cutoffs`). From the rows' largest values where it does (top_k <=
+    """Each row's cutoff on `_order_key(scaled.values())` [B, V], with its candidates where its
+    kept set lies inside them (`Cutoffs`). From the rows' largest values where it does (top_k <=
     FILTER_CANDIDATES: at 256 x 50,257 the radix selects took 0.47 ms for top_k and 0.85 ms for
     top_p, H200), by radix selects over the other rows (over all of them past
     RADIX_FALLBACK_ROWS); a batch without filters pays for neither."""
