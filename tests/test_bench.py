@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from bench import metrics as m
+from bench.bench_sampling import CASES as SAMPLING_CASES
 from rosejax.engine_args import kernel_tile
 from rosejax.models.gpt2.config import PRESETS
 
@@ -827,3 +828,19 @@ def test_kernel_microbench_quick(tmp_path, script):
     for row in data["rows"]:
         assert _positive(row["us"]) and _positive(row["gbs"])
         assert row["max_err"] < 1e-2
+
+
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
+def test_sampling_microbench_quick(tmp_path):
+    """bench_sampling runs every case end to end beside its argmax baseline, one row each."""
+    path = tmp_path / "s.json"
+    subprocess.run(
+        [sys.executable, "bench/bench_sampling.py", "--quick", "--json", str(path)],
+        check=True,
+        capture_output=True,
+    )
+    rows = _load(path)["rows"]
+    assert [r["case"] for r in rows] == list(SAMPLING_CASES)
+    assert all(_positive(r["us"]) for r in rows)
+    assert rows[0]["over_argmax_us"] == 0
+    assert all(r["over_argmax_us"] == r["us"] - rows[0]["us"] for r in rows)
