@@ -43,13 +43,12 @@ CASES = {
 def step_fn(w: jax.Array, batch: int, case: str):
     """One step: h [B, H] -> the head's logits -> tokens -> the next h (tokens fold back in)."""
     scale, temperature, top_k, top_p = CASES[case]
-    full = lambda v, dtype: jnp.full((batch,), v, dtype)  # noqa: E731
     args = (
-        full(temperature, jnp.float32),
-        full(top_k, jnp.int32),
-        full(top_p, jnp.float32),
+        jnp.full((batch,), temperature, jnp.float32),
+        jnp.full((batch,), top_k, jnp.int32),
+        jnp.full((batch,), top_p, jnp.float32),
         jnp.arange(batch, dtype=jnp.uint32),  # seeds
-        full(0, jnp.int32),  # steps
+        jnp.zeros((batch,), jnp.int32),  # steps
     )
 
     def step(h):
