@@ -57,6 +57,7 @@ def impls(
     stages: list[int],
     splits: list[int],
     matrix: list[int],
+    heads: list[int],
     chunk_pages: list[int],
 ) -> dict:
     out = {"xla": functools.partial(paged_decode_attention_reference, num_q_heads=hq)}
@@ -64,11 +65,19 @@ def impls(
         out[f"xla_chunked_p{n}" if n else "xla_chunked"] = functools.partial(
             paged_decode_attention_xla, pages_per_chunk=n or None, num_q_heads=hq
         )
-    for w, s, n, g in itertools.product(warps, stages, splits, matrix):
-        name = f"rosejax_w{w}_s{s}" + (f"_k{n}" if n > 1 else "") + (f"_mma{g}" if g else "")
+    for w, s, n, g, hp in itertools.product(warps, stages, splits, matrix, heads):
+        if hp > 1 and not g:  # several heads a program only on the matrix units
+            continue
+        name = (
+            f"rosejax_w{w}_s{s}"
+            + (f"_k{n}" if n > 1 else "")
+            + (f"_mma{g}" if g else "")
+            + (f"_hp{hp}" if hp > 1 else "")
+        )
         out[name] = functools.partial(
             paged_decode_attention,
             num_q_heads=hq,
+            heads_per_program=hp,
             num_warps=w,
             num_stages=s,
             num_splits=n,
@@ -100,11 +109,23 @@ def main() -> None:
         help="comma list of the kernel's matrix_min_group (groups of at least this many query "
         "heads on the matrix units; 0: vector arithmetic)",
     )
+    p.add_argument(
+        "--heads-per-program",
+        default="1",
+        help="comma list of the kernel's heads_per_program (KV heads a program attends; above 1 "
+        "on the matrix units only)",
+    )
     p.add_argument("--q-heads", type=int, default=12, help="query heads (Hq)")
     p.add_argument("--kv-heads", type=int, default=12, help="KV heads (H), dividing Hq")
     p.add_argument("--head-dim", type=int, default=64, help="head dim (D)")
     p.add_argument("--dtype", default="float16", help="q and cache dtype (float16, bfloat16)")
     p.add_argument("--no-jax-op", action="store_true", help="skip jax's paged_attention op")
+    p.add_argument(
+        "--no-xla",
+        action="store_true",
+        help="skip the XLA paths (compiling them with the caches as constants takes minutes at "
+        "256 rows); the reference still checks every kernel's output",
+    )
     p.add_argument(
         "--xla-chunk-pages",
         default="0",
@@ -154,10 +175,13 @@ def main() -> None:
             [int(s) for s in args.num_stages.split(",")],
             [int(n) for n in args.num_splits.split(",")],
             [int(n) for n in args.matrix_min_group.split(",")],
+            [int(n) for n in args.heads_per_program.split(",")],
             [int(n) for n in args.xla_chunk_pages.split(",")],
         )
         if args.no_jax_op:
             variants = {n: f for n, f in variants.items() if not n.startswith("jax_op")}
+        if args.no_xla:
+            variants = {n: f for n, f in variants.items() if not n.startswith("xla")}
         for name, fn in variants.items():
             try:
                 got = np.asarray(fn(q, k, v, tables, lengths), np.float32)

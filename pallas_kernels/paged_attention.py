@@ -9,7 +9,9 @@ With grouped queries the program computes every query head of its group (G = Hq 
 today's models) over each page it loads, so each KV page is read once per group, not once per
 query head. From `matrix_min_group` query heads up the group's scores and weighted sums run on the
 matrix units instead (two Triton dots a page, the group padded to 16 rows): with two or more
-query heads a page the vector path's reductions, not the bytes, bound it.
+query heads a page the vector path's reductions, not the bytes, bound it. There a program may
+also own several KV heads (`heads_per_program`): each page of them is one tile, scored against
+all their query heads with the keys of other heads masked.
 
 Layout: k_cache, v_cache [H, num_blocks, block_size, D] (rosejax's KV cache); block_tables
 [B, MB] int32; lengths [B] int32 (tokens in the cache for the row, 0 for a padded row). q may carry
@@ -42,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
-from pallas_kernels.qk_norm_rope import check_qk_norm_rope, load_head, qk_norm_rope_reference
+from pallas_kernels.qk_norm_rope import check_qk_norm_rope, load_heads, qk_norm_rope_reference
 
 _NEG_INF = -1e30
 
@@ -56,26 +58,47 @@ PREFETCH_TABLE_MAX_BLOCKS = 64  # not tuned (16 entries measured): the select co
 DEFAULT_MATRIX_MIN_GROUP = 2
 MATRIX_NUM_WARPS = 4  # H100, the same engine: 0.947x the step of 8 warps at B=256, 0.984x at B=1
 MATRIX_MIN_ROWS = 16  # Triton's smallest matmul operand side: a group is padded to it
+# H200, Qwen3-0.6B bf16 at 256 rows, block size 64: two KV heads a program 0.975x the step; alone
+# at context 136 block size 32 and 16 pages took 2 and 4-8 heads further (-9%, -15%).
+HEADS_PER_PROGRAM_MIN_BATCH = 256
+HEADS_PER_PROGRAM_AUTO = 2
+HEADS_PER_PROGRAM_MAX_TILE_BYTES = 32 * 1024  # of K a page: the largest measured
 # _default_num_warps, vector path: a warp per 1,024 page elements  (H200: best at BS 16 and 32,
 # 1.2% off at 64)
 
 
-def _load_page(k_cache_ref, v_cache_ref, block_tables_ref, b, h, i, num_tokens, table):
-    """Logical page i of row b, KV head h -> K, V [BS, D] in the cache's dtype (keys at or past
-    `num_tokens` zero) and their validity [BS]. `table`: (the row's prefetched block table
-    [MB'], its slot indices) or None to read the entry from memory."""
-    block_size = k_cache_ref.shape[2]
+def _load_pages(k_cache_ref, v_cache_ref, block_tables_ref, b, h0, hp: int, i, num_tokens, table):
+    """Logical page i of row b for KV heads [h0, h0 + hp) -> K, V [hp x BS, D] in the cache's
+    dtype (head after head; keys at or past `num_tokens` zero). `table`: (the row's prefetched
+    block table [MB'], its slot indices) or None to read the entry from memory."""
+    block_size, head_dim = k_cache_ref.shape[2], k_cache_ref.shape[3]
     if table is None:
         page = block_tables_ref[b, i]
     else:  # a register vector takes no dynamic index: select by mask
         entries, slots = table
         page = jnp.sum(jnp.where(slots == i, entries, 0))
-    valid = i * block_size + jnp.arange(block_size, dtype=jnp.int32) < num_tokens  # [BS]
     # Masked loads: the last page's unused tail is never read (at block size 64 and GPT-2's
     # decode contexts that tail is a fifth to a half of the bytes).
-    k = plgpu.load(k_cache_ref.at[h, page, :, :], mask=valid[:, None], other=0.0)
-    v = plgpu.load(v_cache_ref.at[h, page, :, :], mask=valid[:, None], other=0.0)
-    return k, v, valid
+    if hp == 1:
+        valid = i * block_size + jnp.arange(block_size, dtype=jnp.int32) < num_tokens  # [BS]
+        k = plgpu.load(k_cache_ref.at[h0, page, :, :], mask=valid[:, None], other=0.0)
+        v = plgpu.load(v_cache_ref.at[h0, page, :, :], mask=valid[:, None], other=0.0)
+        return k, v  # [BS, D]
+    # Several heads: pointers of one [hp x BS, D] tile, not a [hp, BS, D] load reshaped (a
+    # reshape between the load and the dot keeps Triton from pipelining the load).
+    cols = jnp.arange(hp * block_size, dtype=jnp.int32)
+    heads, tokens = (h0 + cols // block_size)[:, None], (cols % block_size)[:, None]
+    dims = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    mask = (i * block_size + tokens < num_tokens) & (dims >= 0)  # [hp x BS, D]
+    k = plgpu.load(k_cache_ref.at[heads, page, tokens, dims], mask=mask, other=0.0)
+    v = plgpu.load(v_cache_ref.at[heads, page, tokens, dims], mask=mask, other=0.0)
+    return k, v
+
+
+def _pick_row(x, rows, g):
+    """Row g of x [M] or [M, ...]: a register tile takes no dynamic index, so by mask."""
+    mask = rows == g if x.ndim == 1 else rows[:, None] == g
+    return jnp.sum(jnp.where(mask, x, 0.0), axis=0)
 
 
 def _vector_update(qs, k, v, valid, carry):
@@ -94,40 +117,44 @@ def _vector_update(qs, k, v, valid, carry):
     return tuple(out)
 
 
-def _matrix_update(q, sm_scale, k, v, valid, carry):
-    """One page into the group's online softmax on the matrix units: q [G', D] (the group's
-    queries in the cache's dtype, zero rows past it) against K and V as two Triton dots."""
-    m, denom, acc = carry  # [G'], [G'], [G', D] float32
+def _matrix_update(q, sm_scale, k, v, visible, carry):
+    """One page of the program's KV heads into its queries' online softmax on the matrix units:
+    q [M, D] (its query heads in the cache's dtype) against K and V [hp x BS, D] as two Triton
+    dots; `visible` [M, hp x BS]: the keys of each query's own KV head that are cached."""
+    m, denom, acc = carry  # [M], [M], [M, D] float32
     precision = jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
-    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [G', BS] float32
-    s = jnp.where(valid[None, :], s, _NEG_INF)
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [M, hp x BS] float32
+    s = jnp.where(visible, s, _NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    p = jnp.exp(s - m_new[:, None])  # [G', BS]
+    p = jnp.exp(s - m_new[:, None])  # [M, hp x BS]
     alpha = jnp.exp(m - m_new)
-    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [G', D] float32
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [M, D] float32
     return m_new, denom * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
 
 def _attend_pages(
-    qs,
+    q,
     sm_scale: float,
     k_cache_ref,
     v_cache_ref,
     block_tables_ref,
     b,
-    h,
+    h0,
+    group: int,
+    hp: int,
     num_tokens,
     pages,
     prefetch_table: bool,
     matrix_units: bool,
 ):
-    """Online softmax of each query of `qs` (a tuple of [D] float32, unscaled: the group of
-    query heads that share KV head h) over the row's first `num_tokens` cached keys of head h that
-    lie in its logical pages [first, end) = `pages` -> per query (running max, softmax
-    denominator, numerator [D]), all float32. Each page of K and V is loaded once for the whole
-    group. With `matrix_units` the group's scores and weighted sums are two Triton dots a page
-    (the group padded to 16 rows, probabilities rounded to the cache's dtype as flash attention
-    does); otherwise vector arithmetic in float32, one query after another."""
+    """Online softmax of the program's queries q [M, D] (unscaled; row r is query head r % group
+    of KV head h0 + r // group, rows past hp x group padding) over the row's first `num_tokens`
+    cached keys of KV heads [h0, h0 + hp) that lie in its logical pages [first, end) = `pages`
+    -> per query row (running max [M], softmax denominator [M], numerator [M, D]), all float32.
+    Each page of K and V is loaded once for every query of its head. With `matrix_units` the
+    scores and weighted sums are two Triton dots a page (probabilities rounded to the cache's
+    dtype as flash attention does); otherwise (one KV head) vector arithmetic in float32, one
+    query after another."""
     block_size, head_dim = k_cache_ref.shape[2], k_cache_ref.shape[3]
     max_blocks = block_tables_ref.shape[1]
     table = None
@@ -140,35 +167,45 @@ def _attend_pages(
     first, end = pages
     # No page without a cached key: its scores would all be _NEG_INF, each weighing exp(0) = 1.
     end = jnp.minimum(end, (num_tokens + block_size - 1) // block_size)
+    rows = jnp.arange(q.shape[0], dtype=jnp.int32)  # [M]
 
     def page(i):
-        return _load_page(k_cache_ref, v_cache_ref, block_tables_ref, b, h, i, num_tokens, table)
+        return _load_pages(
+            k_cache_ref, v_cache_ref, block_tables_ref, b, h0, hp, i, num_tokens, table
+        )
 
     if not matrix_units:
-        scaled = tuple(q * sm_scale for q in qs)
+        scaled = q.astype(jnp.float32) * sm_scale
+        qs = tuple(_pick_row(scaled, rows, g) for g in range(group))  # [D] each
         init = (jnp.float32(_NEG_INF), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32))
-        return jax.lax.fori_loop(
-            first, end, lambda i, carry: _vector_update(scaled, *page(i), carry), (init,) * len(qs)
-        )
-    rows = jnp.arange(max(MATRIX_MIN_ROWS, next_power_of_2(len(qs))), dtype=jnp.int32)  # [G']
-    q = jnp.zeros((rows.shape[0], head_dim), jnp.float32)
-    for g, q_g in enumerate(qs):
-        q = jnp.where(rows[:, None] == g, q_g[None, :], q)
-    q = q.astype(k_cache_ref.dtype)  # [G', D]
+
+        def vector_page(i, carry):
+            k, v = page(i)
+            valid = i * block_size + jnp.arange(block_size, dtype=jnp.int32) < num_tokens
+            return _vector_update(qs, k, v, valid, carry)
+
+        states = jax.lax.fori_loop(first, end, vector_page, (init,) * group)
+        m = jnp.full(rows.shape, _NEG_INF, jnp.float32)
+        denom, acc = jnp.zeros(rows.shape, jnp.float32), jnp.zeros(q.shape, jnp.float32)
+        for g, (m_g, denom_g, acc_g) in enumerate(states):
+            m, denom = jnp.where(rows == g, m_g, m), jnp.where(rows == g, denom_g, denom)
+            acc = jnp.where(rows[:, None] == g, acc_g[None, :], acc)
+        return m, denom, acc
+    cols = jnp.arange(hp * block_size, dtype=jnp.int32)  # [hp x BS]: key t of head c // BS
+    own_head = (rows // group)[:, None] == (cols // block_size)[None, :]  # [M, hp x BS]
+    q = q.astype(k_cache_ref.dtype)
+
+    def matrix_page(i, carry):
+        k, v = page(i)
+        cached = i * block_size + cols % block_size < num_tokens  # [hp x BS]
+        return _matrix_update(q, sm_scale, k, v, own_head & cached[None, :], carry)
+
     init = (
         jnp.full(rows.shape, _NEG_INF, jnp.float32),
         jnp.zeros(rows.shape, jnp.float32),
         jnp.zeros((rows.shape[0], head_dim), jnp.float32),
     )
-    m, denom, acc = jax.lax.fori_loop(
-        first, end, lambda i, carry: _matrix_update(q, sm_scale, *page(i), carry), init
-    )
-
-    def row(x, g):  # row g of x: a register tile takes no dynamic index either
-        mask = rows == g if x.ndim == 1 else rows[:, None] == g
-        return jnp.sum(jnp.where(mask, x, 0.0), axis=0)
-
-    return tuple((row(m, g), row(denom, g), row(acc, g)) for g in range(len(qs)))
+    return jax.lax.fori_loop(first, end, matrix_page, init)
 
 
 def _split_pages(length, block_size: int, num_splits: int):
@@ -184,22 +221,32 @@ def _split_pages(length, block_size: int, num_splits: int):
     return first, jnp.minimum(first + per, live), live
 
 
-def _store_states(out_refs, b, heads, states, num_splits: int) -> None:
-    """Each query head's softmax state -> its output (one split: o_ref [B, Hq, D]), or this
+def _query_heads(group: int, hp: int, matrix_units: bool):
+    """A program's query rows [M] and which are real: its hp x group query heads, padded to a
+    power of two (to MATRIX_MIN_ROWS on the matrix units)."""
+    n = next_power_of_2(group * hp)
+    rows = jnp.arange(max(MATRIX_MIN_ROWS, n) if matrix_units else n, dtype=jnp.int32)
+    return rows, rows < group * hp
+
+
+def _store_states(out_refs, b, first_head, real, states, num_splits: int) -> None:
+    """The program's softmax states (max [M], denominator [M], numerator [M, D]) of query heads
+    first_head + r, for the `real` rows r -> its outputs (one split: o_ref [B, Hq, D]), or this
     split's partials m_ref, l_ref [B, Hq, S] and acc_ref [B, Hq, S, D] float32, which
     `_combine_splits` merges."""
+    m, denom, acc = states
+    heads = pl.ds(first_head, m.shape[0])
     if num_splits == 1:
         (o_ref,) = out_refs
-        for j, (_, denom, acc) in zip(heads, states, strict=True):
-            # A padded row (length 0) has denom = 0: write zeros, not NaN.
-            o_ref[b, j, :] = (acc / jnp.maximum(denom, 1e-30)).astype(o_ref.dtype)
+        # A padded row (length 0) has denom = 0: write zeros, not NaN.
+        out = (acc / jnp.maximum(denom, 1e-30)[:, None]).astype(o_ref.dtype)
+        plgpu.store(o_ref.at[b, heads, :], out, mask=real[:, None])
         return
     m_ref, l_ref, acc_ref = out_refs
     split = pl.program_id(2)
-    for j, (m, denom, acc) in zip(heads, states, strict=True):
-        m_ref[b, j, split] = m
-        l_ref[b, j, split] = denom
-        acc_ref[b, j, split, :] = acc
+    plgpu.store(m_ref.at[b, heads, split], m, mask=real)
+    plgpu.store(l_ref.at[b, heads, split], denom, mask=real)
+    plgpu.store(acc_ref.at[b, heads, split, :], acc, mask=real[:, None])
 
 
 def paged_decode_attention_kernel(
@@ -212,28 +259,42 @@ def paged_decode_attention_kernel(
     sm_scale: float,
     prefetch_table: bool,
     group: int,
+    heads_per_program: int,
     num_splits: int,
     matrix_units: bool,
 ):
-    b, h = pl.program_id(0), pl.program_id(1)
+    b, h0 = pl.program_id(0), pl.program_id(1) * heads_per_program
+    num_q_heads = k_cache_ref.shape[0] * group
     length = lengths_ref[b]
     first, end, _ = _split_pages(length, k_cache_ref.shape[2], num_splits)
-    heads = [h * group + g for g in range(group)]  # the query heads of KV head h
-    qs = tuple(q_ref[b, j, :].astype(jnp.float32) for j in heads)  # [D] each
+    rows, real = _query_heads(group, heads_per_program, matrix_units)
+    heads = jnp.minimum(h0 * group + rows, num_q_heads - 1)  # padding rows: any head in range
+    q = jnp.where(real[:, None], load_heads(q_ref, b, heads, None, None, 0.0), 0)  # [M, D]
     states = _attend_pages(
-        qs,
+        q,
         sm_scale,
         k_cache_ref,
         v_cache_ref,
         block_tables_ref,
         b,
-        h,
+        h0,
+        group,
+        heads_per_program,
         length,
         (first, end),
         prefetch_table,
         matrix_units,
     )
-    _store_states(out_refs, b, heads, states, num_splits)
+    _store_states(out_refs, b, h0 * group, real, states, num_splits)
+
+
+def _per_query_row(x, kv_of_row):
+    """x [hp, D] (one vector per KV head) -> [M, D]: row r is x[kv_of_row[r]]."""
+    kv = jnp.arange(x.shape[0], dtype=jnp.int32)
+    out = jnp.zeros((kv_of_row.shape[0], x.shape[1]), x.dtype)
+    for j in range(x.shape[0]):
+        out = jnp.where((kv_of_row == j)[:, None], _pick_row(x, kv, j)[None, :], out)
+    return out
 
 
 def paged_decode_attention_append_kernel(
@@ -247,6 +308,7 @@ def paged_decode_attention_append_kernel(
     sm_scale: float,
     prefetch_table: bool,
     group: int,
+    heads_per_program: int,
     num_splits: int,
     matrix_units: bool,
     rope: bool,
@@ -257,7 +319,8 @@ def paged_decode_attention_append_kernel(
     out_refs, (k_cache_ref, v_cache_ref) = refs[num_inputs:-2], refs[-2:]
     rope_refs = refs[:2] if rope else None
     q_scale_ref, k_scale_ref = refs[2:4] if qk_norm else (None, None)
-    b, h = pl.program_id(0), pl.program_id(1)
+    hp = heads_per_program
+    b, h0 = pl.program_id(0), pl.program_id(1) * hp
     num_heads, block_size = k_cache_ref.shape[0], k_cache_ref.shape[2]
     num_q_heads = num_heads * group
     length = lengths_ref[b]
@@ -267,36 +330,39 @@ def paged_decode_attention_append_kernel(
     # and a shared partial block is copied before anyone writes into it). The new token is in
     # the row's last live page: the split whose pages end there adds it.
     holds_new = (first < end) & (end == live)
-    heads = [h * group + g for g in range(group)]
-    qs = tuple(
-        load_head(qkv_ref, b, j, rope_refs, q_scale_ref, eps).astype(jnp.float32) for j in heads
-    )  # [D] each
-    states = _attend_pages(
-        qs,
+    rows, real = _query_heads(group, hp, matrix_units)
+    heads = jnp.minimum(h0 * group + rows, num_q_heads - 1)  # padding rows: any head in range
+    q = load_heads(qkv_ref, b, heads, rope_refs, q_scale_ref, eps)  # [M, D]
+    q = jnp.where(real[:, None], q, 0)
+    m, denom, acc = _attend_pages(
+        q,
         sm_scale,
         k_cache_in_ref,
         v_cache_in_ref,
         block_tables_ref,
         b,
-        h,
+        h0,
+        group,
+        hp,
         length - 1,
         (first, end),
         prefetch_table,
         matrix_units,
     )
-    k_new = load_head(qkv_ref, b, num_q_heads + h, rope_refs, k_scale_ref, eps)  # [D]
-    v_new = qkv_ref[b, num_q_heads + num_heads + h, :]  # [D]
-    k_f, v_f = k_new.astype(jnp.float32), v_new.astype(jnp.float32)
-    with_new = []
-    for q, (m, denom, acc) in zip(qs, states, strict=True):
-        s = jnp.sum(q * sm_scale * k_f)
-        m_new = jnp.maximum(m, s)
-        alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
-        state = (m_new, denom * alpha + p, acc * alpha + p * v_f)
-        with_new.append(
-            tuple(jnp.where(holds_new, x, y) for x, y in zip(state, (m, denom, acc), strict=True))
-        )
-    _store_states(out_refs, b, heads, with_new, num_splits)
+    new_heads = num_q_heads + h0 + jnp.arange(hp, dtype=jnp.int32)  # [hp]
+    k_new = load_heads(qkv_ref, b, new_heads, rope_refs, k_scale_ref, eps)  # [hp, D]
+    v_new = load_heads(qkv_ref, b, new_heads + num_heads, None, None, eps)  # [hp, D]
+    kv_of_row = jnp.minimum(rows // group, hp - 1)  # [M]
+    k_f = _per_query_row(k_new.astype(jnp.float32), kv_of_row)  # [M, D]
+    v_f = _per_query_row(v_new.astype(jnp.float32), kv_of_row)
+    s = jnp.sum(q.astype(jnp.float32) * sm_scale * k_f, axis=1)  # [M]
+    m_new = jnp.maximum(m, s)
+    alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
+    with_new = (m_new, denom * alpha + p, acc * alpha[:, None] + p[:, None] * v_f)
+    states = tuple(
+        jnp.where(holds_new, x, y) for x, y in zip(with_new, (m, denom, acc), strict=True)
+    )
+    _store_states(out_refs, b, h0 * group, real, states, num_splits)
 
     # Stored last: with these stores ahead of the page loop the kernel took 6.7 us a call at
     # B=1 on an H100, 1.4 us more than the attention alone.
@@ -306,8 +372,8 @@ def paged_decode_attention_append_kernel(
         # At most the table's last entry, as the model clips.
         logical = jnp.minimum(pos // block_size, block_tables_ref.shape[1] - 1)
         block = jnp.where(length > 0, block_tables_ref[b, logical], 0)
-        k_cache_ref[h, block, pos % block_size, :] = k_new
-        v_cache_ref[h, block, pos % block_size, :] = v_new
+        k_cache_ref[pl.ds(h0, hp), block, pos % block_size, :] = k_new
+        v_cache_ref[pl.ds(h0, hp), block, pos % block_size, :] = v_new
 
     if num_splits == 1:
         store_new()
@@ -363,6 +429,19 @@ def uses_matrix_units(
 def decode_kernel_supported(head_dim: int, block_size: int) -> bool:
     """Whether the Pallas decode kernels tile this cache (Triton tiles are powers of two)."""
     return is_power_of_2(head_dim) and is_power_of_2(block_size)
+
+
+def default_heads_per_program(
+    batch: int, num_heads: int, block_size: int, head_dim: int, itemsize: int, matrix_units: bool
+) -> int:
+    """KV heads a decode program attends by default: HEADS_PER_PROGRAM_AUTO on the matrix units
+    from HEADS_PER_PROGRAM_MIN_BATCH rows up, where they divide the heads and their [hp x BS, D]
+    K tile stays within HEADS_PER_PROGRAM_MAX_TILE_BYTES; else 1."""
+    hp = HEADS_PER_PROGRAM_AUTO
+    fits = hp * block_size * head_dim * itemsize <= HEADS_PER_PROGRAM_MAX_TILE_BYTES
+    if matrix_units and batch >= HEADS_PER_PROGRAM_MIN_BATCH and num_heads % hp == 0 and fits:
+        return hp
+    return 1
 
 
 def _default_num_warps(block_size: int, head_dim: int, matrix_units: bool) -> int:
@@ -426,6 +505,7 @@ def _decode_call(
     *prologue,
     append: bool,
     num_q_heads: int,
+    heads_per_program: int | None,
     num_splits: int,
     num_warps: int | None,
     num_stages: int,
@@ -433,8 +513,8 @@ def _decode_call(
     matrix_min_group: int,
     interpret: bool,
 ):
-    """One program per (row, KV head, split), for all the query heads of its group; with
-    `append` the caches are outputs too, in place. `prologue`: more inputs, after the lengths.
+    """One program per (row, `heads_per_program` KV heads, split), for all the query heads of
+    their groups; with `append` the caches are outputs too, in place. `prologue`: more inputs, after the lengths.
     More than one split: the kernel writes float32 partials, `_combine_splits` merges them."""
     b, d = q.shape[0], q.shape[2]
     h, _, bs, _ = k_cache.shape
@@ -444,6 +524,19 @@ def _decode_call(
         raise ValueError(f"matrix_min_group must be an int >= 0, got {matrix_min_group!r}")
     group = num_q_heads // h
     matrix_units = uses_matrix_units(group, bs, d, matrix_min_group)
+    hp = heads_per_program
+    if hp is None:
+        hp = default_heads_per_program(b, h, bs, d, k_cache.dtype.itemsize, matrix_units)
+    if not isinstance(hp, int) or hp < 1 or not is_power_of_2(hp) or h % hp:
+        raise ValueError(
+            f"heads_per_program must be a power of two dividing the cache's {h} KV heads, "
+            f"got {hp!r}"
+        )
+    if hp > 1 and not matrix_units:
+        raise ValueError(
+            f"heads_per_program {hp} needs the matrix units (group {group} >= matrix_min_group "
+            f"{matrix_min_group} > 0, block size and head dim >= {MATRIX_MIN_ROWS})"
+        )
     if num_warps is None:
         num_warps = _default_num_warps(bs, d, matrix_units)
     if prefetch_table is None:
@@ -466,15 +559,17 @@ def _decode_call(
             sm_scale=1.0 / math.sqrt(d),
             prefetch_table=bool(prefetch_table),
             group=group,
+            heads_per_program=hp,
             num_splits=num_splits,
             matrix_units=matrix_units,
         ),
-        grid=(b, h) if num_splits == 1 else (b, h, num_splits),
+        grid=(b, h // hp) if num_splits == 1 else (b, h // hp, num_splits),
         out_shape=(*out_shapes, cache_shape, cache_shape) if append else out_shapes,
         input_output_aliases={1: n, 2: n + 1} if append else {},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"{name}_bs{bs}_g{group}{'_mma' if matrix_units else ''}_w{num_warps}"
+        + (f"_hp{hp}" if hp > 1 else "")
         + (f"_s{num_splits}" if num_splits > 1 else ""),
     )(q, k_cache, v_cache, block_tables, lengths, *prologue)
     out = outs[0] if num_splits == 1 else _combine_splits(*outs[:3], q.dtype, interpret=interpret)
@@ -483,6 +578,7 @@ def _decode_call(
 
 _STATIC = [
     "num_q_heads",
+    "heads_per_program",
     "num_splits",
     "num_warps",
     "num_stages",
@@ -501,6 +597,7 @@ def paged_decode_attention(
     lengths: jax.Array,  # [B] int32
     *,
     num_q_heads: int | None = None,
+    heads_per_program: int | None = None,
     num_splits: int = 1,
     num_warps: int | None = None,
     num_stages: int = DEFAULT_NUM_STAGES,
@@ -517,7 +614,12 @@ def paged_decode_attention(
     rows up, an entry per page below that. `num_splits`:
     programs per (row, KV head), each over a run of the row's pages, merged by a second kernel
     (1: one pass, no merge). `matrix_min_group`: groups of at least this many query heads (and
-    pages and heads of at least MATRIX_MIN_ROWS) compute on the matrix units; 0: never."""
+    pages and heads of at least MATRIX_MIN_ROWS) compute on the matrix units; 0: never.
+    `heads_per_program` (matrix units only; a power of two dividing H; None:
+    `default_heads_per_program`): KV heads a program attends, each page of them loaded as one [hp x BS, D] tile and scored against all their
+    query heads at once (a query's keys of other heads masked), so fewer programs each stream
+    more of a row: at many rows and short contexts a program's fixed latency (its row's length
+    and table, its queries, its stores) is shared by hp heads."""
     hq = num_q_heads or k_cache.shape[0]
     _check_decode_args(q, k_cache, v_cache, block_tables, lengths, append=False, hq=hq)
     return _decode_call(
@@ -530,6 +632,7 @@ def paged_decode_attention(
         lengths,
         append=False,
         num_q_heads=hq,
+        heads_per_program=heads_per_program,
         num_splits=num_splits,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -551,6 +654,7 @@ def paged_decode_attention_append(
     *,
     num_q_heads: int | None = None,
     eps: float = 1e-6,
+    heads_per_program: int | None = None,
     num_splits: int = 1,
     num_warps: int | None = None,
     num_stages: int = DEFAULT_NUM_STAGES,
@@ -588,6 +692,7 @@ def paged_decode_attention_append(
         *prologue,
         append=True,
         num_q_heads=hq,
+        heads_per_program=heads_per_program,
         num_splits=num_splits,
         num_warps=num_warps,
         num_stages=num_stages,

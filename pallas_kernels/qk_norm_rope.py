@@ -6,7 +6,7 @@ In XLA a decode layer's q_norm and k_norm (a reduction and an elementwise kernel
 RMSNorm kernel each), the rotation of q and k, and the concatenation that packs q, k and v back
 into the projection's layout took four to six of the ~12 kernels of a layer, each a launch on the
 latency-bound path of a small-batch step. The attention kernel's (row, KV head) programs read
-their group's query heads and their new key anyway: `load_head` normalizes and rotates them in
+their group's query heads and their new key anyway: `load_heads` normalizes and rotates them in
 registers as they are loaded.
 
 Rounding is HF's (`LlamaRMSNorm`, `apply_rotary_pos_emb`) and the XLA path's: x * rsqrt(mean(x^2)
@@ -15,7 +15,7 @@ from those values, rounded to x's dtype.
 
 Rotate-half layout: dim i < D/2 pairs with i + D/2, giving x_i cos_i - x_{i+D/2} sin_i and
 x_{i+D/2} cos_i + x_i sin_i. A program loads each head twice, in order and with its halves
-swapped (a gather of D elements), so both halves come out in the head's own layout with no
+swapped (a gather of D elements a head), so both halves come out in the head's own layout with no
 concatenation in registers.
 """
 
@@ -79,30 +79,34 @@ def qk_norm_rope_reference(
 
 
 def _times_scale(x, scale, dtype):
-    """x / rms [D] float32 rounded to dtype, times the scale, rounded to dtype (as HF's
+    """x / rms float32 rounded to dtype, times the scale, rounded to dtype (as HF's
     `weight * x.to(dtype)`), back in float32: a product of two dtype values is exact in float32."""
     y = x.astype(dtype).astype(jnp.float32) * scale.astype(jnp.float32)
     return y.astype(dtype).astype(jnp.float32)
 
 
-def load_head(qkv_ref, b, j, rope_refs, scale_ref, eps: float):
-    """Head j of row b of qkv_ref [N, H', D] -> [D] in qkv's dtype, normalized by scale_ref [D]
-    (if given) and rotated by rope_refs (cos_ref, sin_ref float32 [N, D/2]; None: as loaded)."""
-    if rope_refs is None:
-        return qkv_ref[b, j, :]
+def load_heads(qkv_ref, b, heads, rope_refs, scale_ref, eps: float):
+    """Heads `heads` [M] (int32, in range) of row b of qkv_ref [N, H', D] -> [M, D] in qkv's
+    dtype, each normalized by scale_ref [D] (if given) and rotated by rope_refs (cos_ref, sin_ref
+    float32 [N, D/2]; None: as loaded)."""
     dtype, d = qkv_ref.dtype, qkv_ref.shape[2]
-    half = d // 2
     dims = jnp.arange(d, dtype=jnp.int32)
+    x = plgpu.load(qkv_ref.at[b, heads[:, None], dims[None, :]])  # [M, D]
+    if rope_refs is None:
+        return x
+    half = d // 2
     partner = jnp.where(dims < half, dims + half, dims - half)  # [D]: the other half's dim
-    x = qkv_ref[b, j, :].astype(jnp.float32)  # [D]
-    x_swapped = plgpu.load(qkv_ref.at[b, j, partner]).astype(jnp.float32)  # [D]
+    x = x.astype(jnp.float32)
+    x_swapped = plgpu.load(qkv_ref.at[b, heads[:, None], partner[None, :]]).astype(jnp.float32)
     if scale_ref is not None:
-        inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / d + eps)
-        x = _times_scale(x * inv_rms, scale_ref[:], dtype)
-        swapped_scale = plgpu.load(scale_ref.at[partner])
+        inv_rms = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / d + eps)  # [M, 1]
+        x = _times_scale(x * inv_rms, scale_ref[:][None, :], dtype)
+        swapped_scale = plgpu.load(scale_ref.at[partner])[None, :]
         x_swapped = _times_scale(x_swapped * inv_rms, swapped_scale, dtype)
     cos_ref, sin_ref = rope_refs
     freq = jnp.where(dims < half, dims, dims - half)  # [D]: each dim's angle
-    cos, sin = plgpu.load(cos_ref.at[b, freq]), plgpu.load(sin_ref.at[b, freq])  # [D] float32
-    rotated = jnp.where(dims < half, x * cos - x_swapped * sin, x * cos + x_swapped * sin)
+    cos = plgpu.load(cos_ref.at[b, freq])[None, :]  # [1, D] float32
+    sin = plgpu.load(sin_ref.at[b, freq])[None, :]
+    first_half = (dims < half)[None, :]
+    rotated = jnp.where(first_half, x * cos - x_swapped * sin, x * cos + x_swapped * sin)
     return rotated.astype(dtype)

@@ -14,6 +14,7 @@ import pytest
 
 from pallas_kernels.linear import linear, linear_partial_sums_reference
 from pallas_kernels.paged_attention import (
+    default_heads_per_program,
     paged_decode_attention,
     paged_decode_attention_append,
     paged_decode_attention_append_reference,
@@ -38,8 +39,30 @@ from rosejax.layers.rotary import rope_cos_sin, rope_inv_freq
 from tests.conftest import INTERPRET, pairwise
 from tests.test_paged_attention import TOL, make_case, make_live_case, oracle
 
+
+def every_head(kernel):
+    """`kernel` with one program for all of a row's KV heads (`heads_per_program` H) where the
+    group runs on the matrix units (its pages of 16 keys up), one head a program elsewhere."""
+
+    def call(qkv, k_cache, *args, num_q_heads, **kwargs):
+        h, _, bs, d = k_cache.shape
+        hp = h if uses_matrix_units(num_q_heads // h, bs, d, 1) else 1
+        return kernel(
+            qkv,
+            k_cache,
+            *args,
+            num_q_heads=num_q_heads,
+            heads_per_program=hp,
+            matrix_min_group=1,
+            interpret=INTERPRET,
+            **kwargs,
+        )
+
+    return call
+
+
 # The kernels at their defaults, and forced onto vector arithmetic (matrix_min_group 0) or the
-# matrix units (1: every group, pages of 16 keys up).
+# matrix units (1: every group, pages of 16 keys up), there with every KV head in one program.
 IMPLS = {
     "pallas": functools.partial(paged_decode_attention, interpret=INTERPRET),
     "pallas_vector": functools.partial(
@@ -48,6 +71,7 @@ IMPLS = {
     "pallas_matrix": functools.partial(
         paged_decode_attention, matrix_min_group=1, interpret=INTERPRET
     ),
+    "pallas_every_head": every_head(paged_decode_attention),
     "pallas_prefetch": functools.partial(
         paged_decode_attention, prefetch_table=True, interpret=INTERPRET
     ),
@@ -61,6 +85,7 @@ APPEND_IMPLS = {
     "pallas_matrix": functools.partial(
         paged_decode_attention_append, matrix_min_group=1, interpret=INTERPRET
     ),
+    "pallas_every_head": every_head(paged_decode_attention_append),
     "reference": jax.jit(
         paged_decode_attention_append_reference,
         donate_argnums=(1, 2),
@@ -68,8 +93,9 @@ APPEND_IMPLS = {
     ),
 }
 # (B, H, group, D, block_size, blocks per row): Qwen3-0.6B's group 2 at D 128, Llama-3.2-1B's 4
-# at D 64, one query head for all (group 8) on pages too small for the matrix units, B = 1.
-SHAPES = [(3, 2, 2, 128, 16, 3), (2, 2, 4, 64, 16, 2), (1, 1, 8, 64, 8, 2)]
+# at D 64, one query head for all (group 8) on pages too small for the matrix units, B = 1, and
+# 4 KV heads of 8 queries each (every head in one program: 32 query rows).
+SHAPES = [(3, 2, 2, 128, 16, 3), (2, 2, 4, 64, 16, 2), (1, 1, 8, 64, 8, 2), (2, 4, 8, 64, 16, 2)]
 
 
 def gqa_oracle(q, k, v, tables, lengths, group):
@@ -150,6 +176,7 @@ ROPE_IMPLS = {
     "pallas_matrix": functools.partial(
         paged_decode_attention_append, matrix_min_group=1, interpret=INTERPRET
     ),
+    "pallas_every_head": every_head(paged_decode_attention_append),
     "reference": jax.jit(
         paged_decode_attention_append_reference,
         donate_argnums=(1, 2),
@@ -320,39 +347,30 @@ def split_case(rng, variant, group, d, bs, dtype):
     return cast(qkv), (cast(k), cast(v)), tuple(map(cast, clean)), tables, lengths, extra
 
 
-def split_call(variant, qkv, caches, tables, lengths, extra, hq, num_splits):
-    """The kernel of `variant` with `num_splits`, on copies of the caches (it donates them)."""
+def split_call(variant, qkv, caches, tables, lengths, extra, hq, num_splits, heads=1):
+    """The kernel of `variant` with `num_splits`, on copies of the caches (it donates them);
+    heads "every": all of a row's KV heads in one program where the matrix units run."""
     caches = tuple(jnp.array(c, copy=True) for c in caches)
-    if variant == "plain":
-        out = paged_decode_attention(
-            qkv,
-            *caches,
-            tables,
-            lengths,
-            num_q_heads=hq,
-            num_splits=num_splits,
-            interpret=INTERPRET,
-        )
-        return out, *caches
-    return paged_decode_attention_append(
-        qkv,
-        *caches,
-        tables,
-        lengths,
-        *extra,
-        num_q_heads=hq,
-        eps=EPS,
-        num_splits=num_splits,
-        interpret=INTERPRET,
-    )
+    args = (qkv, *caches, tables, lengths)
+    kernel = paged_decode_attention
+    if variant != "plain":
+        args += extra
+        kernel = functools.partial(paged_decode_attention_append, eps=EPS)
+    if heads == "every":
+        out = every_head(kernel)(*args, num_q_heads=hq, num_splits=num_splits)
+    else:
+        out = kernel(*args, num_q_heads=hq, num_splits=num_splits, interpret=INTERPRET)
+    return (out, *caches) if variant == "plain" else out
 
 
-def check_split(num_splits, variant, group, d, bs, dtype):
+def check_split(num_splits, variant, group, d, bs, dtype, heads=1):
     rng = np.random.default_rng()
     qkv, caches, clean, tables, lengths, extra = split_case(rng, variant, group, d, bs, dtype)
     h, bs = caches[0].shape[0], caches[0].shape[2]
     hq = h * group
-    out, k_out, v_out = split_call(variant, qkv, caches, tables, lengths, extra, hq, num_splits)
+    out, k_out, v_out = split_call(
+        variant, qkv, caches, tables, lengths, extra, hq, num_splits, heads
+    )
     if variant == "plain":
         want = paged_decode_attention_reference(qkv, *clean, tables, lengths, num_q_heads=hq)
         want_caches = caches
@@ -383,7 +401,7 @@ def check_split(num_splits, variant, group, d, bs, dtype):
     # bf16: the one-pass kernel's output, to a rounding step of the dtype. On the matrix units
     # each split rounds its softmax weights to bf16 against its own max: each weight within a
     # step, so the output within a step of the largest value.
-    one, *_ = split_call(variant, qkv, caches, tables, lengths, extra, hq, 1)
+    one, *_ = split_call(variant, qkv, caches, tables, lengths, extra, hq, 1, heads)
     one = np.asarray(one, np.float64)
     eps = float(jnp.finfo(dtype).eps)
     atol = 1e-5
@@ -398,28 +416,32 @@ SPLIT_AXES = dict(
     group_d=[(4, 64), (1, 128), (2, 128), (2, 64)],
     block_size=[16, 8],  # groups of 2 and 4 on the matrix units at 16 (the default), not at 8
     dtype=["float32", "bfloat16"],
+    heads=[1, "every"],  # KV heads a program: "every" where the matrix units run
 )
 # Splits 2, 3 (an uneven division) and 4, every group size and head dim, plain, fused append and
-# fused q/k norm + RoPE, float32 and bf16, in a few seconds; one split is the suites above.
+# fused q/k norm + RoPE, float32 and bf16, a program per head or per row, in a few seconds; one
+# split is the suites above.
 SPLIT_CASES = [
-    (3, "plain", (4, 64), 16, "float32"),
-    (4, "append", (1, 128), 8, "float32"),
-    (2, "qk_norm_rope", (2, 128), 16, "bfloat16"),
+    (3, "plain", (4, 64), 16, "float32", "every"),
+    (4, "append", (1, 128), 8, "float32", 1),
+    (2, "qk_norm_rope", (2, 128), 16, "bfloat16", 1),
+    (3, "qk_norm_rope", (2, 128), 16, "float32", "every"),
 ]
+SPLIT_PARAMS = "num_splits,variant,group_d,block_size,dtype,heads"
 
 
-@pytest.mark.parametrize("num_splits,variant,group_d,block_size,dtype", SPLIT_CASES)
-def test_split_decode(num_splits, variant, group_d, block_size, dtype):
+@pytest.mark.parametrize(SPLIT_PARAMS, SPLIT_CASES)
+def test_split_decode(num_splits, variant, group_d, block_size, dtype, heads):
     """The split kernels (plain, fused append, fused q/k norm and RoPE) against the references:
     rows from one token to a full table and a padded row in one batch, caches poisoned with NaN
     wherever no key is, the new K/V written once into their slots. Every pair: below."""
-    check_split(num_splits, variant, *group_d, block_size, dtype)
+    check_split(num_splits, variant, *group_d, block_size, dtype, heads)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_splits,variant,group_d,block_size,dtype", pairwise(**SPLIT_AXES))
-def test_split_decode_pairwise(num_splits, variant, group_d, block_size, dtype):
-    check_split(num_splits, variant, *group_d, block_size, dtype)
+@pytest.mark.parametrize(SPLIT_PARAMS, pairwise(**SPLIT_AXES))
+def test_split_decode_pairwise(num_splits, variant, group_d, block_size, dtype, heads):
+    check_split(num_splits, variant, *group_d, block_size, dtype, heads)
 
 
 def test_num_splits_checked():
@@ -427,6 +449,51 @@ def test_num_splits_checked():
     q, k, v, tables, lengths = make_gqa_case(rng, 2, 2, 2, 64, 8, 2, "float32")
     with pytest.raises(ValueError, match="num_splits"):
         paged_decode_attention(q, k, v, tables, lengths, num_splits=0, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize(
+    "batch,num_heads,block_size,head_dim,itemsize,matrix_units,want",
+    [
+        (256, 8, 64, 128, 2, True, 2),  # Qwen3-0.6B's 256-row step: two heads a program
+        (512, 8, 32, 64, 2, True, 2),
+        (128, 8, 64, 128, 2, True, 1),  # fewer rows: a program a head
+        (256, 8, 64, 128, 4, True, 1),  # float32: a [128, 128] tile of K past 32 KiB
+        (256, 8, 128, 128, 2, True, 1),  # so are 128-token pages
+        (256, 1, 64, 128, 2, True, 1),  # one KV head
+        (256, 12, 64, 64, 2, False, 1),  # vector arithmetic (GPT-2)
+    ],
+)
+def test_default_heads_per_program(
+    batch, num_heads, block_size, head_dim, itemsize, matrix_units, want
+):
+    got = default_heads_per_program(batch, num_heads, block_size, head_dim, itemsize, matrix_units)
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    "hp,matrix_min_group,block_size,match",
+    [
+        (3, 1, 16, "power of two dividing"),
+        (4, 1, 16, "power of two dividing"),  # the cache has 2 KV heads
+        (2, 0, 16, "needs the matrix units"),
+        (2, 1, 8, "needs the matrix units"),  # pages too small for Triton's dots
+    ],
+)
+def test_heads_per_program_checked(hp, matrix_min_group, block_size, match):
+    rng = np.random.default_rng()
+    q, k, v, tables, lengths = make_gqa_case(rng, 2, 2, 2, 64, block_size, 2, "float32")
+    with pytest.raises(ValueError, match=match):
+        paged_decode_attention(
+            q,
+            k,
+            v,
+            tables,
+            lengths,
+            num_q_heads=4,
+            heads_per_program=hp,
+            matrix_min_group=matrix_min_group,
+            interpret=INTERPRET,
+        )
 
 
 # ------------------------------------------------------------------------------------ RMSNorm
@@ -571,6 +638,13 @@ def test_fused_decode_kernels_lower_to_triton():
         ),
         "attention_vector": (
             lambda *a: paged_decode_attention_append(*a, num_q_heads=h * group, matrix_min_group=0),
+            (qkv, cache, cache, tables, lengths, rope, (jnp.ones(d, dt),) * 2),
+        ),
+        # A program for every KV head of a row: one [8 x 64, 128] tile a page, 16 query rows.
+        "attention_every_head": (
+            lambda *a: paged_decode_attention_append(
+                *a, num_q_heads=h * group, heads_per_program=h
+            ),
             (qkv, cache, cache, tables, lengths, rope, (jnp.ones(d, dt),) * 2),
         ),
         # Split-K (and its merge kernel), fused and plain: an uneven split count.
