@@ -89,7 +89,7 @@ def _load_pages(k_cache_ref, v_cache_ref, block_tables_ref, b, h0, hp: int, i, n
     cols = jnp.arange(hp * block_size, dtype=jnp.int32)
     heads, tokens = (h0 + cols // block_size)[:, None], (cols % block_size)[:, None]
     dims = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
-    mask = (i * block_size + tokens < num_tokens) & (dims >= 0)  # [hp x BS, D]
+    mask = i * block_size + tokens < num_tokens  # [hp x BS, 1]
     k = plgpu.load(k_cache_ref.at[heads, page, tokens, dims], mask=mask, other=0.0)
     v = plgpu.load(v_cache_ref.at[heads, page, tokens, dims], mask=mask, other=0.0)
     return k, v
@@ -221,12 +221,30 @@ def _split_pages(length, block_size: int, num_splits: int):
     return first, jnp.minimum(first + per, live), live
 
 
-def _query_heads(group: int, hp: int, matrix_units: bool):
-    """A program's query rows [M] and which are real: its hp x group query heads, padded to a
-    power of two (to MATRIX_MIN_ROWS on the matrix units)."""
-    n = next_power_of_2(group * hp)
-    rows = jnp.arange(max(MATRIX_MIN_ROWS, n) if matrix_units else n, dtype=jnp.int32)
-    return rows, rows < group * hp
+def _gather_rows(x, index):
+    """x [n, D] -> [M, D] (M = len(index)): row r is x[index[r]], zeros where index[r] is no row
+    of x (a register tile takes no dynamic index: a select a row of x)."""
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32)
+    out = jnp.zeros((index.shape[0], x.shape[1]), x.dtype)
+    for j in range(x.shape[0]):
+        out = jnp.where((index == j)[:, None], _pick_row(x, rows, j)[None, :], out)
+    return out
+
+
+def _load_queries(qkv_ref, b, first_head, group: int, hp: int, matrix_units: bool, *prologue):
+    """The program's query tile [M, D] in qkv's dtype, its rows and which are real: its hp x group
+    query heads from `first_head`, through `load_heads` (`prologue`: its rope_refs, scale_ref
+    and eps), in rows padded with zeros to a power of two (to MATRIX_MIN_ROWS on the matrix
+    units). Only the real heads are normalized and rotated, not the padding."""
+    real_heads = group * hp
+    n = next_power_of_2(real_heads)
+    rows = jnp.arange(max(MATRIX_MIN_ROWS, n) if matrix_units else n, dtype=jnp.int32)  # [M]
+    real = rows < real_heads
+    heads = first_head + jnp.minimum(jnp.arange(n, dtype=jnp.int32), real_heads - 1)  # [n]
+    q = load_heads(qkv_ref, b, heads, *prologue)  # [n, D]
+    if n == rows.shape[0]:
+        return jnp.where(real[:, None], q, 0), rows, real
+    return _gather_rows(q, jnp.where(real, rows, -1)), rows, real
 
 
 def _store_states(out_refs, b, first_head, real, states, num_splits: int) -> None:
@@ -264,12 +282,11 @@ def paged_decode_attention_kernel(
     matrix_units: bool,
 ):
     b, h0 = pl.program_id(0), pl.program_id(1) * heads_per_program
-    num_q_heads = k_cache_ref.shape[0] * group
     length = lengths_ref[b]
     first, end, _ = _split_pages(length, k_cache_ref.shape[2], num_splits)
-    rows, real = _query_heads(group, heads_per_program, matrix_units)
-    heads = jnp.minimum(h0 * group + rows, num_q_heads - 1)  # padding rows: any head in range
-    q = jnp.where(real[:, None], load_heads(q_ref, b, heads, None, None, 0.0), 0)  # [M, D]
+    q, _, real = _load_queries(
+        q_ref, b, h0 * group, group, heads_per_program, matrix_units, None, None, 0.0
+    )  # [M, D]
     states = _attend_pages(
         q,
         sm_scale,
@@ -286,15 +303,6 @@ def paged_decode_attention_kernel(
         matrix_units,
     )
     _store_states(out_refs, b, h0 * group, real, states, num_splits)
-
-
-def _per_query_row(x, kv_of_row):
-    """x [hp, D] (one vector per KV head) -> [M, D]: row r is x[kv_of_row[r]]."""
-    kv = jnp.arange(x.shape[0], dtype=jnp.int32)
-    out = jnp.zeros((kv_of_row.shape[0], x.shape[1]), x.dtype)
-    for j in range(x.shape[0]):
-        out = jnp.where((kv_of_row == j)[:, None], _pick_row(x, kv, j)[None, :], out)
-    return out
 
 
 def paged_decode_attention_append_kernel(
@@ -330,10 +338,9 @@ def paged_decode_attention_append_kernel(
     # and a shared partial block is copied before anyone writes into it). The new token is in
     # the row's last live page: the split whose pages end there adds it.
     holds_new = (first < end) & (end == live)
-    rows, real = _query_heads(group, hp, matrix_units)
-    heads = jnp.minimum(h0 * group + rows, num_q_heads - 1)  # padding rows: any head in range
-    q = load_heads(qkv_ref, b, heads, rope_refs, q_scale_ref, eps)  # [M, D]
-    q = jnp.where(real[:, None], q, 0)
+    q, rows, real = _load_queries(
+        qkv_ref, b, h0 * group, group, hp, matrix_units, rope_refs, q_scale_ref, eps
+    )  # [M, D]
     m, denom, acc = _attend_pages(
         q,
         sm_scale,
@@ -352,9 +359,9 @@ def paged_decode_attention_append_kernel(
     new_heads = num_q_heads + h0 + jnp.arange(hp, dtype=jnp.int32)  # [hp]
     k_new = load_heads(qkv_ref, b, new_heads, rope_refs, k_scale_ref, eps)  # [hp, D]
     v_new = load_heads(qkv_ref, b, new_heads + num_heads, None, None, eps)  # [hp, D]
-    kv_of_row = jnp.minimum(rows // group, hp - 1)  # [M]
-    k_f = _per_query_row(k_new.astype(jnp.float32), kv_of_row)  # [M, D]
-    v_f = _per_query_row(v_new.astype(jnp.float32), kv_of_row)
+    kv_of_row = jnp.where(real, rows // group, -1)  # [M]: each query's KV head, of the hp
+    k_f = _gather_rows(k_new.astype(jnp.float32), kv_of_row)  # [M, D]
+    v_f = _gather_rows(v_new.astype(jnp.float32), kv_of_row)
     s = jnp.sum(q.astype(jnp.float32) * sm_scale * k_f, axis=1)  # [M]
     m_new = jnp.maximum(m, s)
     alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
