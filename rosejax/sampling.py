@@ -21,8 +21,8 @@ nucleus alone that the 64 hold (a peaked distribution). Else each filter finds i
 exact radix select over the whole row (`_select`, 8 fused passes over [B, V]), for the rows
 outside their candidates alone where a large batch has few of them, and the draw runs over whole
 rows. A batch that doesn't use a filter pays for neither. The passes over [B, V] stay few: none
-writes a float32 copy of logits / temperature (`Scaled` keeps the two factors, and each pass
-computes the values it reads), the greedy argmax reads the logits in their own dtype, and a
+writes a float32 copy of logits / temperature or of min_p's cut (`Scaled` keeps the factors
+and min_p's floor, and each pass computes the values it reads), the greedy argmax reads the logits in their own dtype, and a
 branch stays a branch (`_cond`). Figures: `docs/performance-log.md`, "Seed workloads".
 
 Before the filters, vLLM's order: the logits processors on the raw logits (`process_logits`:
@@ -75,21 +75,31 @@ def _cond(pred: jax.Array, true_fn, false_fn, *operands):
 
 
 class Scaled(NamedTuple):
-    """logits / divisor, kept as its two factors so that each pass over it computes the values it
-    reads: a float32 copy of the scaled logits costs a write and a read of [B, V] (at 256 x
-    151,936 from bf16 logits, ~0.1 ms a step on an H200)."""
+    """logits / divisor with the values below `floor` dropped (-inf: min_p's cut), kept as its
+    factors so that each pass over it computes the values it reads: a float32 copy of the scaled
+    logits costs a write and a read of [B, V] (at 256 x 151,936 from bf16 logits, ~0.1 ms a step
+    on an H200)."""
 
     logits: jax.Array  # [B, V], any float dtype
     divisor: jax.Array  # f32[B], > 0
+    floor: jax.Array | None = None  # f32[B]; None: nothing dropped
+
+    def scale(self, raw: jax.Array) -> jax.Array:  # raw [B, N] of each row's logits -> f32
+        values = raw.astype(jnp.float32) / self.divisor[:, None]
+        if self.floor is None:
+            return values
+        return jnp.where(values >= self.floor[:, None], values, -jnp.inf)
 
     def values(self) -> jax.Array:  # f32[B, V]
-        return self.logits.astype(jnp.float32) / self.divisor[:, None]
+        return self.scale(self.logits)
 
     def row_max(self) -> jax.Array:  # f32[B]: exact, since dividing by a positive keeps order
+        # (and the floor never drops a row's largest value)
         return jnp.max(self.logits, axis=1).astype(jnp.float32) / self.divisor
 
     def rows(self, rows: jax.Array) -> Scaled:
-        return Scaled(self.logits[rows], self.divisor[rows])
+        floor = None if self.floor is None else self.floor[rows]
+        return Scaled(self.logits[rows], self.divisor[rows], floor)
 
 
 def _select(key: jax.Array, weight: jax.Array, target: jax.Array) -> jax.Array:
@@ -218,7 +228,7 @@ def _candidate_cutoffs(
     # The largest logits are the largest scaled values (a positive divisor keeps order; ties it
     # makes are counted below, by value).
     raw, ids = find_top_k(scaled.logits, c)  # [B, C], largest first
-    vals = raw / scaled.divisor[:, None]
+    vals = scaled.scale(raw)
     k = top_k
     kth = jnp.where(k > 0, vals[jnp.arange(k.shape[0]), jnp.clip(k - 1, 0, c - 1)], -jnp.inf)
     kept = vals >= kth[:, None]  # [B, C]: the top-k set (every candidate without top_k)
@@ -454,10 +464,14 @@ def empty_logprobs(shape: tuple[int, ...], vocab: int) -> TokenLogprobs:
     )
 
 
-def _min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
-    """Drop tokens less likely than min_p times the most likely one (vLLM's min_p)."""
-    top = jnp.max(scaled, axis=1, keepdims=True)
-    return jnp.where(jnp.exp(scaled - top) >= min_p[:, None], scaled, -jnp.inf)
+def _min_p(scaled: Scaled, min_p: jax.Array) -> Scaled:
+    """`scaled` without the tokens less likely than min_p times the most likely one (vLLM's
+    min_p; 0: none): its floor is the least value the test keeps (the test is monotone in the
+    value), so no pass writes the filtered values."""
+    values = scaled.values()  # [B, V]
+    kept = jnp.exp(values - scaled.row_max()[:, None]) >= min_p[:, None]
+    floor = jnp.min(jnp.where(kept, values, jnp.inf), axis=1)  # [B]
+    return scaled._replace(floor=jnp.where(min_p > 0, floor, -jnp.inf))
 
 
 @jax.jit
@@ -480,11 +494,12 @@ def sample(
         scaled = Scaled(logits, jnp.where(do_sample, temperature, 1.0))
         if min_p is not None:
             p_min = jnp.where(do_sample, min_p, 0.0)
-            scaled = _cond(
+            floor = _cond(
                 jnp.any(p_min > 0),
-                lambda: Scaled(_min_p(scaled.values(), p_min), jnp.ones_like(p_min)),
-                lambda: Scaled(logits.astype(jnp.float32), scaled.divisor),
+                lambda: _min_p(scaled, p_min).floor,
+                lambda: jnp.full(p_min.shape, -jnp.inf),
             )
+            scaled = scaled._replace(floor=floor)
         # Greedy rows and top_k >= V never filter, so they never make a batch pay for it.
         k = jnp.where(do_sample & (top_k < vocab), top_k, 0)
         p = jnp.where(do_sample, top_p, 1.0)

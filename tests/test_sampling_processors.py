@@ -14,6 +14,7 @@ from rosejax.sampling import (
     MAX_LOGPROBS,
     PROMPT_BIT,
     Processors,
+    Scaled,
     _min_p,
     count_tokens,
     find_top_k,
@@ -135,7 +136,8 @@ def test_min_p_keeps_tokens_against_reference():
     rng = np.random.default_rng()
     scaled = (rng.standard_normal((B, V)) * 2).astype(np.float32)
     min_p = rng.choice([0.0, 0.01, 0.2, 0.9, 1.0], B).astype(np.float32)
-    got = np.isfinite(np.asarray(jax.jit(_min_p)(jnp.asarray(scaled), jnp.asarray(min_p))))
+    filtered = jax.jit(lambda x, p: _min_p(Scaled(x, jnp.ones(B)), p).values())
+    got = np.isfinite(np.asarray(filtered(jnp.asarray(scaled), jnp.asarray(min_p))))
     # vLLM's definition: probs >= min_p * max prob, on softmax probabilities in float64.
     probs = np.exp(scaled - scaled.max(1, keepdims=True).astype(np.float64))
     probs /= probs.sum(1, keepdims=True)
@@ -156,13 +158,35 @@ def test_min_p_draws_only_kept_tokens_and_spares_other_rows():
     seed, step = jnp.full(n, 3, jnp.uint32), jnp.tile(jnp.arange(draws, dtype=jnp.int32), rows)
     min_p = jnp.asarray(np.repeat(np.arange(rows) % 2 == 0, draws) * 0.5, jnp.float32)
     logits = jnp.asarray(logits)
-    kept = np.isfinite(np.asarray(_min_p(logits / 0.8, min_p)))
+    kept = np.isfinite(np.asarray(_min_p(Scaled(logits, temperature), min_p).values()))
     drawn = np.asarray(sample(logits, temperature, top_k, top_p, seed, step, min_p))
     alone = np.asarray(sample(logits, temperature, top_k, top_p, seed, step))
     assert kept[np.arange(n), drawn].all()
     assert not kept[np.arange(n), alone].all()  # without min_p, dropped tokens do come up
     # min_p = 0 rows draw exactly what they draw with no min_p at all
     np.testing.assert_array_equal(drawn[min_p == 0], alone[min_p == 0])
+
+
+@pytest.mark.parametrize(
+    "top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.9), (5, 0.8), (V, 0.95)], ids=str
+)
+def test_min_p_with_filters_draws_as_the_logits_it_leaves(top_k, top_p):
+    """min_p, then top_k / top_p (from the candidates, or by the radix selects for top_k past
+    them) and the draw: each row's token is the one the same call draws without min_p from
+    logits whose dropped tokens are -inf (min_p's test written out in float32)."""
+    rng = np.random.default_rng()
+    logits = jnp.asarray(rng.standard_normal((B, V)) * 3, jnp.float32)
+    temperature = jnp.asarray(rng.uniform(0.3, 1.5, B), jnp.float32)
+    min_p = jnp.asarray(rng.choice([0.0, 0.05, 0.3], B), jnp.float32)
+    scaled = logits / temperature[:, None]
+    kept = jnp.exp(scaled - scaled.max(axis=1, keepdims=True)) >= min_p[:, None]
+    left = jnp.where(kept, logits, -jnp.inf)
+    rows = (jnp.full(B, top_k, jnp.int32), jnp.full(B, top_p, jnp.float32))
+    seed, step = jnp.arange(B, dtype=jnp.uint32), jnp.full(B, 7, jnp.int32)
+    got = sample(logits, temperature, *rows, seed, step, min_p)
+    want = sample(left, temperature, *rows, seed, step)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.asarray(kept)[np.arange(B), np.asarray(got)].all()
 
 
 def test_token_logprobs_match_log_softmax():
