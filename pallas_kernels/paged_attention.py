@@ -58,10 +58,10 @@ PREFETCH_TABLE_MAX_BLOCKS = 64  # not tuned (16 entries measured): the select co
 DEFAULT_MATRIX_MIN_GROUP = 2
 MATRIX_NUM_WARPS = 4  # H100, the same engine: 0.947x the step of 8 warps at B=256, 0.984x at B=1
 MATRIX_MIN_ROWS = 16  # Triton's smallest matmul operand side: a group is padded to it
-# H200, Qwen3-0.6B bf16 at 256 rows, block size 64: two KV heads a program 0.975x the step; alone
-# at context 136 block size 32 and 16 pages took 2 and 4-8 heads further (-9%, -15%).
+# H200, Qwen3-0.6B bf16 at 256 rows, against one head a program at block size 64: two heads at
+# 64 0.975x the step, two at 32 0.964x, four at 16 0.908-0.917x (two 1.022x, eight 0.952x).
 HEADS_PER_PROGRAM_MIN_BATCH = 256
-HEADS_PER_PROGRAM_AUTO = 2
+HEADS_PER_PROGRAM_TILE_ROWS = 64  # page rows of K a program's tile holds by default (>= 2 heads)
 HEADS_PER_PROGRAM_MAX_TILE_BYTES = 32 * 1024  # of K a page: the largest measured
 # _default_num_warps, vector path: a warp per 1,024 page elements  (H200: best at BS 16 and 32,
 # 1.2% off at 64)
@@ -235,16 +235,15 @@ def _load_queries(qkv_ref, b, first_head, group: int, hp: int, matrix_units: boo
     """The program's query tile [M, D] in qkv's dtype, its rows and which are real: its hp x group
     query heads from `first_head`, through `load_heads` (`prologue`: its rope_refs, scale_ref
     and eps), in rows padded with zeros to a power of two (to MATRIX_MIN_ROWS on the matrix
-    units). Only the real heads are normalized and rotated, not the padding."""
+    units). The padding rows load a real head again and are zeroed after the norm and RoPE: the
+    wider tile costs nothing measurable, and padding a tile of the real heads took selects."""
     real_heads = group * hp
     n = next_power_of_2(real_heads)
     rows = jnp.arange(max(MATRIX_MIN_ROWS, n) if matrix_units else n, dtype=jnp.int32)  # [M]
     real = rows < real_heads
-    heads = first_head + jnp.minimum(jnp.arange(n, dtype=jnp.int32), real_heads - 1)  # [n]
-    q = load_heads(qkv_ref, b, heads, *prologue)  # [n, D]
-    if n == rows.shape[0]:
-        return jnp.where(real[:, None], q, 0), rows, real
-    return _gather_rows(q, jnp.where(real, rows, -1)), rows, real
+    heads = first_head + jnp.minimum(rows, real_heads - 1)  # [M]
+    q = load_heads(qkv_ref, b, heads, *prologue)  # [M, D]
+    return jnp.where(real[:, None], q, 0), rows, real
 
 
 def _store_states(out_refs, b, first_head, real, states, num_splits: int) -> None:
@@ -441,14 +440,18 @@ def decode_kernel_supported(head_dim: int, block_size: int) -> bool:
 def default_heads_per_program(
     batch: int, num_heads: int, block_size: int, head_dim: int, itemsize: int, matrix_units: bool
 ) -> int:
-    """KV heads a decode program attends by default: HEADS_PER_PROGRAM_AUTO on the matrix units
-    from HEADS_PER_PROGRAM_MIN_BATCH rows up, where they divide the heads and their [hp x BS, D]
-    K tile stays within HEADS_PER_PROGRAM_MAX_TILE_BYTES; else 1."""
-    hp = HEADS_PER_PROGRAM_AUTO
-    fits = hp * block_size * head_dim * itemsize <= HEADS_PER_PROGRAM_MAX_TILE_BYTES
-    if matrix_units and batch >= HEADS_PER_PROGRAM_MIN_BATCH and num_heads % hp == 0 and fits:
-        return hp
-    return 1
+    """KV heads a decode program attends by default: on the matrix units from
+    HEADS_PER_PROGRAM_MIN_BATCH rows up, the heads whose pages fill HEADS_PER_PROGRAM_TILE_ROWS
+    rows of K (at least 2), halved until they divide the heads and their [hp x BS, D] K tile
+    stays within HEADS_PER_PROGRAM_MAX_TILE_BYTES; else 1."""
+    if not matrix_units or batch < HEADS_PER_PROGRAM_MIN_BATCH:
+        return 1
+    hp = max(2, HEADS_PER_PROGRAM_TILE_ROWS // block_size)
+    while hp > 1 and (
+        num_heads % hp or hp * block_size * head_dim * itemsize > HEADS_PER_PROGRAM_MAX_TILE_BYTES
+    ):
+        hp //= 2
+    return hp
 
 
 def _default_num_warps(block_size: int, head_dim: int, matrix_units: bool) -> int:

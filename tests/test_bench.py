@@ -612,7 +612,8 @@ def test_compare_variants(tmp_path, monkeypatch):
     data = cv.main(
         [
             "base:",
-            "both:fused_kv_append=off,linear.num_warps=2,linear_max_rows=32,min_decode_batch=2",
+            "both:fused_kv_append=off,linear.num_warps=2,linear_max_rows=32,min_decode_batch=2,"
+            "block_size=8",
             "--model",
             "random:tiny",
             "--batch",
@@ -635,6 +636,9 @@ def test_compare_variants(tmp_path, monkeypatch):
     assert base_engine.engine_config.min_decode_batch == EngineConfig("m").min_decode_batch
     assert both_engine.engine_config.min_decode_batch == 2
     assert both_engine.decode_buckets[0] == 2  # the 1-row program is gone
+    # a variant's block size overrides the script's --block-size
+    assert base_engine.engine_config.block_size == 64  # --block-size default
+    assert both_engine.engine_config.block_size == 8
     assert tags == ["warm-up", "warm-up", "base-0", "both-0", "base-1", "both-1"]
     assert {k: v for k, v in os.environ.items() if k.startswith("ROSEJAX_")} == env
     assert _load(path) == json.loads(json.dumps(data))
@@ -645,8 +649,12 @@ def test_compare_variants(tmp_path, monkeypatch):
         "linear.num_warps=2",
         "linear_max_rows=32",
         "min_decode_batch=2",
+        "block_size=8",
     ]
-    assert both["engine_fields"] == {"min_decode_batch": 2} and base["engine_fields"] == {}
+    assert (
+        both["engine_fields"] == {"min_decode_batch": 2, "block_size": 8}
+        and base["engine_fields"] == {}
+    )
     assert both["kernels"]["fused_kv_append"] is False and both["kernels"]["linear_max_rows"] == 32
     assert both["kernels"]["tiles"] == [["linear", "num_warps", 2]]
     assert base["kernels"] == json.loads(json.dumps(dataclasses.asdict(base_engine.kernels)))

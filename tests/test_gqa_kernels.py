@@ -456,6 +456,9 @@ def test_num_splits_checked():
     [
         (256, 8, 64, 128, 2, True, 2),  # Qwen3-0.6B's 256-row step: two heads a program
         (512, 8, 32, 64, 2, True, 2),
+        (256, 8, 16, 128, 2, True, 4),  # 16-token pages: four heads fill 64 rows
+        (256, 2, 16, 128, 2, True, 2),  # ... halved to the heads there are
+        (256, 8, 16, 256, 4, True, 2),  # ... and to 32 KiB of K (float32, head dim 256)
         (128, 8, 64, 128, 2, True, 1),  # fewer rows: a program a head
         (256, 8, 64, 128, 4, True, 1),  # float32: a [128, 128] tile of K past 32 KiB
         (256, 8, 128, 128, 2, True, 1),  # so are 128-token pages
