@@ -4,14 +4,15 @@ and grouped-query attention (Llama, Qwen: Hq query heads over H KV heads).
 jax's `pallas.ops.gpu.paged_attention` is built for grouped queries: it pads each KV head's queries
 to a block of 16 rows for the matrix units, so with GPT-2's one query per KV head 15/16 of its work
 and a padding copy of q are waste. Here every program owns one (row, KV head) pair and streams that
-head's pages through an online softmax with vector arithmetic: [block_size, D] tiles, no padding.
+head's pages through an online softmax with vector arithmetic: [pp x block_size, D] tiles of
+`pages_per_tile` pages (with pages of 16, one page a tile is a trip round the loop for 16 keys).
 With grouped queries the program computes every query head of its group (G = Hq / H, 1 to 8 in
 today's models) over each page it loads, so each KV page is read once per group, not once per
 query head. From `matrix_min_group` query heads up the group's scores and weighted sums run on the
 matrix units instead (two Triton dots a page, the group padded to 16 rows): with two or more
 query heads a page the vector path's reductions, not the bytes, bound it. There a program may
-also own several KV heads (`heads_per_program`): each page of them is one tile, scored against
-all their query heads with the keys of other heads masked.
+also own several KV heads (`heads_per_program`): their pages are one tile, scored against all
+their query heads with the keys of other heads masked.
 
 Layout: k_cache, v_cache [H, num_blocks, block_size, D] (rosejax's KV cache); block_tables
 [B, MB] int32; lengths [B] int32 (tokens in the cache for the row, 0 for a padded row). q may carry
@@ -61,37 +62,64 @@ MATRIX_MIN_ROWS = 16  # Triton's smallest matmul operand side: a group is padded
 # H200, Qwen3-0.6B bf16 at 256 rows, against one head a program at block size 64: two heads at
 # 64 0.975x the step, two at 32 0.964x, four at 16 0.908-0.917x (two 1.022x, eight 0.952x).
 HEADS_PER_PROGRAM_MIN_BATCH = 256
-HEADS_PER_PROGRAM_TILE_ROWS = 64  # page rows of K a program's tile holds by default (>= 2 heads)
+# Page rows of K a program's tile holds by default (several heads' pages from 256 rows, at least
+# 2 heads; else several pages of one head): pages of 64 were the best tile of one head.
+TILE_ROWS = 64
 HEADS_PER_PROGRAM_MAX_TILE_BYTES = 32 * 1024  # of K a page: the largest measured
 # _default_num_warps, vector path: a warp per 1,024 page elements  (H200: best at BS 16 and 32,
 # 1.2% off at 64)
 
 
-def _load_pages(k_cache_ref, v_cache_ref, block_tables_ref, b, h0, hp: int, i, num_tokens, table):
-    """Logical page i of row b for KV heads [h0, h0 + hp) -> K, V [hp x BS, D] in the cache's
-    dtype (head after head; keys at or past `num_tokens` zero). `table`: (the row's prefetched
-    block table [MB'], its slot indices) or None to read the entry from memory."""
+def _tile_rows(hp: int, pp: int, block_size: int):
+    """Each row of a program's [hp x pp x BS, D] tile of K or V: its head (of the hp), its page
+    (of the pp) and its token in the page, as [hp x pp x BS] vectors (head after head, a head's
+    pages in order)."""
+    rows = jnp.arange(hp * pp * block_size, dtype=jnp.int32)
+    zeros = jnp.zeros_like(rows)  # one head or one page: no integer division a tile row
+    head = rows // (pp * block_size) if hp > 1 else zeros
+    slot = rows // block_size % pp if pp > 1 else zeros
+    return head, slot, rows % block_size if hp * pp > 1 else rows
+
+
+def _load_tile(
+    k_cache_ref, v_cache_ref, block_tables_ref, b, h0, hp: int, pp: int, i, num_tokens, table
+):
+    """Tile i of row b, logical pages [i x pp, (i + 1) x pp), for KV heads [h0, h0 + hp) -> K, V
+    [hp x pp x BS, D] in the cache's dtype (keys at or past `num_tokens` zero). `table`: (the
+    row's prefetched block table [MB'], its slot indices) or None to read entries from memory."""
     block_size, head_dim = k_cache_ref.shape[2], k_cache_ref.shape[3]
-    if table is None:
-        page = block_tables_ref[b, i]
-    else:  # a register vector takes no dynamic index: select by mask
-        entries, slots = table
-        page = jnp.sum(jnp.where(slots == i, entries, 0))
+    max_blocks = block_tables_ref.shape[1]
+
+    def page_of(logical):  # past the table: any page (its keys are past num_tokens)
+        logical = jnp.minimum(logical, max_blocks - 1)
+        if table is None:
+            return block_tables_ref[b, logical]
+        entries, slots = table  # a register vector takes no dynamic index: select by mask
+        return jnp.sum(jnp.where(slots == logical, entries, 0))
+
     # Masked loads: the last page's unused tail is never read (at block size 64 and GPT-2's
     # decode contexts that tail is a fifth to a half of the bytes).
-    if hp == 1:
+    if hp == 1 and pp == 1:
+        page = page_of(i)
         valid = i * block_size + jnp.arange(block_size, dtype=jnp.int32) < num_tokens  # [BS]
         k = plgpu.load(k_cache_ref.at[h0, page, :, :], mask=valid[:, None], other=0.0)
         v = plgpu.load(v_cache_ref.at[h0, page, :, :], mask=valid[:, None], other=0.0)
         return k, v  # [BS, D]
-    # Several heads: pointers of one [hp x BS, D] tile, not a [hp, BS, D] load reshaped (a
+    # Several heads or pages: pointers of one 2-D tile, not a [hp, pp, BS, D] load reshaped (a
     # reshape between the load and the dot keeps Triton from pipelining the load).
-    cols = jnp.arange(hp * block_size, dtype=jnp.int32)
-    heads, tokens = (h0 + cols // block_size)[:, None], (cols % block_size)[:, None]
+    head, slot, token = _tile_rows(hp, pp, block_size)
+    if pp == 1:
+        pages = page_of(i)
+    else:  # pp scalar entries, then each row's by select
+        pages = jnp.zeros_like(slot)
+        for j in range(pp):
+            pages = jnp.where(slot == j, page_of(i * pp + j), pages)
+        pages = pages[:, None]
     dims = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
-    mask = i * block_size + tokens < num_tokens  # [hp x BS, 1]
-    k = plgpu.load(k_cache_ref.at[heads, page, tokens, dims], mask=mask, other=0.0)
-    v = plgpu.load(v_cache_ref.at[heads, page, tokens, dims], mask=mask, other=0.0)
+    mask = ((i * pp + slot) * block_size + token < num_tokens)[:, None]  # [hp x pp x BS, 1]
+    at = ((h0 + head)[:, None], pages, token[:, None], dims)
+    k = plgpu.load(k_cache_ref.at[at], mask=mask, other=0.0)
+    v = plgpu.load(v_cache_ref.at[at], mask=mask, other=0.0)
     return k, v
 
 
@@ -102,15 +130,15 @@ def _pick_row(x, rows, g):
 
 
 def _vector_update(qs, k, v, valid, carry):
-    """One page into each query's online softmax with vector arithmetic, the queries one after
-    another (qs: [D] float32, scaled)."""
+    """One tile of pages into each query's online softmax with vector arithmetic, the queries one
+    after another (qs: [D] float32, scaled; `valid` [pp x BS]: the cached keys)."""
     k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     out = []
     for q, (m, denom, acc) in zip(qs, carry, strict=True):
-        s = jnp.sum(q[None, :] * k, axis=1)  # [BS]
+        s = jnp.sum(q[None, :] * k, axis=1)  # [pp x BS]
         s = jnp.where(valid, s, _NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s))
-        p = jnp.exp(s - m_new)  # [BS]
+        p = jnp.exp(s - m_new)  # [pp x BS]
         alpha = jnp.exp(m - m_new)
         acc = acc * alpha + jnp.sum(p[:, None] * v, axis=0)
         out.append((m_new, denom * alpha + jnp.sum(p), acc))
@@ -118,15 +146,15 @@ def _vector_update(qs, k, v, valid, carry):
 
 
 def _matrix_update(q, sm_scale, k, v, visible, carry):
-    """One page of the program's KV heads into its queries' online softmax on the matrix units:
-    q [M, D] (its query heads in the cache's dtype) against K and V [hp x BS, D] as two Triton
-    dots; `visible` [M, hp x BS]: the keys of each query's own KV head that are cached."""
+    """One tile of the program's KV heads into its queries' online softmax on the matrix units:
+    q [M, D] (its query heads in the cache's dtype) against K and V [R, D] (R = hp x pp x BS) as
+    two Triton dots; `visible` [M, R]: the keys of each query's own KV head that are cached."""
     m, denom, acc = carry  # [M], [M], [M, D] float32
     precision = jax.lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
-    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [M, hp x BS] float32
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # [M, R] float32
     s = jnp.where(visible, s, _NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    p = jnp.exp(s - m_new[:, None])  # [M, hp x BS]
+    p = jnp.exp(s - m_new[:, None])  # [M, R]
     alpha = jnp.exp(m - m_new)
     pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [M, D] float32
     return m_new, denom * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
@@ -142,20 +170,22 @@ def _attend_pages(
     h0,
     group: int,
     hp: int,
+    pp: int,
     num_tokens,
-    pages,
+    tiles,
     prefetch_table: bool,
     matrix_units: bool,
 ):
     """Online softmax of the program's queries q [M, D] (unscaled; row r is query head r % group
     of KV head h0 + r // group, rows past hp x group padding) over the row's first `num_tokens`
-    cached keys of KV heads [h0, h0 + hp) that lie in its logical pages [first, end) = `pages`
-    -> per query row (running max [M], softmax denominator [M], numerator [M, D]), all float32.
-    Each page of K and V is loaded once for every query of its head. With `matrix_units` the
-    scores and weighted sums are two Triton dots a page (probabilities rounded to the cache's
-    dtype as flash attention does); otherwise (one KV head) vector arithmetic in float32, one
-    query after another."""
+    cached keys of KV heads [h0, h0 + hp) that lie in its tiles of pp logical pages [first, end)
+    = `tiles` -> per query row (running max [M], softmax denominator [M], numerator [M, D]), all
+    float32. Each page of K and V is loaded once for every query of its head. With
+    `matrix_units` the scores and weighted sums are two Triton dots a tile (probabilities
+    rounded to the cache's dtype as flash attention does); otherwise (one KV head) vector
+    arithmetic in float32, one query after another."""
     block_size, head_dim = k_cache_ref.shape[2], k_cache_ref.shape[3]
+    tile_tokens = pp * block_size
     max_blocks = block_tables_ref.shape[1]
     table = None
     if prefetch_table:
@@ -164,40 +194,38 @@ def _attend_pages(
             block_tables_ref.at[b, pl.ds(0, slots.shape[0])], mask=slots < max_blocks, other=0
         )  # [MB']
         table = (entries, slots)
-    first, end = pages
-    # No page without a cached key: its scores would all be _NEG_INF, each weighing exp(0) = 1.
-    end = jnp.minimum(end, (num_tokens + block_size - 1) // block_size)
+    first, end = tiles
+    # No tile without a cached key: its scores would all be _NEG_INF, each weighing exp(0) = 1.
+    end = jnp.minimum(end, (num_tokens + tile_tokens - 1) // tile_tokens)
     rows = jnp.arange(q.shape[0], dtype=jnp.int32)  # [M]
+    head, slot, token = _tile_rows(hp, pp, block_size)  # [hp x pp x BS] each
 
-    def page(i):
-        return _load_pages(
-            k_cache_ref, v_cache_ref, block_tables_ref, b, h0, hp, i, num_tokens, table
+    def tile(i):
+        k, v = _load_tile(
+            k_cache_ref, v_cache_ref, block_tables_ref, b, h0, hp, pp, i, num_tokens, table
         )
+        return k, v, (i * pp + slot) * block_size + token < num_tokens  # cached: [hp x pp x BS]
 
     if not matrix_units:
         scaled = q.astype(jnp.float32) * sm_scale
         qs = tuple(_pick_row(scaled, rows, g) for g in range(group))  # [D] each
         init = (jnp.float32(_NEG_INF), jnp.float32(0.0), jnp.zeros((head_dim,), jnp.float32))
 
-        def vector_page(i, carry):
-            k, v = page(i)
-            valid = i * block_size + jnp.arange(block_size, dtype=jnp.int32) < num_tokens
-            return _vector_update(qs, k, v, valid, carry)
+        def vector_tile(i, carry):
+            return _vector_update(qs, *tile(i), carry)
 
-        states = jax.lax.fori_loop(first, end, vector_page, (init,) * group)
+        states = jax.lax.fori_loop(first, end, vector_tile, (init,) * group)
         m = jnp.full(rows.shape, _NEG_INF, jnp.float32)
         denom, acc = jnp.zeros(rows.shape, jnp.float32), jnp.zeros(q.shape, jnp.float32)
         for g, (m_g, denom_g, acc_g) in enumerate(states):
             m, denom = jnp.where(rows == g, m_g, m), jnp.where(rows == g, denom_g, denom)
             acc = jnp.where(rows[:, None] == g, acc_g[None, :], acc)
         return m, denom, acc
-    cols = jnp.arange(hp * block_size, dtype=jnp.int32)  # [hp x BS]: key t of head c // BS
-    own_head = (rows // group)[:, None] == (cols // block_size)[None, :]  # [M, hp x BS]
+    own_head = (rows // group)[:, None] == head[None, :]  # [M, hp x pp x BS]
     q = q.astype(k_cache_ref.dtype)
 
-    def matrix_page(i, carry):
-        k, v = page(i)
-        cached = i * block_size + cols % block_size < num_tokens  # [hp x BS]
+    def matrix_tile(i, carry):
+        k, v, cached = tile(i)
         return _matrix_update(q, sm_scale, k, v, own_head & cached[None, :], carry)
 
     init = (
@@ -205,15 +233,15 @@ def _attend_pages(
         jnp.zeros(rows.shape, jnp.float32),
         jnp.zeros((rows.shape[0], head_dim), jnp.float32),
     )
-    return jax.lax.fori_loop(first, end, matrix_page, init)
+    return jax.lax.fori_loop(first, end, matrix_tile, init)
 
 
-def _split_pages(length, block_size: int, num_splits: int):
-    """The logical pages [first, end) of a row of `length` tokens that this program's split
-    (grid axis 2) attends, and the row's live page count: the live pages in `num_splits`
-    contiguous runs of cdiv(live, num_splits), so a short row's work is spread as evenly as a
-    long one's; splits past the row's last page get none."""
-    live = (length + block_size - 1) // block_size
+def _split_tiles(length, tile_tokens: int, num_splits: int):
+    """The tiles [first, end) of `tile_tokens` (pp pages) of a row of `length` tokens that this
+    program's split (grid axis 2) attends, and the row's live tile count: the live tiles in
+    `num_splits` contiguous runs of cdiv(live, num_splits), so a short row's work is spread as
+    evenly as a long one's; splits past the row's last tile get none."""
+    live = (length + tile_tokens - 1) // tile_tokens
     if num_splits == 1:
         return 0, live, live
     per = (live + num_splits - 1) // num_splits
@@ -277,12 +305,13 @@ def paged_decode_attention_kernel(
     prefetch_table: bool,
     group: int,
     heads_per_program: int,
+    pages_per_tile: int,
     num_splits: int,
     matrix_units: bool,
 ):
     b, h0 = pl.program_id(0), pl.program_id(1) * heads_per_program
     length = lengths_ref[b]
-    first, end, _ = _split_pages(length, k_cache_ref.shape[2], num_splits)
+    first, end, _ = _split_tiles(length, pages_per_tile * k_cache_ref.shape[2], num_splits)
     q, _, real = _load_queries(
         q_ref, b, h0 * group, group, heads_per_program, matrix_units, None, None, 0.0
     )  # [M, D]
@@ -296,6 +325,7 @@ def paged_decode_attention_kernel(
         h0,
         group,
         heads_per_program,
+        pages_per_tile,
         length,
         (first, end),
         prefetch_table,
@@ -316,6 +346,7 @@ def paged_decode_attention_append_kernel(
     prefetch_table: bool,
     group: int,
     heads_per_program: int,
+    pages_per_tile: int,
     num_splits: int,
     matrix_units: bool,
     rope: bool,
@@ -331,11 +362,11 @@ def paged_decode_attention_append_kernel(
     num_heads, block_size = k_cache_ref.shape[0], k_cache_ref.shape[2]
     num_q_heads = num_heads * group
     length = lengths_ref[b]
-    first, end, live = _split_pages(length, block_size, num_splits)
+    first, end, live = _split_tiles(length, pages_per_tile * block_size, num_splits)
     # The older tokens come from the cache; the new one from registers, so no program reads a
     # slot that this launch writes (a row's write slot is private to it: shared blocks are full,
     # and a shared partial block is copied before anyone writes into it). The new token is in
-    # the row's last live page: the split whose pages end there adds it.
+    # the row's last live tile: the split whose tiles end there adds it.
     holds_new = (first < end) & (end == live)
     q, rows, real = _load_queries(
         qkv_ref, b, h0 * group, group, hp, matrix_units, rope_refs, q_scale_ref, eps
@@ -350,6 +381,7 @@ def paged_decode_attention_append_kernel(
         h0,
         group,
         hp,
+        pages_per_tile,
         length - 1,
         (first, end),
         prefetch_table,
@@ -441,12 +473,12 @@ def default_heads_per_program(
     batch: int, num_heads: int, block_size: int, head_dim: int, itemsize: int, matrix_units: bool
 ) -> int:
     """KV heads a decode program attends by default: on the matrix units from
-    HEADS_PER_PROGRAM_MIN_BATCH rows up, the heads whose pages fill HEADS_PER_PROGRAM_TILE_ROWS
-    rows of K (at least 2), halved until they divide the heads and their [hp x BS, D] K tile
-    stays within HEADS_PER_PROGRAM_MAX_TILE_BYTES; else 1."""
+    HEADS_PER_PROGRAM_MIN_BATCH rows up, the heads whose pages fill TILE_ROWS rows of K (at
+    least 2), halved until they divide the heads and their [hp x BS, D] K tile stays within
+    HEADS_PER_PROGRAM_MAX_TILE_BYTES; else 1."""
     if not matrix_units or batch < HEADS_PER_PROGRAM_MIN_BATCH:
         return 1
-    hp = max(2, HEADS_PER_PROGRAM_TILE_ROWS // block_size)
+    hp = max(2, TILE_ROWS // block_size)
     while hp > 1 and (
         num_heads % hp or hp * block_size * head_dim * itemsize > HEADS_PER_PROGRAM_MAX_TILE_BYTES
     ):
@@ -454,11 +486,18 @@ def default_heads_per_program(
     return hp
 
 
-def _default_num_warps(block_size: int, head_dim: int, matrix_units: bool) -> int:
+def default_pages_per_tile(heads_per_program: int, block_size: int) -> int:
+    """Pages of each of its heads a decode program loads as one tile by default: as many as
+    fill TILE_ROWS rows with its heads' pages (1 where they already do): with pages of 16 a
+    tile of one page is a trip round the loop for 16 keys."""
+    return max(1, TILE_ROWS // (heads_per_program * block_size))
+
+
+def _default_num_warps(tile_tokens: int, head_dim: int, matrix_units: bool) -> int:
     if matrix_units:
         return MATRIX_NUM_WARPS
-    # One warp per 1,024 elements of a [block_size, D] page, at most 8 (the table at the top).
-    return max(1, min(block_size * head_dim // 1024, 8))
+    # One warp per 1,024 elements of a [tile_tokens, D] tile, at most 8 (the table at the top).
+    return max(1, min(tile_tokens * head_dim // 1024, 8))
 
 
 def combine_splits_kernel(
@@ -516,6 +555,7 @@ def _decode_call(
     append: bool,
     num_q_heads: int,
     heads_per_program: int | None,
+    pages_per_tile: int | None,
     num_splits: int,
     num_warps: int | None,
     num_stages: int,
@@ -547,8 +587,11 @@ def _decode_call(
             f"heads_per_program {hp} needs the matrix units (group {group} >= matrix_min_group "
             f"{matrix_min_group} > 0, block size and head dim >= {MATRIX_MIN_ROWS})"
         )
+    pp = default_pages_per_tile(hp, bs) if pages_per_tile is None else pages_per_tile
+    if not isinstance(pp, int) or pp < 1 or not is_power_of_2(pp):
+        raise ValueError(f"pages_per_tile must be a power of two >= 1, got {pp!r}")
     if num_warps is None:
-        num_warps = _default_num_warps(bs, d, matrix_units)
+        num_warps = _default_num_warps(pp * bs, d, matrix_units)
     if prefetch_table is None:
         prefetch_table = (
             b >= PREFETCH_TABLE_MIN_BATCH and block_tables.shape[1] <= PREFETCH_TABLE_MAX_BLOCKS
@@ -570,6 +613,7 @@ def _decode_call(
             prefetch_table=bool(prefetch_table),
             group=group,
             heads_per_program=hp,
+            pages_per_tile=pp,
             num_splits=num_splits,
             matrix_units=matrix_units,
         ),
@@ -580,6 +624,7 @@ def _decode_call(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"{name}_bs{bs}_g{group}{'_mma' if matrix_units else ''}_w{num_warps}"
         + (f"_hp{hp}" if hp > 1 else "")
+        + (f"_pp{pp}" if pp > 1 else "")
         + (f"_s{num_splits}" if num_splits > 1 else ""),
     )(q, k_cache, v_cache, block_tables, lengths, *prologue)
     out = outs[0] if num_splits == 1 else _combine_splits(*outs[:3], q.dtype, interpret=interpret)
@@ -589,6 +634,7 @@ def _decode_call(
 _STATIC = [
     "num_q_heads",
     "heads_per_program",
+    "pages_per_tile",
     "num_splits",
     "num_warps",
     "num_stages",
@@ -608,6 +654,7 @@ def paged_decode_attention(
     *,
     num_q_heads: int | None = None,
     heads_per_program: int | None = None,
+    pages_per_tile: int | None = None,
     num_splits: int = 1,
     num_warps: int | None = None,
     num_stages: int = DEFAULT_NUM_STAGES,
@@ -619,17 +666,18 @@ def paged_decode_attention(
     j reads KV head j // (Hq / H) (grouped-query attention).
 
     `num_q_heads` None: H (multi-head attention). `num_warps` None: MATRIX_NUM_WARPS on the
-    matrix units, else one warp per 1,024 elements of a [block_size, D] page. `prefetch_table`
-    None: a program reads its row's whole block table up front from PREFETCH_TABLE_MIN_BATCH
-    rows up, an entry per page below that. `num_splits`:
-    programs per (row, KV head), each over a run of the row's pages, merged by a second kernel
-    (1: one pass, no merge). `matrix_min_group`: groups of at least this many query heads (and
-    pages and heads of at least MATRIX_MIN_ROWS) compute on the matrix units; 0: never.
-    `heads_per_program` (matrix units only; a power of two dividing H; None:
-    `default_heads_per_program`): KV heads a program attends, each page of them loaded as one [hp x BS, D] tile and scored against all their
-    query heads at once (a query's keys of other heads masked), so fewer programs each stream
-    more of a row: at many rows and short contexts a program's fixed latency (its row's length
-    and table, its queries, its stores) is shared by hp heads."""
+    matrix units, else one warp per 1,024 elements of a tile. `prefetch_table` None: a program
+    reads its row's whole block table up front from PREFETCH_TABLE_MIN_BATCH rows up, an entry
+    per page below that. `num_splits`: programs per (row, KV head), each over a run of the
+    row's tiles, merged by a second kernel (1: one pass, no merge). `matrix_min_group`: groups
+    of at least this many query heads (and pages and heads of at least MATRIX_MIN_ROWS) compute
+    on the matrix units; 0: never. `heads_per_program` (matrix units only; a power of two
+    dividing H; None: `default_heads_per_program`): KV heads a program attends, their pages
+    loaded as one tile and scored against all their query heads at once (a query's keys of
+    other heads masked), so fewer programs each stream more of a row: at many rows and short
+    contexts a program's fixed latency (its row's length and table, its queries, its stores)
+    is shared by hp heads. `pages_per_tile` (a power of two; None: `default_pages_per_tile`):
+    consecutive pages of each head in one [hp x pp x BS, D] tile, one trip round the loop."""
     hq = num_q_heads or k_cache.shape[0]
     _check_decode_args(q, k_cache, v_cache, block_tables, lengths, append=False, hq=hq)
     return _decode_call(
@@ -643,6 +691,7 @@ def paged_decode_attention(
         append=False,
         num_q_heads=hq,
         heads_per_program=heads_per_program,
+        pages_per_tile=pages_per_tile,
         num_splits=num_splits,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -665,6 +714,7 @@ def paged_decode_attention_append(
     num_q_heads: int | None = None,
     eps: float = 1e-6,
     heads_per_program: int | None = None,
+    pages_per_tile: int | None = None,
     num_splits: int = 1,
     num_warps: int | None = None,
     num_stages: int = DEFAULT_NUM_STAGES,
@@ -703,6 +753,7 @@ def paged_decode_attention_append(
         append=True,
         num_q_heads=hq,
         heads_per_program=heads_per_program,
+        pages_per_tile=pages_per_tile,
         num_splits=num_splits,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -23,6 +23,7 @@ from pallas_kernels.paged_attention import (
 )
 from pallas_kernels.paged_prefill_attention import (
     default_block_q,
+    default_pages_per_tile,
     paged_prefill_attention,
     paged_prefill_attention_reference,
 )
@@ -40,9 +41,10 @@ from tests.conftest import INTERPRET, pairwise
 from tests.test_paged_attention import TOL, make_case, make_live_case, oracle
 
 
-def every_head(kernel):
+def every_head(kernel, pages: int = 1):
     """`kernel` with one program for all of a row's KV heads (`heads_per_program` H) where the
-    group runs on the matrix units (its pages of 16 keys up), one head a program elsewhere."""
+    group runs on the matrix units (its pages of 16 keys up), one head a program elsewhere;
+    `pages` pages of them a tile."""
 
     def call(qkv, k_cache, *args, num_q_heads, **kwargs):
         h, _, bs, d = k_cache.shape
@@ -53,6 +55,7 @@ def every_head(kernel):
             *args,
             num_q_heads=num_q_heads,
             heads_per_program=hp,
+            pages_per_tile=pages,
             matrix_min_group=1,
             interpret=INTERPRET,
             **kwargs,
@@ -63,6 +66,8 @@ def every_head(kernel):
 
 # The kernels at their defaults, and forced onto vector arithmetic (matrix_min_group 0) or the
 # matrix units (1: every group, pages of 16 keys up), there with every KV head in one program.
+# Tiles: pages of 8 and 16 make 64-row tiles of 8 and 4 pages by default (past the end of every
+# table here); one page a tile (the default at pages of 64), and two with every head.
 IMPLS = {
     "pallas": functools.partial(paged_decode_attention, interpret=INTERPRET),
     "pallas_vector": functools.partial(
@@ -72,6 +77,13 @@ IMPLS = {
         paged_decode_attention, matrix_min_group=1, interpret=INTERPRET
     ),
     "pallas_every_head": every_head(paged_decode_attention),
+    "pallas_one_page": functools.partial(
+        paged_decode_attention, pages_per_tile=1, interpret=INTERPRET
+    ),
+    "pallas_vector_one_page": functools.partial(
+        paged_decode_attention, matrix_min_group=0, pages_per_tile=1, interpret=INTERPRET
+    ),
+    "pallas_every_head_pages": every_head(paged_decode_attention, pages=2),
     "pallas_prefetch": functools.partial(
         paged_decode_attention, prefetch_table=True, interpret=INTERPRET
     ),
@@ -86,6 +98,13 @@ APPEND_IMPLS = {
         paged_decode_attention_append, matrix_min_group=1, interpret=INTERPRET
     ),
     "pallas_every_head": every_head(paged_decode_attention_append),
+    "pallas_one_page": functools.partial(
+        paged_decode_attention_append, pages_per_tile=1, interpret=INTERPRET
+    ),
+    "pallas_vector_one_page": functools.partial(
+        paged_decode_attention_append, matrix_min_group=0, pages_per_tile=1, interpret=INTERPRET
+    ),
+    "pallas_every_head_pages": every_head(paged_decode_attention_append, pages=2),
     "reference": jax.jit(
         paged_decode_attention_append_reference,
         donate_argnums=(1, 2),
@@ -177,6 +196,13 @@ ROPE_IMPLS = {
         paged_decode_attention_append, matrix_min_group=1, interpret=INTERPRET
     ),
     "pallas_every_head": every_head(paged_decode_attention_append),
+    "pallas_one_page": functools.partial(
+        paged_decode_attention_append, pages_per_tile=1, interpret=INTERPRET
+    ),
+    "pallas_vector_one_page": functools.partial(
+        paged_decode_attention_append, matrix_min_group=0, pages_per_tile=1, interpret=INTERPRET
+    ),
+    "pallas_every_head_pages": every_head(paged_decode_attention_append, pages=2),
     "reference": jax.jit(
         paged_decode_attention_append_reference,
         donate_argnums=(1, 2),
@@ -347,9 +373,10 @@ def split_case(rng, variant, group, d, bs, dtype):
     return cast(qkv), (cast(k), cast(v)), tuple(map(cast, clean)), tables, lengths, extra
 
 
-def split_call(variant, qkv, caches, tables, lengths, extra, hq, num_splits, heads=1):
+def split_call(variant, qkv, caches, tables, lengths, extra, hq, num_splits, heads=1, pages=1):
     """The kernel of `variant` with `num_splits`, on copies of the caches (it donates them);
-    heads "every": all of a row's KV heads in one program where the matrix units run."""
+    heads "every": all of a row's KV heads in one program where the matrix units run; `pages`
+    pages a tile."""
     caches = tuple(jnp.array(c, copy=True) for c in caches)
     args = (qkv, *caches, tables, lengths)
     kernel = paged_decode_attention
@@ -357,19 +384,25 @@ def split_call(variant, qkv, caches, tables, lengths, extra, hq, num_splits, hea
         args += extra
         kernel = functools.partial(paged_decode_attention_append, eps=EPS)
     if heads == "every":
-        out = every_head(kernel)(*args, num_q_heads=hq, num_splits=num_splits)
+        out = every_head(kernel, pages)(*args, num_q_heads=hq, num_splits=num_splits)
     else:
-        out = kernel(*args, num_q_heads=hq, num_splits=num_splits, interpret=INTERPRET)
+        out = kernel(
+            *args,
+            num_q_heads=hq,
+            num_splits=num_splits,
+            pages_per_tile=pages,
+            interpret=INTERPRET,
+        )
     return (out, *caches) if variant == "plain" else out
 
 
-def check_split(num_splits, variant, group, d, bs, dtype, heads=1):
+def check_split(num_splits, variant, group, d, bs, dtype, heads=1, pages=1):
     rng = np.random.default_rng()
     qkv, caches, clean, tables, lengths, extra = split_case(rng, variant, group, d, bs, dtype)
     h, bs = caches[0].shape[0], caches[0].shape[2]
     hq = h * group
     out, k_out, v_out = split_call(
-        variant, qkv, caches, tables, lengths, extra, hq, num_splits, heads
+        variant, qkv, caches, tables, lengths, extra, hq, num_splits, heads, pages
     )
     if variant == "plain":
         want = paged_decode_attention_reference(qkv, *clean, tables, lengths, num_q_heads=hq)
@@ -401,7 +434,7 @@ def check_split(num_splits, variant, group, d, bs, dtype, heads=1):
     # bf16: the one-pass kernel's output, to a rounding step of the dtype. On the matrix units
     # each split rounds its softmax weights to bf16 against its own max: each weight within a
     # step, so the output within a step of the largest value.
-    one, *_ = split_call(variant, qkv, caches, tables, lengths, extra, hq, 1, heads)
+    one, *_ = split_call(variant, qkv, caches, tables, lengths, extra, hq, 1, heads, pages)
     one = np.asarray(one, np.float64)
     eps = float(jnp.finfo(dtype).eps)
     atol = 1e-5
@@ -417,31 +450,33 @@ SPLIT_AXES = dict(
     block_size=[16, 8],  # groups of 2 and 4 on the matrix units at 16 (the default), not at 8
     dtype=["float32", "bfloat16"],
     heads=[1, "every"],  # KV heads a program: "every" where the matrix units run
+    pages=[1, 2, 4],  # pages a tile: the 5-page tables end inside a tile of 2 or 4
 )
 # Splits 2, 3 (an uneven division) and 4, every group size and head dim, plain, fused append and
-# fused q/k norm + RoPE, float32 and bf16, a program per head or per row, in a few seconds; one
-# split is the suites above.
+# fused q/k norm + RoPE, float32 and bf16, a program per head or per row, tiles of 1, 2 and 4
+# pages, in a few seconds; one split is the suites above.
 SPLIT_CASES = [
-    (3, "plain", (4, 64), 16, "float32", "every"),
-    (4, "append", (1, 128), 8, "float32", 1),
-    (2, "qk_norm_rope", (2, 128), 16, "bfloat16", 1),
-    (3, "qk_norm_rope", (2, 128), 16, "float32", "every"),
+    (3, "plain", (4, 64), 16, "float32", "every", 2),
+    (4, "append", (1, 128), 8, "float32", 1, 4),
+    (2, "qk_norm_rope", (2, 128), 16, "bfloat16", 1, 1),
+    (3, "qk_norm_rope", (2, 128), 16, "float32", "every", 1),
+    (2, "rope", (2, 64), 16, "bfloat16", 1, 2),
 ]
-SPLIT_PARAMS = "num_splits,variant,group_d,block_size,dtype,heads"
+SPLIT_PARAMS = "num_splits,variant,group_d,block_size,dtype,heads,pages"
 
 
 @pytest.mark.parametrize(SPLIT_PARAMS, SPLIT_CASES)
-def test_split_decode(num_splits, variant, group_d, block_size, dtype, heads):
+def test_split_decode(num_splits, variant, group_d, block_size, dtype, heads, pages):
     """The split kernels (plain, fused append, fused q/k norm and RoPE) against the references:
     rows from one token to a full table and a padded row in one batch, caches poisoned with NaN
     wherever no key is, the new K/V written once into their slots. Every pair: below."""
-    check_split(num_splits, variant, *group_d, block_size, dtype, heads)
+    check_split(num_splits, variant, *group_d, block_size, dtype, heads, pages)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(SPLIT_PARAMS, pairwise(**SPLIT_AXES))
-def test_split_decode_pairwise(num_splits, variant, group_d, block_size, dtype, heads):
-    check_split(num_splits, variant, *group_d, block_size, dtype, heads)
+def test_split_decode_pairwise(num_splits, variant, group_d, block_size, dtype, heads, pages):
+    check_split(num_splits, variant, *group_d, block_size, dtype, heads, pages)
 
 
 def test_num_splits_checked():
@@ -573,6 +608,13 @@ PREFILL_IMPLS = {
     "pallas": functools.partial(paged_prefill_attention, block_q=16, interpret=INTERPRET),
     # One tile a chunk (the default rows a program cover these chunks).
     "pallas_default": functools.partial(paged_prefill_attention, interpret=INTERPRET),
+    # Key tiles of 2 and 4 pages: with 6 pages a row, 4 leaves a last tile past the table.
+    "pallas_pp2": functools.partial(
+        paged_prefill_attention, block_q=16, pages_per_tile=2, interpret=INTERPRET
+    ),
+    "pallas_pp4": functools.partial(
+        paged_prefill_attention, block_q=16, pages_per_tile=4, interpret=INTERPRET
+    ),
     "reference": jax.jit(paged_prefill_attention_reference),
     "xla": jax.jit(paged_attention_xla),
 }
@@ -619,6 +661,22 @@ def test_default_block_q(t, want):
     assert default_block_q(t) == want
 
 
+@pytest.mark.parametrize("bs,want", [(16, 4), (32, 2), (64, 1), (128, 1)])
+def test_default_pages_per_tile(bs, want):
+    assert default_pages_per_tile(bs) == want
+
+
+@pytest.mark.parametrize("pp", [3, 0])
+def test_pages_per_tile_must_be_power_of_two(pp):
+    q = jnp.zeros((1, 16, 2, 16), jnp.float32)
+    cache = jnp.zeros((1, 3, 16, 16), jnp.float32)
+    tables, positions = jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 16), jnp.int32)
+    with pytest.raises(ValueError, match="pages_per_tile must be a power of two"):
+        paged_prefill_attention(
+            q, cache, cache, tables, positions, jnp.ones((1,), jnp.int32), pages_per_tile=pp
+        )
+
+
 # ------------------------------------------------------------------------- Triton lowering
 
 
@@ -633,6 +691,8 @@ def test_fused_decode_kernels_lower_to_triton():
     qkv = jnp.zeros((b, h * (group + 2), d), dt)
     cache = jnp.zeros((h, 9, bs, d), dt)
     tables, lengths = jnp.zeros((b, 8), jnp.int32), jnp.ones((b,), jnp.int32)
+    small, tables_16 = jnp.zeros((h, 33, 16, d), dt), jnp.zeros((b, 32), jnp.int32)  # pages of 16
+    prefill_q, positions = jnp.zeros((2, 300, h * group, d), dt), jnp.zeros((2, 300), jnp.int32)
     rope = (jnp.zeros((b, d // 2), jnp.float32),) * 2
     calls = {
         "attention": (
@@ -650,6 +710,24 @@ def test_fused_decode_kernels_lower_to_triton():
             ),
             (qkv, cache, cache, tables, lengths, rope, (jnp.ones(d, dt),) * 2),
         ),
+        # Pages of 16, four a tile (the default there), on the matrix units and off them (the
+        # table prefetched: its entries selected in registers), and with every head.
+        "attention_pages": (
+            lambda *a: paged_decode_attention_append(*a, num_q_heads=h * group),
+            (qkv, small, small, tables_16, lengths, rope, (jnp.ones(d, dt),) * 2),
+        ),
+        "attention_vector_pages": (
+            lambda *a: paged_decode_attention_append(
+                *a, num_q_heads=h * group, matrix_min_group=0, prefetch_table=True
+            ),
+            (qkv, small, small, tables_16, lengths, rope, (jnp.ones(d, dt),) * 2),
+        ),
+        "attention_every_head_pages": (
+            lambda *a: paged_decode_attention_append(
+                *a, num_q_heads=h * group, heads_per_program=h, pages_per_tile=2
+            ),
+            (qkv, small, small, tables_16, lengths, rope, (jnp.ones(d, dt),) * 2),
+        ),
         # Split-K (and its merge kernel), fused and plain: an uneven split count.
         "attention_split": (
             lambda *a: paged_decode_attention_append(*a, num_q_heads=h * group, num_splits=3),
@@ -666,14 +744,12 @@ def test_fused_decode_kernels_lower_to_triton():
         "rms_norm": (rms_norm, (jnp.zeros((6144, d), dt), jnp.ones(d, dt))),
         "prefill_attention": (
             paged_prefill_attention,
-            (
-                jnp.zeros((2, 300, h * group, d), dt),
-                cache,
-                cache,
-                tables[:2],
-                jnp.zeros((2, 300), jnp.int32),  # positions
-                lengths[:2],
-            ),
+            (prefill_q, cache, cache, tables[:2], positions, lengths[:2]),
+        ),
+        # Pages of 16, four a key tile: the [4 x 16, 128] tile's pointers built from the table.
+        "prefill_attention_pp4": (
+            lambda *a: paged_prefill_attention(*a, pages_per_tile=4),
+            (prefill_q, small, small, tables_16[:2], positions, lengths[:2]),
         ),
     }
     for name, (fn, args) in calls.items():

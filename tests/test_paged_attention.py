@@ -31,8 +31,13 @@ from rosejax.layers.attention import (
 from rosejax.settings import KernelConfig
 from tests.conftest import INTERPRET, pairwise
 
+# pallas: at these pages of 8 and 16, tiles of 8 and 4 pages (64 rows); one_page: the tile of
+# the default pages of 64.
 IMPLS = {
     "pallas": functools.partial(paged_decode_attention, interpret=INTERPRET),
+    "pallas_one_page": functools.partial(
+        paged_decode_attention, pages_per_tile=1, interpret=INTERPRET
+    ),
     "pallas_prefetch": functools.partial(
         paged_decode_attention, prefetch_table=True, interpret=INTERPRET
     ),
@@ -41,6 +46,9 @@ IMPLS = {
 }
 APPEND_IMPLS = {
     "pallas": functools.partial(paged_decode_attention_append, interpret=INTERPRET),
+    "pallas_one_page": functools.partial(
+        paged_decode_attention_append, pages_per_tile=1, interpret=INTERPRET
+    ),
     "pallas_prefetch": functools.partial(
         paged_decode_attention_append, prefetch_table=True, interpret=INTERPRET
     ),
