@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import paged_attention
+from pallas_kernels import paged_prefill_attention as prefill_module
 from pallas_kernels.linear import linear, linear_partial_sums_reference
 from pallas_kernels.paged_attention import (
     default_heads_per_program,
@@ -23,7 +25,6 @@ from pallas_kernels.paged_attention import (
 )
 from pallas_kernels.paged_prefill_attention import (
     default_block_q,
-    default_pages_per_tile,
     paged_prefill_attention,
     paged_prefill_attention_reference,
 )
@@ -509,6 +510,21 @@ def test_default_heads_per_program(
 
 
 @pytest.mark.parametrize(
+    "batch,hp,block_size,want",
+    [
+        (32, 1, 16, 4),  # 64 rows of one head's pages
+        (1, 1, 8, 8),
+        (32, 1, 64, 1),  # the default pages: unchanged
+        (128, 2, 16, 2),
+        (256, 1, 16, 1),  # many rows: a page a tile (GPT-2's vector path)
+        (256, 4, 16, 1),
+    ],
+)
+def test_default_decode_pages_per_tile(batch, hp, block_size, want):
+    assert paged_attention.default_pages_per_tile(batch, hp, block_size) == want
+
+
+@pytest.mark.parametrize(
     "hp,matrix_min_group,block_size,match",
     [
         (3, 1, 16, "power of two dividing"),
@@ -662,8 +678,8 @@ def test_default_block_q(t, want):
 
 
 @pytest.mark.parametrize("bs,want", [(16, 4), (32, 2), (64, 1), (128, 1)])
-def test_default_pages_per_tile(bs, want):
-    assert default_pages_per_tile(bs) == want
+def test_default_prefill_pages_per_tile(bs, want):
+    assert prefill_module.default_pages_per_tile(bs) == want
 
 
 @pytest.mark.parametrize("pp", [3, 0])
@@ -671,10 +687,11 @@ def test_pages_per_tile_must_be_power_of_two(pp):
     q = jnp.zeros((1, 16, 2, 16), jnp.float32)
     cache = jnp.zeros((1, 3, 16, 16), jnp.float32)
     tables, positions = jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 16), jnp.int32)
+    lengths = jnp.ones((1,), jnp.int32)
     with pytest.raises(ValueError, match="pages_per_tile must be a power of two"):
-        paged_prefill_attention(
-            q, cache, cache, tables, positions, jnp.ones((1,), jnp.int32), pages_per_tile=pp
-        )
+        paged_prefill_attention(q, cache, cache, tables, positions, lengths, pages_per_tile=pp)
+    with pytest.raises(ValueError, match="pages_per_tile must be a power of two"):
+        paged_decode_attention(q[:, 0], cache, cache, tables, lengths, pages_per_tile=pp)
 
 
 # ------------------------------------------------------------------------- Triton lowering
