@@ -58,6 +58,7 @@ def impls(
     splits: list[int],
     matrix: list[int],
     heads: list[int],
+    pages: list[int],
     chunk_pages: list[int],
 ) -> dict:
     out = {"xla": functools.partial(paged_decode_attention_reference, num_q_heads=hq)}
@@ -65,7 +66,7 @@ def impls(
         out[f"xla_chunked_p{n}" if n else "xla_chunked"] = functools.partial(
             paged_decode_attention_xla, pages_per_chunk=n or None, num_q_heads=hq
         )
-    for w, s, n, g, hp in itertools.product(warps, stages, splits, matrix, heads):
+    for w, s, n, g, hp, pp in itertools.product(warps, stages, splits, matrix, heads, pages):
         if hp > 1 and not g:  # several heads a program only on the matrix units
             continue
         name = (
@@ -73,11 +74,13 @@ def impls(
             + (f"_k{n}" if n > 1 else "")
             + (f"_mma{g}" if g else "")
             + (f"_hp{hp}" if hp > 1 else "")
+            + (f"_pp{pp}" if pp else "")
         )
         out[name] = functools.partial(
             paged_decode_attention,
             num_q_heads=hq,
             heads_per_program=hp,
+            pages_per_tile=pp or None,
             num_warps=w,
             num_stages=s,
             num_splits=n,
@@ -114,6 +117,12 @@ def main() -> None:
         default="1",
         help="comma list of the kernel's heads_per_program (KV heads a program attends; above 1 "
         "on the matrix units only)",
+    )
+    p.add_argument(
+        "--pages-per-tile",
+        default="0",
+        help="comma list of the kernel's pages_per_tile (pages of each head a loop trip loads; "
+        "0: the kernel's default for the batch and page size)",
     )
     p.add_argument("--q-heads", type=int, default=12, help="query heads (Hq)")
     p.add_argument("--kv-heads", type=int, default=12, help="KV heads (H), dividing Hq")
@@ -176,6 +185,7 @@ def main() -> None:
             [int(n) for n in args.num_splits.split(",")],
             [int(n) for n in args.matrix_min_group.split(",")],
             [int(n) for n in args.heads_per_program.split(",")],
+            [int(n) for n in args.pages_per_tile.split(",")],
             [int(n) for n in args.xla_chunk_pages.split(",")],
         )
         if args.no_jax_op:
