@@ -26,7 +26,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import add_kernel_bench_args, time_in_loop, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_kernel_bench_args,
+    parse_kernel_bench_args,
+    time_in_loop,
+    write_json,
+)
 from pallas_kernels.paged_attention import (  # noqa: E402
     DEFAULT_MATRIX_MIN_GROUP,
     paged_decode_attention,
@@ -148,7 +153,7 @@ def main() -> None:
         "(the engine's max model len, e.g. 40960); 0: the context",
     )
     add_kernel_bench_args(p)
-    args = p.parse_args()
+    args = parse_kernel_bench_args(p)
     interpret = args.quick or jax.default_backend() == "cpu"
     hq, h, d, bs = args.q_heads, args.kv_heads, args.head_dim, args.block_size
     dtype = jnp.dtype(args.dtype)

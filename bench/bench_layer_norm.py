@@ -20,7 +20,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import add_kernel_bench_args, ints, time_in_loop, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_kernel_bench_args,
+    ints,
+    parse_kernel_bench_args,
+    time_in_loop,
+    write_json,
+)
 from pallas_kernels.layer_norm import layer_norm, layer_norm_reference  # noqa: E402
 
 
@@ -36,7 +42,7 @@ def main() -> None:
     p.add_argument("--block-rows", type=ints, default=[1, 2, 4, 8], help="kernel rows/program")
     p.add_argument("--num-warps", type=ints, default=[1, 2, 4, 8], help="kernel warps")
     add_kernel_bench_args(p)
-    args = p.parse_args()
+    args = parse_kernel_bench_args(p)
     interpret = args.quick or jax.default_backend() == "cpu"
     if args.quick:
         args.rows, args.block_rows, args.num_warps, args.iters, args.repeats = [5], [4], [4], 2, 1

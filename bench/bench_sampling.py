@@ -23,7 +23,13 @@ if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` impor
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench.common import add_kernel_bench_args, ints, time_in_loop, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    add_kernel_bench_args,
+    ints,
+    parse_kernel_bench_args,
+    time_in_loop,
+    write_json,
+)
 from rosejax.sampling import sample  # noqa: E402
 
 # name: (logit scale, temperature, top_k, top_p); "argmax" is the baseline, "greedy" the same
@@ -74,7 +80,7 @@ def main() -> None:
         "--cases", default=",".join(CASES), help="comma list of cases (argmax always runs)"
     )
     add_kernel_bench_args(p)
-    args = p.parse_args()
+    args = parse_kernel_bench_args(p)
     cases = ["argmax", *(c for c in args.cases.split(",") if c != "argmax")]
     if unknown := [c for c in cases if c not in CASES]:
         p.error(f"unknown cases {unknown}; known: {', '.join(CASES)}")

@@ -222,17 +222,28 @@ def median_chained_seconds(f: Callable, x, calls: int = 5) -> float:
 
 def add_kernel_bench_args(p: argparse.ArgumentParser) -> None:
     """The timing and output flags of the kernel microbenchmarks (bench_attention,
-    bench_layer_norm)."""
+    bench_layer_norm, bench_sampling)."""
     p.add_argument("--iters", type=int, default=200, help="calls per timed loop")
     p.add_argument("--repeats", type=int, default=5, help="timed loops; the median is kept")
     p.add_argument("--quick", action="store_true", help="tiny sizes, interpret mode (CPU smoke)")
     p.add_argument("--json", default=None, help="write results here")
 
 
+def parse_kernel_bench_args(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """p's arguments, with rosejax's process XLA flags set before jax starts its backend, so a
+    timed loop (`time_in_loop`) runs as one CUDA graph as the engine's decode windows do, not as
+    a launch from the host per call (which a call of a few microseconds would wait on)."""
+    from rosejax.settings import set_xla_flags
+
+    args = p.parse_args()
+    set_xla_flags()
+    return args
+
+
 def time_in_loop(fn: Callable, x, iters: int, repeats: int) -> float:
     """Microseconds per call of `fn(x) -> array shaped like x`, called `iters` times inside one
-    jitted fori_loop (each output feeds the next call, so Python dispatch stays out); median of
-    `repeats` loops."""
+    jitted fori_loop (each output feeds the next call, so Python dispatch stays out; a CUDA graph
+    under `parse_kernel_bench_args`' flags); median of `repeats` loops."""
     import jax
 
     loop = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda _, y: fn(y), x))

@@ -820,6 +820,22 @@ def _repo():
     return pathlib.Path(__file__).resolve().parents[1]
 
 
+def test_kernel_bench_loops_are_cuda_graphs(monkeypatch):
+    """The kernel microbenches set rosejax's process XLA flags before jax starts: their timed
+    `while` loops run in command buffers (CUDA graphs), as the engine's windows do."""
+    from bench.common import add_kernel_bench_args, parse_kernel_bench_args
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    monkeypatch.setattr(sys, "argv", ["bench", "--iters", "3"])
+    p = argparse.ArgumentParser()
+    add_kernel_bench_args(p)
+    assert parse_kernel_bench_args(p).iters == 3
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags[0] == "--xla_dump_to=/tmp/x"  # the user's flags kept
+    (buffers,) = [f for f in flags if f.startswith("--xla_gpu_enable_command_buffer=")]
+    assert "WHILE" in buffers.split("=")[1].split(",")
+
+
 @pytest.mark.parametrize("script", ["bench_attention", "bench_layer_norm"])
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_kernel_microbench_quick(tmp_path, script):
