@@ -654,11 +654,15 @@ def test_paged_prefill_matches_oracle(impl, h, group, d, cached):
     positions = np.tile(np.arange(t, dtype=np.int32), (b, 1))
     positions[: len(cached)] += np.asarray(cached, np.int32)[:, None]
     seq_lens = np.asarray([c + n for c, n in zip(cached, new, strict=True)] + [0], np.int32)
-    # Slots past each row's length hold poison: the kernel must not read them.
+    # Slots past each row's length hold poison the kernels must not load: NaN (the references
+    # read every page of a table and mask scores, so theirs is finite); scratch block 0, where a
+    # masked table entry points, is in no table: NaN for all.
+    poison = np.nan if impl.startswith("pallas") else 7.0
+    k[:, 0], v[:, 0] = np.nan, np.nan
     for row in range(b):
         for pos in range(int(seq_lens[row]), mb * bs):
-            k[:, tables[row, pos // bs], pos % bs] = 7.0
-            v[:, tables[row, pos // bs], pos % bs] = 7.0
+            k[:, tables[row, pos // bs], pos % bs] = poison
+            v[:, tables[row, pos // bs], pos % bs] = poison
     q = rng.normal(size=(b, t, h * group, d)).astype(np.float32)
     out = np.asarray(
         PREFILL_IMPLS[impl](
