@@ -36,7 +36,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 kva = importlib.import_module("pallas_kernels.kv_append")
-copy_bandwidth_gbs = importlib.import_module("bench.common").copy_bandwidth_gbs
+common = importlib.import_module("bench.common")
 
 XLA_IMPLS = ("xla_generic", "xla_identity", "xla_full")
 KERNEL_IMPLS = ("generic", "identity_pos", "full_batch")
@@ -149,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="write every result, the card, jax version and command line here "
         "(rewritten after each configuration, so a killed run keeps its rows)",
     )
-    args = p.parse_args(argv)
+    args = common.parse_kernel_bench_args(p, argv)
     unknown = set(args.impl) - set(ALL_IMPLS)
     if unknown:
         p.error(f"unknown --impl {sorted(unknown)}")
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             "min_batch": kva.DEFAULT_MIN_BATCH,
         },
     }
-    meta["copy_gbps"] = copy_bandwidth_gbs(args.copy_mb)
+    meta["copy_gbps"] = common.copy_bandwidth_gbs(args.copy_mb)
     print(
         f"# {meta['device']}  jax {meta['jax']}  interpret={interpret}  "
         f"copy bandwidth {meta['copy_gbps']:.0f} GB/s (read+write, {args.copy_mb} MB)",

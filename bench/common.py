@@ -229,13 +229,15 @@ def add_kernel_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write results here")
 
 
-def parse_kernel_bench_args(p: argparse.ArgumentParser) -> argparse.Namespace:
+def parse_kernel_bench_args(
+    p: argparse.ArgumentParser, argv: list[str] | None = None
+) -> argparse.Namespace:
     """p's arguments, with rosejax's process XLA flags set before jax starts its backend, so a
     timed loop (`time_in_loop`) runs as one CUDA graph as the engine's decode windows do, not as
     a launch from the host per call (which a call of a few microseconds would wait on)."""
     from rosejax.settings import set_xla_flags
 
-    args = p.parse_args()
+    args = p.parse_args(argv)
     set_xla_flags()
     return args
 
