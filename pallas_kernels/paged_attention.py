@@ -87,8 +87,9 @@ def _load_tile(
     k_cache_ref, v_cache_ref, block_tables_ref, b, h0, hp: int, pp: int, i, num_tokens, table
 ):
     """Tile i of row b, logical pages [i x pp, (i + 1) x pp), for KV heads [h0, h0 + hp) -> K, V
-    [hp x pp x BS, D] in the cache's dtype (keys at or past `num_tokens` zero). `table`: (the
-    row's prefetched block table [MB'], its slot indices) or None to read entries from memory."""
+    [hp x pp x BS, D] in the cache's dtype (keys at or past `num_tokens` zero) and which of its
+    rows are cached keys [hp x pp x BS]. `table`: (the row's prefetched block table [MB'], its
+    slot indices) or None to read entries from memory."""
     block_size, head_dim = k_cache_ref.shape[2], k_cache_ref.shape[3]
     max_blocks = block_tables_ref.shape[1]
 
@@ -99,17 +100,18 @@ def _load_tile(
         entries, slots = table  # a register vector takes no dynamic index: select by mask
         return jnp.sum(jnp.where(slots == logical, entries, 0))
 
+    head, slot, token = _tile_rows(hp, pp, block_size)
+    cached = (i * pp + slot) * block_size + token < num_tokens  # [hp x pp x BS]
     # Masked loads: the last page's unused tail is never read (at block size 64 and GPT-2's
     # decode contexts that tail is a fifth to a half of the bytes).
+    mask = cached[:, None]
     if hp == 1 and pp == 1:
         page = page_of(i)
-        valid = i * block_size + jnp.arange(block_size, dtype=jnp.int32) < num_tokens  # [BS]
-        k = plgpu.load(k_cache_ref.at[h0, page, :, :], mask=valid[:, None], other=0.0)
-        v = plgpu.load(v_cache_ref.at[h0, page, :, :], mask=valid[:, None], other=0.0)
-        return k, v  # [BS, D]
+        k = plgpu.load(k_cache_ref.at[h0, page, :, :], mask=mask, other=0.0)
+        v = plgpu.load(v_cache_ref.at[h0, page, :, :], mask=mask, other=0.0)
+        return k, v, cached  # [BS, D]
     # Several heads or pages: pointers of one 2-D tile, not a [hp, pp, BS, D] load reshaped (a
     # reshape between the load and the dot keeps Triton from pipelining the load).
-    head, slot, token = _tile_rows(hp, pp, block_size)
     if pp == 1:
         pages = page_of(i)
     else:  # pp scalar entries, then each row's by select
@@ -118,11 +120,10 @@ def _load_tile(
             pages = jnp.where(slot == j, page_of(i * pp + j), pages)
         pages = pages[:, None]
     dims = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
-    mask = ((i * pp + slot) * block_size + token < num_tokens)[:, None]  # [hp x pp x BS, 1]
     at = ((h0 + head)[:, None], pages, token[:, None], dims)
     k = plgpu.load(k_cache_ref.at[at], mask=mask, other=0.0)
     v = plgpu.load(v_cache_ref.at[at], mask=mask, other=0.0)
-    return k, v
+    return k, v, cached
 
 
 def _pick_row(x, rows, g):
@@ -200,13 +201,11 @@ def _attend_pages(
     # No tile without a cached key: its scores would all be _NEG_INF, each weighing exp(0) = 1.
     end = jnp.minimum(end, (num_tokens + tile_tokens - 1) // tile_tokens)
     rows = jnp.arange(q.shape[0], dtype=jnp.int32)  # [M]
-    head, slot, token = _tile_rows(hp, pp, block_size)  # [hp x pp x BS] each
 
     def tile(i):
-        k, v = _load_tile(
+        return _load_tile(
             k_cache_ref, v_cache_ref, block_tables_ref, b, h0, hp, pp, i, num_tokens, table
         )
-        return k, v, (i * pp + slot) * block_size + token < num_tokens  # cached: [hp x pp x BS]
 
     if not matrix_units:
         scaled = q.astype(jnp.float32) * sm_scale
@@ -223,6 +222,7 @@ def _attend_pages(
             m, denom = jnp.where(rows == g, m_g, m), jnp.where(rows == g, denom_g, denom)
             acc = jnp.where(rows[:, None] == g, acc_g[None, :], acc)
         return m, denom, acc
+    head = _tile_rows(hp, pp, block_size)[0]  # [hp x pp x BS]: each key's head, of the hp
     own_head = (rows // group)[:, None] == head[None, :]  # [M, hp x pp x BS]
     q = q.astype(k_cache_ref.dtype)
 
@@ -262,7 +262,7 @@ def _gather_rows(x, index):
 
 
 def _load_queries(qkv_ref, b, first_head, group: int, hp: int, matrix_units: bool, *prologue):
-    """The program's query tile [M, D] in qkv's dtype, its rows and which are real: its hp x group
+    """The program's query tile [M, D] in qkv's dtype and which of its rows are real: its hp x group
     query heads from `first_head`, through `load_heads` (`prologue`: its rope_refs, scale_ref
     and eps), in rows padded with zeros to a power of two (to MATRIX_MIN_ROWS on the matrix
     units). The padding rows load a real head again and are zeroed after the norm and RoPE: the
@@ -273,7 +273,7 @@ def _load_queries(qkv_ref, b, first_head, group: int, hp: int, matrix_units: boo
     real = rows < real_heads
     heads = first_head + jnp.minimum(rows, real_heads - 1)  # [M]
     q = load_heads(qkv_ref, b, heads, *prologue)  # [M, D]
-    return jnp.where(real[:, None], q, 0), rows, real
+    return jnp.where(real[:, None], q, 0), real
 
 
 def _store_states(out_refs, b, first_head, real, states, num_splits: int) -> None:
@@ -314,7 +314,7 @@ def paged_decode_attention_kernel(
     b, h0 = pl.program_id(0), pl.program_id(1) * heads_per_program
     length = lengths_ref[b]
     first, end, _ = _split_tiles(length, pages_per_tile * k_cache_ref.shape[2], num_splits)
-    q, _, real = _load_queries(
+    q, real = _load_queries(
         q_ref, b, h0 * group, group, heads_per_program, matrix_units, None, None, 0.0
     )  # [M, D]
     states = _attend_pages(
@@ -370,7 +370,7 @@ def paged_decode_attention_append_kernel(
     # and a shared partial block is copied before anyone writes into it). The new token is in
     # the row's last live tile: the split whose tiles end there adds it.
     holds_new = (first < end) & (end == live)
-    q, rows, real = _load_queries(
+    q, real = _load_queries(
         qkv_ref, b, h0 * group, group, hp, matrix_units, rope_refs, q_scale_ref, eps
     )  # [M, D]
     m, denom, acc = _attend_pages(
@@ -392,6 +392,7 @@ def paged_decode_attention_append_kernel(
     new_heads = num_q_heads + h0 + jnp.arange(hp, dtype=jnp.int32)  # [hp]
     k_new = load_heads(qkv_ref, b, new_heads, rope_refs, k_scale_ref, eps)  # [hp, D]
     v_new = load_heads(qkv_ref, b, new_heads + num_heads, None, None, eps)  # [hp, D]
+    rows = jnp.arange(q.shape[0], dtype=jnp.int32)  # [M]
     kv_of_row = jnp.where(real, rows // group, -1)  # [M]: each query's KV head, of the hp
     k_f = _gather_rows(k_new.astype(jnp.float32), kv_of_row)  # [M, D]
     v_f = _gather_rows(v_new.astype(jnp.float32), kv_of_row)
