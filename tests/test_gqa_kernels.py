@@ -65,51 +65,36 @@ def every_head(kernel, pages: int = 1):
     return call
 
 
-# The kernels at their defaults, and forced onto vector arithmetic (matrix_min_group 0) or the
-# matrix units (1: every group, pages of 16 keys up), there with every KV head in one program.
-# Tiles: pages of 8 and 16 make 64-row tiles of 8 and 4 pages by default (past the end of every
-# table here); one page a tile (the default at pages of 64), and two with every head.
-IMPLS = {
-    "pallas": functools.partial(paged_decode_attention, interpret=INTERPRET),
-    "pallas_vector": functools.partial(
-        paged_decode_attention, matrix_min_group=0, interpret=INTERPRET
-    ),
-    "pallas_matrix": functools.partial(
-        paged_decode_attention, matrix_min_group=1, interpret=INTERPRET
-    ),
-    "pallas_every_head": every_head(paged_decode_attention),
-    "pallas_one_page": functools.partial(
-        paged_decode_attention, pages_per_tile=1, interpret=INTERPRET
-    ),
-    "pallas_vector_one_page": functools.partial(
-        paged_decode_attention, matrix_min_group=0, pages_per_tile=1, interpret=INTERPRET
-    ),
-    "pallas_every_head_pages": every_head(paged_decode_attention, pages=2),
+def kernel_variants(kernel) -> dict:
+    """`kernel` at its defaults, and forced onto vector arithmetic (matrix_min_group 0) or the
+    matrix units (1: every group, pages of 16 keys up), there with every KV head in one program.
+    Tiles: pages of 8 and 16 make 64-row tiles of 8 and 4 pages by default (past the end of every
+    table here); one page a tile (the default at pages of 64), and two with every head."""
+    interpreted = functools.partial(kernel, interpret=INTERPRET)
+    return {
+        "pallas": interpreted,
+        "pallas_vector": functools.partial(interpreted, matrix_min_group=0),
+        "pallas_matrix": functools.partial(interpreted, matrix_min_group=1),
+        "pallas_every_head": every_head(kernel),
+        "pallas_one_page": functools.partial(interpreted, pages_per_tile=1),
+        "pallas_vector_one_page": functools.partial(
+            interpreted, matrix_min_group=0, pages_per_tile=1
+        ),
+        "pallas_every_head_pages": every_head(kernel, pages=2),
+    }
+
+
+IMPLS = kernel_variants(paged_decode_attention) | {
     "pallas_prefetch": functools.partial(
         paged_decode_attention, prefetch_table=True, interpret=INTERPRET
     ),
     "reference": jax.jit(paged_decode_attention_reference, static_argnames="num_q_heads"),
 }
-APPEND_IMPLS = {
-    "pallas": functools.partial(paged_decode_attention_append, interpret=INTERPRET),
-    "pallas_vector": functools.partial(
-        paged_decode_attention_append, matrix_min_group=0, interpret=INTERPRET
-    ),
-    "pallas_matrix": functools.partial(
-        paged_decode_attention_append, matrix_min_group=1, interpret=INTERPRET
-    ),
-    "pallas_every_head": every_head(paged_decode_attention_append),
-    "pallas_one_page": functools.partial(
-        paged_decode_attention_append, pages_per_tile=1, interpret=INTERPRET
-    ),
-    "pallas_vector_one_page": functools.partial(
-        paged_decode_attention_append, matrix_min_group=0, pages_per_tile=1, interpret=INTERPRET
-    ),
-    "pallas_every_head_pages": every_head(paged_decode_attention_append, pages=2),
+APPEND_IMPLS = kernel_variants(paged_decode_attention_append) | {
     "reference": jax.jit(
         paged_decode_attention_append_reference,
         donate_argnums=(1, 2),
-        static_argnames="num_q_heads",
+        static_argnames=("num_q_heads", "eps"),
     ),
 }
 # (B, H, group, D, block_size, blocks per row): Qwen3-0.6B's group 2 at D 128, Llama-3.2-1B's 4
@@ -188,28 +173,7 @@ def test_gqa_heads_checked():
 # ------------------------------------------------------- q/k RMSNorm and RoPE in the append kernel
 
 qk_norm_rope_reference = jax.jit(_qk_norm_rope_reference, static_argnames=("num_q_heads", "eps"))
-ROPE_IMPLS = {
-    "pallas": functools.partial(paged_decode_attention_append, interpret=INTERPRET),
-    "pallas_vector": functools.partial(
-        paged_decode_attention_append, matrix_min_group=0, interpret=INTERPRET
-    ),
-    "pallas_matrix": functools.partial(
-        paged_decode_attention_append, matrix_min_group=1, interpret=INTERPRET
-    ),
-    "pallas_every_head": every_head(paged_decode_attention_append),
-    "pallas_one_page": functools.partial(
-        paged_decode_attention_append, pages_per_tile=1, interpret=INTERPRET
-    ),
-    "pallas_vector_one_page": functools.partial(
-        paged_decode_attention_append, matrix_min_group=0, pages_per_tile=1, interpret=INTERPRET
-    ),
-    "pallas_every_head_pages": every_head(paged_decode_attention_append, pages=2),
-    "reference": jax.jit(
-        paged_decode_attention_append_reference,
-        donate_argnums=(1, 2),
-        static_argnames=("num_q_heads", "eps"),
-    ),
-}
+ROPE_IMPLS = APPEND_IMPLS  # the same kernels, given rope (and the q/k norm)
 # (B, H, group, D, block_size, blocks per row): Qwen3-0.6B's group 2 at D 128, Llama-3.2-1B's 4 at
 # D 64, multi-head (group 1) at D 128.
 ROPE_SHAPES = [(3, 2, 2, 128, 16, 3), (2, 2, 4, 64, 16, 2), (3, 2, 1, 128, 8, 2)]
