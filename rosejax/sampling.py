@@ -21,9 +21,9 @@ nucleus alone that the 64 hold (a peaked distribution). Else each filter finds i
 exact radix select over the whole row (`_select`, 8 fused passes over [B, V]), for the rows
 outside their candidates alone where a large batch has few of them, and the draw runs over whole
 rows. A batch that doesn't use a filter pays for neither. The passes over [B, V] stay few: none
-writes a float32 copy of logits / temperature or of min_p's cut (`Scaled` keeps the factors
-and min_p's floor, and each pass computes the values it reads), the greedy argmax reads the logits in their own dtype, and a
-branch stays a branch (`_cond`). Figures: `docs/performance-log.md`, "Seed workloads".
+writes a float32 copy of logits / temperature or of min_p's cut (`Scaled` keeps the factors and
+min_p's floor, and each pass computes the values it reads), the greedy argmax reads the logits in
+their own dtype, and a branch stays a branch (`_cond`). Figures: `docs/performance-log.md`, "Seed workloads".
 
 Before the filters, vLLM's order: the logits processors on the raw logits (`process_logits`:
 logit_bias and min_tokens as sparse per-row adds, then the repetition, frequency and presence
