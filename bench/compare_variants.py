@@ -112,10 +112,8 @@ def config_of(v: Variant, args: argparse.Namespace) -> EngineConfig:
     kernels = KernelConfig.for_backend(
         **dict(kernel_overrides(list(v.kernel_settings), list(v.tiles)))
     )
-    fields = dict(v.engine_fields)  # a variant's block_size overrides --block-size
-    block_size = fields.pop("block_size", args.block_size)
-    shape = (args.model, args.batch, args.prompt_len, args.new_tokens, block_size)
-    return pd.engine_config(*shape, args.decode_steps, kernels, **fields)
+    shape = (args.model, args.batch, args.prompt_len, args.new_tokens, args.block_size)
+    return pd.engine_config(*shape, args.decode_steps, kernels, **dict(v.engine_fields))
 
 
 def build(

@@ -57,10 +57,12 @@ def engine_config(
     block_size: int,
     decode_steps: int,
     kernels: KernelConfig | None = None,
+    /,
     **fields,
 ) -> EngineConfig:
     """An fp16 engine's config for `batch` concurrent requests of this shape (KV for all of
-    them), with `kernels` (None: the backend's defaults) and any other EngineConfig `fields`."""
+    them), with `kernels` (None: the backend's defaults) and any other EngineConfig `fields`,
+    which override the shape's (a variant's block_size, say)."""
     values = dict(
         dtype="float16",
         max_batch_size=batch,
