@@ -87,35 +87,31 @@ def paged_prefill_attention_kernel(
     slots, page_tokens = (cols // block_size)[:, None], (cols % block_size)[:, None]
     dims = jnp.arange(k_cache_ref.shape[3], dtype=jnp.int32)[None, :]
 
-    def load_tile(i, masked: bool):
-        """Iteration i's K, V [pp x BS, D] and their key positions [pp x BS]; `masked`: keys at
-        or past num_keys (so pages past the table too) are zeros, never read."""
-        key_pos = i * tile + cols  # [pp x BS]
-        mask = (key_pos < num_keys)[:, None] if masked else None  # [pp x BS, 1]
+    def load_tile(i, key_ok):
+        """Iteration i's K, V [pp x BS, D]; `key_ok` [pp x BS] (None: every key) masks the keys
+        at or past num_keys (so pages past the table too): zeros, never read."""
+        mask = None if key_ok is None else key_ok[:, None]  # [pp x BS, 1]
+        other = None if key_ok is None else 0
         if pages_per_tile == 1:
             page = block_tables_ref[b, i]
-            if masked:
-                k = plgpu.load(k_cache_ref.at[h, page, :, :], mask=mask, other=0.0)
-                v = plgpu.load(v_cache_ref.at[h, page, :, :], mask=mask, other=0.0)
-            else:
-                k = k_cache_ref[h, page, :, :]  # [BS, D]
-                v = v_cache_ref[h, page, :, :]
-            return k, v, key_pos
-        # Pointers of one [pp x BS, D] tile, not a [pp, BS, D] load reshaped (a reshape between
-        # the load and the dot keeps Triton from pipelining the load).
-        table_at = block_tables_ref.at[b, i * pages_per_tile + slots]
-        pages = plgpu.load(table_at, mask=mask, other=0 if masked else None)  # [pp x BS, 1]
-        at = (h, pages, page_tokens, dims)
-        k = plgpu.load(k_cache_ref.at[at], mask=mask, other=0.0 if masked else None)
-        v = plgpu.load(v_cache_ref.at[at], mask=mask, other=0.0 if masked else None)
-        return k, v, key_pos
+            k_at, v_at = k_cache_ref.at[h, page, :, :], v_cache_ref.at[h, page, :, :]
+        else:
+            # Pointers of one [pp x BS, D] tile, not a [pp, BS, D] load reshaped (a reshape
+            # between the load and the dot keeps Triton from pipelining the load).
+            table_at = block_tables_ref.at[b, i * pages_per_tile + slots]
+            pages = plgpu.load(table_at, mask=mask, other=other)  # [pp x BS, 1]
+            at = (h, pages, page_tokens, dims)
+            k_at, v_at = k_cache_ref.at[at], v_cache_ref.at[at]
+        return plgpu.load(k_at, mask=mask, other=other), plgpu.load(v_at, mask=mask, other=other)
 
     def body(i, carry, *, masked: bool):
         m, denom, acc = carry  # [BQ], [BQ], [BQ, D] float32
-        k, v, key_pos = load_tile(i, masked)  # [pp x BS, D], [pp x BS, D], [pp x BS]
+        key_pos = i * tile + cols  # [pp x BS]
+        key_ok = key_pos < num_keys if masked else None
+        k, v = load_tile(i, key_ok)  # [pp x BS, D] each
         s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [BQ, pp x BS] float32
         if masked:
-            visible = (key_pos[None, :] <= pos[:, None]) & (key_pos < num_keys)[None, :]
+            visible = (key_pos[None, :] <= pos[:, None]) & key_ok[None, :]
             s = jnp.where(visible, s, _NEG_INF)  # [BQ, pp x BS]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp2(s - m_new[:, None])  # [BQ, pp x BS]
