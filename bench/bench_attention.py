@@ -38,6 +38,7 @@ from pallas_kernels.paged_attention import (  # noqa: E402
     paged_decode_attention_reference,
 )
 from rosejax.layers.attention import paged_decode_attention_xla  # noqa: E402
+from rosejax.settings import EngineConfig  # noqa: E402
 
 
 def jax_op(q, k, v, tables, lengths, *, pages_per_compute_block, k_splits):
@@ -102,7 +103,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--batch-sizes", default="1,16,64,256", help="comma list of B")
     p.add_argument("--contexts", default="136,512", help="comma list of tokens per row")
-    p.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        help="tokens per KV block; default: the engine's, %(default)s",
+    )
     p.add_argument("--num-warps", default="1,2,4,8", help="comma list of the kernel's warps")
     p.add_argument("--num-stages", default="2", help="comma list of the kernel's pipeline stages")
     p.add_argument(

@@ -148,7 +148,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
     p.add_argument("--decode-steps", type=int, default=32, help="decode steps per device call")
-    p.add_argument("--block-size", type=int, default=64, help="KV block size")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        help="KV block size; default: %(default)s",
+    )
     p.add_argument("--runs", type=int, default=5, help="timed runs of each variant, interleaved")
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)

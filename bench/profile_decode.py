@@ -123,7 +123,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
     p.add_argument("--decode-steps", default="1,8,32", help="comma list of steps per device call")
-    p.add_argument("--block-size", type=int, default=64, help="KV block size")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        help="KV block size; default: %(default)s",
+    )
     p.add_argument(
         "--max-model-len",
         type=int,

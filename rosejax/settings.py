@@ -267,7 +267,7 @@ class EngineConfig:
     generation_config: str = "auto"
     dtype: str = "auto"  # float32 | bfloat16 | float16; auto: float16 on GPU, float32 on CPU
     max_batch_size: int = 64  # requests decoded together
-    block_size: int = 64  # tokens per KV block
+    block_size: int = 16  # tokens per KV block (vLLM's default too)
     max_model_len: int | None = None  # the longest context served; None: the model's
     # KV cache size: a token budget or a fraction of free device memory (at most one); neither:
     # max_batch_size full contexts on a CPU, half the free memory on a GPU.
