@@ -210,12 +210,7 @@ def main() -> None:
                 print(f"B={b:4d} ctx={ctx:4d} {name:18s} failed: {str(e).splitlines()[0][:100]}")
                 continue
             err = float(np.abs(got - ref).max())
-            us = time_in_loop(
-                lambda x, fn=fn, rest=(k, v, tables, lengths): fn(x, *rest),
-                q,
-                args.iters,
-                args.repeats,
-            )
+            us = time_in_loop(fn, q, k, v, tables, lengths, iters=args.iters, repeats=args.repeats)
             rows.append(
                 dict(
                     B=b,

@@ -62,7 +62,7 @@ def main() -> None:
         want = np.asarray(layer_norm_reference(x, scale, bias), np.float32)
         for name, fn in impls.items():
             err = float(np.abs(np.asarray(fn(x, scale, bias), np.float32) - want).max())
-            us = time_in_loop(lambda y, fn=fn: fn(y, scale, bias), x, args.iters, args.repeats)
+            us = time_in_loop(fn, x, scale, bias, iters=args.iters, repeats=args.repeats)
             gbs = 2 * x.size * 2 / us / 1e3
             rows.append(dict(rows=n, features=e, impl=name, us=us, gbs=gbs, max_err=err))
             print(f"N={n:5d} {name:16s} {us:8.2f} us {gbs:7.1f} GB/s  err {err:.1e}", flush=True)

@@ -46,26 +46,31 @@ CASES = {
 }
 
 
-def step_fn(w: jax.Array, batch: int, case: str):
+def step_fn(case: str):
     """One step: h [B, H] -> the head's logits -> tokens -> the next h (tokens fold back in)."""
-    scale, temperature, top_k, top_p = CASES[case]
-    args = (
+    scale = CASES[case][0]
+
+    def step(h, w, *params):
+        logits = (h @ w) * jnp.asarray(scale, w.dtype)  # [B, V]
+        if case == "argmax":
+            tokens = jnp.argmax(logits, axis=1).astype(jnp.int32)
+        else:
+            tokens = sample(logits, *params)
+        return h + ((tokens % 7)[:, None] * 1e-3).astype(h.dtype)
+
+    return step
+
+
+def sampling_params(batch: int, case: str) -> tuple[jax.Array, ...]:
+    """The case's per-row sampling arrays, as the engine hands them to `sample`."""
+    _, temperature, top_k, top_p = CASES[case]
+    return (
         jnp.full((batch,), temperature, jnp.float32),
         jnp.full((batch,), top_k, jnp.int32),
         jnp.full((batch,), top_p, jnp.float32),
         jnp.arange(batch, dtype=jnp.uint32),  # seeds
         jnp.zeros((batch,), jnp.int32),  # steps
     )
-
-    def step(h):
-        logits = (h @ w) * jnp.asarray(scale, w.dtype)  # [B, V]
-        if case == "argmax":
-            tokens = jnp.argmax(logits, axis=1).astype(jnp.int32)
-        else:
-            tokens = sample(logits, *args)
-        return h + ((tokens % 7)[:, None] * 1e-3).astype(h.dtype)
-
-    return step
 
 
 def main() -> None:
@@ -93,7 +98,14 @@ def main() -> None:
         h = jax.random.normal(k2, (b, args.hidden)).astype(args.dtype)
         base = None
         for case in cases:
-            us = time_in_loop(step_fn(w, b, case), h, args.iters, args.repeats)
+            us = time_in_loop(
+                step_fn(case),
+                h,
+                w,
+                *sampling_params(b, case),
+                iters=args.iters,
+                repeats=args.repeats,
+            )
             base = us if base is None else base
             rows.append(dict(batch=b, vocab=args.vocab, case=case, us=us, over_argmax_us=us - base))
             print(

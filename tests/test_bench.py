@@ -838,6 +838,29 @@ def test_kernel_bench_loops_are_cuda_graphs(monkeypatch):
     assert "WHILE" in buffers.split("=")[1].split(",")
 
 
+@pytest.mark.parametrize("iters", [7, 45])  # below and past LOOP_UNROLL, with a remainder
+def test_time_in_loop_calls_fn_iters_times_on_its_operands(iters):
+    """time_in_loop chains `iters` calls a loop (warm-up and each repeat), unrolled or not, and
+    hands the operands in as traced arguments of the loop, not as constants."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.common import time_in_loop
+
+    calls, traced = [], []
+
+    def fn(y, a):
+        traced.append(isinstance(a, jax.core.Tracer))
+        jax.debug.callback(lambda: calls.append(1))
+        return y + a
+
+    us = time_in_loop(fn, jnp.zeros(3), jnp.ones(3), iters=iters, repeats=2)
+    jax.effects_barrier()
+    assert _positive(us)
+    assert len(calls) == iters * 3  # warm-up + 2 repeats
+    assert traced and all(traced)
+
+
 @pytest.mark.parametrize("script", ["bench_attention", "bench_layer_norm"])
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_kernel_microbench_quick(tmp_path, script):
