@@ -161,6 +161,7 @@ class ModelRunner:
         cache: KVCache,
         num_slots: int,
         max_decode_steps: int,
+        steps_per_trip: int,
         max_table_updates: int,
         kernels: KernelConfig,
         placement: jax.Device | Mesh,
@@ -179,6 +180,7 @@ class ModelRunner:
         self.kernels = kernels
         self.num_slots = num_slots
         self.max_decode_steps = max_decode_steps
+        self.steps_per_trip = steps_per_trip
         self.max_table_updates = max_table_updates
         self.max_blocks = -(-config.max_model_len // cache.block_size)
         self.tensor_parallel_size = placement.size if isinstance(placement, Mesh) else 1
@@ -372,11 +374,14 @@ class ModelRunner:
             procs_on = jnp.any(rows.alive & rows.processors(None).active())
             logprobs_on = jnp.any(rows.alive & (rows.logprobs >= 0))
 
-        def cond(carry):
-            k, _, r, *_ = carry
-            return (k < n_steps) & jnp.any(r.alive)
+        def runs(steps):  # the loop condition of a trip of `steps` steps
+            def cond(carry):
+                k, _, r, *_ = carry
+                return (k + steps <= n_steps) & jnp.any(r.alive)
 
-        def body(carry):
+            return cond
+
+        def step(carry):
             k, cache, r, out, *more = carry
             seq_lens = jnp.where(r.alive, r.positions + 1, 0)  # dead rows write to scratch
             meta = ForwardMetadata(r.positions[:, None], seq_lens, r.block_tables)
@@ -427,8 +432,16 @@ class ModelRunner:
             )
             return k + 1, cache, r, out.at[k].set(jnp.where(live, nxt, -1)), *more
 
+        def trip(carry):
+            for _ in range(self.steps_per_trip):
+                carry = step(carry)
+            return carry
+
         carry = (0, cache, rows, out, *((state.counts, logprobs) if extras else ()))
-        _, cache, rows, out, *more = jax.lax.while_loop(cond, body, carry)
+        # Whole trips while they fit the window, then its last steps one a trip.
+        if self.steps_per_trip > 1:
+            carry = jax.lax.while_loop(runs(self.steps_per_trip), trip, carry)
+        _, cache, rows, out, *more = jax.lax.while_loop(runs(1), step, carry)
         if extras:
             counts, logprobs = more
         # Only these fields change inside the loop; the rest of the state is as it came in.

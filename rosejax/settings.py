@@ -282,6 +282,10 @@ class EngineConfig:
     prefill_chunk_tokens: int | None = None
     prefill_max_batch_size: int | None = None  # requests per prefill; default max_batch_size
     decode_steps: int | str = "auto"  # steps per decode window, or "auto"
+    # Steps a trip round the decode window's `while` loop runs (its stop test between trips; a
+    # window's last steps that fill no trip run one a trip): in a CUDA graph each trip costs
+    # several µs of its own, but each step of a trip is compiled again.
+    decode_steps_per_trip: int = 1
     # Under "auto": the window while slots are free (a request arriving then starts within about
     # that many steps), and the shortest window while requests wait for a slot.
     open_decode_steps: int = 8
@@ -342,6 +346,10 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"decode_steps must be 'auto' or an int >= 1, got {self.decode_steps!r}"
+            )
+        if not isinstance(self.decode_steps_per_trip, int) or self.decode_steps_per_trip < 1:
+            raise ValueError(
+                f"decode_steps_per_trip must be an int >= 1, got {self.decode_steps_per_trip!r}"
             )
         if not isinstance(self.open_decode_steps, int) or self.open_decode_steps < 1:
             raise ValueError(

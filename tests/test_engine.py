@@ -122,6 +122,37 @@ def test_multi_step_windows_equal_single_steps(checkpoint, shared_llm, temperatu
     assert outs[1] == outs[7]
 
 
+@pytest.mark.parametrize("steps_per_trip", [2, 3])
+def test_steps_per_trip_equal_one_step_a_trip(checkpoint, shared_llm, steps_per_trip):
+    """A decode loop that runs several steps a trip gives what one step a trip gives: windows
+    of 7 steps end with steps that fill no trip (run one a trip), and rows stop inside a trip on
+    their token budget or a stop token; greedy, seeded samples, and logprobs with a penalty (the
+    extras program)."""
+    prompts = random_prompts(6)
+    params = [
+        SamplingParams(max_tokens=5, temperature=0.0),
+        SamplingParams(max_tokens=20, temperature=0.9, seed=11),
+        SamplingParams(max_tokens=16, temperature=0.8, seed=5, stop_token_ids=[7, 11, 13, 17]),
+        SamplingParams(max_tokens=9, seed=3, repetition_penalty=1.3, logprobs=2),
+        SamplingParams(max_tokens=2, temperature=0.0),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=2, top_k=5),
+    ]
+    outs = {
+        n: [
+            (o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].finish_reason)
+            for o in shared_llm(decode_steps=7, decode_steps_per_trip=n, max_batch_size=4).generate(
+                prompts, params, use_tqdm=False
+            )
+        ]
+        for n in (1, steps_per_trip)
+    }
+    assert outs[steps_per_trip] == outs[1]
+    assert [len(t) for t, _, _ in outs[1]][::4] == [5, 2]  # (and the budgets were reached)
+    assert_clean(
+        shared_llm(decode_steps=7, decode_steps_per_trip=steps_per_trip, max_batch_size=4).engine
+    )
+
+
 @pytest.mark.parametrize("first_finish, open_steps", [(9, 8), (3, 8), (3, 2), (5, 4)])
 def test_auto_window_length(checkpoint, first_finish, open_steps, monkeypatch):
     """'auto': open_decode_steps while slots are free, long windows when full, cut to the first

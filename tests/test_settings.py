@@ -3,6 +3,7 @@ the package's layers importing only downwards."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import os
 import pathlib
@@ -76,6 +77,8 @@ def test_configs_are_hashable_values_and_check_their_fields():
         EngineConfig(model="random:tiny", decode_steps=0)
     with pytest.raises(ValueError, match="open_decode_steps"):
         EngineConfig(model="random:tiny", open_decode_steps=0)
+    with pytest.raises(ValueError, match="decode_steps_per_trip"):
+        EngineConfig(model="random:tiny", decode_steps_per_trip=0)
     for field in ("max_prefill_tokens", "prefill_chunk_tokens"):  # the chunk defaults to the first
         with pytest.raises(ValueError, match=f"{field} must be >= 1"):
             EngineConfig(model="random:tiny", **{field: 0})
@@ -211,3 +214,16 @@ except ValueError as e:
         EngineConfig(
             model="random:tiny", kernels=KernelConfig(), kernel_overrides=(("linear", "xla"),)
         )
+
+
+def test_decode_steps_per_trip_flag_reaches_the_config():
+    from rosejax.engine_args import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    for argv, want in (
+        ([], EngineConfig.decode_steps_per_trip),
+        (["--decode-steps-per-trip", "3"], 3),
+    ):
+        config = EngineConfig(model="random:tiny", **engine_kwargs(p.parse_args(argv)))
+        assert config.decode_steps_per_trip == want

@@ -282,6 +282,7 @@ class LLMEngine:
             cache,
             num_slots,
             self.decode_steps,
+            config.decode_steps_per_trip,
             num_slots * per_row,
             self.kernels,
             self.devices[0] if mesh is None else mesh,
