@@ -38,7 +38,13 @@ import numpy as np  # noqa: E402
 from bench import profile_decode as pd  # noqa: E402
 from bench.common import configure_process  # noqa: E402
 from rosejax import EngineConfig, KernelConfig, LLMEngine  # noqa: E402
-from rosejax.engine_args import kernel_overrides, kernel_setting, kernel_tile  # noqa: E402
+from rosejax.engine_args import (  # noqa: E402
+    add_draw_args,
+    draw_fields,
+    kernel_overrides,
+    kernel_setting,
+    kernel_tile,
+)
 from rosejax.layers.kv_cache import free_memory_bytes  # noqa: E402
 
 KERNEL_FIELDS = {f.name for f in dataclasses.fields(KernelConfig)} - {"tiles", "interpret"}
@@ -122,7 +128,9 @@ def build(
     """The engine of `config`, after a warm-up run that traces every program the timed runs use
     -> (engine, its compile count after warm-up)."""
     engine = LLMEngine(config)
-    pd.timed_run(engine, args.batch, args.prompt_len, args.new_tokens, rng, "warm-up")
+    pd.timed_run(
+        engine, args.batch, args.prompt_len, args.new_tokens, rng, "warm-up", **draw_fields(args)
+    )
     return engine, engine.num_compiles
 
 
@@ -154,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         default=EngineConfig.block_size,
         help="KV block size; default: %(default)s",
     )
+    add_draw_args(p)  # greedy unless these say otherwise
     p.add_argument("--runs", type=int, default=5, help="timed runs of each variant, interleaved")
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)
@@ -187,7 +196,13 @@ def main(argv: list[str] | None = None) -> dict:
     for run in range(args.runs):
         for name, (engine, _) in engines.items():
             decode_s, _, _ = pd.timed_run(
-                engine, args.batch, args.prompt_len, args.new_tokens, rng, f"{name}-{run}"
+                engine,
+                args.batch,
+                args.prompt_len,
+                args.new_tokens,
+                rng,
+                f"{name}-{run}",
+                **draw_fields(args),
             )
             ms[name].append(decode_s / (args.new_tokens - 1) * 1e3)
     median = {name: statistics.median(xs) for name, xs in ms.items()}
@@ -206,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     print(
         f"\ncard: {jax.devices()[0].device_kind}, jax {jax.__version__}, batch {args.batch}, "
-        f"{args.runs} interleaved runs each"
+        f"{args.runs} interleaved runs each, sampling {draw_fields(args)}"
     )
     print(f"{'variant':>14} {'ms/step':>8} {'x base':>7}  ms/step of each run")
     for r in rows:
@@ -216,7 +231,12 @@ def main(argv: list[str] | None = None) -> dict:
             + " ".join(f"{x:.3f}" for x in r["runs"])
             + note
         )
-    result = dict(rows=rows, batch=args.batch, device=jax.devices()[0].device_kind)
+    result = dict(
+        rows=rows,
+        batch=args.batch,
+        sampling=draw_fields(args),
+        device=jax.devices()[0].device_kind,
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -5,7 +5,8 @@ each `decode_steps` value given (the first run compiles) and reports the median 
 decode step (and each run's) and tokens/s, the step's least bytes (bench/metrics.py) against the
 card's copy bandwidth, the host's dispatch/wait/harvest seconds over the timed runs, and a
 jax.profiler trace of the first timed run when --trace-dir is set (a traced run is slower: read
-its kernel shares, not its times). --logprobs N: every request asks for N alternatives (the
+its kernel shares, not its times). Requests are greedy unless --temperature/--top-k/--top-p say
+otherwise (the sampled decode program); --logprobs N: every request asks for N alternatives (the
 decode program with the extras, and the host reading logprobs back).
 
 The engine's kernels are a `KernelConfig` built from the engine's own flags: --kernel FIELD=VALUE
@@ -25,6 +26,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,7 +37,13 @@ import numpy as np  # noqa: E402
 from bench import metrics as m  # noqa: E402
 from bench.common import configure_process, copy_bandwidth_gbs  # noqa: E402
 from rosejax import EngineConfig, KernelConfig, LLMEngine, SamplingParams  # noqa: E402
-from rosejax.engine_args import add_kernel_args, add_logprobs_arg, kernel_overrides  # noqa: E402
+from rosejax.engine_args import (  # noqa: E402
+    add_draw_args,
+    add_kernel_args,
+    add_logprobs_arg,
+    draw_fields,
+    kernel_overrides,
+)
 
 
 def resolve_kernels(
@@ -91,13 +99,13 @@ def timed_run(
     new_tokens: int,
     rng: np.random.Generator,
     tag: object,
-    logprobs: int | None = None,
+    **sampling: Any,
 ) -> tuple[float, float, int]:
-    """`batch` requests of random `prompt_len`-token prompts, `new_tokens` greedy tokens each
-    (with `logprobs` alternatives, if not None), all at once -> (decode seconds: from every
-    request holding its first token to the end, end-to-end seconds, tokens)."""
+    """`batch` requests of random `prompt_len`-token prompts, `new_tokens` tokens each (greedy
+    unless `sampling`, SamplingParams fields, says otherwise), all at once -> (decode seconds:
+    from every request holding its first token to the end, end-to-end seconds, tokens)."""
     params = SamplingParams(
-        max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs
+        **({"temperature": 0.0} | sampling), max_tokens=new_tokens, ignore_eos=True
     )
     for i in range(batch):
         prompt = rng.integers(0, engine.config.vocab_size, prompt_len).tolist()
@@ -145,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--trace-dir", default=None, help="write a jax.profiler trace of the first timed run here"
     )
+    add_draw_args(p)
     add_logprobs_arg(p)
     add_kernel_args(p)
     p.add_argument("--json", default=None, help="write results here")
@@ -173,7 +182,14 @@ def main(argv: list[str] | None = None) -> None:
             if trace:
                 jax.profiler.start_trace(args.trace_dir, create_perfetto_trace=True)
             timed = timed_run(
-                engine, args.batch, args.prompt_len, args.new_tokens, rng, run, args.logprobs
+                engine,
+                args.batch,
+                args.prompt_len,
+                args.new_tokens,
+                rng,
+                run,
+                **draw_fields(args),
+                logprobs=args.logprobs,
             )
             if trace:
                 jax.profiler.stop_trace()
@@ -220,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(
                 dict(
                     rows=rows,
+                    sampling=draw_fields(args) | {"logprobs": args.logprobs},
                     copy_gbs=bw,
                     device=jax.devices()[0].device_kind,
                     kernels=dataclasses.asdict(kernels),

@@ -316,7 +316,7 @@ def distributed_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_sampling_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
-    """--max-new-tokens, --temperature, --top-k, --top-p, --ignore-eos (alias
+    """--max-new-tokens, the draw's flags (`add_draw_args`), --ignore-eos (alias
     --no-stop-on-eos) and --logprobs: one request's SamplingParams; see `sampling_params`."""
     p.add_argument(
         "--max-new-tokens",
@@ -325,6 +325,19 @@ def add_sampling_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> Non
         help="tokens to generate per prompt at most (exactly, with --ignore-eos); "
         "default: %(default)s",
     )
+    add_draw_args(p)
+    p.add_argument(
+        "--ignore-eos",
+        "--no-stop-on-eos",
+        dest="ignore_eos",
+        action="store_true",
+        help="keep generating past the end-of-text token",
+    )
+    add_logprobs_arg(p)
+
+
+def add_draw_args(p: argparse.ArgumentParser) -> None:
+    """--temperature, --top-k and --top-p: how a request draws its tokens (`draw_fields`)."""
     p.add_argument(
         "--temperature",
         type=float,
@@ -343,14 +356,11 @@ def add_sampling_args(p: argparse.ArgumentParser, *, max_new_tokens: int) -> Non
         default=1.0,
         help="nucleus sampling mass in (0, 1], 1 = off; default: %(default)s",
     )
-    p.add_argument(
-        "--ignore-eos",
-        "--no-stop-on-eos",
-        dest="ignore_eos",
-        action="store_true",
-        help="keep generating past the end-of-text token",
-    )
-    add_logprobs_arg(p)
+
+
+def draw_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The SamplingParams fields of `add_draw_args`' flags."""
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
 def add_logprobs_arg(p: argparse.ArgumentParser) -> None:
@@ -370,9 +380,7 @@ def sampling_params(args: argparse.Namespace, **extra: Any):
 
     return SamplingParams(
         max_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
+        **draw_fields(args),
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
         **extra,

@@ -601,11 +601,13 @@ def test_compare_variants(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cv, "build", spy)
     tags = []  # each run's tag, in the order the runs happened
+    draws = []  # each run's sampling fields
     timed_run = pd.timed_run
 
-    def spy_run(engine, batch, prompt_len, new_tokens, rng, tag):
+    def spy_run(engine, batch, prompt_len, new_tokens, rng, tag, **sampling):
         tags.append(tag)
-        return timed_run(engine, batch, prompt_len, new_tokens, rng, tag)
+        draws.append(sampling)
+        return timed_run(engine, batch, prompt_len, new_tokens, rng, tag, **sampling)
 
     monkeypatch.setattr(pd, "timed_run", spy_run)
     path = tmp_path / "v.json"
@@ -624,11 +626,17 @@ def test_compare_variants(tmp_path, monkeypatch):
             "2",
             "--runs",
             "2",
+            "--temperature",
+            "0.7",
+            "--top-k",
+            "5",
             "--json",
             str(path),
         ]
     )
     base_engine, both_engine = built
+    # every run, warm-ups too, draws as the flags say
+    assert draws == [dict(temperature=0.7, top_k=5, top_p=1.0)] * 6
     assert base_engine.kernels == KernelConfig.for_backend()
     assert both_engine.kernels == KernelConfig.for_backend(
         fused_kv_append=False, linear_max_rows=32, tiles=(("linear", "num_warps", 2),)
@@ -644,6 +652,7 @@ def test_compare_variants(tmp_path, monkeypatch):
     assert tags == ["warm-up", "warm-up", "base-0", "both-0", "base-1", "both-1"]
     assert {k: v for k, v in os.environ.items() if k.startswith("ROSEJAX_")} == env
     assert _load(path) == json.loads(json.dumps(data))
+    assert data["sampling"] == dict(temperature=0.7, top_k=5, top_p=1.0)
     base, both = _load(path)["rows"]
     assert (base["name"], both["name"]) == ("base", "both")
     assert both["settings"] == [
