@@ -538,6 +538,29 @@ def test_abort_mid_decode_frees_blocks(checkpoint, shared_llm):
     assert_clean(engine)
 
 
+def test_a_row_the_device_stops_ends_its_request_with_an_error(checkpoint, shared_llm):
+    """Should the device stop a row the host still runs (here: its kill flag set behind the
+    host's back), that request ends with an error instead of waiting for tokens forever, and
+    the others are served to the end."""
+    engine = shared_llm(max_batch_size=8, decode_steps=2).engine
+    prompts = random_prompts(3, 10, 30)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=12, temperature=0))
+    for _ in range(3):
+        engine.step()
+    (victim,) = [r for r in engine.scheduler.running if r.request_id == "r1"]
+    engine._kill[victim.slot] = True
+    outs = {}
+    for _ in range(100):  # bounded: a row that never ends would loop here
+        if not engine.has_unfinished_requests():
+            break
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+    assert sorted(outs) == ["r0", "r1", "r2"]
+    assert outs["r1"].finish_reason == "error" and "device stopped" in outs["r1"].error
+    assert [len(outs[r].token_ids) for r in ("r0", "r2")] == [12, 12]
+    assert_clean(engine)
+
+
 def test_nothing_recompiles_after_warmup(checkpoint):
     llm = make_llm(checkpoint, max_batch_size=2, warmup=True, decode_steps=2)
     compiles = llm.engine.num_compiles

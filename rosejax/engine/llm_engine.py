@@ -816,7 +816,8 @@ class LLMEngine:
             row = columns[column]
             # A row that stops inside the window reads -1 from then on (a stopped row never
             # restarts within a window), so the -1s only trail.
-            if row and row[-1] < 0:
+            stopped = bool(row) and row[-1] < 0
+            if stopped:
                 row = row[: row.index(-1)]
             group = request.group
             touched[group.request_id] = group
@@ -825,6 +826,8 @@ class LLMEngine:
             group.fed(request)
             try:
                 self._take(request, row, decoded, logprobs, column)
+                if stopped and not request.finished:  # it would wait for tokens forever
+                    raise RuntimeError("the device stopped a request the host still runs")
             except Exception as e:  # a failure serving one request ends that request alone
                 logger.exception("request %s failed; ending it", request.request_id)
                 group.fail(f"{type(e).__name__}: {e}")
