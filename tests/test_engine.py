@@ -521,13 +521,19 @@ def test_unknown_model_path(tmp_path):
         LLM(str(tmp_path / "missing"), warmup=False)
 
 
-def test_abort_mid_decode_frees_blocks(checkpoint, shared_llm):
+def three_running(shared_llm, max_tokens: int, steps: int) -> LLMEngine:
+    """The shared engine (2-step windows) with greedy requests r0, r1, r2 of random prompts,
+    `steps` steps into serving them."""
     engine = shared_llm(max_batch_size=8, decode_steps=2).engine
-    prompts = random_prompts(3, 10, 30)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=40, temperature=0))
-    for _ in range(4):
+    for i, p in enumerate(random_prompts(3, 10, 30)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0))
+    for _ in range(steps):
         engine.step()
+    return engine
+
+
+def test_abort_mid_decode_frees_blocks(checkpoint, shared_llm):
+    engine = three_running(shared_llm, max_tokens=40, steps=4)
     used = engine.allocator.num_used_blocks
     assert "r1" in [r.request_id for r in engine.scheduler.running]
     engine.abort_request("r1")
@@ -542,12 +548,7 @@ def test_a_row_the_device_stops_ends_its_request_with_an_error(checkpoint, share
     """Should the device stop a row the host still runs (here: its kill flag set behind the
     host's back), that request ends with an error instead of waiting for tokens forever, and
     the others are served to the end."""
-    engine = shared_llm(max_batch_size=8, decode_steps=2).engine
-    prompts = random_prompts(3, 10, 30)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=12, temperature=0))
-    for _ in range(3):
-        engine.step()
+    engine = three_running(shared_llm, max_tokens=12, steps=3)
     (victim,) = [r for r in engine.scheduler.running if r.request_id == "r1"]
     engine._kill[victim.slot] = True
     outs = {}
