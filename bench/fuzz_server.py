@@ -64,6 +64,8 @@ def fuzz(
             "--report-har-path",
             har,
             "--no-color",
+            "--output-sanitize",  # a failure's reproduction with its real values (a local server)
+            "false",
             *(["--max-time", str(int(max_time))] if max_time else []),
             *extra_args,
         ]
@@ -89,6 +91,8 @@ def fuzz(
         "server_errors": len(server_errors),
         "server_error_requests": server_errors[:20],
         "checks_failed": failed,
+        # schemathesis's own reproduction of each failure it reports
+        "reproduce": [line.strip() for line in proc.stdout.splitlines() if "curl " in line][:10],
         "st_exit_code": proc.returncode,
         "st_summary": proc.stdout.split("SUMMARY", 1)[-1].strip()[-2000:],
     }

@@ -535,6 +535,14 @@ def test_openapi_describes_request_bodies_and_media_types(served):
     assert "prompt" in schema["required"] and schema["additionalProperties"] is False
     assert schema["properties"]["model"]["anyOf"][0] == {"enum": [NAME]}
     assert list(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    # token ids, wherever a body takes them, within the served vocabulary
+    vocab = served.engine.config.vocab_size
+    ids = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
+    detokenize = spec["components"]["schemas"]["DetokenizeRequest"]
+    assert detokenize["properties"]["tokens"]["items"] == ids and detokenize["required"] == [
+        "tokens"
+    ]
+    assert schema["properties"]["stop_token_ids"]["anyOf"][0]["items"] == ids
 
 
 # ------------------------------------------------------------------- a newcomer's rough edges

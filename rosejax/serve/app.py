@@ -131,6 +131,7 @@ def _request_schemas(
     vocabulary, context, stop limits) and the unsupported fields' accepted values."""
     schemas: dict[str, Any] = {}
     vocab, context = engine.config.vocab_size, engine.config.max_model_len
+    ids = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
     for model, unsupported in (
         (CompletionRequest, COMPLETION_UNSUPPORTED),
         (ChatRequest, CHAT_UNSUPPORTED),
@@ -147,7 +148,6 @@ def _request_schemas(
                 {"type": "null"},
             ]
         }
-        ids = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
         props["stop_token_ids"] = {
             "anyOf": [
                 {"type": "array", "items": ids, "maxItems": limits.max_stop},
@@ -167,6 +167,8 @@ def _request_schemas(
     for model, unsupported in ((TokenizeRequest, TOKENIZE_UNSUPPORTED), (DetokenizeRequest, {})):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
+        if "tokens" in schema["properties"]:  # /detokenize's ids: the vocabulary's
+            schema["properties"]["tokens"] = {"type": "array", "items": ids, "title": "Tokens"}
         _describe_unsupported(schema["properties"], unsupported)
         schemas[model.__name__] = schema
     return schemas
