@@ -305,8 +305,11 @@ def check_decode_fusions(path, monkeypatch, dtype):
     ):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         steps = 4 if same_tiles else 16  # the other sum order's ulps grow through the layers
-        if config.qk_norm:  # the kernel sums each head's squares as a row of a tile of heads
-            steps *= 2
+        # The kernel sums each head's squares as a row of a tile of heads: over 30 random draws
+        # of a float32 Qwen3 shape the largest difference reached 0.97x twice the steps, and
+        # once in CI 1.02x.
+        if config.qk_norm:
+            steps *= 4
         step_size = (
             0 if exact else steps * float(jnp.finfo(dtype).eps) * float(np.max(np.abs(want)))
         )
