@@ -140,7 +140,10 @@ def add_engine_args(
         "Llama-style models only. Default: the model's",
     )
     p.add_argument(
-        "--block-size", type=int, default=16, help="tokens per KV cache block; default: %(default)s"
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        help="tokens per KV cache block; default: %(default)s",
     )
     p.add_argument(
         "--kv-cache-tokens",

@@ -347,14 +347,10 @@ class EngineConfig:
             raise ValueError(
                 f"decode_steps must be 'auto' or an int >= 1, got {self.decode_steps!r}"
             )
-        if not isinstance(self.decode_steps_per_trip, int) or self.decode_steps_per_trip < 1:
-            raise ValueError(
-                f"decode_steps_per_trip must be an int >= 1, got {self.decode_steps_per_trip!r}"
-            )
-        if not isinstance(self.open_decode_steps, int) or self.open_decode_steps < 1:
-            raise ValueError(
-                f"open_decode_steps must be an int >= 1, got {self.open_decode_steps!r}"
-            )
+        for name in ("decode_steps_per_trip", "open_decode_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if not 0 <= self.idle_gather_ms <= 1000:
             raise ValueError(f"idle_gather_ms must be in [0, 1000], got {self.idle_gather_ms!r}")
         if not 0 <= self.idle_gather_max_ms <= 10000:
