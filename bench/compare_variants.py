@@ -39,7 +39,6 @@ from bench import profile_decode as pd  # noqa: E402
 from bench.common import configure_process  # noqa: E402
 from rosejax import EngineConfig, KernelConfig, LLMEngine  # noqa: E402
 from rosejax.engine_args import (  # noqa: E402
-    add_draw_args,
     draw_fields,
     kernel_overrides,
     kernel_setting,
@@ -151,18 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
         metavar="NAME:SETTINGS",
         help="a variant; the first is the baseline the others are compared with",
     )
-    p.add_argument("--model", default="random:gpt2", help="model to load (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=1, help="concurrent requests (default: 1)")
-    p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
-    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
+    pd.add_workload_args(p, batch=1)
     p.add_argument("--decode-steps", type=int, default=32, help="decode steps per device call")
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=EngineConfig.block_size,
-        help="KV block size; default: %(default)s",
-    )
-    add_draw_args(p)  # greedy unless these say otherwise
     p.add_argument("--runs", type=int, default=5, help="timed runs of each variant, interleaved")
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)
@@ -192,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "Compare fewer variants in one process, or raise XLA_PYTHON_CLIENT_MEM_FRACTION "
                 "(jax's default 0.75)"
             )
+    draw = draw_fields(args)
     ms = {name: [] for name in engines}  # ms per decode step of each timed run
     for run in range(args.runs):
         for name, (engine, _) in engines.items():
@@ -202,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
                 args.new_tokens,
                 rng,
                 f"{name}-{run}",
-                **draw_fields(args),
+                **draw,
             )
             ms[name].append(decode_s / (args.new_tokens - 1) * 1e3)
     median = {name: statistics.median(xs) for name, xs in ms.items()}
@@ -221,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     print(
         f"\ncard: {jax.devices()[0].device_kind}, jax {jax.__version__}, batch {args.batch}, "
-        f"{args.runs} interleaved runs each, sampling {draw_fields(args)}"
+        f"{args.runs} interleaved runs each, sampling {draw}"
     )
     print(f"{'variant':>14} {'ms/step':>8} {'x base':>7}  ms/step of each run")
     for r in rows:
@@ -234,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(
         rows=rows,
         batch=args.batch,
-        sampling=draw_fields(args),
+        sampling=draw,
         device=jax.devices()[0].device_kind,
     )
     if args.json:

@@ -122,21 +122,30 @@ def timed_run(
     return t1 - (decode_t or t0), t1 - t0, tokens
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_workload_args(p: argparse.ArgumentParser, *, batch: int) -> None:
+    """The requests `timed_run` sends (--model, --batch, --prompt-len, --new-tokens, greedy
+    unless the draw's flags say otherwise) and the engine's --block-size."""
     p.add_argument("--model", default="random:gpt2", help="model to load (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=256, help="concurrent requests")
+    p.add_argument(
+        "--batch", type=int, default=batch, help="concurrent requests (default: %(default)s)"
+    )
     p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens per request")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request")
-    p.add_argument("--decode-steps", default="1,8,32", help="comma list of steps per device call")
     p.add_argument(
         "--block-size",
         type=int,
         default=EngineConfig.block_size,
         help="KV block size; default: %(default)s",
     )
+    add_draw_args(p)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_workload_args(p, batch=256)
+    p.add_argument("--decode-steps", default="1,8,32", help="comma list of steps per device call")
     p.add_argument(
         "--max-model-len",
         type=int,
@@ -153,7 +162,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--trace-dir", default=None, help="write a jax.profiler trace of the first timed run here"
     )
-    add_draw_args(p)
     add_logprobs_arg(p)
     add_kernel_args(p)
     p.add_argument("--json", default=None, help="write results here")
@@ -161,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_process()  # before the backend starts: XLA flags set later are ignored
     kernels = resolve_kernels(p, args.kernel, args.kernel_tile)
     bw = copy_bandwidth_gbs()
+    sampling = draw_fields(args) | {"logprobs": args.logprobs}  # every request's
     rows = []
     rng = np.random.default_rng(0)
     for k in [int(s) for s in args.decode_steps.split(",")]:
@@ -188,8 +197,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.new_tokens,
                 rng,
                 run,
-                **draw_fields(args),
-                logprobs=args.logprobs,
+                **sampling,
             )
             if trace:
                 jax.profiler.stop_trace()
@@ -236,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(
                 dict(
                     rows=rows,
-                    sampling=draw_fields(args) | {"logprobs": args.logprobs},
+                    sampling=sampling,
                     copy_gbs=bw,
                     device=jax.devices()[0].device_kind,
                     kernels=dataclasses.asdict(kernels),
