@@ -442,18 +442,17 @@ def run_repeated(
     (timed; requests: trace_lists), 'summary': summarize_runs over the timed runs, 'series':
     tag -> {'ttft_ms', 'itl_ms'} for plot_distributions (not JSON)}.
 
-    Before each timed run the heap is frozen (`freeze_heap`), as a server freezes it once its
-    programs are compiled: what the warm-up compiled, and the traces the runs before kept, are
-    not walked by the run's collections (H200, w3: a collection walking the first timed run's
-    traces paused the second one's prefill 82 ms). Unfrozen at the end, so an engine the caller
-    drops can be collected; left as it was if something had frozen it before. Each summary gets 'gc_pause_ms' (the run's garbage
+    Between the warm-up runs and the end the heap is frozen (`freeze_heap`), as a server freezes
+    it once its programs are compiled: what the warm-up compiled is not walked by every later
+    collection. Unfrozen at the end, so an engine the caller drops can be collected; left as it
+    was if something had frozen it before. Each summary gets 'gc_pause_ms' (the run's garbage
     collections: count, total, longest)."""
     out: dict = {"warmup_runs": [], "runs": [], "summary": {}, "series": {}}
     freeze = not gc.get_freeze_count()  # unfreezing would thaw what the caller froze too
     try:
         for run in range(args.warmup_runs + args.repeat_runs):
             warm = run < args.warmup_runs
-            if not warm and freeze:
+            if run == args.warmup_runs and freeze:
                 freeze_heap()
             tag = tag_prefix + (f"warmup{run}" if warm else f"run{run - args.warmup_runs}")
             compiles = engine.num_compiles
