@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -330,18 +330,35 @@ def start(
 # ------------------------------------------------------------------------------- the loop
 
 
+class GcPause(NamedTuple):
+    """One garbage collection: its wall seconds, the seconds of CPU this thread spent in it (far
+    fewer: it waited, for the GIL or the OS), its generation and the objects it freed."""
+
+    seconds: float
+    thread_seconds: float
+    generation: int
+    collected: int
+
+
 @contextlib.contextmanager
 def gc_pauses():
-    """Yields a list that fills with the seconds of each garbage collection inside the block."""
-    pauses: list[float] = []
-    began = 0.0
+    """Yields a list that fills with a `GcPause` for each garbage collection inside the block."""
+    pauses: list[GcPause] = []
+    began = began_cpu = 0.0
 
     def on_gc(phase: str, info: dict) -> None:
-        nonlocal began
+        nonlocal began, began_cpu
         if phase == "start":
-            began = time.perf_counter()
+            began, began_cpu = time.perf_counter(), time.thread_time()
         else:
-            pauses.append(time.perf_counter() - began)
+            pauses.append(
+                GcPause(
+                    time.perf_counter() - began,
+                    time.thread_time() - began_cpu,
+                    info["generation"],
+                    info["collected"],
+                )
+            )
 
     gc.callbacks.append(on_gc)
     try:
@@ -467,10 +484,16 @@ def run_repeated(
                 )
             summary = m.summarize(traces, steps)
             summary["new_compiles"] = engine.num_compiles - compiles
+            longest = max(pauses, default=GcPause(0.0, 0.0, 0, 0))
             summary["gc_pause_ms"] = {
                 "count": len(pauses),
-                "total": 1e3 * sum(pauses),
-                "max": 1e3 * max(pauses, default=0.0),
+                "total": 1e3 * sum(p.seconds for p in pauses),
+                "max": 1e3 * longest.seconds,
+                # what the longest one was: a full walk (generation 2), a free of many objects,
+                # or a wait (its thread's CPU far below its wall time)
+                "max_thread_ms": 1e3 * longest.thread_seconds,
+                "max_generation": longest.generation,
+                "max_collected": longest.collected,
             }
             roof = m.traced_decode_roofline(
                 engine.config,
@@ -497,7 +520,9 @@ def run_repeated(
                 if gcs["max"] >= 10:
                     print(
                         f"  note: {gcs['count']} garbage collections took {gcs['total']:.1f} ms "
-                        f"(longest {gcs['max']:.1f} ms)",
+                        f"(longest {gcs['max']:.1f} ms: generation {gcs['max_generation']}, "
+                        f"{gcs['max_collected']} objects freed, {gcs['max_thread_ms']:.1f} ms "
+                        "of this thread's CPU)",
                         file=dest,
                     )
             entry = {"tag": tag, "summary": summary}
