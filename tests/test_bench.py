@@ -892,6 +892,21 @@ def test_kernel_microbench_quick(tmp_path, script):
 
 
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
+def test_pdl_probe_quick(tmp_path):
+    """The PDL probe's chain of Mosaic GPU kernels runs in jax's Mosaic GPU interpreter (without
+    griddepcontrol, which it cannot run) and gives what the same adds give in XLA."""
+    path = tmp_path / "p.json"
+    subprocess.run(
+        [sys.executable, "bench/probe_pdl.py", "--quick", "--json", str(path)],
+        check=True,
+        capture_output=True,
+    )
+    rows = _load(path)["rows"]
+    assert [r["variant"] for r in rows] == ["plain"]
+    assert _positive(rows[0]["us"]) and rows[0]["vs_plain"] == 1.0 and rows[0]["max_err"] == 0
+
+
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_sampling_microbench_quick(tmp_path):
     """bench_sampling runs every case end to end beside its argmax baseline, one row each."""
     path = tmp_path / "s.json"
