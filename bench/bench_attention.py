@@ -29,8 +29,8 @@ import numpy as np  # noqa: E402
 from bench.common import (  # noqa: E402
     add_kernel_bench_args,
     parse_kernel_bench_args,
+    report_kernel_bench,
     time_in_loop,
-    write_json,
 )
 from pallas_kernels.paged_attention import (  # noqa: E402
     DEFAULT_MATRIX_MIN_GROUP,
@@ -230,8 +230,7 @@ def main() -> None:
                 f"B={b:4d} ctx={ctx:4d} {name:18s} {us:9.2f} us {bytes_ / us / 1e3:8.1f} GB/s  err {err:.1e}",
                 flush=True,
             )
-    print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    write_json(args.json, {"device": jax.devices()[0].device_kind, "rows": rows})
+    report_kernel_bench(args.json, rows)
 
 
 if __name__ == "__main__":

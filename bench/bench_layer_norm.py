@@ -24,8 +24,8 @@ from bench.common import (  # noqa: E402
     add_kernel_bench_args,
     ints,
     parse_kernel_bench_args,
+    report_kernel_bench,
     time_in_loop,
-    write_json,
 )
 from pallas_kernels.layer_norm import layer_norm, layer_norm_reference  # noqa: E402
 
@@ -66,8 +66,7 @@ def main() -> None:
             gbs = 2 * x.size * 2 / us / 1e3
             rows.append(dict(rows=n, features=e, impl=name, us=us, gbs=gbs, max_err=err))
             print(f"N={n:5d} {name:16s} {us:8.2f} us {gbs:7.1f} GB/s  err {err:.1e}", flush=True)
-    print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    write_json(args.json, {"device": jax.devices()[0].device_kind, "rows": rows})
+    report_kernel_bench(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ from bench.common import (  # noqa: E402
     add_kernel_bench_args,
     ints,
     parse_kernel_bench_args,
+    report_kernel_bench,
     time_in_loop,
-    write_json,
 )
 from rosejax.sampling import sample  # noqa: E402
 
@@ -111,10 +111,7 @@ def main() -> None:
             print(
                 f"B={b:4d} V={args.vocab} {case:28s} {us:9.2f} us  {us - base:+9.2f} us over argmax"
             )
-    print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    write_json(
-        args.json, {"device": jax.devices()[0].device_kind, "args": vars(args), "rows": rows}
-    )
+    report_kernel_bench(args.json, rows, args=vars(args))
 
 
 if __name__ == "__main__":

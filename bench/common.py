@@ -669,6 +669,16 @@ def environment(engine=None) -> dict[str, Any]:
     return env
 
 
+def report_kernel_bench(path: str | None, rows: list[dict], **extra) -> None:
+    """A kernel microbench's ending: the device line, then {"device", **extra, "rows"} as JSON
+    to `path` (if given)."""
+    import jax
+
+    device = jax.devices()[0].device_kind
+    print(f"\ndevice: {device}, jax {jax.__version__}")
+    write_json(path, {"device": device, **extra, "rows": rows})
+
+
 def write_json(path: str | None, data: dict) -> None:
     if not path:
         return

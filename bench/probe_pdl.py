@@ -39,8 +39,8 @@ from bench.common import (  # noqa: E402
     add_kernel_bench_args,
     ints,
     parse_kernel_bench_args,
+    report_kernel_bench,
     time_in_loop,
-    write_json,
 )
 
 VARIANTS = ("plain", "pdl", "pdl_wait_first")
@@ -135,8 +135,7 @@ def main() -> None:
                 f"{row['gbs']:7.1f} GB/s  {us / base:.3f}x plain  err {err:.1e}",
                 flush=True,
             )
-    print(f"\ndevice: {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    write_json(args.json, {"device": jax.devices()[0].device_kind, "rows": results})
+    report_kernel_bench(args.json, results)
 
 
 if __name__ == "__main__":

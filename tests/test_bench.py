@@ -873,11 +873,8 @@ def test_time_in_loop_calls_fn_iters_times_on_its_operands(iters):
     assert traced and all(traced)
 
 
-@pytest.mark.parametrize("script", ["bench_attention", "bench_layer_norm"])
-@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
-def test_kernel_microbench_quick(tmp_path, script):
-    """The kernel microbenches run end to end (interpret mode) and every kernel agrees with its
-    XLA reference."""
+def _quick_rows(tmp_path, script: str) -> list[dict]:
+    """bench/{script}.py --quick (interpret mode), its JSON's rows."""
     path = tmp_path / "k.json"
     subprocess.run(
         [sys.executable, f"bench/{script}.py", "--quick", "--json", str(path)],
@@ -885,8 +882,18 @@ def test_kernel_microbench_quick(tmp_path, script):
         capture_output=True,
     )
     data = _load(path)
-    assert data["device"] and len(data["rows"]) >= 3
-    for row in data["rows"]:
+    assert data["device"]
+    return data["rows"]
+
+
+@pytest.mark.parametrize("script", ["bench_attention", "bench_layer_norm"])
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
+def test_kernel_microbench_quick(tmp_path, script):
+    """The kernel microbenches run end to end (interpret mode) and every kernel agrees with its
+    XLA reference."""
+    rows = _quick_rows(tmp_path, script)
+    assert len(rows) >= 3
+    for row in rows:
         assert _positive(row["us"]) and _positive(row["gbs"])
         assert row["max_err"] < 1e-2
 
@@ -895,13 +902,7 @@ def test_kernel_microbench_quick(tmp_path, script):
 def test_pdl_probe_quick(tmp_path):
     """The PDL probe's chain of Mosaic GPU kernels runs in jax's Mosaic GPU interpreter (without
     griddepcontrol, which it cannot run) and gives what the same adds give in XLA."""
-    path = tmp_path / "p.json"
-    subprocess.run(
-        [sys.executable, "bench/probe_pdl.py", "--quick", "--json", str(path)],
-        check=True,
-        capture_output=True,
-    )
-    rows = _load(path)["rows"]
+    rows = _quick_rows(tmp_path, "probe_pdl")
     assert [r["variant"] for r in rows] == ["plain"]
     assert _positive(rows[0]["us"]) and rows[0]["vs_plain"] == 1.0 and rows[0]["max_err"] == 0
 
@@ -909,13 +910,7 @@ def test_pdl_probe_quick(tmp_path):
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_sampling_microbench_quick(tmp_path):
     """bench_sampling runs every case end to end beside its argmax baseline, one row each."""
-    path = tmp_path / "s.json"
-    subprocess.run(
-        [sys.executable, "bench/bench_sampling.py", "--quick", "--json", str(path)],
-        check=True,
-        capture_output=True,
-    )
-    rows = _load(path)["rows"]
+    rows = _quick_rows(tmp_path, "bench_sampling")
     assert [r["case"] for r in rows] == list(SAMPLING_CASES)
     assert all(_positive(r["us"]) for r in rows)
     assert rows[0]["over_argmax_us"] == 0
