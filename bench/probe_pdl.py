@@ -16,6 +16,7 @@ the copy: only launch overlaps). µs a kernel and the weight's GB/s; every varia
 checked against the same adds in XLA.
 
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/probe_pdl.py --mb 4,8,12
+    XLA_FLAGS=--xla_gpu_enable_pdl=true python bench/probe_pdl.py  # where XLA's default is off
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python bench/probe_pdl.py  # outside a graph
 """
 
