@@ -648,9 +648,7 @@ def test_compare_variants(tmp_path, monkeypatch):
     assert both_engine.engine_config.min_decode_batch == 2
     assert both_engine.decode_buckets[0] == 2  # the 1-row program is gone
     # a variant's block size overrides the script's --block-size
-    assert (
-        base_engine.engine_config.block_size == EngineConfig("m").block_size
-    )  # --block-size default
+    assert base_engine.engine_config.block_size == EngineConfig.block_size  # --block-size default
     assert both_engine.engine_config.block_size == 8
     assert tags == ["warm-up", "warm-up", "base-0", "both-0", "base-1", "both-1"]
     assert {k: v for k, v in os.environ.items() if k.startswith("ROSEJAX_")} == env
