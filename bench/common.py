@@ -461,15 +461,17 @@ def run_repeated(
 
     Between the warm-up runs and the end the heap is frozen (`freeze_heap`), as a server freezes
     it once its programs are compiled: what the warm-up compiled is not walked by every later
-    collection. Unfrozen at the end, so an engine the caller drops can be collected; left as it
-    was if something had frozen it before. Each summary gets 'gc_pause_ms' (the run's garbage
-    collections: count, total, longest)."""
+    collection. Frozen whatever was frozen before (a Python that froze a few hundred objects as
+    it started turned this freeze off, and full collections walked ~200k objects, 90-160 ms,
+    in timed runs); unfrozen at the end, so an engine the caller drops can be collected (what
+    was frozen before thaws too: harmless, a freeze only hides live objects from the
+    collector). Each summary gets 'gc_pause_ms' (the run's garbage collections: count, total,
+    longest)."""
     out: dict = {"warmup_runs": [], "runs": [], "summary": {}, "series": {}}
-    freeze = not gc.get_freeze_count()  # unfreezing would thaw what the caller froze too
     try:
         for run in range(args.warmup_runs + args.repeat_runs):
             warm = run < args.warmup_runs
-            if run == args.warmup_runs and freeze:
+            if run == args.warmup_runs:
                 freeze_heap()
             tag = tag_prefix + (f"warmup{run}" if warm else f"run{run - args.warmup_runs}")
             compiles = engine.num_compiles
@@ -536,8 +538,7 @@ def run_repeated(
                 "itl_ms": [g * 1e3 for t in traces for g in m.itl(t)],
             }
     finally:  # an error too: the caller's engine stays collectable
-        if freeze:
-            gc.unfreeze()
+        gc.unfreeze()
     out["summary"] = m.summarize_runs([r["summary"] for r in out["runs"]])
     return out
 
