@@ -905,6 +905,31 @@ def test_pdl_probe_quick(tmp_path):
 
 
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
+def test_all_reduce_probe_psum_on_two_host_devices(tmp_path):
+    """The all-reduce probe's harness (mesh, chained loop, check against the host's sum) on two
+    CPU devices, through `psum` (its one-shot kernel needs GPUs)."""
+    path = tmp_path / "ar.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    subprocess.run(
+        [sys.executable, "bench/probe_all_reduce.py", "--variants", "psum", "--rows", "1,3"]
+        + ["--columns", "256", "--chain", "2", "--iters", "2", "--repeats", "1"]
+        + ["--json", str(path)],
+        check=True,
+        capture_output=True,
+        env=env,
+    )
+    rows = _load(path)["rows"]
+    assert [(r["dtype"], r["rows"]) for r in rows] == [
+        ("bfloat16", 1),
+        ("bfloat16", 3),
+        ("float32", 1),
+        ("float32", 3),
+    ]
+    for r in rows:  # float32 adds two values exactly; bfloat16 rounds the sum once
+        assert _positive(r["us"]) and r["max_rel_err"] <= (2**-8 if r["dtype"] == "bfloat16" else 0)
+
+
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_sampling_microbench_quick(tmp_path):
     """bench_sampling runs every case end to end beside its argmax baseline, one row each."""
     rows = _quick_rows(tmp_path, "bench_sampling")
