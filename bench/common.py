@@ -341,6 +341,21 @@ class GcPause(NamedTuple):
 
 
 @contextlib.contextmanager
+def frozen_heap():
+    """Timed work with the heap frozen (`freeze_heap`), as a server freezes it once its programs
+    are compiled: a full collection would walk what compiling left (~200k objects on a GPU
+    machine: 90-160 ms pauses inside timed runs). Frozen whatever was frozen before (a Python
+    may freeze a few hundred objects as it starts); unfrozen after, so engines the caller drops
+    can be collected (what was frozen before thaws too: harmless, a freeze only hides live
+    objects from the collector)."""
+    freeze_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@contextlib.contextmanager
 def gc_pauses():
     """Yields a list that fills with a `GcPause` for each garbage collection inside the block."""
     pauses: list[GcPause] = []
@@ -459,20 +474,14 @@ def run_repeated(
     (timed; requests: trace_lists), 'summary': summarize_runs over the timed runs, 'series':
     tag -> {'ttft_ms', 'itl_ms'} for plot_distributions (not JSON)}.
 
-    Between the warm-up runs and the end the heap is frozen (`freeze_heap`), as a server freezes
-    it once its programs are compiled: what the warm-up compiled is not walked by every later
-    collection. Frozen whatever was frozen before (a Python that froze a few hundred objects as
-    it started turned this freeze off, and full collections walked ~200k objects, 90-160 ms,
-    in timed runs); unfrozen at the end, so an engine the caller drops can be collected (what
-    was frozen before thaws too: harmless, a freeze only hides live objects from the
-    collector). Each summary gets 'gc_pause_ms' (the run's garbage collections: count, total,
-    longest)."""
+    The timed runs run with the heap frozen (`frozen_heap`). Each summary gets 'gc_pause_ms' (the
+    run's garbage collections: count, total, longest)."""
     out: dict = {"warmup_runs": [], "runs": [], "summary": {}, "series": {}}
-    try:
+    with contextlib.ExitStack() as timed:
         for run in range(args.warmup_runs + args.repeat_runs):
             warm = run < args.warmup_runs
             if run == args.warmup_runs:
-                freeze_heap()
+                timed.enter_context(frozen_heap())
             tag = tag_prefix + (f"warmup{run}" if warm else f"run{run - args.warmup_runs}")
             compiles = engine.num_compiles
             with gc_pauses() as pauses:
@@ -537,8 +546,6 @@ def run_repeated(
                 "ttft_ms": entry["requests"]["ttft_ms"],
                 "itl_ms": [g * 1e3 for t in traces for g in m.itl(t)],
             }
-    finally:  # an error too: the caller's engine stays collectable
-        gc.unfreeze()
     out["summary"] = m.summarize_runs([r["summary"] for r in out["runs"]])
     return out
 

@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import profile_decode as pd  # noqa: E402
-from bench.common import configure_process  # noqa: E402
+from bench.common import configure_process, frozen_heap  # noqa: E402
 from rosejax import EngineConfig, KernelConfig, LLMEngine  # noqa: E402
 from rosejax.engine_args import (  # noqa: E402
     draw_fields,
@@ -183,18 +183,19 @@ def main(argv: list[str] | None = None) -> dict:
             )
     draw = draw_fields(args)
     ms = {name: [] for name in engines}  # ms per decode step of each timed run
-    for run in range(args.runs):
-        for name, (engine, _) in engines.items():
-            decode_s, _, _ = pd.timed_run(
-                engine,
-                args.batch,
-                args.prompt_len,
-                args.new_tokens,
-                rng,
-                f"{name}-{run}",
-                **draw,
-            )
-            ms[name].append(decode_s / (args.new_tokens - 1) * 1e3)
+    with frozen_heap():  # no full collection inside a timed run
+        for run in range(args.runs):
+            for name, (engine, _) in engines.items():
+                decode_s, _, _ = pd.timed_run(
+                    engine,
+                    args.batch,
+                    args.prompt_len,
+                    args.new_tokens,
+                    rng,
+                    f"{name}-{run}",
+                    **draw,
+                )
+                ms[name].append(decode_s / (args.new_tokens - 1) * 1e3)
     median = {name: statistics.median(xs) for name, xs in ms.items()}
     rows = [
         dict(

@@ -509,6 +509,15 @@ def test_profile_decode_kernel_tiles(tmp_path, monkeypatch):
         return engines[-1]
 
     monkeypatch.setattr(pd, "make_engine", spy)
+    frozen = []  # whether the heap was frozen during each run
+    timed_run = pd.timed_run
+
+    def spy_run(*args, **kwargs):
+        frozen.append(gc.get_freeze_count() > 0)
+        return timed_run(*args, **kwargs)
+
+    monkeypatch.setattr(pd, "timed_run", spy_run)
+    gc.unfreeze()
     path = tmp_path / "p.json"
     pd.main(
         [
@@ -544,6 +553,8 @@ def test_profile_decode_kernel_tiles(tmp_path, monkeypatch):
     assert data["kernels"] == json.loads(json.dumps(dataclasses.asdict(engine.kernels)))
     (row,) = data["rows"]
     assert row["decode_steps"] == 2 and row["decode_ms_per_step"] > 0
+    # the compiling run as it was, the timed one with the heap frozen, unfrozen after
+    assert frozen == [False, True] and gc.get_freeze_count() == 0
 
 
 def test_compare_variants_stops_before_memory_runs_out(monkeypatch):
@@ -606,10 +617,15 @@ def test_compare_variants(tmp_path, monkeypatch):
     draws = []  # each run's sampling fields
     timed_run = pd.timed_run
 
+    frozen = []  # whether the heap was frozen during each run
+
     def spy_run(engine, batch, prompt_len, new_tokens, rng, tag, **sampling):
         tags.append(tag)
         draws.append(sampling)
+        frozen.append(gc.get_freeze_count() > 0)
         return timed_run(engine, batch, prompt_len, new_tokens, rng, tag, **sampling)
+
+    gc.unfreeze()
 
     monkeypatch.setattr(pd, "timed_run", spy_run)
     path = tmp_path / "v.json"
@@ -650,6 +666,8 @@ def test_compare_variants(tmp_path, monkeypatch):
     assert base_engine.engine_config.block_size == EngineConfig.block_size  # --block-size default
     assert both_engine.engine_config.block_size == 8
     assert tags == ["warm-up", "warm-up", "base-0", "both-0", "base-1", "both-1"]
+    # the timed runs with the heap frozen (no full collection in them), unfrozen after
+    assert frozen == [False, False, True, True, True, True] and gc.get_freeze_count() == 0
     assert {k: v for k, v in os.environ.items() if k.startswith("ROSEJAX_")} == env
     assert _load(path) == json.loads(json.dumps(data))
     assert data["sampling"] == dict(temperature=0.7, top_k=5, top_p=1.0)
