@@ -172,7 +172,8 @@ def run_in_process(args: argparse.Namespace, workloads: list[list[Sample]]) -> d
     engine, build_s = common.make_engine(args, engine_process=args.engine_process)
     sides = {"1": engine.replicas[0], str(args.data_parallel_size): engine}
     runs: dict[str, list[float]] = {k: [] for k in sides}
-    for i, run_samples in enumerate(workloads):
+    for i in common.frozen_from(args.warmup_runs, len(workloads)):  # timed: the heap frozen
+        run_samples = workloads[i]
         for key, side in sides.items():
             tag = f"in-process dp={key} run {i}"
             samples = side_workload(args, run_samples, int(key))

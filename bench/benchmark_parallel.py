@@ -243,7 +243,7 @@ def _tpot(args, tp: int) -> dict:
     prompt = np.random.default_rng(1).integers(0, vocab, args.tpot_prompt_tokens).tolist()
     params = SamplingParams(max_tokens=args.tpot_new_tokens, temperature=0.0, ignore_eos=True)
     runs, tokens = [], None
-    for run in range(args.repeat_runs + 1):  # the first compiles
+    for run in common.frozen_from(1, args.repeat_runs + 1):  # the first compiles
         traces, _ = common.run_workload(llm.engine, [prompt], params, progress=False)
         if run:
             runs.append(m.tpot(traces[0]) * 1e3)

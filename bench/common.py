@@ -24,7 +24,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -355,6 +355,14 @@ def frozen_heap():
         gc.unfreeze()
 
 
+def frozen_from(first: int, total: int) -> Iterator[int]:
+    """range(total), the heap frozen (`frozen_heap`) from `first` on: the runs before it compile
+    and warm up, the rest are timed without a full collection in them."""
+    yield from range(first)
+    with frozen_heap():
+        yield from range(first, total)
+
+
 @contextlib.contextmanager
 def gc_pauses():
     """Yields a list that fills with a `GcPause` for each garbage collection inside the block."""
@@ -477,75 +485,70 @@ def run_repeated(
     The timed runs run with the heap frozen (`frozen_heap`). Each summary gets 'gc_pause_ms' (the
     run's garbage collections: count, total, longest)."""
     out: dict = {"warmup_runs": [], "runs": [], "summary": {}, "series": {}}
-    with contextlib.ExitStack() as timed:
-        for run in range(args.warmup_runs + args.repeat_runs):
-            warm = run < args.warmup_runs
-            if run == args.warmup_runs:
-                timed.enter_context(frozen_heap())
-            tag = tag_prefix + (f"warmup{run}" if warm else f"run{run - args.warmup_runs}")
-            compiles = engine.num_compiles
-            with gc_pauses() as pauses:
-                traces, steps = run_workload(
-                    engine,
-                    make_prompts(run),
-                    params,
-                    offsets,
-                    tag=tag,
-                    progress=not args.no_progress,
-                )
-            summary = m.summarize(traces, steps)
-            summary["new_compiles"] = engine.num_compiles - compiles
-            longest = max(pauses, default=GcPause(0.0, 0.0, 0, 0))
-            summary["gc_pause_ms"] = {
-                "count": len(pauses),
-                "total": 1e3 * sum(p.seconds for p in pauses),
-                "max": 1e3 * longest.seconds,
-                # what the longest one was: a full walk (generation 2), a free of many objects,
-                # or a wait (its thread's CPU far below its wall time)
-                "max_thread_ms": 1e3 * longest.thread_seconds,
-                "max_generation": longest.generation,
-                "max_collected": longest.collected,
-            }
-            roof = m.traced_decode_roofline(
-                engine.config,
-                traces,
-                steps,
-                args.bandwidth_gbs,
-                dtype_bytes=np.dtype(engine.dtype).itemsize,
+    for run in frozen_from(args.warmup_runs, args.warmup_runs + args.repeat_runs):
+        warm = run < args.warmup_runs
+        tag = tag_prefix + (f"warmup{run}" if warm else f"run{run - args.warmup_runs}")
+        compiles = engine.num_compiles
+        with gc_pauses() as pauses:
+            traces, steps = run_workload(
+                engine,
+                make_prompts(run),
+                params,
+                offsets,
+                tag=tag,
+                progress=not args.no_progress,
+            )
+        summary = m.summarize(traces, steps)
+        summary["new_compiles"] = engine.num_compiles - compiles
+        longest = max(pauses, default=GcPause(0.0, 0.0, 0, 0))
+        summary["gc_pause_ms"] = {
+            "count": len(pauses),
+            "total": 1e3 * sum(p.seconds for p in pauses),
+            "max": 1e3 * longest.seconds,
+            # what the longest one was: a full walk (generation 2), a free of many objects,
+            # or a wait (its thread's CPU far below its wall time)
+            "max_thread_ms": 1e3 * longest.thread_seconds,
+            "max_generation": longest.generation,
+            "max_collected": longest.collected,
+        }
+        roof = m.traced_decode_roofline(
+            engine.config,
+            traces,
+            steps,
+            args.bandwidth_gbs,
+            dtype_bytes=np.dtype(engine.dtype).itemsize,
+        )
+        if roof is not None:
+            summary["roofline"] = roof
+        if report:
+            dest = sys.stderr if warm else sys.stdout
+            print(
+                m.format_summary(summary, f"[{tag}]" + (" (warm-up, not counted)" if warm else "")),
+                file=dest,
             )
             if roof is not None:
-                summary["roofline"] = roof
-            if report:
-                dest = sys.stderr if warm else sys.stdout
+                print(m.format_roofline(roof), file=dest)
+            if summary["new_compiles"] and not warm:
+                print(f"  note: {summary['new_compiles']} compiles inside this timed run")
+            gcs = summary["gc_pause_ms"]
+            if gcs["max"] >= 10:
                 print(
-                    m.format_summary(
-                        summary, f"[{tag}]" + (" (warm-up, not counted)" if warm else "")
-                    ),
+                    f"  note: {gcs['count']} garbage collections took {gcs['total']:.1f} ms "
+                    f"(longest {gcs['max']:.1f} ms: generation {gcs['max_generation']}, "
+                    f"{gcs['max_collected']} objects freed, {gcs['max_thread_ms']:.1f} ms "
+                    "of this thread's CPU)",
                     file=dest,
                 )
-                if roof is not None:
-                    print(m.format_roofline(roof), file=dest)
-                if summary["new_compiles"] and not warm:
-                    print(f"  note: {summary['new_compiles']} compiles inside this timed run")
-                gcs = summary["gc_pause_ms"]
-                if gcs["max"] >= 10:
-                    print(
-                        f"  note: {gcs['count']} garbage collections took {gcs['total']:.1f} ms "
-                        f"(longest {gcs['max']:.1f} ms: generation {gcs['max_generation']}, "
-                        f"{gcs['max_collected']} objects freed, {gcs['max_thread_ms']:.1f} ms "
-                        "of this thread's CPU)",
-                        file=dest,
-                    )
-            entry = {"tag": tag, "summary": summary}
-            if warm:
-                out["warmup_runs"].append(entry)
-                continue
-            entry["requests"] = trace_lists(traces)
-            out["runs"].append(entry)
-            out["series"][tag] = {
-                "ttft_ms": entry["requests"]["ttft_ms"],
-                "itl_ms": [g * 1e3 for t in traces for g in m.itl(t)],
-            }
+        entry = {"tag": tag, "summary": summary}
+        if warm:
+            out["warmup_runs"].append(entry)
+            continue
+        entry["requests"] = trace_lists(traces)
+        out["runs"].append(entry)
+        out["series"][tag] = {
+            "ttft_ms": entry["requests"]["ttft_ms"],
+            "itl_ms": [g * 1e3 for t in traces for g in m.itl(t)],
+        }
     out["summary"] = m.summarize_runs([r["summary"] for r in out["runs"]])
     return out
 

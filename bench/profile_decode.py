@@ -21,7 +21,6 @@ parameters, so a sweep needs no edit of the kernels' defaults:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -36,7 +35,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import metrics as m  # noqa: E402
-from bench.common import configure_process, copy_bandwidth_gbs, frozen_heap  # noqa: E402
+from bench.common import configure_process, copy_bandwidth_gbs, frozen_from  # noqa: E402
 from rosejax import EngineConfig, KernelConfig, LLMEngine, SamplingParams  # noqa: E402
 from rosejax.engine_args import (  # noqa: E402
     add_draw_args,
@@ -185,27 +184,26 @@ def main(argv: list[str] | None = None) -> None:
             max_model_len=args.max_model_len,
         )
         runs = []  # (decode seconds, end-to-end seconds, tokens) of each timed run
-        with contextlib.ExitStack() as timed_runs:
-            for run in range(1 + args.timed_runs):  # the first run compiles what it meets
-                if run == 1:
-                    engine.host_seconds = dict.fromkeys(engine.host_seconds, 0.0)
-                    timed_runs.enter_context(frozen_heap())  # no full collection inside them
-                trace = run == 1 and args.trace_dir
-                if trace:
-                    jax.profiler.start_trace(args.trace_dir, create_perfetto_trace=True)
-                timed = timed_run(
-                    engine,
-                    args.batch,
-                    args.prompt_len,
-                    args.new_tokens,
-                    rng,
-                    run,
-                    **sampling,
-                )
-                if trace:
-                    jax.profiler.stop_trace()
-                if run >= 1:
-                    runs.append(timed)
+        # the first run compiles what it meets; the timed ones run with the heap frozen
+        for run in frozen_from(1, 1 + args.timed_runs):
+            if run == 1:
+                engine.host_seconds = dict.fromkeys(engine.host_seconds, 0.0)
+            trace = run == 1 and args.trace_dir
+            if trace:
+                jax.profiler.start_trace(args.trace_dir, create_perfetto_trace=True)
+            timed = timed_run(
+                engine,
+                args.batch,
+                args.prompt_len,
+                args.new_tokens,
+                rng,
+                run,
+                **sampling,
+            )
+            if trace:
+                jax.profiler.stop_trace()
+            if run >= 1:
+                runs.append(timed)
         steps = args.new_tokens - 1
         all_ms = [d / steps * 1e3 for d, _, _ in runs]
         decode_s, e2e_s, tokens = sorted(runs)[len(runs) // 2]  # the median run

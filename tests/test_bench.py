@@ -237,6 +237,26 @@ def _positive(x):
     return x is not None and math.isfinite(x) and x > 0
 
 
+def test_frozen_from_freezes_the_heap_for_the_timed_runs_only():
+    """Runs before `first` (compiling, warming up) see the heap as it was; the rest a frozen one,
+    even if something froze objects before; after the loop, and after a run that raised, nothing
+    is frozen."""
+    from bench.common import frozen_from
+
+    gc.unfreeze()
+    seen = [(run, gc.get_freeze_count() > 0) for run in frozen_from(2, 5)]
+    assert seen == [(0, False), (1, False), (2, True), (3, True), (4, True)]
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # a Python that froze what its start made
+    assert [gc.get_freeze_count() > 0 for _ in frozen_from(0, 2)] == [True, True]
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError):
+        for run in frozen_from(1, 3):
+            if run == 1:
+                raise RuntimeError("a timed run failed")
+    assert gc.get_freeze_count() == 0
+
+
 def test_gc_pauses_counts_the_collections_inside_only():
     from bench.common import gc_pauses
 
