@@ -395,6 +395,34 @@ def test_each_http_parser_serves_and_closes_a_half_sent_head(parser):
     assert half == b"" and 0.4 < waited < 5, (half, waited)
 
 
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_a_closed_connection_is_not_held_until_its_head_deadline(parser):
+    """Once a connection has closed, nothing keeps its protocol (its buffers, request cycle and
+    flow control) alive: its head-deadline timer is cancelled, not left to fire a read timeout
+    later (one protocol held per connection for 30 s by default)."""
+    if parser == "httptools" and server_module.HttpToolsProtocol is None:
+        pytest.skip("httptools is not installed")
+    app = Starlette(routes=[Route("/ping", lambda _: PlainTextResponse("pong"))])
+    app.state.limits, app.state.engine = Limits(read_timeout=600.0), None
+
+    async def requests(port: int, n: int) -> list[bytes]:
+        request = b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        return [await raw(port, request) for _ in range(n)]
+
+    def alive(protocol: type) -> int:
+        gc.collect()
+        return sum(type(o) is protocol for o in gc.get_objects())
+
+    with ServerThread(app, http=parser) as server:
+        protocol = server.server.config.http
+        before = alive(protocol)
+        answers = asyncio.run(requests(server.port, 20))
+        time.sleep(0.2)  # the server's side of the last close
+        held = alive(protocol) - before
+    assert all(a.startswith(b"HTTP/1.1 200") and a.endswith(b"pong") for a in answers)
+    assert held <= 1, f"{held} protocols of closed connections still alive"
+
+
 # ------------------------------------------------------------------- containment, shutdown
 
 

@@ -36,6 +36,8 @@ def _with_head_deadline(protocol: type, timeout: float) -> type:
         """uvicorn's HTTP protocol, closing a connection whose next request head has not
         arrived `timeout` seconds after the connection opened or its last response ended."""
 
+        head_timer: asyncio.TimerHandle | None = None
+
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm_head_deadline()
@@ -44,9 +46,21 @@ def _with_head_deadline(protocol: type, timeout: float) -> type:
             super().on_response_complete()
             self._arm_head_deadline()
 
+        def connection_lost(self, exc: Exception | None) -> None:
+            # A pending timer would hold this protocol (its buffers, cycle and flow control)
+            # for the rest of the timeout after its connection closed.
+            self._cancel_head_deadline()
+            super().connection_lost(exc)
+
         def _arm_head_deadline(self) -> None:
+            self._cancel_head_deadline()
             if not self.transport.is_closing():
-                self.loop.call_later(timeout, self._head_deadline, self.cycle)
+                self.head_timer = self.loop.call_later(timeout, self._head_deadline, self.cycle)
+
+        def _cancel_head_deadline(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
 
         def _head_deadline(self, cycle: Any) -> None:
             # A new head makes a new cycle: the same one means none came since the timer began.
