@@ -4,8 +4,8 @@ At tensor parallelism 2 a Llama-3.1-8B decode step at one row all-reduces 64 tim
 partial sums after each attention and MLP block), ~11 µs each in the step's trace and 22-28 µs
 each in a loop of nothing else (docs/performance-log.md, "Tensor parallelism"): ~0.7 ms of a
 4.2 ms step, the gap to issue 21's TP=2 <= 0.6x TP=1. A payload of 8-256 KB over NVLink is all
-latency. This probe times a chain of `--chain` all-reduces a loop iteration (each output scaled
-and fed to the next; one process, shard_map over two GPUs) as:
+latency. This probe times all-reduces chained in one jitted loop (`bench.common.time_in_loop`:
+each output scaled by 0.5 and fed to the next; one process, shard_map over two GPUs) as:
 
 - `psum`: `jax.lax.psum` (XLA's all-reduce: NCCL, or its own kernels);
 - `one_shot`: a Mosaic GPU kernel in which each program stores its column slice of the local
@@ -13,7 +13,7 @@ and fed to the next; one process, shard_map over two GPUs) as:
   for the kernel), signals the peer's semaphore for that slice, waits for the peer's slice,
   adds, stores, and then waits for the peer to have read what it sent (so the next call may
   write again). Unicast stores and semaphores only: NVLink multicast stays off, as the lending
-  machines ask. It runs on GPUs only (a CPU runs `psum`, on two host devices).
+  machines ask. It runs on GPUs only (`--quick` runs `psum` on two CPU host devices).
 
 µs an all-reduce, each variant's result checked against the sum on the host.
 
@@ -31,7 +31,22 @@ import sys
 if __package__ in (None, ""):  # run as a file: make `bench` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import report_kernel_bench  # noqa: E402
+import jax  # noqa: E402
+import jax.experimental.pallas as pl  # noqa: E402
+import jax.experimental.pallas.mosaic_gpu as plgpu  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    add_kernel_bench_args,
+    ints,
+    parse_kernel_bench_args,
+    report_kernel_bench,
+    time_in_loop,
+)
 
 VARIANTS = ("psum", "one_shot")
 COLUMNS = 256  # a program's column slice: the TMA box's widest side
@@ -40,12 +55,6 @@ COLUMNS = 256  # a program's column slice: the TMA box's widest side
 def one_shot_all_reduce(x, *, axis_name: str):
     """x [R, C] (this device's partial) summed with the other device's, in float32, rounded to
     x's dtype. Two devices; C a multiple of COLUMNS (a program a slice)."""
-    import jax
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    import jax.numpy as jnp
-    from jax import lax
-
     rows, cols = x.shape
     programs = cols // COLUMNS
 
@@ -89,75 +98,50 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--rows", default="1,16", help="comma list of rows an all-reduce sums")
+    p.add_argument("--rows", type=ints, default=[1, 16], help="comma list of rows summed")
     p.add_argument("--columns", type=int, default=4096, help="columns (Llama-3.1-8B's hidden)")
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma list of dtypes")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
-    p.add_argument("--chain", type=int, default=16, help="all-reduces a loop iteration")
-    p.add_argument("--iters", type=int, default=50, help="loop iterations a timed call")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls; the median is kept")
-    p.add_argument("--json", default=None, help="write results here")
-    args = p.parse_args()
+    add_kernel_bench_args(p)
+    args = parse_kernel_bench_args(p)
     variants = args.variants.split(",")
     if bad := set(variants) - set(VARIANTS):
         p.error(f"--variants: unknown {sorted(bad)}; choose from {VARIANTS}")
-    from rosejax.settings import set_xla_flags
-
-    set_xla_flags()  # the engine's: a loop without collectives is one CUDA graph
-
-    import time
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import PartitionSpec as P
-
+    if args.quick:  # XLA reads its flags as jax starts its backend: two CPU devices, psum only
+        os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=2"
+        variants, args.rows, args.columns, args.iters, args.repeats = ["psum"], [1, 3], 256, 2, 1
     if jax.device_count() < 2:
         p.error(f"needs two devices, found {jax.device_count()}")
     mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
     rng = np.random.default_rng(0)
     results = []
     for dtype in args.dtypes.split(","):
-        for rows in (int(r) for r in args.rows.split(",")):
+        for rows in args.rows:
             shards = rng.normal(size=(2, rows, args.columns)).astype(np.float32)
             x = jax.device_put(
                 jnp.asarray(shards.reshape(2 * rows, args.columns), dtype),
-                jax.sharding.NamedSharding(mesh, P("tp", None)),
+                NamedSharding(mesh, P("tp", None)),
             )
             want = np.asarray(jnp.asarray(shards, dtype), np.float32).sum(0)  # [R, C]
             base = None
             for variant in variants:
                 reduce = (
-                    (lambda y: jax.lax.psum(y, "tp"))
+                    (lambda y: lax.psum(y, "tp"))
                     if variant == "psum"
                     else (lambda y: one_shot_all_reduce(y, axis_name="tp"))
                 )
 
-                def chain(y, reduce=reduce):
-                    def trip(_, y):
-                        for _ in range(args.chain):
-                            y = reduce(y) * jnp.asarray(0.5, y.dtype)  # stays O(1)
-                        return y
-
-                    return jax.lax.fori_loop(0, args.iters, trip, y)
-
-                shard = jax.shard_map(
-                    reduce, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False
-                )
-                got = np.asarray(jax.jit(shard)(x), np.float32).reshape(2, rows, args.columns)
-                err = float(np.abs(got - want[None]).max() / np.abs(want).max())
-                loop = jax.jit(
-                    jax.shard_map(
-                        chain, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False
+                def on_mesh(f):
+                    return jax.shard_map(
+                        f, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False
                     )
-                )
-                loop(x).block_until_ready()
-                times = []
-                for _ in range(args.repeats):
-                    start = time.perf_counter()
-                    loop(x).block_until_ready()
-                    times.append(time.perf_counter() - start)
-                us = float(np.median(times)) * 1e6 / (args.iters * args.chain)
+
+                got = np.asarray(jax.jit(on_mesh(reduce))(x), np.float32)
+                got = got.reshape(2, rows, args.columns)
+                err = float(np.abs(got - want[None]).max() / np.abs(want).max())
+                # scaled so that the chained sums stay O(1)
+                scaled = on_mesh(lambda y, reduce=reduce: reduce(y) * jnp.asarray(0.5, y.dtype))
+                us = time_in_loop(scaled, x, iters=args.iters, repeats=args.repeats)
                 base = base or us
                 row = dict(dtype=dtype, rows=rows, variant=variant, us=us, vs_first=us / base)
                 results.append(row | dict(max_rel_err=err))

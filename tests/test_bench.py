@@ -946,17 +946,7 @@ def test_pdl_probe_quick(tmp_path):
 def test_all_reduce_probe_psum_on_two_host_devices(tmp_path):
     """The all-reduce probe's harness (mesh, chained loop, check against the host's sum) on two
     CPU devices, through `psum` (its one-shot kernel needs GPUs)."""
-    path = tmp_path / "ar.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    subprocess.run(
-        [sys.executable, "bench/probe_all_reduce.py", "--variants", "psum", "--rows", "1,3"]
-        + ["--columns", "256", "--chain", "2", "--iters", "2", "--repeats", "1"]
-        + ["--json", str(path)],
-        check=True,
-        capture_output=True,
-        env=env,
-    )
-    rows = _load(path)["rows"]
+    rows = _quick_rows(tmp_path, "probe_all_reduce")
     assert [(r["dtype"], r["rows"]) for r in rows] == [
         ("bfloat16", 1),
         ("bfloat16", 3),
