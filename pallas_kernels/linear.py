@@ -54,6 +54,10 @@ DEFAULT_MAX_K_STEPS = 4  # H200, GPT-2 small, B=1: best of 1, 2, 4 and 12 (-8.5%
 # programs would not stream faster, and the split's partial sums need a kernel to add them.
 # H100, Llama-3.1-8B B=1: -9.3% a step at TP=1, -5.9% at TP=2 against no threshold (64, 32: same).
 DEFAULT_FILL_PROGRAMS = 128
+# Shared memory a program may take on an H100 or H200. The pipeline holds num_stages tiles of x
+# and of each weight it streams: 4 stages of a SwiGLU program's float32 gate and up tiles at
+# block_k 256 asked 240 KiB (Qwen3-0.6B fp32 at 16 rows), so block_k halves until they fit.
+SHARED_MEMORY_BYTES = 227 * 1024
 
 ACTIVATIONS = (None, "gelu_tanh", "swiglu")
 
@@ -94,9 +98,14 @@ def _tiles(
     block_k: int,
     max_k_steps: int,
     fill_programs: int,
+    *,
+    itemsize: int,
+    num_stages: int,
+    weight_tiles: int = 1,
 ) -> dict:
     """The kernel's static tiling of an [M, K] @ [K, N] call (N: the columns a program's tile
-    covers, F for swiglu), checked."""
+    covers, F for swiglu, whose programs stream `weight_tiles` = 2 tiles of w a step), checked;
+    block_k halved until `num_stages` tiles of x and w of `itemsize` fit SHARED_MEMORY_BYTES."""
     if not (is_power_of_2(block_n) and is_power_of_2(block_k)):
         raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
     if not (is_power_of_2(block_m) and block_m >= 16):
@@ -110,9 +119,12 @@ def _tiles(
         )
     # Tiles must divide the matrix; shrink them to the largest power of two that does.
     block_n, block_k = math.gcd(block_n, n), math.gcd(block_k, k)
-    k_steps = k // block_k
     # Never more rows than M rounds up to; the matrix units' least M is 16.
     block_m = min(block_m, max(16, next_power_of_2(m)))
+    step_bytes = (block_m + weight_tiles * block_n) * itemsize  # x's and w's per row of K
+    while block_k > 16 and num_stages * block_k * step_bytes > SHARED_MEMORY_BYTES:
+        block_k //= 2
+    k_steps = k // block_k
     m_tiles = -(-m // block_m)
     fills = 0 < fill_programs <= m_tiles * (n // block_n)
     splits = 1 if fills else split_count(k_steps, max_k_steps)
@@ -274,11 +286,12 @@ def linear(
     if residual is not None and residual.shape != (m, n):
         raise ValueError(f"residual must be [{m}, {n}], got {residual.shape}")
     sizes = (block_m, block_n, block_k, max_k_steps, fill_programs)
+    memory = dict(itemsize=w.dtype.itemsize, num_stages=num_stages)
     # swiglu: a program's block_n output columns, as many gate and up columns.
-    tiles = _tiles(m, k, n // 2 if swiglu_out else n, *sizes)
+    tiles = _tiles(m, k, n // 2 if swiglu_out else n, *sizes, **memory, weight_tiles=1 + swiglu_out)
     launch = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if tiles["splits"] > 1:
-        partials = _pallas_linear(x, w, (), _tiles(m, k, n, *sizes), None, **launch)
+        partials = _pallas_linear(x, w, (), _tiles(m, k, n, *sizes, **memory), None, **launch)
         return finish_partial_sums(partials, b, residual, activation=activation, dtype=x.dtype)
     return _pallas_linear(
         x, w, (b,) if residual is None else (b, residual), tiles, activation, **launch
@@ -310,7 +323,17 @@ def linear_partial_sums(
     applies the epilogue itself (`finish_partial_sums`,
     `pallas_kernels.layer_norm.add_layer_norm`)."""
     _check_input(x, w)
-    tiles = _tiles(x.shape[0], *w.shape, block_m, block_n, block_k, max_k_steps, fill_programs)
+    tiles = _tiles(
+        x.shape[0],
+        *w.shape,
+        block_m,
+        block_n,
+        block_k,
+        max_k_steps,
+        fill_programs,
+        itemsize=w.dtype.itemsize,
+        num_stages=num_stages,
+    )
     return _pallas_linear(
         x, w, (), tiles, None, num_warps=num_warps, num_stages=num_stages, interpret=interpret
     )

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.linear import (
+    SHARED_MEMORY_BYTES,
+    _tiles,
     linear,
     linear_partial_sums,
     linear_partial_sums_reference,
@@ -194,6 +196,37 @@ def test_partial_sums_bad_shapes():
         linear_partial_sums(
             jnp.zeros((2, 64)), jnp.zeros((64, 32)), fill_programs=-1, interpret=True
         )
+
+
+@pytest.mark.parametrize(
+    "dtype,activation,rows,want",
+    [
+        ("float32", "swiglu", 16, 128),  # gate + up tiles at 256: 4 stages past 227 KiB
+        ("bfloat16", "swiglu", 16, 256),
+        ("float32", None, 16, 256),  # one weight tile: fits
+        ("float32", None, 64, 128),  # 64 rows of x besides
+    ],
+)
+def test_block_k_fits_shared_memory(dtype, activation, rows, want):
+    """The pipeline's stages of x and w tiles fit a program's shared memory: block_k halves
+    where the defaults would not (Qwen3-0.6B's gate/up projection, K = 1024, F = 3072)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    tiles = _tiles(
+        rows,
+        1024,
+        3072,
+        64,
+        32,
+        256,
+        4,
+        128,
+        itemsize=itemsize,
+        num_stages=4,
+        weight_tiles=2 if activation else 1,
+    )
+    assert tiles["block_k"] == want
+    step_bytes = (tiles["block_m"] + (2 if activation else 1) * 32) * itemsize
+    assert 4 * tiles["block_k"] * step_bytes <= SHARED_MEMORY_BYTES
 
 
 @pytest.mark.parametrize(
