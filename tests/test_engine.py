@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from rosejax import LLM, KernelConfig, LLMEngine, SamplingParams
+from rosejax.engine.serving import engine_snapshot
 from rosejax.tokenizer import packaged_gpt2_tokenizer_path
 from tests.conftest import (
     HF_SHAPES,
@@ -856,7 +857,10 @@ def test_first_programs_compiled_ahead_together_then_the_rest(checkpoint, caplog
     assert engine.num_compiles == len(programs)
     assert caplog.text.count("ahead in") == len(programs) - 2
     # Then, idle, each program compiled ahead runs once (a first run costs more than the rest),
-    # in warm-up's order; the two warm-up ran, no other.
+    # in warm-up's order; the two warm-up ran, no other. Until it has, a server's gauge of
+    # programs to compile counts it.
+    assert engine.programs_to_run == len(programs) - 2
+    assert engine_snapshot(engine, 0)["programs_to_compile"] == len(programs) - 2
     ran, runner = [], engine.runner
     prefill, decode = runner.prefill, runner.decode
     runner.prefill = lambda batch: ran.append(("prefill", *batch["tokens"].shape)) or prefill(batch)
@@ -867,6 +871,7 @@ def test_first_programs_compiled_ahead_together_then_the_rest(checkpoint, caplog
         pass
     del runner.prefill, runner.decode
     assert ran == [p for p in programs if p not in programs[3:5]]
+    assert engine_snapshot(engine, 1)["programs_to_compile"] == 1
     prompts = random_prompts(2, lo=9, hi=20)  # a prefill shape past the first one
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):

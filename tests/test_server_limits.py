@@ -647,7 +647,9 @@ def test_fuzzing_from_openapi_finds_no_5xx(served):
 
 def test_server_compiles_the_rest_on_a_thread_of_its_own():
     """A server that compiled only what a first request needs compiles the other programs on
-    a thread of its own, until none is left, and serves meanwhile."""
+    a thread of its own, until none is left, and runs each once while idle; its
+    programs-to-compile gauge counts a program until it has run, so it reads 0 only once every
+    program is compiled and has run."""
     import time
 
     from rosejax import LLMEngine
@@ -658,12 +660,19 @@ def test_server_compiles_the_rest_on_a_thread_of_its_own():
     engine.warmup(programs[:3])
     assert engine.num_compiles == 3
     loop = AsyncEngine(engine, warm_in_background=True)
+    assert loop.snapshot["programs_to_compile"] == len(programs) - 3
     loop.start()
     deadline = time.monotonic() + 120
-    while engine.num_compiles < len(programs) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    seen = set()
+    while time.monotonic() < deadline:
+        left = loop.snapshot["programs_to_compile"]
+        seen.add(left)
+        if left == 0:
+            break
+        time.sleep(0.01)
     loop.stop()
-    assert engine.num_compiles == len(programs)
+    assert engine.num_compiles == len(programs) and engine.programs_to_run == 0
+    assert len(seen) > 1 and min(seen) == 0
     assert not loop._compiler.is_alive()
 
 

@@ -127,8 +127,8 @@ def build_parser(doc: str, where: bool = True) -> argparse.ArgumentParser:
         "--no-wait-compiled",
         action="store_true",
         help="start the runs once /health answers, while the server still compiles the "
-        "programs its first requests did not need (it does so only while idle); by default "
-        "the runs wait for it, to time the steady state",
+        "programs its first requests did not need and runs each once (it does so only while "
+        "idle); by default the runs wait for it, to time the steady state",
     )
     g.add_argument(
         "--server-log",

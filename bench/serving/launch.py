@@ -1,5 +1,5 @@
-"""A `python -m rosejax.serve` launched for the run, up and every program compiled before the
-clock starts."""
+"""A `python -m rosejax.serve` launched for the run, up and every program compiled and run once
+before the clock starts."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def free_port() -> int:
 
 
 def programs_to_compile(base_url: str) -> int:
-    """The server's rosejax_programs_to_compile gauge, summed over its replicas (0 if it has
-    none or does not answer)."""
+    """The server's rosejax_programs_to_compile gauge (programs not compiled or not run once
+    yet), summed over its replicas (0 if it has none or does not answer)."""
     name = "rosejax_programs_to_compile"
     return int((metric_sums(base_url, [name]) or {name: 0})[name])
 
@@ -140,7 +140,7 @@ class LaunchedServer:
                 time.sleep(0.25)
             self.compiled_seconds = time.perf_counter() - t0
             print(
-                f"every program compiled {self.compiled_seconds:.1f} s after launch",
+                f"every program compiled and run once {self.compiled_seconds:.1f} s after launch",
                 file=sys.stderr,
             )
         return self

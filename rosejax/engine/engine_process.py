@@ -174,8 +174,9 @@ class _EngineLoop:
     def _commands(self, idle: bool) -> None:
         """Handle every command list received (`take_commands`: idle, wait for the first and
         gather a burst's)."""
-        if idle:
-            take_commands(self.inbox, self._take, self.poll_s, self.gather_s)
+        if idle:  # with programs to run once, it runs them back to back
+            wait = 0.0 if self.engine.programs_to_run else self.poll_s
+            take_commands(self.inbox, self._take, wait, self.gather_s)
         else:
             take_commands(self.inbox, self._take, 0.0)
 

@@ -451,6 +451,12 @@ class LLMEngine:
             )
         return time.perf_counter() - start
 
+    @property
+    def programs_to_run(self) -> int:
+        """Programs `compile_ahead` compiled that have not had their first run yet
+        (`run_ahead`)."""
+        return len(self._unrun)
+
     def run_ahead(self) -> bool:
         """Run once, as `warmup` does, the next program `compile_ahead` compiled that nothing has
         run yet: a program's first run costs more than its later ones (on an H100 one prefill's

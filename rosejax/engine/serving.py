@@ -72,7 +72,9 @@ _SNAPSHOT_KEYS = (
 def engine_snapshot(engine: Any, programs_left: int) -> dict[str, Any]:
     """An `LLMEngine`'s scheduler and KV cache gauges (a server's /metrics), its compiles and
     where its host time went: a fresh dict each time, so a reader on another thread (a scrape)
-    reads one consistent view."""
+    reads one consistent view. Programs to compile: the `programs_left` to compile and those
+    compiled but not run once yet (a first run costs a request that meets it up to tenths of a
+    second, which `run_ahead` pays while idle)."""
     alloc, sched = engine.allocator, engine.scheduler
     values = (
         len(sched.running),
@@ -84,7 +86,7 @@ def engine_snapshot(engine: Any, programs_left: int) -> dict[str, Any]:
         engine.prefill_steps,
         engine.prefill_tokens_computed,
         sched.num_preemptions,
-        programs_left,
+        programs_left + engine.programs_to_run,
         engine.num_compiles,
         engine.compile_seconds,
         dict(engine.host_seconds),

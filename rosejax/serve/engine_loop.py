@@ -410,8 +410,9 @@ class AsyncEngine(EngineFront):
         self._programs_left -= 1
 
     def _drain(self, block: bool) -> None:
-        if block:
-            take_commands(self._commands, self._handle, self._poll_s, self._gather_s)
+        if block:  # idle; with programs to run once, it runs them back to back
+            wait = 0.0 if self.engine.programs_to_run else self._poll_s
+            take_commands(self._commands, self._handle, wait, self._gather_s)
         else:
             take_commands(self._commands, self._handle, 0.0)
 

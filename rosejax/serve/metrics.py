@@ -100,7 +100,8 @@ _SNAPSHOT = {
     ),
     "programs_to_compile": (
         "rosejax_programs_to_compile",
-        "Programs the server still compiles while idle (a shape needed first compiles then).",
+        "Programs the server still compiles, or has compiled and not run once yet, while idle "
+        "(a shape needed first compiles, or has its slower first run, then).",
         "gauge",
     ),
 }
