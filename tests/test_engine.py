@@ -100,6 +100,22 @@ def test_batch_of_different_lengths_matches_hf(checkpoint, shared_llm):
     assert_clean(llm.engine)
 
 
+def test_host_inputs_stay_at_one_address(checkpoint, shared_llm):
+    """Every program's packed host inputs land in one device buffer of their size, written in
+    place each call: the buffers keep their addresses across steps and batches (what spares
+    XLA updating the CUDA graph's commands that read them), and the tokens stay HF's."""
+    llm = shared_llm()
+    prompts = random_prompts(3)
+    check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+    staged = llm.engine.runner._inputs
+    where = {n: b.unsafe_buffer_pointer() for n, b in staged.items()}
+    assert where  # a prefill's and the windows' inputs at least
+    prompts = random_prompts(3)
+    check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+    assert {n: staged[n].unsafe_buffer_pointer() for n in where} == where
+    assert_clean(llm.engine)
+
+
 def test_more_requests_than_batch_and_multi_step_decode(checkpoint, shared_llm):
     llm = shared_llm(max_batch_size=3, decode_steps=7)
     prompts = random_prompts(7)
