@@ -188,6 +188,15 @@ def add_engine_args(
         "are read back)",
     )
     p.add_argument(
+        "--step-log",
+        default=None,
+        metavar="FILE",
+        help="append a JSON line per engine step to FILE (when it started and ended, the "
+        "requests waiting and running, prompt tokens prefilled, the decode window dispatched, "
+        "host time dispatching and waiting for the device); `python bench/step_timeline.py "
+        "FILE` prints it; default: none",
+    )
+    p.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="turn off prefix caching (sharing KV blocks of equal prompt prefixes)",
@@ -272,6 +281,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         open_decode_steps=args.open_decode_steps,
         decode_steps_per_trip=args.decode_steps_per_trip,
         prefill_overlap=not args.no_prefill_overlap,
+        step_log=args.step_log,
         enable_prefix_caching=not args.no_prefix_cache,
         warmup=False if args.no_warmup else None,
         kernel_overrides=kernel_overrides(args.kernel, args.kernel_tile),

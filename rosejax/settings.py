@@ -298,6 +298,9 @@ class EngineConfig:
     # A step that prefills also dispatches the running requests' decode window right behind the
     # prefill, before reading its first tokens back. Off: that step decodes nothing (an A/B).
     prefill_overlap: bool = True
+    # A file each engine step appends one JSON line to (`LLMEngine.step`: its timing, what it
+    # prefilled and dispatched), for following a server's engine step by step; None: none.
+    step_log: str | None = None
     # The smallest decode program: smaller batches pad to it. None: the model family's on a GPU
     # (GPT-2 16, Llama-style 1), 1 on a CPU.
     min_decode_batch: int | None = dataclasses.field(default_factory=_default_min_decode_batch)

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import gc
 import itertools
+import json
 import time
 
 import numpy as np
@@ -114,6 +115,44 @@ def test_host_inputs_stay_at_one_address(checkpoint, shared_llm):
     check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
     assert {n: staged[n].unsafe_buffer_pointer() for n in where} == where
     assert_clean(llm.engine)
+
+
+def test_step_log_accounts_for_every_step(checkpoint, tmp_path):
+    """With a step log each step writes one JSON line: the tokens the lines hand out are every
+    generated token, the prompt tokens they prefill every prompt's, each window's rows fit its
+    width, the requests move waiting -> running -> done, and the viewer splits them into bursts
+    where the engine idled."""
+    import os
+
+    from bench import step_timeline
+
+    path = tmp_path / "steps.jsonl"
+    llm = make_llm(checkpoint, max_batch_size=3, decode_steps=3, step_log=str(path))
+    prompts = random_prompts(5)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    check_greedy(checkpoint, outs, prompts)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines and all(s["pid"] == os.getpid() and s["replica"] == 0 for s in lines)
+    assert sum(s["tokens"] for s in lines) == sum(len(o.outputs[0].token_ids) for o in outs)
+    assert sum(s["prefill_tokens"] for s in lines) == sum(len(p) for p in prompts)
+    assert lines[0]["waiting"] == [5, 2] and lines[0]["running"] == [0, 3]
+    assert lines[-1]["waiting"][1] == 0 and lines[-1]["running"][1] == 0
+    for s in lines:
+        assert s["ms"] >= s["dispatch_ms"] >= 0 and s["wait_ms"] >= 0 and s["harvest_ms"] >= 0
+        if s["window"] is not None:
+            steps, rows, width = s["window"]
+            assert 1 <= steps <= 3 and 1 <= rows <= width
+    time.sleep(0.2)
+    llm.generate(random_prompts(2), GREEDY, use_tqdm=False)
+    steps = step_timeline.read_steps([str(path)])[os.getpid(), 0]
+    split = step_timeline.bursts(steps, gap_ms=100)
+    assert len(split) == 2 and sum(map(len, split)) == len(steps) > len(lines)
+    with pytest.raises(ValueError, match="--step-log"):
+        make_llm(checkpoint, step_log=str(tmp_path / "no-such-dir" / "steps.jsonl"))
+    prefills = sum(1 for s in split[0] if s["prefill_tokens"])
+    assert prefills >= 2 and f"{prefills} with a prefill" in step_timeline.format_burst(
+        split[0], None
+    )
 
 
 def test_more_requests_than_batch_and_multi_step_decode(checkpoint, shared_llm):

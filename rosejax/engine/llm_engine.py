@@ -38,6 +38,7 @@ from rosejax.engine.request import (
     request_stop_ids,
 )
 from rosejax.engine.scheduler import Scheduler
+from rosejax.engine.step_log import StepLog
 from rosejax.layers.kv_cache import init_kv_cache, kv_cache_bytes_per_block, num_blocks_for
 from rosejax.layers.parallel import (
     TP_AXIS,
@@ -238,6 +239,7 @@ class LLMEngine:
         logger.info("loaded the model and tokenizer in %.1f s", time.perf_counter() - start)
         self.block_size = config.block_size
         self.max_batch_size = config.max_batch_size
+        self._step_log = StepLog(config.step_log, replica) if config.step_log else None
         # "auto": long windows for throughput, cut short when a waiting request could be admitted.
         self.auto_steps = config.decode_steps == "auto"
         self.prefill_overlap = config.prefill_overlap
@@ -588,6 +590,7 @@ class LLMEngine:
         rows decode from the first tokens it left in their slots), then read back every program
         in flight but the newest, oldest first, while the device runs that one; one output per
         request that gained something."""
+        begun = self._step_log.begin(self) if self._step_log is not None else None
         t0 = time.perf_counter()
         prefilled = self._admit()
         running = list(self.scheduler.running)  # every running request holds a slot
@@ -606,6 +609,8 @@ class LLMEngine:
             outputs.append(group.take_output())
             if outputs[-1].finished:
                 del self._requests[group.request_id]
+        if begun is not None:
+            self._step_log.end(self, begun, decoded, outputs)
         return outputs
 
     def _admit(self) -> bool:
