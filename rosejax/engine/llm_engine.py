@@ -594,13 +594,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         prefilled = self._admit()
         running = list(self.scheduler.running)  # every running request holds a slot
-        decoded = False
+        window = None  # the decode window dispatched: (steps, rows, width)
         # Exact behind a prefill: it left each new row's first token, position, step count and
         # alive flag (off if that token already ends the row) in its slot, where windows read.
         if running and (self.prefill_overlap or not prefilled):
-            decoded = self._dispatch_decode(running)
+            window = self._dispatch_decode(running)
         self.host_seconds["dispatch"] += time.perf_counter() - t0
-        keep = 1 if prefilled or decoded else 0  # the newest program: the device runs it now
+        keep = 1 if prefilled or window is not None else 0  # the newest: the device runs it
         touched: dict[str, SequenceGroup] = {}
         while len(self._pending) > keep:
             self._harvest(*self._pending.popleft(), touched)
@@ -610,7 +610,7 @@ class LLMEngine:
             if outputs[-1].finished:
                 del self._requests[group.request_id]
         if begun is not None:
-            self._step_log.end(self, begun, decoded, outputs)
+            self._step_log.end(self, begun, window, outputs)
         return outputs
 
     def _admit(self) -> bool:
@@ -755,13 +755,15 @@ class LLMEngine:
             return min(self.decode_steps, self.open_steps)
         return self.decode_steps
 
-    def _dispatch_decode(self, running: list[Request]) -> bool:
+    def _dispatch_decode(self, running: list[Request]) -> tuple[int, int, int] | None:
+        """Dispatch the running requests' next decode window: its (steps, rows, width), or None
+        if none is left running."""
         k = self._window(running)
         for r in self.scheduler.reserve(running, k):  # lost their blocks: the device must stop them
             self._free_slot(r)
         running = list(self.scheduler.running)
         if not running:
-            return False
+            return None
         moves = self._compact(running)
         updates = []
         longest = 0  # the longest row's context by the end of this window
@@ -782,7 +784,7 @@ class LLMEngine:
         self._kill[:] = False
         roster = [(r, r.epoch, r.slot) for r in running]
         self._pending.append(("decode", *out, roster, k, None))
-        return True
+        return k, len(running), b
 
     def _compact(self, running: list[Request]) -> list[tuple[int, int]]:
         """Move the running requests that sit at or above the smallest decode bucket holding

@@ -38,22 +38,20 @@ class StepLog:
             engine.prefill_tokens_computed,
         )
 
-    def end(self, engine: Any, begun: tuple, decoded: bool, outputs: list) -> None:
-        """Write the line of a step that began with `begun`; `decoded`: it dispatched a window
-        (then the newest program in flight)."""
+    def end(
+        self, engine: Any, begun: tuple, window: tuple[int, int, int] | None, outputs: list
+    ) -> None:
+        """Write the line of a step that began with `begun` and dispatched `window` (steps,
+        rows, width; None: no window)."""
         start, waiting, running, seconds, prefilled = begun
         sched, host = engine.scheduler, engine.host_seconds
-        window = None
-        if decoded:
-            _, tokens, _, roster, k, _ = engine._pending[-1]
-            window = [k, len(roster), tokens.shape[1]]
         line = self.head | {
             "start": start,
             "ms": round((time.monotonic() - start) * 1e3, 3),
             "waiting": [waiting, len(sched.waiting)],
             "running": [running, len(sched.running)],
             "prefill_tokens": engine.prefill_tokens_computed - prefilled,
-            "window": window,
+            "window": None if window is None else list(window),
             **{f"{k}_ms": round((host[k] - seconds[k]) * 1e3, 3) for k in HOST_PARTS},
             "outputs": len(outputs),
             "tokens": sum(len(o.new_token_ids) for o in outputs),
