@@ -289,6 +289,7 @@ class Clients:
         )
         self.processes = min(args.client_processes, args.max_concurrency or args.client_processes)
         self.pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self.started: float | None = None  # the last run's start (client processes' clock)
 
     def __enter__(self) -> Clients:
         if self.processes > 1 or self.args.client_nice:
@@ -314,6 +315,7 @@ class Clients:
         """One Record per sample, and the duration (start to the last stream's end)."""
         args, n = self.args, min(self.processes, len(samples))
         if self.pool is None:
+            self.started = None  # run_http's own clock
             return run_client(
                 run_http(
                     self.endpoint,
@@ -327,7 +329,7 @@ class Clients:
                 )
             )
         quiet = argparse.Namespace(**vars(args) | {"no_progress": True})
-        start_at = time.monotonic() + 0.2  # every process waiting when it comes
+        start_at = self.started = time.monotonic() + 0.2  # every process waiting when it comes
         futures = []
         for k in range(n):
             idx = list(range(k, len(samples), n))
@@ -407,6 +409,12 @@ def run_http_side(
         before = metric_sums(url, names)
         records, duration = clients.run(samples, offsets, "http")
         after = metric_sums(url, names)
+        if clients.started is not None:
+            print(
+                f"the timed run's clients started at time.monotonic() {clients.started:.6f} "
+                "(bench/step_timeline.py --start)",
+                file=sys.stderr,
+            )
     counts: dict[str, float] = {}
     if before and after:
         counts = {key: int(after[name] - before[name]) for key, name in ENGINE_COUNTERS.items()}
