@@ -215,10 +215,17 @@ def check_parity(args) -> list[dict]:
         for dtype in args.parity_dtypes.split(","):
             # float32 means float32 matmuls (no TF32) then; half precision is left as served.
             precision = "highest" if dtype == "float32" else None
-            with jax.default_matmul_precision(precision):
-                one, s1 = _greedy_tokens(args, model, 1, dtype, prompts)
-                many, sn = _greedy_tokens(args, model, args.tp, dtype, prompts)
-            r = {"model": model, "dtype": dtype, "tp": args.tp, **_first_difference(one, many)}
+            r = {"model": model, "dtype": dtype, "tp": args.tp}
+            try:  # a failing pair is reported, and the others still run (a GPU call is dear)
+                with jax.default_matmul_precision(precision):
+                    one, s1 = _greedy_tokens(args, model, 1, dtype, prompts)
+                    many, sn = _greedy_tokens(args, model, args.tp, dtype, prompts)
+            except Exception as e:
+                results.append(r | {"error": f"{type(e).__name__}: {e}"})
+                print(f"parity {model} {dtype} FAILED: {results[-1]['error']}", file=sys.stderr)
+                gc.collect()
+                continue
+            r |= _first_difference(one, many)
             r |= {"seconds_tp1": s1, f"seconds_tp{args.tp}": sn}
             r["distinct_tokens"] = len({t for row in one for t in row})
             results.append(r)
@@ -300,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         result["tpot"] = check_tpot(args)
     common.write_json(out, result)
     print(f"wrote {out}", file=sys.stderr)
-    return 0
+    return 1 if any("error" in r for r in result.get("parity", ())) else 0
 
 
 if __name__ == "__main__":

@@ -965,3 +965,30 @@ def test_sampling_microbench_quick(tmp_path):
     assert all(_positive(r["us"]) for r in rows)
     assert rows[0]["over_argmax_us"] == 0
     assert all(r["over_argmax_us"] == r["us"] - rows[0]["us"] for r in rows)
+
+
+def test_parallel_parity_reports_a_failing_pair_and_runs_the_rest(monkeypatch, tmp_path):
+    """A (model, dtype) pair whose engine fails is reported with its error, the other pairs
+    still run and are compared, and the script's exit status says one failed."""
+    from bench import benchmark_parallel as bp
+
+    def greedy(args, model, tp, dtype, prompts):
+        if dtype == "float32" and tp > 1:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded")
+        return [[len(p), tp if dtype == "bfloat16" else 0] for p in prompts], 0.0
+
+    monkeypatch.setattr(bp, "_greedy_tokens", greedy)
+    args = bp.build_parser().parse_args(
+        ["--out-dir", "x", "--parity-models", "random:tiny", "--parity-prompts", "3"]
+        + ["--parity-dtypes", "float32,float16,bfloat16"]
+    )
+    results = bp.check_parity(args)
+    assert [r["dtype"] for r in results] == ["float32", "float16", "bfloat16"]
+    assert "RESOURCE_EXHAUSTED" in results[0]["error"] and "equal_requests" not in results[0]
+    assert results[1]["equal_requests"] == 3 and "error" not in results[1]
+    assert results[2]["equal_requests"] == 0  # TP=2's tokens differ from TP=1's there
+    argv = ["--out-dir", str(tmp_path), "--skip-processes", "--skip-tpot"]
+    assert bp.main([*argv, "--parity-models", "random:tiny", "--parity-dtypes", "float32"]) == 1
+    saved = json.loads((tmp_path / "benchmark_parallel.json").read_text())
+    assert "error" in saved["parity"][0]
+    assert bp.main([*argv, "--parity-models", "random:tiny", "--parity-dtypes", "float16"]) == 0
