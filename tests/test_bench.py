@@ -757,6 +757,7 @@ def test_plots(tmp_path):
         ("benchmark_startup", ["--checkout", "--runs", "--untimed-runs", "--json"]),
         ("benchmark_api_cost", ["--checkout", "--runs", "--rounds", "--window", "--json"]),
         ("benchmark_long_context", ["--context-len", "--output-len", "--peak-tflops"]),
+        ("step_timeline", ["--gap-ms", "--last", "--start"]),
     ],
 )
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
