@@ -221,9 +221,11 @@ def check_parity(args) -> list[dict]:
                     one, s1 = _greedy_tokens(args, model, 1, dtype, prompts)
                     many, sn = _greedy_tokens(args, model, args.tp, dtype, prompts)
             except Exception as e:
-                results.append(r | {"error": f"{type(e).__name__}: {e}"})
-                print(f"parity {model} {dtype} FAILED: {results[-1]['error']}", file=sys.stderr)
+                r["error"] = f"{type(e).__name__}: {e}"
+            if "error" in r:  # out of the handler: its traceback no longer holds the engine
                 gc.collect()
+                results.append(r)
+                print(f"parity {model} {dtype} FAILED: {r['error']}", file=sys.stderr)
                 continue
             r |= _first_difference(one, many)
             r |= {"seconds_tp1": s1, f"seconds_tp{args.tp}": sn}

@@ -190,8 +190,8 @@ class ModelRunner:
         self._long_rows: dict[int, tuple[int, KernelConfig] | None] = {}
         state = empty_slot_state(num_slots, self.max_blocks, config.vocab_size)
         if isinstance(placement, Mesh):
-            self._input_sharding = replicated(placement)
-            state = jax.tree.map(lambda a: place(a, self._input_sharding), state)
+            self._input_sharding = replicated(placement)  # where `_stage` puts host inputs
+            state = jax.tree.map(lambda a: place(a, replicated(placement)), state)
             self.params, self.cache, self.state = params, cache, state
         else:
             self._input_sharding = jax.sharding.SingleDeviceSharding(placement)

@@ -40,6 +40,7 @@ from rosejax.engine.serving import (
     compile_while_idle,
     engine_snapshot,
     gather_seconds,
+    idle_wait,
     take_commands,
     warm_for_serving,
 )
@@ -174,9 +175,10 @@ class _EngineLoop:
     def _commands(self, idle: bool) -> None:
         """Handle every command list received (`take_commands`: idle, wait for the first and
         gather a burst's)."""
-        if idle:  # with programs to run once, it runs them back to back
-            wait = 0.0 if self.engine.programs_to_run else self.poll_s
-            take_commands(self.inbox, self._take, wait, self.gather_s)
+        if idle:
+            take_commands(
+                self.inbox, self._take, idle_wait(self.engine, self.poll_s), self.gather_s
+            )
         else:
             take_commands(self.inbox, self._take, 0.0)
 

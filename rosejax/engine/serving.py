@@ -52,6 +52,13 @@ def take_commands(
         pass
 
 
+def idle_wait(engine: Any, poll_s: float) -> float:
+    """How long an idle engine loop waits for a command before it steps: `poll_s`, or none
+    while programs compiled ahead wait for their first run (`run_ahead`, one a loop trip), so
+    they run back to back."""
+    return 0.0 if engine.programs_to_run else poll_s
+
+
 _SNAPSHOT_KEYS = (
     "running",
     "waiting",

@@ -24,6 +24,7 @@ from rosejax.engine.serving import (
     compile_while_idle,
     engine_snapshot,
     gather_seconds,
+    idle_wait,
     take_commands,
 )
 from rosejax.sampling import SamplingParams
@@ -410,8 +411,8 @@ class AsyncEngine(EngineFront):
         self._programs_left -= 1
 
     def _drain(self, block: bool) -> None:
-        if block:  # idle; with programs to run once, it runs them back to back
-            wait = 0.0 if self.engine.programs_to_run else self._poll_s
+        if block:
+            wait = idle_wait(self.engine, self._poll_s)
             take_commands(self._commands, self._handle, wait, self._gather_s)
         else:
             take_commands(self._commands, self._handle, 0.0)
