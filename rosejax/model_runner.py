@@ -190,25 +190,13 @@ class ModelRunner:
         self._long_rows: dict[int, tuple[int, KernelConfig] | None] = {}
         state = empty_slot_state(num_slots, self.max_blocks, config.vocab_size)
         if isinstance(placement, Mesh):
-            self._input_sharding = replicated(placement)  # where `_stage` puts host inputs
             state = jax.tree.map(lambda a: place(a, replicated(placement)), state)
             self.params, self.cache, self.state = params, cache, state
         else:
-            self._input_sharding = jax.sharding.SingleDeviceSharding(placement)
             # Committed to the device (no copy where they are made there already): a program
             # runs where its committed inputs live, so the host's numpy inputs follow them. Each
             # state field is a buffer of its own: the state is donated, a buffer only once.
             self.params, self.cache, self.state = jax.device_put((params, cache, state), placement)
-        # Each size of packed host inputs has one device buffer, written in place for every
-        # call (`_stage`): inputs at a new address each call cost ~0.35 ms of a 16-row window's
-        # 1.4 ms dispatch (H200, GPT-2; XLA updates the CUDA graph's commands that read them).
-        self._inputs: dict[int, jax.Array] = {}
-        self._write_inputs = jax.jit(
-            lambda buffer, values: values,
-            donate_argnums=(0,),
-            keep_unused=True,  # the donated buffer is the output's memory
-            out_shardings=self._input_sharding,
-        )
         self.num_compiles = 0  # traces of the programs below; flat after warm-up
         self.compile_seconds = 0.0
         self._prefill = jax.jit(
@@ -477,20 +465,8 @@ class ModelRunner:
             self.compile_seconds += time.perf_counter() - start
         return out
 
-    def _stage(self, packed: np.ndarray) -> jax.Array:
-        """`packed` in its size's device buffer (`_inputs`), written in place. Only on the
-        thread that runs programs: the buffer is donated to the write."""
-        buffer = self._inputs.get(packed.size)
-        if buffer is None:
-            buffer = place(np.zeros_like(packed), self._input_sharding)
-        self._inputs[packed.size] = buffer = self._write_inputs(buffer, packed)
-        return buffer
-
     def _run(self, key: tuple, program, args: tuple, **static):
-        """Run the executable compiled ahead for `key` if there is one, else `program` (jit),
-        on `args` (params, cache, state, packed host inputs), the inputs staged (`_stage`)."""
-        *held, packed = args
-        args = (*held, self._stage(packed))
+        """Run the executable compiled ahead for `key` if there is one, else `program` (jit)."""
         compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled(*args)
@@ -507,10 +483,9 @@ class ModelRunner:
         if key in self._compiled:
             return lambda: None
         start = time.perf_counter()
-        # The packed host inputs (numpy here) as `_stage` will place them.
         specs = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(
-                np.shape(a), a.dtype, sharding=getattr(a, "sharding", self._input_sharding)
+                np.shape(a), a.dtype, sharding=getattr(a, "sharding", None)
             ),
             args,
         )
