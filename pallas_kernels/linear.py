@@ -323,17 +323,8 @@ def linear_partial_sums(
     applies the epilogue itself (`finish_partial_sums`,
     `pallas_kernels.layer_norm.add_layer_norm`)."""
     _check_input(x, w)
-    tiles = _tiles(
-        x.shape[0],
-        *w.shape,
-        block_m,
-        block_n,
-        block_k,
-        max_k_steps,
-        fill_programs,
-        itemsize=w.dtype.itemsize,
-        num_stages=num_stages,
-    )
+    sizes = (block_m, block_n, block_k, max_k_steps, fill_programs)
+    tiles = _tiles(x.shape[0], *w.shape, *sizes, itemsize=w.dtype.itemsize, num_stages=num_stages)
     return _pallas_linear(
         x, w, (), tiles, None, num_warps=num_warps, num_stages=num_stages, interpret=interpret
     )

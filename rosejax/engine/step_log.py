@@ -13,8 +13,6 @@ import os
 import time
 from typing import Any
 
-HOST_PARTS = ("dispatch", "wait", "harvest")  # `LLMEngine.host_seconds`' keys
-
 
 class StepLog:
     """Appends an engine's step lines to a file (line-buffered: several processes may share it)."""
@@ -52,7 +50,7 @@ class StepLog:
             "running": [running, len(sched.running)],
             "prefill_tokens": engine.prefill_tokens_computed - prefilled,
             "window": None if window is None else list(window),
-            **{f"{k}_ms": round((host[k] - seconds[k]) * 1e3, 3) for k in HOST_PARTS},
+            **{f"{k}_ms": round((host[k] - seconds[k]) * 1e3, 3) for k in seconds},
             "outputs": len(outputs),
             "tokens": sum(len(o.new_token_ids) for o in outputs),
         }
