@@ -299,7 +299,6 @@ class LLMEngine:
         # Seeds of requests that bring none; each replica draws its own stream.
         self._seeds = np.random.default_rng(config.seed if replica == 0 else [config.seed, replica])
         self._requests: dict[str, SequenceGroup] = {}
-        self._arrivals = 0
         # A min-heap: a new request takes the lowest free slot, so the decode width stays low.
         self._free_slots = list(range(self.max_batch_size))
         self._kill = np.zeros(num_slots, bool)  # slots the device must stop
@@ -556,7 +555,6 @@ class LLMEngine:
             seed = params.seed
             seed = int(self._seeds.integers(2**64, dtype=np.uint64)) if seed is None else seed + i
             sequence.seed = seed % 2**64  # the device takes a seed's 64 bits as two words
-        self._arrivals += 1
         metrics = RequestMetrics(time.monotonic())
         self._requests[request_id] = SequenceGroup(request_id, sequences, metrics, self.token_texts)
         for sequence in sequences:

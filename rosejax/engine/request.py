@@ -404,10 +404,6 @@ class Request:
         """Tokens it may still generate (what is in flight on the device included)."""
         return self.max_output - len(self.output_token_ids)
 
-    @property
-    def last_token(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
