@@ -29,7 +29,7 @@ from pallas_kernels.linear import finish_partial_sums
 # behind dispatch): the card each was tuned on and why, in a line (figures:
 # docs/performance-log.md, section "Layer norm").
 DEFAULT_BLOCK_ROWS = 1  # H200 and H100, B=1: beat 4 rows (H200, 4 warps: 0.384 vs 0.400 ms/step)
-DEFAULT_NUM_WARPS = 4  # H100, one process: beat 2 by 0.4-1.2% at B=1 and 16 (H200: not rechecked)
+DEFAULT_NUM_WARPS = 8  # H200, one process: beat 4 by 0.6-0.9% at B=1 and 16, 0.2-0.6% at 256
 
 
 def _normalize(x, scale, bias, e: int, eps: float):
