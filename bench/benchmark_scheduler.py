@@ -5,8 +5,9 @@ streamed to a client, though tokens are still timed per step (the engine's only 
 --mode online: requests arrive as a Poisson process of --request-rate requests per second (a
 fixed seed, so every run sees the same arrival times); the loop adds each when it is due.
 
-Decode-only throughput counts only the tokens of steps that decode (no prefill) over the time
-inside those steps; in offline mode with every request in one wave (num-requests <= max batch)
+Decode-only throughput counts only the tokens of steps that decode (no prefill) over those
+steps' time, each from the previous step's end (its window ran on the device from there); in
+offline mode with every request in one wave (num-requests <= max batch)
 it also gives the decode roofline: bytes a step must read (weights + the KV attended) over the
 measured step time. Definitions: bench/metrics.py.
 

@@ -15,8 +15,10 @@ Definitions (per request unless said):
   (the zeros left out): the same as ITL when every step delivers one token.
 - end to end (e2e): last token's arrival - submit time.
 - throughput: all completion tokens / (last finish - first submit).
-- decode-only throughput: tokens delivered by decode steps / the time spent inside those steps
-  (`step()` call to return), so prefill steps and host gaps between steps are left out.
+- decode-only throughput: tokens delivered by decode steps / those steps' decode time, each
+  step's from the previous step's return to its own (`decode_seconds`): the engine dispatches a
+  window a step before it delivers it, so the device runs it through the host's gap between the
+  steps too. Prefill steps are left out.
 
 Percentiles are numpy's 'linear' method (numpy's default, as the seed engine's benchmarks used).
 
@@ -158,11 +160,23 @@ def throughput(traces: Sequence[RequestTrace]) -> float | None:
     return tokens / span if span > 0 else None
 
 
+def decode_seconds(steps: Sequence[StepRecord]) -> float:
+    """The decode steps' time, each from the previous step's end (its own start if it is the
+    first): the window a step delivers was dispatched by the step before, behind that step's
+    prefill if it had one, and ran on the device through the host's gap between the two."""
+    ends = [None] + [s.end for s in steps[:-1]]
+    return sum(
+        s.end - (s.start if before is None else before)
+        for s, before in zip(steps, ends, strict=True)
+        if s.kind == "decode"
+    )
+
+
 def decode_throughput(steps: Sequence[StepRecord]) -> float | None:
-    """Tokens delivered by decode steps / time inside those steps, tokens per second."""
-    dec = [s for s in steps if s.kind == "decode"]
-    seconds = sum(s.seconds for s in dec)
-    return sum(s.num_tokens for s in dec) / seconds if seconds > 0 else None
+    """Tokens delivered by decode steps / `decode_seconds`, tokens per second."""
+    seconds = decode_seconds(steps)
+    tokens = sum(s.num_tokens for s in steps if s.kind == "decode")
+    return tokens / seconds if seconds > 0 else None
 
 
 def summarize(traces: Sequence[RequestTrace], steps: Sequence[StepRecord] = ()) -> dict:
@@ -188,7 +202,7 @@ def summarize(traces: Sequence[RequestTrace], steps: Sequence[StepRecord] = ()) 
         "request_throughput_req_s": len(done) / span if span else None,
         "decode_throughput_tok_s": decode_throughput(steps),
         "decode_tokens": sum(s.num_tokens for s in dec),
-        "decode_time_s": sum(s.seconds for s in dec),
+        "decode_time_s": decode_seconds(steps),
         "prefill_time_s": sum(s.seconds for s in pre),
         "steps": kinds,
         "ttft_ms": scaled(percentiles(ttft(t) for t in traces), 1e3),
@@ -380,7 +394,7 @@ def traced_decode_roofline(
     from its traces: which rows each decode step advanced and at what context. None if no step
     decoded. Adds 'decode_steps' (device iterations), 'mean_batch' and 'mean_context'."""
     decode_ends = {s.end for s in steps if s.kind == "decode"}
-    decode_seconds = sum(s.seconds for s in steps if s.kind == "decode")
+    seconds = decode_seconds(steps)
     width: dict[float, int] = {}  # decode step (its end time) -> device iterations inside it
     rows = 0  # row-iterations: one per decode token
     context = 0.0  # tokens attended, summed over row-iterations
@@ -394,7 +408,7 @@ def traced_decode_roofline(
                 context += k * (t.prompt_tokens + n) + k * (k - 1) / 2  # tokens n+1 .. n+k
             n += k
     iterations = sum(width.values())
-    if not iterations or decode_seconds <= 0:
+    if not iterations or seconds <= 0:
         return None
     # Bytes and FLOPs are summed over decode iterations (weights once per iteration + each row's
     # KV attended), which, both being linear in rows and context, is the mean iteration (mean
@@ -403,7 +417,7 @@ def traced_decode_roofline(
     # for their tokens, and padding rows of a batch bucket not at all.
     mean_batch, mean_context = rows / iterations, context / rows
     out = roofline(
-        config, mean_batch, mean_context, decode_seconds / iterations, bandwidth_gbs, dtype_bytes
+        config, mean_batch, mean_context, seconds / iterations, bandwidth_gbs, dtype_bytes
     )
     out.update(decode_steps=iterations, mean_batch=mean_batch, mean_context=mean_context)
     return out

@@ -75,8 +75,11 @@ def test_throughput_and_decode_throughput():
         m.StepRecord(2.0, 2.5, 1, "decode"),
         m.StepRecord(2.5, 2.75, 3, "mixed"),
     ]
-    assert m.decode_throughput(steps) == pytest.approx(3 / 1.0)
+    # Each decode step from the previous step's end: 0.5 s, then 1.0 with the host's gap.
+    assert m.decode_seconds(steps) == pytest.approx(1.5)
+    assert m.decode_throughput(steps) == pytest.approx(3 / 1.5)
     assert m.decode_throughput(steps[:1]) is None
+    assert m.decode_seconds(steps[2:]) == pytest.approx(0.5)  # the first step: from its start
 
 
 def test_step_kind():
@@ -183,8 +186,9 @@ def test_traced_decode_roofline_one_wave_is_the_mean_step():
         m.StepRecord(t - 0.5, t, 2, "decode") for t in (2.0, 3.0, 4.0)
     ]
     r = m.traced_decode_roofline(cfg, traces, steps, bandwidth_gbs=4000.0)
-    # One wave of 2 rows, 5-token prompts, 4 new tokens: 3 steps of 0.5 s at mean context 7.
-    ref = m.roofline(cfg, 2, m.mean_decode_context(5, 4), 0.5, bandwidth_gbs=4000.0)
+    # One wave of 2 rows, 5-token prompts, 4 new tokens: 3 steps of 1 s (each from the step
+    # before's end) at mean context 7.
+    ref = m.roofline(cfg, 2, m.mean_decode_context(5, 4), 1.0, bandwidth_gbs=4000.0)
     assert r["decode_steps"] == 3 and r["mean_batch"] == 2 and r["mean_context"] == 7
     for key in ("bytes", "flops", "step_seconds", "achieved_gbs", "pct_of_bandwidth"):
         assert r[key] == pytest.approx(ref[key])
@@ -218,8 +222,8 @@ def test_traced_decode_roofline_waves_and_windows_by_hand():
     assert r["bytes"] * iterations == pytest.approx(total)
     flops = sum(m.decode_step_flops(cfg, 1, x) for x in (5, 6, 7, 3, 7, 8))
     assert r["flops"] * iterations == pytest.approx(flops)
-    assert r["step_seconds"] == pytest.approx(1.0 / iterations)
-    assert r["tokens_per_s"] == pytest.approx(rows / 1.0)  # = decode-only throughput
+    assert r["step_seconds"] == pytest.approx(2.0 / iterations)  # 1.0-2.0 and 3.0-4.0
+    assert r["tokens_per_s"] == pytest.approx(rows / 2.0)  # = decode-only throughput
     assert r["pct_of_bandwidth"] is None
 
 
