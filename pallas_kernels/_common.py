@@ -1,5 +1,5 @@
-"""What the Pallas kernels share: the power-of-two rules of Triton tiles, and the filter for
-jax's Triton deprecation warning."""
+"""What the Pallas kernels share: the power-of-two rules of Triton tiles, optional operands, and
+the filter for jax's Triton deprecation warning."""
 
 from __future__ import annotations
 
@@ -19,6 +19,19 @@ TRITON_DEPRECATION = (
 @functools.cache
 def filter_triton_deprecation() -> None:
     warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+def without_absent(kernel, operands: tuple) -> tuple:
+    """`kernel` and its input `operands`, some of them None (absent) -> a kernel that Pallas calls
+    with the present ones' refs, and those operands; `kernel` gets None for each absent one (a
+    layer without a bias loads and adds nothing, where zeros would cost a kernel of their own)."""
+    present = [a is not None for a in operands]
+
+    def call(*refs):
+        refs = iter(refs)
+        return kernel(*(next(refs) if p else None for p in present), *refs)
+
+    return call, tuple(a for a in operands if a is not None)
 
 
 def is_power_of_2(n: int) -> bool:

@@ -11,7 +11,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
+from pallas_kernels._common import (
+    filter_triton_deprecation,
+    is_power_of_2,
+    next_power_of_2,
+    without_absent,
+)
 
 
 def row_tile(n: int, e: int, block_rows: int, block_cols: int):
@@ -25,15 +30,17 @@ def row_tile(n: int, e: int, block_rows: int, block_cols: int):
 
 
 def load_residual_sum(partials_ref, linear_bias_ref, residual_ref, h_ref, tile, mask, col_ok):
-    """residual + the partial sums + linear bias of this tile, rounded to the residual stream's
-    dtype as the unfused layers store and reload it, stored to h_ref -> that sum in float32."""
+    """residual + the partial sums + linear bias (None: none) of this tile, rounded to the
+    residual stream's dtype as the unfused layers store and reload it, stored to h_ref -> that
+    sum in float32."""
     splits = partials_ref.shape[0]
     # The order of `finish_partial_sums` (the splits, then bias, then residual): the same sums.
     acc = plgpu.load(partials_ref.at[(jnp.int32(0), *tile)], mask=mask, other=0.0)
     for s in range(1, splits):
         acc += plgpu.load(partials_ref.at[(jnp.int32(s), *tile)], mask=mask, other=0.0)
-    bias = plgpu.load(linear_bias_ref.at[tile[1]], mask=col_ok, other=0.0)
-    acc += bias.astype(jnp.float32)[None, :]
+    if linear_bias_ref is not None:
+        bias = plgpu.load(linear_bias_ref.at[tile[1]], mask=col_ok, other=0.0)
+        acc += bias.astype(jnp.float32)[None, :]
     acc += plgpu.load(residual_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
     h = acc.astype(h_ref.dtype)  # [R, C]
     plgpu.store(h_ref.at[tile], h, mask=mask)
@@ -52,15 +59,18 @@ def row_call(
     num_warps: int,
     interpret: bool,
 ) -> tuple[jax.Array, ...]:
-    """A kernel over row tiles of [N, E] arrays: `num_outputs` outputs shaped like `like`."""
+    """A kernel over row tiles of [N, E] arrays: `num_outputs` outputs shaped like `like`;
+    `operands` may hold None (absent: the kernel gets None for its ref)."""
     if not is_power_of_2(block_rows):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     n, e = like.shape
     if not interpret:
         filter_triton_deprecation()
+    # The row as one tile, masked past E.
+    tiled = functools.partial(kernel, eps=eps, block_rows=block_rows, block_cols=next_power_of_2(e))
+    tiled, operands = without_absent(tiled, operands)
     return pl.pallas_call(
-        # The row as one tile, masked past E.
-        functools.partial(kernel, eps=eps, block_rows=block_rows, block_cols=next_power_of_2(e)),
+        tiled,
         grid=(pl.cdiv(n, block_rows),),
         out_shape=(jax.ShapeDtypeStruct(like.shape, like.dtype),) * num_outputs,
         interpret=interpret,
@@ -71,8 +81,8 @@ def row_call(
 
 def check_residual_sum(partials, linear_bias, residual, **params: jax.Array) -> None:
     """The shapes of an add-and-norm call: float32 partials [S, N, E], residual [N, E], the
-    linear bias and every norm parameter in `params` [E]."""
-    vectors = {"linear_bias": linear_bias, **params}
+    linear bias (or None) and every norm parameter in `params` [E]."""
+    vectors = {"linear_bias": linear_bias, **params} if linear_bias is not None else params
     if (
         partials.ndim != 3
         or partials.dtype != jnp.float32

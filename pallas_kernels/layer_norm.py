@@ -66,7 +66,7 @@ def layer_norm_kernel(
 
 def add_layer_norm_kernel(
     partials_ref,  # [S, N, E] float32
-    linear_bias_ref,  # [E]
+    linear_bias_ref,  # [E], or None: no bias
     residual_ref,  # [N, E]
     scale_ref,  # [E]
     bias_ref,  # [E]
@@ -128,7 +128,7 @@ def layer_norm_reference(
 @functools.partial(jax.jit, static_argnames=["eps", "block_rows", "num_warps", "interpret"])
 def add_layer_norm(
     partials: jax.Array,  # [S, N, E] float32
-    linear_bias: jax.Array,  # [E]
+    linear_bias: jax.Array | None,  # [E]; None: no bias
     residual: jax.Array,  # [N, E]
     scale: jax.Array,  # [E]
     bias: jax.Array,  # [E]
@@ -156,7 +156,7 @@ def add_layer_norm(
 
 def add_layer_norm_reference(
     partials: jax.Array,  # [S, N, E] float32
-    linear_bias: jax.Array,  # [E]
+    linear_bias: jax.Array | None,  # [E]; None: no bias
     residual: jax.Array,  # [N, E]
     scale: jax.Array,  # [E]
     bias: jax.Array,  # [E]

@@ -40,7 +40,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import filter_triton_deprecation, is_power_of_2, next_power_of_2
+from pallas_kernels._common import (
+    filter_triton_deprecation,
+    is_power_of_2,
+    next_power_of_2,
+    without_absent,
+)
 
 # Tuned defaults: the card each was tuned on and why, in a line (figures: docs/performance-log.md,
 # section "GEMMs: cuBLAS against XLA's Triton GEMMs, and the small-batch Pallas linear").
@@ -140,8 +145,9 @@ def _tiles(
 
 
 def _epilogue(y, bias, residual, activation: str | None):
-    """y [M, N] float32 -> + bias, activation, + residual (all float32)."""
-    y = y + bias.astype(jnp.float32)[None, :]
+    """y [M, N] float32 -> + bias (if any), activation, + residual (if any), all float32."""
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)[None, :]
     if activation == "gelu_tanh":  # GPT-2's gelu_new
         y = jax.nn.gelu(y, approximate=True)
     if residual is not None:
@@ -164,7 +170,7 @@ def swiglu(x: jax.Array) -> jax.Array:  # [..., 2K]: gate then up -> [..., K], x
 
 def finish_partial_sums(
     partials: jax.Array,  # [S, M, N] float32
-    b: jax.Array,  # [N]
+    b: jax.Array | None,  # [N]; None: no bias
     residual: jax.Array | None = None,  # [M, N]
     *,
     activation: str | None = None,
@@ -172,7 +178,10 @@ def finish_partial_sums(
 ) -> jax.Array:  # [M, N]
     """`linear`'s epilogue over `linear_partial_sums`: the splits summed in order, then as the
     kernel finishes its own sum (swiglu: [M, N / 2])."""
-    dtype = dtype or (residual if residual is not None else b).dtype
+    like = residual if residual is not None else b
+    if dtype is None and like is None:
+        raise ValueError("finish_partial_sums needs a dtype without a bias or residual")
+    dtype = dtype or like.dtype
     if activation == "swiglu":  # the unfused projection's output, then `swiglu`
         return swiglu(_epilogue(partials.sum(axis=0), b, None, None).astype(dtype))
     return _epilogue(partials.sum(axis=0), b, residual, activation).astype(dtype)
@@ -181,8 +190,10 @@ def finish_partial_sums(
 def linear_kernel(
     x_ref,  # [M, K]
     w_ref,  # [K, N]
-    *refs,  # partial sums: o_ref [S, M, N] float32;
-    #         else b_ref [N], (residual_ref [M, N],) o_ref [M, N] (swiglu: [M, N / 2])
+    b_ref,  # [N], or None: no bias (and None for partial sums)
+    residual_ref,  # [M, N], or None
+    o_ref,  # [M, N] (swiglu: [M, N / 2]); partial sums: [S, M, N] float32
+    *,
     block_m: int,
     block_n: int,
     block_k: int,
@@ -191,7 +202,6 @@ def linear_kernel(
     activation: str | None,
     partial_sums: bool,
 ):
-    o_ref = refs[-1]
     m = x_ref.shape[0]
     first_row = pl.program_id(1) * block_m
     rows, cols = pl.ds(first_row, block_m), pl.ds(pl.program_id(0) * block_n, block_n)
@@ -223,9 +233,8 @@ def linear_kernel(
     if partial_sums:
         plgpu.store(o_ref.at[pl.program_id(2), rows, cols], accs[0], mask=row_ok)
         return
-    b_ref, residual_ref = refs[0], (refs[1] if len(refs) == 3 else None)
     if activation == "swiglu":  # each half as the unfused projection rounds it, then `silu_mul`
-        biases = [b_ref[c] for c in w_cols]
+        biases = [None if b_ref is None else b_ref[c] for c in w_cols]
         gate, up = (
             _epilogue(acc, bias, None, None).astype(o_ref.dtype)
             for acc, bias in zip(accs, biases, strict=True)
@@ -235,7 +244,7 @@ def linear_kernel(
     residual = None
     if residual_ref is not None:
         residual = plgpu.load(residual_ref.at[rows, cols], mask=row_ok, other=0.0)
-    y = _epilogue(accs[0], b_ref[cols], residual, activation)
+    y = _epilogue(accs[0], None if b_ref is None else b_ref[cols], residual, activation)
     plgpu.store(o_ref.at[rows, cols], y.astype(o_ref.dtype), mask=row_ok)
 
 
@@ -255,7 +264,7 @@ _STATIC_ARGS = [
 def linear(
     x: jax.Array,  # [M, K]
     w: jax.Array,  # [K, N]
-    b: jax.Array,  # [N]
+    b: jax.Array | None,  # [N]; None: no bias
     residual: jax.Array | None = None,  # [M, N]
     *,
     activation: str | None = None,
@@ -275,7 +284,7 @@ def linear(
     number); the epilogue then runs after their sum, in XLA. "swiglu" takes w's columns as a gate
     half and an up half: `swiglu(x @ w + b)`, no residual."""
     _check_input(x, w)
-    if b.shape != (w.shape[1],):
+    if b is not None and b.shape != (w.shape[1],):
         raise ValueError(f"need b [N] for w {w.shape}, got {b.shape}")
     (m, k), n = (x.shape[0], w.shape[0]), w.shape[1]
     if activation not in ACTIVATIONS:
@@ -291,11 +300,9 @@ def linear(
     tiles = _tiles(m, k, n // 2 if swiglu_out else n, *sizes, **memory, weight_tiles=1 + swiglu_out)
     launch = dict(num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if tiles["splits"] > 1:
-        partials = _pallas_linear(x, w, (), _tiles(m, k, n, *sizes, **memory), None, **launch)
+        partials = _pallas_linear(x, w, None, _tiles(m, k, n, *sizes, **memory), None, **launch)
         return finish_partial_sums(partials, b, residual, activation=activation, dtype=x.dtype)
-    return _pallas_linear(
-        x, w, (b,) if residual is None else (b, residual), tiles, activation, **launch
-    )
+    return _pallas_linear(x, w, (b, residual), tiles, activation, **launch)
 
 
 def _check_input(x: jax.Array, w: jax.Array) -> None:
@@ -326,7 +333,7 @@ def linear_partial_sums(
     sizes = (block_m, block_n, block_k, max_k_steps, fill_programs)
     tiles = _tiles(x.shape[0], *w.shape, *sizes, itemsize=w.dtype.itemsize, num_stages=num_stages)
     return _pallas_linear(
-        x, w, (), tiles, None, num_warps=num_warps, num_stages=num_stages, interpret=interpret
+        x, w, None, tiles, None, num_warps=num_warps, num_stages=num_stages, interpret=interpret
     )
 
 
@@ -336,30 +343,35 @@ _GRID_ONLY = ("m_tiles", "splits")
 def _pallas_linear(
     x, w, operands, tiles: dict, activation, *, num_warps: int, num_stages: int, interpret: bool
 ) -> jax.Array:
-    """The kernel over x, w and `operands`: bias and residual, or none for partial sums."""
+    """The kernel over x, w and `operands`: (bias, residual), either None, or None for the
+    partial sums."""
     m, n = x.shape[0], w.shape[1] // 2 if activation == "swiglu" else w.shape[1]
-    partial_sums = not operands
+    partial_sums = operands is None
     if partial_sums:
         out = jax.ShapeDtypeStruct((tiles["splits"], m, n), jnp.float32)
         name = f"linear_partial_s{tiles['splits']}"
     else:
         out = jax.ShapeDtypeStruct((m, n), x.dtype)
-        name = f"linear_{activation or 'none'}{'_res' if len(operands) == 2 else ''}"
+        name = f"linear_{activation or 'none'}{'_res' if operands[1] is not None else ''}"
     if not interpret:
         filter_triton_deprecation()
-    return pl.pallas_call(
+    kernel, operands = without_absent(
         functools.partial(
             linear_kernel,
             activation=activation,
             partial_sums=partial_sums,
             **{k: v for k, v in tiles.items() if k not in _GRID_ONLY},
         ),
+        (x, w, *(operands or (None, None))),
+    )
+    return pl.pallas_call(
+        kernel,
         grid=(n // tiles["block_n"], tiles["m_tiles"], tiles["splits"]),
         out_shape=out,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"{name}_n{tiles['block_n']}",
-    )(x, w, *operands)
+    )(*operands)
 
 
 def linear_partial_sums_reference(
@@ -380,7 +392,7 @@ def linear_partial_sums_reference(
 def linear_reference(
     x: jax.Array,  # [M, K]
     w: jax.Array,  # [K, N]
-    b: jax.Array,  # [N]
+    b: jax.Array | None,  # [N]; None: no bias
     residual: jax.Array | None = None,  # [M, N]
     *,
     activation: str | None = None,
@@ -392,13 +404,14 @@ def linear_reference(
 
 def linear_reference_epilogue(
     y: jax.Array,  # [M, N]: x @ w in x's dtype
-    b: jax.Array,  # [N]
+    b: jax.Array | None,  # [N]; None: no bias
     residual: jax.Array | None = None,  # [M, N]
     *,
     activation: str | None = None,
 ) -> jax.Array:  # [M, N]
     """`linear_reference` after its product: + b, activation, + residual in y's dtype."""
-    y = y + b
+    if b is not None:
+        y = y + b
     if activation == "gelu_tanh":
         y = jax.nn.gelu(y, approximate=True)
     if activation == "swiglu":

@@ -69,7 +69,7 @@ def rms_norm_kernel(
 
 def add_rms_norm_kernel(
     partials_ref,  # [S, N, E] float32
-    linear_bias_ref,  # [E]
+    linear_bias_ref,  # [E], or None: no bias
     residual_ref,  # [N, E]
     scale_ref,  # [E]
     h_ref,  # [N, E]: residual + sum of partials + linear bias
@@ -133,7 +133,7 @@ def rms_norm_reference(
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def add_rms_norm(
     partials: jax.Array,  # [S, N, E] float32
-    linear_bias: jax.Array,  # [E]
+    linear_bias: jax.Array | None,  # [E]; None: no bias
     residual: jax.Array,  # [N, E]
     scale: jax.Array,  # [E]
     *,
@@ -160,7 +160,7 @@ def add_rms_norm(
 
 def add_rms_norm_reference(
     partials: jax.Array,  # [S, N, E] float32
-    linear_bias: jax.Array,  # [E]
+    linear_bias: jax.Array | None,  # [E]; None: no bias
     residual: jax.Array,  # [N, E]
     scale: jax.Array,  # [E]
     *,

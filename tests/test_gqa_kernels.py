@@ -549,20 +549,21 @@ def test_rms_norm_matches_oracle(impl, shape, dtype):
 
 
 @pytest.mark.parametrize("impl", ADD_NORM_IMPLS)
-@pytest.mark.parametrize("splits", [1, 3])
-def test_add_rms_norm_matches_oracle(impl, splits):
-    """h = residual + the linear's partial sums + its bias, and rms_norm(h)."""
+@pytest.mark.parametrize("splits,with_bias", [(1, True), (3, True), (3, False)])
+def test_add_rms_norm_matches_oracle(impl, splits, with_bias):
+    """h = residual + the linear's partial sums + its bias (if any), and rms_norm(h)."""
     rng = np.random.default_rng()
     m, k, n = 5, 48, 96  # rows4: a full tile and one of a single row
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.float32)
     chunks = np.array_split(np.arange(k), splits)
     partials = jnp.concatenate([linear_partial_sums_reference(x[:, c], w[c]) for c in chunks])
-    bias = jnp.asarray(rng.normal(size=n), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=n), jnp.float32) if with_bias else None
     residual = jnp.asarray(rng.normal(size=(m, n)), jnp.float32)
     scale = jnp.asarray(rng.normal(1.0, 0.3, n), jnp.float32)
     h, y = ADD_NORM_IMPLS[impl](partials, bias, residual, scale, eps=1e-5)
-    want_h = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(bias) + residual
+    want_h = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + residual
+    want_h += 0 if bias is None else np.asarray(bias)
     np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(y), rms_oracle(want_h, scale, 1e-5), rtol=1e-4, atol=1e-5)
 

@@ -113,12 +113,15 @@ ADD_IMPLS = {
 }
 
 
-# As above, with one and three partial sums (the pairs: 20 cases, not the product's 120).
+# As above, with one and three partial sums, with and without the linear layer's bias (the
+# pairs: 20 cases, not the product's 240).
 @pytest.mark.parametrize(
-    "impl,splits,shape,dtype",
-    pairwise(impl=list(ADD_IMPLS), splits=[1, 3], shape=SHAPES, dtype=list(TOL)),
+    "impl,splits,shape,dtype,with_bias",
+    pairwise(
+        impl=list(ADD_IMPLS), splits=[1, 3], shape=SHAPES, dtype=list(TOL), with_bias=[True, False]
+    ),
 )
-def test_add_layer_norm_matches_numpy(impl, splits, shape, dtype):
+def test_add_layer_norm_matches_numpy(impl, splits, shape, dtype, with_bias):
     rng = np.random.default_rng()
     n, e = shape
     partials = jnp.asarray(rng.normal(size=(splits, n, e)) * 2, jnp.float32)
@@ -127,13 +130,11 @@ def test_add_layer_norm_matches_numpy(impl, splits, shape, dtype):
     residual, linear_bias, scale, bias = (
         jnp.asarray(a, dtype) for a in (residual, linear_bias, scale, bias)
     )
+    linear_bias = linear_bias if with_bias else None
     h, y = ADD_IMPLS[impl](partials, linear_bias, residual, scale, bias, eps=EPS)
     assert h.shape == y.shape == (n, e) and h.dtype == y.dtype == jnp.dtype(dtype)
-    want_h = (
-        np.asarray(partials, np.float64).sum(0)
-        + np.asarray(linear_bias, np.float64)
-        + np.asarray(residual, np.float64)
-    )
+    want_h = np.asarray(partials, np.float64).sum(0) + np.asarray(residual, np.float64)
+    want_h += 0 if linear_bias is None else np.asarray(linear_bias, np.float64)
     tol = TOL[dtype]
     np.testing.assert_allclose(np.asarray(h, np.float64), want_h, atol=tol * 8, rtol=tol)
     # The norm is of h as stored (rounded to the stream's dtype), as the unfused layers take it.

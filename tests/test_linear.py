@@ -27,9 +27,11 @@ PALLAS = KernelConfig(linear="pallas", interpret=INTERPRET)
 
 
 def module(x, w, b, residual=None, *, activation=None, kernels=PALLAS):
-    """The model's layer with the Pallas kernel chosen (XLA where the layer's rules say so)."""
-    layer = Linear(w.shape[1], activation, kernels)
-    return layer.apply({"params": {"kernel": w, "bias": b}}, x, residual)
+    """The model's layer with the Pallas kernel chosen (XLA where the layer's rules say so);
+    b None: a layer without a bias."""
+    layer = Linear(w.shape[1], activation, kernels, use_bias=b is not None)
+    params = {"kernel": w} if b is None else {"kernel": w, "bias": b}
+    return layer.apply({"params": params}, x, residual)
 
 
 IMPLS = {
@@ -62,30 +64,38 @@ TOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
 
 
 def oracle(x, w, b, residual, activation):
-    x, w, b = (np.asarray(a, np.float64) for a in (x, w, b))
-    y = x @ w + b
+    y = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    if b is not None:
+        y = y + np.asarray(b, np.float64)
     if activation == "gelu_tanh":
         y = 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y**3)))
     return y if residual is None else y + np.asarray(residual, np.float64)
 
 
 # Every implementation on every shape, each of them with every epilogue and every dtype, and
-# every epilogue in every dtype: 40 cases, not the 360 of the full product.
+# every epilogue in every dtype: 50 cases, not the 600 of the full product. An epilogue is
+# (activation, with a residual, with a bias).
 @pytest.mark.parametrize(
     "impl,shape,epilogue,dtype",
     pairwise(
         impl=list(IMPLS),
         shape=SHAPES,
-        epilogue={"bias": (None, False), "gelu": ("gelu_tanh", False), "residual": (None, True)},
+        epilogue={
+            "bias": (None, False, True),
+            "gelu": ("gelu_tanh", False, True),
+            "residual": (None, True, True),
+            "none": (None, False, False),
+            "residual_no_bias": (None, True, False),
+        },
         dtype=list(TOL),
     ),
 )
 def test_linear_matches_numpy(impl, shape, epilogue, dtype):
     rng = np.random.default_rng()
-    (m, k, n), (activation, with_residual) = shape, epilogue
+    (m, k, n), (activation, with_residual, with_bias) = shape, epilogue
     x = rng.normal(size=(m, k))
     w = rng.normal(size=(k, n)) / np.sqrt(k)
-    b = rng.normal(size=n)
+    b = rng.normal(size=n) if with_bias else None
     residual = rng.normal(size=(m, n)) * 4 if with_residual else None
     cast = lambda a: None if a is None else jnp.asarray(a, dtype)  # noqa: E731
     got = IMPLS[impl](cast(x), cast(w), cast(b), cast(residual), activation=activation)
@@ -392,17 +402,18 @@ def test_swiglu_matches_numpy(impl, shape, dtype):
 
 
 @pytest.mark.parametrize("impl", list(SWIGLU_IMPLS))
-def test_swiglu_rounds_as_xla(impl, dtype="bfloat16"):
-    """With exact products, every path is the XLA path's projection (+ b in the dtype) then
-    `swiglu`: bit for bit where both are computed on a CPU, within a rounding of the dtype on a
-    GPU (its exp)."""
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_swiglu_rounds_as_xla(impl, with_bias, dtype="bfloat16"):
+    """With exact products, every path is the XLA path's projection (+ b in the dtype, if a
+    bias) then `swiglu`: bit for bit where both are computed on a CPU, within a rounding of the
+    dtype on a GPU (its exp)."""
     rng = np.random.default_rng()
     m, k = 5, 64
     x = jnp.asarray(rng.normal(size=(m, k)) * 3, dtype)  # gates over silu's bend and tails
     w = gate_up_weights(rng, k, dtype)
-    b = jnp.asarray(rng.normal(size=2 * k), dtype)
+    b = jnp.asarray(rng.normal(size=2 * k), dtype) if with_bias else None
     got = np.asarray(SWIGLU_IMPLS[impl](x, w, b), np.float64)
-    want = np.asarray(swiglu(jnp.dot(x, w) + b), np.float64)
+    want = np.asarray(swiglu(jnp.dot(x, w) + (0 if b is None else b)), np.float64)
     assert got.shape == (m, k)
     step = 0.0 if INTERPRET else float(jnp.finfo(dtype).eps) * float(np.max(np.abs(want)))
     np.testing.assert_allclose(got, want, rtol=0, atol=step)

@@ -72,7 +72,7 @@ class PendingSum:
     """residual + x @ w + bias with the matmul's float32 partial sums not yet added up."""
 
     partials: jax.Array  # [S, M, N] float32
-    bias: jax.Array  # [N]
+    bias: jax.Array | None  # [N]; None: no bias
     residual: jax.Array  # [..., N], M rows in all
 
     def residual_rows(self) -> jax.Array:  # [M, N]
@@ -110,7 +110,7 @@ class Linear(nn.Module):
     # None, "gelu_tanh" (GPT-2's gelu_new) or "swiglu" (the columns a gate half and an up half)
     activation: str | None = None
     kernels: KernelConfig = XLA_KERNELS
-    use_bias: bool = True  # False: no bias param (the kernels add zeros)
+    use_bias: bool = True  # False: no bias param, nothing added
     reduce_axis: str | None = None  # row-parallel: psum the partial sums over this mesh axis
 
     @nn.compact
@@ -123,10 +123,8 @@ class Linear(nn.Module):
             raise ValueError("a swiglu Linear takes no residual")
         k = x.shape[-1]
         kernel = given_param(self, "kernel", (k, self.features))
-        if self.use_bias:
-            bias = given_param(self, "bias", (self.features,))
-        else:
-            bias = jnp.zeros((self.features,), kernel.dtype)
+        # No bias is None, not zeros: zeros would be made every decode step (a kernel each).
+        bias = given_param(self, "bias", (self.features,)) if self.use_bias else None
         lead = x.shape[:-1]
         rows = math.prod(lead)
         flat = x.reshape(rows, k)  # [rows, K]
