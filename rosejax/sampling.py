@@ -423,11 +423,16 @@ def process_logits(logits: jax.Array, p: Processors) -> jax.Array:
 
 
 def count_tokens(counts: jax.Array, tokens: jax.Array, add: jax.Array) -> jax.Array:
-    """counts [B, V] with tokens [B] counted once more as output where `add` [B] (saturating)."""
+    """counts [B, V] with tokens [B] counted once more as output where `add` [B] (saturating),
+    in one scatter that updates the entries in place (rows not counted are dropped)."""
+
+    def bump(c):  # the output count in the low bits, the prompt bit above them kept
+        cur = c.astype(jnp.int32)
+        return jnp.where((cur & COUNT_MASK) < COUNT_MASK, cur + 1, cur).astype(c.dtype)
+
     rows = jnp.arange(tokens.shape[0])
-    cur = counts[rows, tokens].astype(jnp.int32)
-    bumped = jnp.where((cur & COUNT_MASK) < COUNT_MASK, cur + 1, cur)
-    return counts.at[rows, tokens].set(jnp.where(add, bumped, cur).astype(counts.dtype))
+    cols = jnp.where(add, tokens, counts.shape[1])  # past the vocabulary: dropped
+    return counts.at[rows, cols].apply(bump, mode="drop")
 
 
 class TokenLogprobs(NamedTuple):
