@@ -6,15 +6,18 @@
 #   JAX_PLATFORMS=cuda bash bench/compare_checkouts.sh BASE_DIR NEW_DIR OUTDIR [BUDGET_S]
 #
 # Prints a table (median of each run's figures, every run's value beside it) and writes
-# OUTDIR/compare.json. BUDGET_S (default 540): no new round starts past it.
+# OUTDIR/compare.json. BUDGET_S (default 540): no new round starts past it. MODEL (env) overrides
+# random:gpt2 and EXTRA (env) adds flags to every script, e.g. MODEL=random:qwen3-0.6b
+# EXTRA="--max-model-len 2048".
 set -uo pipefail
 BASE=$(cd "$1" && pwd) || exit 2
 NEW=$(cd "$2" && pwd) || exit 2
 OUT=$(mkdir -p "$3" && cd "$3" && pwd)
 BUDGET=${4:-540}
 PY=${PYTHON:-python3}
+# shellcheck disable=SC2206  # EXTRA is split into flags on purpose
 COMMON=(--model "${MODEL:-random:gpt2}" --dtype float16 --no-stop-on-eos --no-warmup --no-progress
-    --bandwidth-gbs 1)
+    --bandwidth-gbs 1 ${EXTRA:-})
 
 run() {  # tree label round
     local tree=$1 label=$2 round=$3 dir="$OUT/$2-$3"
