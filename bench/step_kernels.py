@@ -5,13 +5,14 @@ library calls) beside the loop condition's.
 
 At one row a decode step is latency-bound: every kernel costs a few microseconds whatever it
 reads, so the count says where a step can shrink before a GPU measures it. Needs jax's CUDA
-plugin (`pip install "jax[cuda12]"`; no GPU, no driver); `--target cpu` compiles for this
-machine's CPU instead (what the tests run). XLA tunes GEMMs only on a device: a compile-only
-build picks its default for each (a Triton GEMM where the device may pick cuBLAS), one kernel
-either way.
+plugin (`pip install "jax[cuda12]"`, best in a virtual environment of its own made with
+`--system-site-packages`: with the plugin jax looks for a GPU at every start; no GPU or driver
+needed; run it with `JAX_PLATFORMS=cpu`); `--target cpu` compiles for this machine's CPU instead
+(what the tests run). XLA tunes GEMMs only on a device: a compile-only build picks its
+default for each (a Triton GEMM where the device may pick cuBLAS), one kernel either way.
 
-    python bench/step_kernels.py --model random:gpt2 --batch 16
-    python bench/step_kernels.py --model random:qwen3-0.6b --max-model-len 2048 --batch 256 \\
+    JAX_PLATFORMS=cpu python bench/step_kernels.py --model random:gpt2 --batch 16
+    JAX_PLATFORMS=cpu python bench/step_kernels.py --model random:qwen3-0.6b --max-model-len 2048 --batch 256 \\
         --dtype bfloat16 --target h200 --hlo-out /tmp/q256.hlo
 """
 
