@@ -8,8 +8,10 @@ reads, so the count says where a step can shrink before a GPU measures it. Needs
 plugin (`pip install "jax[cuda12]"`, best in a virtual environment of its own made with
 `--system-site-packages`: with the plugin jax looks for a GPU at every start; no GPU or driver
 needed; run it with `JAX_PLATFORMS=cpu`); `--target cpu` compiles for this machine's CPU instead
-(what the tests run). XLA tunes GEMMs only on a device: a compile-only build picks its
-default for each (a Triton GEMM where the device may pick cuBLAS), one kernel either way.
+(what the tests run). XLA tunes GEMMs only on a device: a compile-only build takes its
+default for each, one kernel where cuBLAS runs (256 rows) but, for XLA's Triton GEMMs (the
+17-128-row buckets), often a split-K config with a reduction kernel after it (and the epilogue's
+add apart) that a device's autotuning may not pick: count those buckets' GEMMs as one each.
 
     JAX_PLATFORMS=cpu python bench/step_kernels.py --model random:gpt2 --batch 16
     JAX_PLATFORMS=cpu python bench/step_kernels.py --model random:qwen3-0.6b --max-model-len 2048 --batch 256 \\
