@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 
 from bench.common import configure_process, write_json  # noqa: E402
 from rosejax import EngineConfig, KernelConfig, LLMEngine  # noqa: E402
+from rosejax.engine_args import add_kernel_args, kernel_overrides  # noqa: E402
 
 # The GPUs' target descriptions (XLA's GpuTargetConfigProto as text) for compile-only builds.
 _GPU_INFO = """
@@ -212,9 +213,14 @@ def main(argv: list[str] | None = None) -> dict:
         default="h100",
         help="what to compile for: a GPU (compile-only) or this machine's CPU",
     )
+    add_kernel_args(p)  # a variant's kernels, counted beside the defaults' in another run
     p.add_argument("--hlo-out", default=None, help="write the optimized HLO here")
     p.add_argument("--json", default=None, help="write the kernels and counts here")
     args = p.parse_args(argv)
+    try:
+        overrides = dict(kernel_overrides(args.kernel, args.kernel_tile))
+    except ValueError as e:
+        p.error(str(e))
 
     configure_process()  # rosejax's XLA flags, before the backends start
     device = None if args.target == "cpu" else compile_only_device(args.target)
@@ -229,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         compilation_cache_dir=None,  # a compile-only executable cannot be cached
         min_decode_batch=min(16, args.batch),
         # the GPU's kernels (Pallas) unless compiling for this CPU
-        kernels=KernelConfig.for_backend("cpu" if device is None else "gpu"),
+        kernels=KernelConfig.for_backend("cpu" if device is None else "gpu", **overrides),
     )
     engine = LLMEngine(config)
     hlo = decode_hlo(engine, args.batch, not args.sampled, args.extras, device)
@@ -243,6 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
         "target": args.target,
         "greedy": not args.sampled,
         "extras": args.extras,
+        "kernel_settings": [f"{name}={value}" for name, value in args.kernel],
+        "kernel_tiles": [f"{op}.{param}={n}" for op, param, n in args.kernel_tile],
         "loops": [dict(summary(loop), **loop) for loop in loops],
     }
     for i, loop in enumerate(result["loops"]):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import step_kernels as sk
 
 # The shapes of an optimized GPU module's lines: a Pallas kernel (a Triton custom call named by
@@ -55,8 +57,12 @@ def test_decode_loop_condition_launches_nothing(tmp_path):
     step's update made (a condition computed there would be kernels of its own every step)."""
     path = tmp_path / "k.json"
     args = ["--model", "random:tiny", "--batch", "2", "--dtype", "float32", "--target", "cpu"]
-    result = sk.main([*args, "--json", str(path)])
+    result = sk.main([*args, "--kernel-tile", "linear.num_warps=2", "--json", str(path)])
     (loop,) = result["loops"]
     assert loop["in_condition"] == 0 and loop["condition"] == []
     assert loop["pallas"] == 0 and loop["other"] == len(loop["body"]) > 10  # the forward's
-    assert json.loads(path.read_text())["loops"][0]["kernels_per_trip"] == len(loop["body"])
+    written = json.loads(path.read_text())
+    assert written["loops"][0]["kernels_per_trip"] == len(loop["body"])
+    assert written["kernel_tiles"] == ["linear.num_warps=2"]
+    with pytest.raises(SystemExit):  # a bad kernel setting: a usage error before any compile
+        sk.main([*args, "--kernel", "linear_max_rows=x"])
