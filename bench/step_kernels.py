@@ -32,6 +32,7 @@ if __package__ in (None, ""):
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
 
 from bench.common import configure_process, write_json  # noqa: E402
 from rosejax import EngineConfig, KernelConfig, LLMEngine  # noqa: E402
@@ -156,11 +157,7 @@ def window_loops(hlo: str) -> list[dict]:
 def decode_hlo(engine, batch: int, greedy: bool, extras: bool, device=None) -> str:
     """The optimized HLO of `engine`'s decode window of `batch` rows, compiled for `device`
     (a compile-only device; None: jax's default) from its arguments' shapes."""
-    runner = engine.runner
-    kernels_ = runner.decode_kernels(batch, long_rows=False)
-    kill = np.zeros(runner.num_slots, bool)
-    _, args, static = runner._decode_call(batch, greedy, extras, kill, [], [], 0, kernels_)
-    program = runner._decode_program(batch, kernels_)
+    _, program, args, static = engine.runner.idle_decode_call(batch, greedy, extras)
     if device is not None:
         sharding = jax.sharding.SingleDeviceSharding(device)
         args = jax.tree.map(
@@ -171,8 +168,6 @@ def decode_hlo(engine, batch: int, greedy: bool, extras: bool, device=None) -> s
 
 def compile_only_device(target: str):
     """A compile-only device of `target` ("h100", "h200"); needs jax's CUDA plugin."""
-    from jax.experimental import topologies
-
     topology = topologies.get_topology_desc(
         "step_kernels", "cuda", target_config=TARGETS[target], topology="1x1x1"
     )

@@ -659,11 +659,19 @@ class ModelRunner:
         self, batch: int, greedy: bool, extras: bool, pool: Executor, long_rows: bool = False
     ) -> Callable[[], None]:
         """Compile ahead the decode window of `batch` rows (see `_compile_ahead`)."""
+        key, program, args, static = self.idle_decode_call(batch, greedy, extras, long_rows)
+        return self._compile_ahead(key, program, args, pool, **static)
+
+    def idle_decode_call(
+        self, batch: int, greedy: bool, extras: bool, long_rows: bool = False
+    ) -> tuple[tuple, Callable, tuple, dict]:
+        """The decode window of `batch` rows as compiling ahead builds it, every host input at
+        rest (no steps, kills or updates): its executable key, jitted program, arguments and
+        static arguments, for lowering (`program.lower(*args, **static)`)."""
         kill = np.zeros(self.num_slots, bool)
         kernels = self.decode_kernels(batch, long_rows)
         key, args, static = self._decode_call(batch, greedy, extras, kill, [], [], 0, kernels)
-        program = self._decode_program(batch, kernels)
-        return self._compile_ahead(key, program, args, pool, **static)
+        return key, self._decode_program(batch, kernels), args, static
 
     def _decode_program(self, batch: int, kernels: KernelConfig) -> Callable:
         key = (batch, kernels)
