@@ -147,12 +147,7 @@ def empty_slot_state(num_slots: int, max_blocks: int, vocab: int) -> SlotState:
 
 
 def _stopped(tokens, stop_ids, steps, limit):
-    # Column by column, not any() over them: elementwise, so it fuses into the kernel that
-    # updates the rows (a reduction would be a kernel of its own every decode step).
-    hit = steps >= limit
-    for j in range(stop_ids.shape[1]):
-        hit = hit | (tokens == stop_ids[:, j])
-    return hit
+    return jnp.any(tokens[:, None] == stop_ids, axis=1) | (steps >= limit)
 
 
 class ModelRunner:
@@ -379,17 +374,16 @@ class ModelRunner:
             procs_on = jnp.any(rows.alive & rows.processors(None).active())
             logprobs_on = jnp.any(rows.alive & (rows.logprobs >= 0))
 
-        def more_trips(k, alive, steps):
-            """Whether another trip of `steps` steps runs: the loop's condition, worked out at
-            the end of a trip, where it fuses into the rows' update (a condition computed in
-            the loop's condition is two kernels of its own every trip)."""
-            return jnp.any(alive & (k + steps <= n_steps))
+        def runs(steps):  # the loop condition of a trip of `steps` steps
+            def cond(carry):
+                k, _, r, *_ = carry
+                return (k + steps <= n_steps) & jnp.any(r.alive)
 
-        def lengths(r):  # each row's context with the token it feeds; dead rows write to scratch
-            return jnp.where(r.alive, r.positions + 1, 0)
+            return cond
 
         def step(carry):
-            k, seq_lens, cache, r, out, *more = carry
+            k, cache, r, out, *more = carry
+            seq_lens = jnp.where(r.alive, r.positions + 1, 0)  # dead rows write to scratch
             meta = ForwardMetadata(r.positions[:, None], seq_lens, r.block_tables)
             logits, cache = self.forward(
                 params, self.config, r.tokens[:, None], cache, meta, kernels=kernels
@@ -422,9 +416,7 @@ class ModelRunner:
                 logprobs = lax.cond(
                     logprobs_on,
                     lambda lp: jax.tree.map(
-                        lambda a, v: lax.dynamic_update_index_in_dim(a, v, k[0], 0),
-                        lp,
-                        token_logprobs(logits, nxt),
+                        lambda a, v: a.at[k].set(v), lp, token_logprobs(logits, nxt)
                     ),
                     lambda lp: lp,
                     logprobs,
@@ -440,30 +432,18 @@ class ModelRunner:
                 steps=steps,
                 alive=live & ~_stopped(nxt, r.stop_ids, steps, r.limit),
             )
-            out = lax.dynamic_update_index_in_dim(out, jnp.where(live, nxt, -1), k[0], 0)
-            return k + 1, lengths(r), cache, r, out, *more
+            return k + 1, cache, r, out.at[k].set(jnp.where(live, nxt, -1)), *more
 
-        def trip(steps):  # a trip of the loop: `steps` steps, then whether another follows
-            def body(carry):
-                *carry, _ = carry
-                for _ in range(steps):
-                    carry = step(carry)
-                return *carry, more_trips(carry[0], carry[3].alive, steps)
+        def trip(carry):
+            for _ in range(self.steps_per_trip):
+                carry = step(carry)
+            return carry
 
-            return body
-
-        # The step index k rides as a [batch] vector and the next step's lengths in the carry:
-        # both are then made in the kernel that updates the rows, not in kernels of their own.
-        # `dynamic_update_index_in_dim` writes row k of the outputs without `.at[k]`'s bounds
-        # check (another kernel): k < n_steps <= its rows.
-        k = jnp.zeros((batch,), jnp.int32)
-        extra = (state.counts, logprobs) if extras else ()
-        carry = (k, lengths(rows), cache, rows, out, *extra)
+        carry = (0, cache, rows, out, *((state.counts, logprobs) if extras else ()))
         # Whole trips while they fit the window, then its last steps one a trip.
-        for steps in (self.steps_per_trip, 1) if self.steps_per_trip > 1 else (1,):
-            go = more_trips(carry[0], carry[3].alive, steps)
-            *carry, _ = lax.while_loop(lambda c: c[-1], trip(steps), (*carry, go))
-        _, _, cache, rows, out, *more = carry
+        if self.steps_per_trip > 1:
+            carry = jax.lax.while_loop(runs(self.steps_per_trip), trip, carry)
+        _, cache, rows, out, *more = jax.lax.while_loop(runs(1), step, carry)
         if extras:
             counts, logprobs = more
         # Only these fields change inside the loop; the rest of the state is as it came in.
