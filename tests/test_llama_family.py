@@ -238,22 +238,15 @@ def small_qwen3(tmp_path_factory):
     return str(path), make_checkpoint(path, "qwen3", seed=5, **kwargs)
 
 
-def check_decode_fusions(path, monkeypatch, dtype):
-    """A decode step whose attention kernel takes q and k before their q/k RMSNorm and RoPE
-    (`fused_qk_rope`) and whose gate/up projection computes silu(gate) * up (`fused_swiglu`)
-    gives the logits and caches of the step that runs both in XLA: bit for bit in float32
-    without a q/k norm on a CPU, within a rounding of the dtype otherwise (the norm's rsqrt may
-    differ in its last bit between XLA's vectorized one and the kernel's; a GPU may fuse the
-    rotation's multiply-adds)."""
-    from rosejax.layers import linear as linear_layer
-    from rosejax.models.llama import model as llama_model
-
+def prefilled_decode_step(path, dtype, b: int, prompt: int):
+    """A checkpoint's model after XLA prefilled b random prompts of `prompt` tokens: (config,
+    params, forward, the next step's args (params, config, tokens, cache, meta)). forward is a
+    jit of its own: traced by each call with new kernels (spies see every call) and donating
+    nothing the next call reads."""
     config, params = load_checkpoint(path, dtype)
-    b, prompt = 2, 11
     tables, num_blocks = contiguous_layout(b, prompt + 1)
     rng = np.random.default_rng()
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, (b, prompt + 1)), jnp.int32)
-    # A jit of its own: traced here, so the spies below see every call.
     forward = jax.jit(
         lambda *args, kernels=XLA_KERNELS: family_of(config).forward(*args, kernels=kernels),
         static_argnums=1,
@@ -265,6 +258,20 @@ def check_decode_fusions(path, monkeypatch, dtype):
     cache = init_kv_cache(config, num_blocks, BLOCK_SIZE, jnp.dtype(dtype))
     _, cache = forward(params, config, tokens[:, :prompt], cache, meta)
     step = ForwardMetadata(positions=lengths[:, None], seq_lens=lengths + 1, block_tables=tables)
+    return config, forward, (params, config, tokens[:, prompt:], cache, step)
+
+
+def check_decode_fusions(path, monkeypatch, dtype):
+    """A decode step whose attention kernel takes q and k before their q/k RMSNorm and RoPE
+    (`fused_qk_rope`) and whose gate/up projection computes silu(gate) * up (`fused_swiglu`)
+    gives the logits and caches of the step that runs both in XLA: bit for bit in float32
+    without a q/k norm on a CPU, within a rounding of the dtype otherwise (the norm's rsqrt may
+    differ in its last bit between XLA's vectorized one and the kernel's; a GPU may fuse the
+    rotation's multiply-adds)."""
+    from rosejax.layers import linear as linear_layer
+    from rosejax.models.llama import model as llama_model
+
+    config, forward, step_args = prefilled_decode_step(path, dtype, b=2, prompt=11)
     ropes, activations = [], []
     decode_attention = llama_model.decode_attention
     monkeypatch.setattr(
@@ -287,7 +294,7 @@ def check_decode_fusions(path, monkeypatch, dtype):
             fused_swiglu=fused,
             interpret=INTERPRET,
         )
-        results[fused] = forward(params, config, tokens[:, prompt:], cache, step, kernels=kernels)
+        results[fused] = forward(*step_args, kernels=kernels)
     layers = config.num_hidden_layers
     pallas = config.head_dim & (config.head_dim - 1) == 0  # the kernel tiles powers of two
     assert [r is not None for r in ropes] == [pallas] * layers + [False] * layers
@@ -318,6 +325,31 @@ def check_decode_fusions(path, monkeypatch, dtype):
 
 def test_decode_fusions_match_xla(small_qwen3, monkeypatch):
     check_decode_fusions(small_qwen3[0], monkeypatch, "bfloat16")
+
+
+def test_norm_folded_into_the_projections_matches_the_norm_kernels(small_qwen3, monkeypatch):
+    """A float32 decode step whose q/k/v and gate/up matmuls apply the RMSNorm (and the residual
+    add) before them (`fused_norm_linear`) gives the logits and caches of the step that runs the
+    norm kernels, within float32 rounding (the rsqrt scales the product, not the input)."""
+    from rosejax.layers import linear as linear_layer
+
+    config, forward, step_args = prefilled_decode_step(small_qwen3[0], "float32", b=3, prompt=9)
+    folds = []
+    norm_linear = linear_layer.norm_linear
+    monkeypatch.setattr(
+        linear_layer, "norm_linear", lambda *a, **k: folds.append(1) or norm_linear(*a, **k)
+    )
+    results = {}
+    for fold in (True, False):
+        kernels = KernelConfig(
+            linear="pallas", rms_norm="pallas", fused_norm_linear=fold, interpret=INTERPRET
+        )
+        results[fold] = forward(*step_args, kernels=kernels)
+    assert len(folds) == 2 * config.num_hidden_layers  # q/k/v and gate/up of every layer
+    leaves = jax.tree.leaves(results[True]), jax.tree.leaves(results[False])
+    for got, want in zip(*leaves, strict=True):
+        want = np.asarray(want)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
 
 
 @pytest.mark.slow
