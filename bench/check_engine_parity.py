@@ -1,8 +1,11 @@
 """Greedy parity of the engine against HF transformers on many random prompts (any backend).
 
-Builds a random GPT-2 with `save_pretrained`, serves N random prompts through `LLM` with the given
-batch and decode-window settings, and counts requests whose tokens differ from HF's greedy
-`generate` (run on the CPU, fp32). For chasing device-only mismatches under different switches.
+Builds a small random model of a family (GPT-2, Qwen3 or Llama 3) with `save_pretrained`, serves N
+random prompts through `LLM` with the given batch, decode-window and kernel settings, and counts
+requests whose tokens differ from HF's greedy `generate` (run on the CPU, fp32). For chasing
+device-only mismatches under different switches: the CPU tests never run a GPU's command
+buffers, so a change to the decode program is checked here on a GPU, e.g.
+`python bench/check_engine_parity.py --family qwen3 --kernel fused_norm_linear=on`.
 """
 
 from __future__ import annotations
@@ -14,29 +17,82 @@ import tempfile
 import jax
 import numpy as np
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from rosejax import LLM, SamplingParams
+from rosejax.engine_args import add_kernel_args, kernel_overrides
+
+VOCAB = 1000
+# Llama-style shapes the Pallas kernels tile (head_dim 64, powers of two), GQA groups of 2; no
+# eos id (the requests run to max_tokens, as HF's min_new_tokens makes its side).
+LLAMA_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=128,
+    bos_token_id=None,
+    eos_token_id=None,
+    initializer_range=0.3,
+)
 
 
-def main() -> int:
+def random_model(family: str) -> torch.nn.Module:
+    """A small random HF model of `family`; a Llama-style one's norms drawn around 1 (HF starts
+    them at 1, which would hide a missing or swapped one)."""
+    if family == "gpt2":
+        config = GPT2Config(
+            vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3
+        )
+        return GPT2LMHeadModel(config).eval()
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=True, **LLAMA_SHAPE))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **LLAMA_SHAPE))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+    return model.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument(
+        "--family",
+        choices=["gpt2", "qwen3", "llama"],
+        default="gpt2",
+        help="the random model's family (default: %(default)s)",
+    )
     p.add_argument("--num-prompts", type=int, default=24, help="random prompts to serve")
     p.add_argument("--max-batch-size", type=int, default=4, help="engine max batch")
     p.add_argument("--decode-steps", default="4", help="engine decode window ('auto' or an int)")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per request")
     p.add_argument("--kv-cache-tokens", type=int, default=None, help="engine KV budget")
     p.add_argument("--seed", type=int, default=0, help="prompt and weight seed")
-    args = p.parse_args()
+    add_kernel_args(p)
+    args = p.parse_args(argv)
+    try:
+        overrides = kernel_overrides(args.kernel, args.kernel_tile)
+    except ValueError as e:
+        p.error(str(e))
     jax.config.update("jax_default_matmul_precision", "highest")  # no TF32: compare in fp32
     torch.manual_seed(args.seed)
-    hf = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=1000, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3
-        )
-    ).eval()
+    hf = random_model(args.family)
     rng = np.random.default_rng(args.seed)
-    prompts = [rng.integers(0, 1000, rng.integers(1, 40)).tolist() for _ in range(args.num_prompts)]
+    prompts = [
+        rng.integers(0, VOCAB, rng.integers(1, 40)).tolist() for _ in range(args.num_prompts)
+    ]
     steps = args.decode_steps if args.decode_steps == "auto" else int(args.decode_steps)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
@@ -49,6 +105,7 @@ def main() -> int:
             decode_steps=steps,
             warmup=False,
             kv_cache_tokens=args.kv_cache_tokens,
+            kernel_overrides=overrides,
         )
         outs = llm.generate(
             prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0), use_tqdm=False

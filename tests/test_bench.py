@@ -762,6 +762,7 @@ def test_plots(tmp_path):
         ("benchmark_api_cost", ["--checkout", "--runs", "--rounds", "--window", "--json"]),
         ("benchmark_long_context", ["--context-len", "--output-len", "--peak-tflops"]),
         ("step_timeline", ["--gap-ms", "--last", "--start"]),
+        ("check_engine_parity", ["--family", "--kernel", "--kernel-tile", "--decode-steps"]),
     ],
 )
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
@@ -997,3 +998,16 @@ def test_parallel_parity_reports_a_failing_pair_and_runs_the_rest(monkeypatch, t
     saved = json.loads((tmp_path / "benchmark_parallel.json").read_text())
     assert "error" in saved["parity"][0]
     assert bp.main([*argv, "--parity-models", "random:tiny", "--parity-dtypes", "float16"]) == 0
+
+
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
+@pytest.mark.parametrize("family", ["gpt2", "qwen3", "llama"])
+def test_engine_parity_check_passes_for_each_family(family, capsys):
+    """bench/check_engine_parity.py serves random prompts of a small random model of each family
+    and finds the engine's greedy tokens equal to HF's (it returns 1 and names the requests
+    that differ otherwise)."""
+    from bench import check_engine_parity
+
+    args = ["--family", family, "--num-prompts", "3", "--max-tokens", "5", "--decode-steps", "2"]
+    assert check_engine_parity.main(args) == 0
+    assert "0/3 requests differ from HF" in capsys.readouterr().out
