@@ -19,6 +19,11 @@ by a Pallas kernel or XLA as the `KernelConfig` says.
   silu(gate) * up [..., F]: the Pallas kernel computes it on its accumulators
   (`kernels.fused_swiglu`), every other path in XLA after the product
   (`pallas_kernels.linear.swiglu`, the same rounding).
+- A `Linear` given the `RMSNorm` before it (`norm=`: a Llama-style layer's q/k/v and gate/up)
+  takes the residual stream, an array or a `PendingSum`, and returns the stream as an array
+  beside its output: with `kernels.fused_norm_linear` at few rows, one kernel adds the pending
+  sum, normalizes and projects (`pallas_kernels.norm_linear`); otherwise the norm's kernel runs
+  first.
 - A row-parallel `Linear` (`reduce_axis`, tensor parallelism: `rosejax.layers.parallel`) holds
   its shard's rows of the kernel: its float32 partial sums are all-reduced over the mesh axis
   first, and the replicated bias and residual added after, once, rounded where one device's
