@@ -165,12 +165,12 @@ def norm_linear(
     swiglu_out = activation == "swiglu"
     if swiglu_out and n % 2:
         raise ValueError(f"swiglu needs an even N, got w {w.shape}")
-    load_rows = 1 if m == 1 else None
     splits = 0 if partials is None else partials.shape[0]
     # A pipeline stage holds a [rows, block_k] tile of the residual and of each split's float32
-    # partials (1.5x their bytes, padded), and Triton's layout scratch takes STREAM_SCRATCH_BYTES
-    # beside the pipeline (both read off sm90 compiles' shared memory requests).
-    stream_bytes = residual.dtype.itemsize + 6 * splits
+    # partials (1.5x their bytes, padded), one row of them at one row, and Triton's layout
+    # scratch takes STREAM_SCRATCH_BYTES beside the pipeline (both read off sm90 compiles' shared
+    # memory requests).
+    one_row = m == 1
     tiles = _tiles(
         m,
         k,
@@ -183,7 +183,8 @@ def norm_linear(
         itemsize=w.dtype.itemsize,
         num_stages=num_stages,
         weight_tiles=1 + swiglu_out,
-        x_bytes=stream_bytes * (load_rows or min(block_m, max(16, m))),
+        x_bytes=residual.dtype.itemsize + 6 * splits,
+        x_rows=1 if one_row else None,
         shared_memory=SHARED_MEMORY_BYTES - STREAM_SCRATCH_BYTES,
     )
     out = jax.ShapeDtypeStruct((m, n // 2 if swiglu_out else n), residual.dtype)
@@ -197,7 +198,7 @@ def norm_linear(
             block_n=tiles["block_n"],
             block_k=tiles["block_k"],
             k_steps=tiles["k_steps"],
-            load_rows=load_rows or tiles["block_m"],
+            load_rows=1 if one_row else tiles["block_m"],
             eps=eps,
             activation=activation,
         ),

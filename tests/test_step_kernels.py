@@ -59,7 +59,8 @@ def test_decode_window_lists_its_loop_kernels(tmp_path):
     args = ["--model", "random:tiny", "--batch", "2", "--dtype", "float32", "--target", "cpu"]
     result = sk.main([*args, "--kernel-tile", "linear.num_warps=2", "--json", str(path)])
     (loop,) = result["loops"]
-    assert loop["in_condition"] == len(loop["condition"])
+    # The condition computes whether rows are alive and steps are left (a kernel of its own).
+    assert loop["in_condition"] == len(loop["condition"]) >= 1
     assert loop["pallas"] == 0 and loop["other"] == len(loop["body"]) > 10  # the forward's
     written = json.loads(path.read_text())
     assert written["loops"][0]["kernels_per_trip"] == len(loop["body"]) + len(loop["condition"])

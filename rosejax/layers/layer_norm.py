@@ -21,7 +21,7 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array | PendingSum) -> tuple[jax.Array, jax.Array]:  # [..., E] each
-        e = (x.residual if isinstance(x, PendingSum) else x).shape[-1]
+        e = x.shape[-1]
         scale = given_param(self, "scale", (e,))
         bias = given_param(self, "bias", (e,))
         k = self.kernels

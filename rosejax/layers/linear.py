@@ -81,6 +81,10 @@ class PendingSum:
     bias: jax.Array | None  # [N]; None: no bias
     residual: jax.Array  # [..., N], M rows in all
 
+    @property
+    def shape(self) -> tuple[int, ...]:  # [..., N]: the stream's, as an array's
+        return self.residual.shape
+
     def residual_rows(self) -> jax.Array:  # [M, N]
         return self.residual.reshape(self.partials.shape[1:])
 
@@ -129,13 +133,13 @@ class Linear(nn.Module):
         an array): one kernel where `fuses_norm` says so, else the norm's, then this layer's."""
         if norm is None:
             return self.project(x, residual, defer)
-        shape = x.residual.shape if isinstance(x, PendingSum) else x.shape
+        if residual is not None:
+            raise ValueError("a Linear that applies a norm takes no residual")
+        shape = x.shape
         k, rows = shape[-1], math.prod(shape[:-1])
         if not self.fuses_norm(rows, k):
             stream, y = norm(x)
-            return self.project(y, residual, defer), stream
-        if residual is not None:
-            raise ValueError("a Linear that applies a norm takes no residual")
+            return self.project(y, defer=defer), stream
         kernel = given_param(self, "kernel", (k, self.features))
         bias = given_param(self, "bias", (self.features,)) if self.use_bias else None
         pending = (x.partials, x.bias, x.residual_rows()) if isinstance(x, PendingSum) else None
@@ -238,7 +242,7 @@ def norm_stream(
     (the stream as an array, its norm). On the Pallas path a pending sum's bias, residual and
     partial sums are added in the norm's own kernel."""
     pending = isinstance(x, PendingSum)
-    shape = x.residual.shape if pending else x.shape
+    shape = x.shape
     e = shape[-1]
     if on_xla:
         x = x.value() if pending else x

@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array | PendingSum) -> tuple[jax.Array, jax.Array]:  # [..., E] each
-        e = (x.residual if isinstance(x, PendingSum) else x).shape[-1]
+        e = x.shape[-1]
         scale = self.scale(e)
         k = self.kernels
         tiles = k.tile_kwargs("rms_norm") | {"interpret": k.interpret}

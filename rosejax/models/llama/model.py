@@ -35,7 +35,7 @@ from rosejax.layers.attention import (
     prefill_attention,
 )
 from rosejax.layers.kv_cache import KVCache
-from rosejax.layers.linear import Linear, PendingSum, select_tokens
+from rosejax.layers.linear import Linear, select_tokens
 from rosejax.layers.parallel import NO_TP, ShardLayout, TensorParallel, embed, gather_vocab
 from rosejax.layers.rms_norm import RMSNorm
 from rosejax.layers.rotary import rope_cos_sin, rope_inv_freq
@@ -66,7 +66,7 @@ class Attention(nn.Module):
         `PendingSum`) -> [B, T, E] or its `PendingSum`, the caches. cos, sin: float32
         [B*T, D/2], each token's RoPE angles."""
         cfg = self.config
-        b, t, e = (x.residual if isinstance(x, PendingSum) else x).shape
+        b, t, e = x.shape
         hq, h = self.tp.local(cfg.num_attention_heads), self.tp.local(cfg.num_kv_heads)
         d = cfg.head_dim
         qkv, residual = Linear(
