@@ -42,7 +42,8 @@ def residual_sum(partials_ref, linear_bias_ref, residual_ref, tile, mask, col_ok
     for s in range(1, partials_ref.shape[0]):
         acc += plgpu.load(partials_ref.at[(jnp.int32(s), *tile)], mask=mask, other=0.0)
     if linear_bias_ref is not None:
-        bias = plgpu.load(linear_bias_ref.at[tile[1]], mask=col_ok, other=0.0)
+        cols = linear_bias_ref.at[tile[1]]  # Triton takes a fill value only with a mask
+        bias = cols[...] if col_ok is None else plgpu.load(cols, mask=col_ok, other=0.0)
         acc += bias.astype(jnp.float32)[None, :]
     return (acc + residual.astype(jnp.float32)).astype(residual_ref.dtype)  # [R, C]
 
