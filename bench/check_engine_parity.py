@@ -5,7 +5,7 @@ random prompts through `LLM` with the given batch, decode-window and kernel sett
 requests whose tokens differ from HF's greedy `generate` (run on the CPU, fp32). For chasing
 device-only mismatches under different switches: the CPU tests never run a GPU's command
 buffers, so a change to the decode program is checked here on a GPU, e.g.
-`python bench/check_engine_parity.py --family qwen3 --kernel fused_norm_linear=on`.
+`python bench/check_engine_parity.py --family qwen3 --kernel fused_swiglu=off`.
 """
 
 from __future__ import annotations

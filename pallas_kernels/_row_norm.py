@@ -29,28 +29,20 @@ def row_tile(n: int, e: int, block_rows: int, block_cols: int):
     return (pl.ds(first, block_rows), pl.ds(0, block_cols)), mask, col_ok
 
 
-def residual_sum(partials_ref, linear_bias_ref, residual_ref, tile, mask, col_ok):
+def load_residual_sum(partials_ref, linear_bias_ref, residual_ref, h_ref, tile, mask, col_ok):
     """residual + the partial sums + linear bias (None: none) of this tile, rounded to the
-    residual stream's dtype as the unfused layers store and reload it; with no partials
-    (partials_ref None: a stream that is an array already) the residual alone. col_ok: the
-    mask of the bias's columns (None: all real)."""
-    residual = plgpu.load(residual_ref.at[tile], mask=mask, other=0.0)
-    if partials_ref is None:
-        return residual
+    residual stream's dtype as the unfused layers store and reload it, stored to h_ref -> that
+    sum in float32."""
+    splits = partials_ref.shape[0]
     # The order of `finish_partial_sums` (the splits, then bias, then residual): the same sums.
     acc = plgpu.load(partials_ref.at[(jnp.int32(0), *tile)], mask=mask, other=0.0)
-    for s in range(1, partials_ref.shape[0]):
+    for s in range(1, splits):
         acc += plgpu.load(partials_ref.at[(jnp.int32(s), *tile)], mask=mask, other=0.0)
     if linear_bias_ref is not None:
-        cols = linear_bias_ref.at[tile[1]]  # Triton takes a fill value only with a mask
-        bias = cols[...] if col_ok is None else plgpu.load(cols, mask=col_ok, other=0.0)
+        bias = plgpu.load(linear_bias_ref.at[tile[1]], mask=col_ok, other=0.0)
         acc += bias.astype(jnp.float32)[None, :]
-    return (acc + residual.astype(jnp.float32)).astype(residual_ref.dtype)  # [R, C]
-
-
-def load_residual_sum(partials_ref, linear_bias_ref, residual_ref, h_ref, tile, mask, col_ok):
-    """`residual_sum` of this tile, stored to h_ref -> that sum in float32."""
-    h = residual_sum(partials_ref, linear_bias_ref, residual_ref, tile, mask, col_ok)
+    acc += plgpu.load(residual_ref.at[tile], mask=mask, other=0.0).astype(jnp.float32)
+    h = acc.astype(h_ref.dtype)  # [R, C]
     plgpu.store(h_ref.at[tile], h, mask=mask)
     return h.astype(jnp.float32)
 

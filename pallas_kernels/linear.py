@@ -107,14 +107,10 @@ def _tiles(
     itemsize: int,
     num_stages: int,
     weight_tiles: int = 1,
-    x_bytes: int | None = None,
-    x_rows: int | None = None,
-    shared_memory: int = SHARED_MEMORY_BYTES,
 ) -> dict:
     """The kernel's static tiling of an [M, K] @ [K, N] call (N: the columns a program's tile
     covers, F for swiglu, whose programs stream `weight_tiles` = 2 tiles of w a step), checked;
-    block_k halved until `num_stages` tiles of x and w of `itemsize` fit `shared_memory` (x's
-    tile: `x_rows` rows, None: block_m, of `x_bytes` a value, None: `itemsize`)."""
+    block_k halved until `num_stages` tiles of x and w of `itemsize` fit SHARED_MEMORY_BYTES."""
     if not (is_power_of_2(block_n) and is_power_of_2(block_k)):
         raise ValueError(f"block_n and block_k must be powers of two, got {block_n}, {block_k}")
     if not (is_power_of_2(block_m) and block_m >= 16):
@@ -130,9 +126,8 @@ def _tiles(
     block_n, block_k = math.gcd(block_n, n), math.gcd(block_k, k)
     # Never more rows than M rounds up to; the matrix units' least M is 16.
     block_m = min(block_m, max(16, next_power_of_2(m)))
-    x_tile = (x_rows or block_m) * (x_bytes or itemsize)
-    step_bytes = x_tile + weight_tiles * block_n * itemsize  # x's and w's per row of K
-    while block_k > 16 and num_stages * block_k * step_bytes > shared_memory:
+    step_bytes = (block_m + weight_tiles * block_n) * itemsize  # x's and w's per row of K
+    while block_k > 16 and num_stages * block_k * step_bytes > SHARED_MEMORY_BYTES:
         block_k //= 2
     k_steps = k // block_k
     m_tiles = -(-m // block_m)

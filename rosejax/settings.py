@@ -28,7 +28,6 @@ KERNEL_SWITCHES = (
     "fused_kv_append",
     "fused_qk_rope",
     "fused_swiglu",
-    "fused_norm_linear",
     "concurrent_command_buffers",
 )
 
@@ -160,10 +159,6 @@ class KernelConfig:
     # ... and normalizes (Qwen3's q/k RMSNorm) and rotates (RoPE) the step's q and k itself
     # (Qwen3-0.6B, H100: 0.91x / 0.90x the step time at 1 / 16 rows, 0.955x at 256).
     fused_qk_rope: bool = True
-    # The small-batch Pallas matmuls that read an RMSNorm (q/k/v, gate/up) apply it themselves,
-    # with the residual add before it: no norm kernel between them and the layer before. Off:
-    # two kernels a layer fewer, but each folded matmul is slower than the pair it replaces.
-    fused_norm_linear: bool = False
     kv_append_min_batch: int = DEFAULT_KV_APPEND_MIN_BATCH  # fewer appended rows: XLA scatter
     linear_max_rows: int = DEFAULT_LINEAR_MAX_ROWS  # more rows: XLA's GEMMs
     # Decode programs of at least this many rows use cuBLAS GEMMs, smaller ones XLA's Triton

@@ -19,11 +19,6 @@ by a Pallas kernel or XLA as the `KernelConfig` says.
   silu(gate) * up [..., F]: the Pallas kernel computes it on its accumulators
   (`kernels.fused_swiglu`), every other path in XLA after the product
   (`pallas_kernels.linear.swiglu`, the same rounding).
-- A `Linear` given the `RMSNorm` before it (`norm=`: a Llama-style layer's q/k/v and gate/up)
-  takes the residual stream, an array or a `PendingSum`, and returns the stream as an array
-  beside its output: with `kernels.fused_norm_linear` at few rows, one kernel adds the pending
-  sum, normalizes and projects (`pallas_kernels.norm_linear`); otherwise the norm's kernel runs
-  first.
 - A row-parallel `Linear` (`reduce_axis`, tensor parallelism: `rosejax.layers.parallel`) holds
   its shard's rows of the kernel: its float32 partial sums are all-reduced over the mesh axis
   first, and the replicated bias and residual added after, once, rounded where one device's
@@ -50,7 +45,6 @@ from pallas_kernels.linear import (
     linear_supported,
     swiglu,
 )
-from pallas_kernels.norm_linear import norm_linear
 from rosejax.settings import XLA_KERNELS, KernelConfig
 
 # XLA's split-K GEMMs (`KernelConfig.xla_split_k_min_rows`): two partial sums (4 were no
@@ -124,40 +118,11 @@ class Linear(nn.Module):
     reduce_axis: str | None = None  # row-parallel: psum the partial sums over this mesh axis
 
     @nn.compact
-    def __call__(self, x, residual=None, *, defer: bool = False, norm: nn.Module | None = None):
+    def __call__(self, x, residual=None, *, defer: bool = False):
         """x [..., K], residual [..., N] or None -> [..., N] (swiglu: [..., N / 2]). With `defer`
         (a residual layer whose sum only a `LayerNorm` reads), a `PendingSum` instead when there
         is a residual, no activation, and the call is the Pallas kernel's; otherwise the array
-        as without it. With `norm` (an `RMSNorm`), x is the residual stream (an array or a
-        `PendingSum`) that the norm reads first, and the call returns (the output, the stream as
-        an array): one kernel where `fuses_norm` says so, else the norm's, then this layer's."""
-        if norm is None:
-            return self.project(x, residual, defer)
-        if residual is not None:
-            raise ValueError("a Linear that applies a norm takes no residual")
-        shape = x.shape
-        k, rows = shape[-1], math.prod(shape[:-1])
-        if not self.fuses_norm(rows, k):
-            stream, y = norm(x)
-            return self.project(y, defer=defer), stream
-        kernel = given_param(self, "kernel", (k, self.features))
-        bias = given_param(self, "bias", (self.features,)) if self.use_bias else None
-        pending = (x.partials, x.bias, x.residual_rows()) if isinstance(x, PendingSum) else None
-        y, stream = norm_linear(
-            *(pending or (None, None, x.reshape(rows, k))),
-            norm.scale(k),
-            kernel,
-            bias,
-            activation=self.activation,
-            eps=norm.epsilon,
-            **self.kernels.tile_kwargs("linear"),
-            interpret=self.kernels.interpret,
-        )
-        out = self.features // 2 if self.activation == "swiglu" else self.features
-        return y.reshape(*shape[:-1], out), stream.reshape(shape)
-
-    def project(self, x, residual=None, defer: bool = False):
-        """The layer without a norm: `__call__`'s result for norm None."""
+        as without it."""
         if self.activation == "swiglu" and residual is not None:
             raise ValueError("a swiglu Linear takes no residual")
         k = x.shape[-1]
@@ -214,18 +179,6 @@ class Linear(nn.Module):
         """Whether the Pallas kernel computes this swiglu layer's silu(gate) * up itself."""
         swiglu_ok = pallas_linear_enabled(self.kernels, rows, k, self.features, "swiglu")
         return self.kernels.fused_swiglu and swiglu_ok
-
-    def fuses_norm(self, rows: int, k: int) -> bool:
-        """Whether a call of `rows` rows with an RMSNorm runs it in this layer's Pallas kernel
-        (`norm_linear`): both are Pallas, the rows few, and a swiglu layer's epilogue fused."""
-        kernels = self.kernels
-        return (
-            kernels.fused_norm_linear
-            and kernels.rms_norm == "pallas"
-            and self.reduce_axis is None
-            and pallas_linear_enabled(kernels, rows, k, self.features, self.activation)
-            and (self.activation != "swiglu" or kernels.fused_swiglu)
-        )
 
 
 def norm_stream(

@@ -7,10 +7,7 @@ projections are one matmul (`qkv_proj`, fused at load) and gate/up another (`gat
 kernels read q, k and v out of the fused [N, Hq + 2H, D] projection after RoPE, K/V are written to
 the cache (or by the decode attention kernel itself, which then also takes q and k before their
 q/k norm and RoPE and applies both: `KernelConfig.fused_qk_rope`) and attended over the pages.
-The gate/up projection's Pallas kernel computes silu(gate) * up itself (`KernelConfig.fused_swiglu`),
-and the q/k/v and gate/up kernels may apply the RMSNorm before them (`KernelConfig.fused_norm_linear`):
-each `Linear` gets its norm and the residual stream, and returns the stream as an array beside
-its output.
+The gate/up projection's Pallas kernel computes silu(gate) * up itself (`KernelConfig.fused_swiglu`).
 
 Under tensor parallelism (`tp`, inside `shard_map`: `rosejax.layers.parallel`) the same code runs
 on one shard's params: its query and KV heads and their cache, its part of the MLP's hidden units
@@ -61,17 +58,18 @@ class Attention(nn.Module):
     tp: TensorParallel
 
     @nn.compact
-    def __call__(self, x, norm, k_cache, v_cache, meta, write_block, write_offset, fresh, cos, sin):
-        """x + attention over norm(x), x the residual stream [B, T, E] (an array or a
-        `PendingSum`) -> [B, T, E] or its `PendingSum`, the caches. cos, sin: float32
-        [B*T, D/2], each token's RoPE angles."""
+    def __call__(
+        self, x, residual, k_cache, v_cache, meta, write_block, write_offset, fresh, cos, sin
+    ):
+        """residual + attention over x (the normed residual) -> [B, T, E] or its `PendingSum`,
+        the caches. cos, sin: float32 [B*T, D/2], each token's RoPE angles."""
         cfg = self.config
         b, t, e = x.shape
         hq, h = self.tp.local(cfg.num_attention_heads), self.tp.local(cfg.num_kv_heads)
         d = cfg.head_dim
-        qkv, residual = Linear(
+        qkv = Linear(
             (hq + 2 * h) * d, kernels=self.kernels, use_bias=cfg.qkv_bias, name="qkv_proj"
-        )(x, norm=norm)
+        )(x)
         qkv = qkv.reshape(b * t, hq + 2 * h, d)
         write_block, write_offset = write_block.reshape(-1), write_offset.reshape(-1)
         q_norm = RMSNorm(cfg.rms_norm_eps, self.kernels, name="q_norm") if cfg.qk_norm else None
@@ -133,18 +131,17 @@ class MLP(nn.Module):
     tp: TensorParallel
 
     @nn.compact
-    def __call__(self, x, norm):
-        """x + down(silu(gate y) * up y) for y = norm(x), x the residual stream (an array or a
-        `PendingSum`), or its `PendingSum`."""
+    def __call__(self, x, residual):
+        """residual + down(silu(gate x) * up x), or its `PendingSum`."""
         cfg = self.config
         f = self.tp.local(cfg.intermediate_size)
-        hidden, residual = Linear(
+        hidden = Linear(
             2 * f,
             activation="swiglu",
             kernels=self.kernels,
             use_bias=cfg.mlp_bias,
             name="gate_up_proj",
-        )(x, norm=norm)  # [..., f]
+        )(x)  # [..., f]
         return Linear(
             cfg.hidden_size,
             kernels=self.kernels,
@@ -163,12 +160,12 @@ class Block(nn.Module):
     def __call__(self, x, k_cache, v_cache, meta, write_block, write_offset, fresh, cos, sin):
         """x: the residual stream [B, T, E], an array or a `PendingSum`."""
         eps = self.config.rms_norm_eps
-        norm = RMSNorm(eps, self.kernels, name="input_layernorm")
+        x, y = RMSNorm(eps, self.kernels, name="input_layernorm")(x)
         x, k_cache, v_cache = Attention(self.config, self.kernels, self.tp, name="self_attn")(
-            x, norm, k_cache, v_cache, meta, write_block, write_offset, fresh, cos, sin
+            y, x, k_cache, v_cache, meta, write_block, write_offset, fresh, cos, sin
         )
-        norm = RMSNorm(eps, self.kernels, name="post_attention_layernorm")
-        return MLP(self.config, self.kernels, self.tp, name="mlp")(x, norm), k_cache, v_cache
+        x, y = RMSNorm(eps, self.kernels, name="post_attention_layernorm")(x)
+        return MLP(self.config, self.kernels, self.tp, name="mlp")(y, x), k_cache, v_cache
 
 
 class LlamaModel(nn.Module):
