@@ -133,6 +133,27 @@ def test_tokenizer_endpoints_answer_bad_input_with_4xx(served, path, body, param
     assert post(url, "/tokenize", {"prompt": "still serving"})["count"] == 2
 
 
+def test_integral_floats_are_the_ints_the_schema_says_they_are(served):
+    """JSON Schema's "integer" admits 2.0, so /openapi.json does: such a request is the one with
+    ints (as vLLM takes it), token ids included, while 1.5, "2" and true stay 400s."""
+    url = served[0]
+    prompt = ids()
+    floats = [float(t) for t in prompt]
+    sampled = dict(temperature=1.0, max_tokens=4, n=2, logprobs=1, seed=random.randrange(2**31))
+    want = completion(url, prompt=prompt, **sampled)
+    got = completion(url, prompt=floats, best_of=1.0, **{k: float(v) for k, v in sampled.items()})
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]]
+    assert [c["logprobs"] for c in got["choices"]] == [c["logprobs"] for c in want["choices"]]
+    assert got["usage"] == want["usage"]
+    detokenized = post(url, "/detokenize", {"tokens": prompt})
+    assert post(url, "/detokenize", {"tokens": floats}) == detokenized
+    for field, value in (("max_tokens", 1.5), ("n", "2"), ("prompt", [*floats, 0.5])):
+        r = httpx.post(url + "/v1/completions", json={"prompt": prompt, field: value}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "best_of": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+
+
 # ------------------------------------------------------------------------- echo, prompt forms
 
 

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
 
 from rosejax.sampling import SamplingParams
 
@@ -91,9 +91,20 @@ CHAT_UNSUPPORTED = {
 TOKENIZE_UNSUPPORTED = {"tools": CHAT_UNSUPPORTED["tools"]}
 
 
+def _integral(value: Any) -> Any:
+    """An integral float (2.0) as the int it is: JSON Schema's "integer" admits it, as vLLM's
+    requests do. Anything else as given, for the strict int check."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
 def _neutral(value: Any, neutral: tuple) -> bool:
-    # Compare types too: True == 1 in Python, but n=true is not n=1.
+    # Compare types too: True == 1 in Python, but best_of=true is not best_of=1 (1.0 is).
+    value = _integral(value)
     return value is None or any(type(value) is type(v) and value == v for v in neutral)
+
+
+# An int field of a request: no "5" or true, but 5.0 is 5.
+Integer = Annotated[int, BeforeValidator(_integral)]
 
 
 class _Body(BaseModel):
@@ -127,17 +138,17 @@ def _require(ok: bool, name: str, what: str, value: Any) -> None:
 
 class _Sampling(_Body):
     model: str | None = None
-    max_tokens: int | None = _bounds(minimum=1)
+    max_tokens: Integer | None = _bounds(minimum=1)
     temperature: float | None = _bounds(minimum=0)
     top_p: float | None = _bounds(exclusiveMinimum=0, maximum=1)
-    top_k: int | None = _bounds(minimum=-1)  # extra, as in vLLM (0 or -1: off)
+    top_k: Integer | None = _bounds(minimum=-1)  # extra, as in vLLM (0 or -1: off)
     min_p: float | None = _bounds(minimum=0, maximum=1)  # extra, as in vLLM
-    seed: int | None = _bounds(minimum=-(2**63), maximum=2**64 - 1)
+    seed: Integer | None = _bounds(minimum=-(2**63), maximum=2**64 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extra, as in vLLM
+    stop_token_ids: list[Integer] | None = None  # extra, as in vLLM
     ignore_eos: bool | None = None  # extra, as in vLLM
-    min_tokens: int | None = _bounds(minimum=0)  # extra, as in vLLM
-    n: int | None = _bounds(minimum=1)
+    min_tokens: Integer | None = _bounds(minimum=0)  # extra, as in vLLM
+    n: Integer | None = _bounds(minimum=1)
     presence_penalty: float | None = _bounds(minimum=-2, maximum=2)
     frequency_penalty: float | None = _bounds(minimum=-2, maximum=2)
     repetition_penalty: float | None = _bounds(exclusiveMinimum=0)  # extra, as in vLLM
@@ -294,8 +305,14 @@ def _shared_params(kwargs: dict[str, Any]) -> SamplingParams:
     return params
 
 
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
+def _ids(x: Any) -> list[int] | None:
+    """x as token ids (`_integral`'s floats as ints), or None if it is no non-empty list of them."""
+    if not (isinstance(x, list) and x):
+        return None
+    if all(type(t) is int for t in x):  # the common case, without a copy
+        return x
+    ids = [_integral(t) for t in x]
+    return ids if all(type(t) is int for t in ids) else None
 
 
 _IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -316,9 +333,9 @@ _PROMPT_SCHEMA = {
 class CompletionRequest(_Sampling):
     # Checked by prompts(): a pydantic union would answer with one error per union member.
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
-    max_tokens: int | None = _bounds(minimum=0)  # 0 only with echo: the prompt alone
+    max_tokens: Integer | None = _bounds(minimum=0)  # 0 only with echo: the prompt alone
     # The top `logprobs` tokens' logprobs at each token, and the token's own.
-    logprobs: int | None = _bounds(minimum=0, maximum=MAX_LOGPROBS)
+    logprobs: Integer | None = _bounds(minimum=0, maximum=MAX_LOGPROBS)
     echo: bool | None = False  # the prompt before the completion (with logprobs: theirs too)
 
     @property
@@ -350,10 +367,15 @@ class CompletionRequest(_Sampling):
     def prompts(self) -> list[str | list[int]]:
         """One entry per choice: a string or a token id list."""
         p = self.prompt
-        if isinstance(p, str) or _is_ids(p):
+        if isinstance(p, str):
             return [p]
-        if isinstance(p, list) and p and all(isinstance(x, str) or _is_ids(x) for x in p):
-            return list(p)
+        ids = _ids(p)
+        if ids is not None:
+            return [ids]
+        if isinstance(p, list) and p:
+            each = [x if isinstance(x, str) else _ids(x) for x in p]
+            if all(x is not None for x in each):
+                return each
         if p == [] or (isinstance(p, list) and [] in p):
             raise APIError("prompt is empty", param="prompt")
         raise APIError(
@@ -383,11 +405,11 @@ class ChatMessage(_Body):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = _bounds(minimum=1)
+    max_completion_tokens: Integer | None = _bounds(minimum=1)
     chat_template_kwargs: dict[str, Any] | None = None  # to the template: Qwen3's enable_thinking
     logprobs: bool | None = False  # each token's logprob
     # with logprobs: the `top_logprobs` most likely tokens at each token, and their logprobs
-    top_logprobs: int | None = _bounds(minimum=0, maximum=MAX_LOGPROBS)
+    top_logprobs: Integer | None = _bounds(minimum=0, maximum=MAX_LOGPROBS)
 
     def logprob_kwargs(self) -> dict[str, int]:
         return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
@@ -433,7 +455,7 @@ class DetokenizeRequest(_Body):
     """vLLM's /detokenize body: token ids -> {"prompt": their text}."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Integer]
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
