@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The correctness checks a GPU call runs after a change to the kernels or the decode program, in
-# one call (about 8 minutes on an H100): the engine's greedy tokens against HF for a small GPT-2,
-# Qwen3 and Llama (`check_engine_parity.py`), then the kernel and parity tests compiled through
-# Triton, in one process (several processes would each size a KV cache from half the free GPU
-# memory). Each step has a time limit and a log in OUTDIR; summary.txt has each step's verdict.
-# Exit status 1 if a request differs from HF or a test fails or runs out of time.
+# one call (its time limits add up to about 8 minutes; its steps ran on an H100 one by one, not
+# yet as this script): the engine's greedy tokens against HF for a small GPT-2, Qwen3 and Llama
+# (`check_engine_parity.py`), then the kernel and parity tests compiled through Triton, in one
+# process (several processes would each size a KV cache from half the free GPU memory). Each
+# step has a time limit and a log in OUTDIR; summary.txt has each step's verdict. Exit status 1
+# if a request differs from HF or a test fails or runs out of time.
 #
 #   PYTHONPATH=. JAX_PLATFORMS=cuda bash bench/run_gpu_checks.sh OUTDIR
 #
