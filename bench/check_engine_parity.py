@@ -11,27 +11,25 @@ buffers, so a change to the decode program is checked here on a GPU, e.g.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 
-import jax
-import numpy as np
-import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+if __package__ in (None, ""):  # run as a file: make `bench` and `rosejax` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rosejax import LLM, SamplingParams
-from rosejax.engine_args import add_kernel_args, kernel_overrides
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+from bench.common import random_hf_model  # noqa: E402
+from rosejax import LLM, SamplingParams  # noqa: E402
+from rosejax.engine_args import add_kernel_args, kernel_overrides  # noqa: E402
 
 VOCAB = 1000
 # Llama-style shapes the Pallas kernels tile (head_dim 64, powers of two), GQA groups of 2; no
-# eos id (the requests run to max_tokens, as HF's min_new_tokens makes its side).
+# eos id (`random_hf_model`'s default: the requests run to max_tokens, as HF's side does).
 LLAMA_SHAPE = dict(
     vocab_size=VOCAB,
     hidden_size=128,
@@ -41,29 +39,19 @@ LLAMA_SHAPE = dict(
     num_key_value_heads=2,
     head_dim=64,
     max_position_embeddings=128,
-    bos_token_id=None,
-    eos_token_id=None,
     initializer_range=0.3,
 )
 
 
-def random_model(family: str) -> torch.nn.Module:
-    """A small random HF model of `family`; a Llama-style one's norms drawn around 1 (HF starts
-    them at 1, which would hide a missing or swapped one)."""
+def random_model(family: str, seed: int) -> torch.nn.Module:
+    """A small random HF model of `family`: Qwen3 with a tied head, Llama with an untied one."""
     if family == "gpt2":
+        torch.manual_seed(seed)
         config = GPT2Config(
             vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=2, n_head=4, initializer_range=0.3
         )
         return GPT2LMHeadModel(config).eval()
-    if family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=True, **LLAMA_SHAPE))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **LLAMA_SHAPE))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.3)
-    return model.eval()
+    return random_hf_model(family, seed, tie_word_embeddings=family == "qwen3", **LLAMA_SHAPE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     jax.config.update("jax_default_matmul_precision", "highest")  # no TF32: compare in fp32
-    torch.manual_seed(args.seed)
-    hf = random_model(args.family)
+    hf = random_model(args.family, args.seed)
     rng = np.random.default_rng(args.seed)
     prompts = [
         rng.integers(0, VOCAB, rng.integers(1, 40)).tolist() for _ in range(args.num_prompts)

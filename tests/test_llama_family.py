@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.common import random_hf_model
 from pallas_kernels.linear import DEFAULT_BLOCK_N, linear_supported
 from rosejax import LLM, KernelConfig, SamplingParams
 from rosejax.layers.attention import ForwardMetadata
@@ -91,27 +92,10 @@ SHAPES = {
 }
 
 
-def hf_classes(model_type: str):
-    import transformers
-
-    name = {"qwen3": "Qwen3", "llama": "Llama", "qwen2": "Qwen2"}[model_type]
-    return getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
-
-
 def make_checkpoint(path, model_type: str, seed: int = 0, **kwargs):
-    """A random HF model written by `save_pretrained`; norms and biases random too (HF starts
-    them at 1 and 0, which would hide a missing or swapped one). Returns the torch model."""
-    config_cls, model_cls = hf_classes(model_type)
-    torch.manual_seed(seed)
-    # No eos id inside the small vocabs: HF's min_new_tokens would mask its logit.
-    kwargs = dict(bos_token_id=None, eos_token_id=None) | kwargs
-    model = model_cls(config_cls(initializer_range=INIT_RANGE, **kwargs)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.3)
+    """A random HF model (`bench.common.random_hf_model`, of the tests' wide init) written by
+    `save_pretrained`. Returns the torch model."""
+    model = random_hf_model(model_type, seed, initializer_range=INIT_RANGE, **kwargs)
     model.save_pretrained(path)
     return model
 
@@ -238,15 +222,22 @@ def small_qwen3(tmp_path_factory):
     return str(path), make_checkpoint(path, "qwen3", seed=5, **kwargs)
 
 
-def prefilled_decode_step(path, dtype, b: int, prompt: int):
-    """A checkpoint's model after XLA prefilled b random prompts of `prompt` tokens: (config,
-    forward, the next step's args (params, config, tokens, cache, meta)). forward is a
-    jit of its own: traced by each call with new kernels (spies see every call) and donating
-    nothing the next call reads."""
+def check_decode_fusions(path, monkeypatch, dtype):
+    """A decode step whose attention kernel takes q and k before their q/k RMSNorm and RoPE
+    (`fused_qk_rope`) and whose gate/up projection computes silu(gate) * up (`fused_swiglu`)
+    gives the logits and caches of the step that runs both in XLA: bit for bit in float32
+    without a q/k norm on a CPU, within a rounding of the dtype otherwise (the norm's rsqrt may
+    differ in its last bit between XLA's vectorized one and the kernel's; a GPU may fuse the
+    rotation's multiply-adds)."""
+    from rosejax.layers import linear as linear_layer
+    from rosejax.models.llama import model as llama_model
+
     config, params = load_checkpoint(path, dtype)
+    b, prompt = 2, 11
     tables, num_blocks = contiguous_layout(b, prompt + 1)
     rng = np.random.default_rng()
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, (b, prompt + 1)), jnp.int32)
+    # A jit of its own: traced here, so the spies below see every call.
     forward = jax.jit(
         lambda *args, kernels=XLA_KERNELS: family_of(config).forward(*args, kernels=kernels),
         static_argnums=1,
@@ -258,20 +249,6 @@ def prefilled_decode_step(path, dtype, b: int, prompt: int):
     cache = init_kv_cache(config, num_blocks, BLOCK_SIZE, jnp.dtype(dtype))
     _, cache = forward(params, config, tokens[:, :prompt], cache, meta)
     step = ForwardMetadata(positions=lengths[:, None], seq_lens=lengths + 1, block_tables=tables)
-    return config, forward, (params, config, tokens[:, prompt:], cache, step)
-
-
-def check_decode_fusions(path, monkeypatch, dtype):
-    """A decode step whose attention kernel takes q and k before their q/k RMSNorm and RoPE
-    (`fused_qk_rope`) and whose gate/up projection computes silu(gate) * up (`fused_swiglu`)
-    gives the logits and caches of the step that runs both in XLA: bit for bit in float32
-    without a q/k norm on a CPU, within a rounding of the dtype otherwise (the norm's rsqrt may
-    differ in its last bit between XLA's vectorized one and the kernel's; a GPU may fuse the
-    rotation's multiply-adds)."""
-    from rosejax.layers import linear as linear_layer
-    from rosejax.models.llama import model as llama_model
-
-    config, forward, step_args = prefilled_decode_step(path, dtype, b=2, prompt=11)
     ropes, activations = [], []
     decode_attention = llama_model.decode_attention
     monkeypatch.setattr(
@@ -294,7 +271,7 @@ def check_decode_fusions(path, monkeypatch, dtype):
             fused_swiglu=fused,
             interpret=INTERPRET,
         )
-        results[fused] = forward(*step_args, kernels=kernels)
+        results[fused] = forward(params, config, tokens[:, prompt:], cache, step, kernels=kernels)
     layers = config.num_hidden_layers
     pallas = config.head_dim & (config.head_dim - 1) == 0  # the kernel tiles powers of two
     assert [r is not None for r in ropes] == [pallas] * layers + [False] * layers
