@@ -11,7 +11,7 @@
 #
 # KERNEL (env): `--kernel`/`--kernel-tile` flags for the parity runs (a switch under test, e.g.
 # KERNEL="--kernel fused_swiglu=off"); PROMPTS (8): prompts a family; TESTS: the pytest
-# arguments (default: the README's GPU test files); TEST_LIMIT (360): seconds for them. A CPU
+# arguments (default: the kernel and parity test files); TEST_LIMIT (360): seconds for them. A CPU
 # smoke run: JAX_PLATFORMS=cpu PROMPTS=2 TESTS="tests/test_linear.py -k reference" bash ...
 set -uo pipefail
 OUT=$(mkdir -p "${1:-bench/out/gpu-checks}" && cd "${1:-bench/out/gpu-checks}" && pwd)
