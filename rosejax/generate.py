@@ -1,4 +1,4 @@
-"""`python -m rosejax.generate`: generate text from a GPT-2 checkpoint on the command line."""
+"""`python -m rosejax.generate`: generate text from a Hugging Face checkpoint on the command line."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from rosejax.settings import initialize_distributed
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rosejax.generate",
-        description="Generate text with rosejax from a Hugging Face GPT-2 checkpoint.",
+        description="Generate text with rosejax from a Hugging Face checkpoint (GPT-2, Qwen3, Llama 3, Qwen2, "
+        "Mistral).",
     )
     add_engine_args(p)
     add_distributed_args(p)

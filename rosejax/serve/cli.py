@@ -21,8 +21,8 @@ from rosejax.settings import EngineConfig, configure_process
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rosejax.serve",
-        description="Serve a GPT-2 checkpoint over an OpenAI-compatible HTTP API "
-        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).",
+        description="Serve a Hugging Face checkpoint (GPT-2, Qwen3, Llama 3, Qwen2, Mistral) over an "
+        "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).",
     )
     add_engine_args(p)
     p.add_argument(
