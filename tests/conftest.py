@@ -26,6 +26,12 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
 # of 24 tokens on these tiny models took 0.5-0.9 s with two threads, 0.02 s with one.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# On a GPU, pytest-xdist's workers share the card: each gets an equal share of its memory (jax
+# would preallocate 75% of it in every process), and engines size their KV caches from that.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if os.environ["JAX_PLATFORMS"] != "cpu" and _workers > 1:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / _workers:.3f}")
+
 # Pallas kernels under test: compiled on a GPU, interpreted on a CPU or when asked to.
 INTERPRET = jax.default_backend() == "cpu" or os.environ.get("ROSEJAX_TEST_INTERPRET") == "1"
 
