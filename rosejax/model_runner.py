@@ -147,7 +147,12 @@ def empty_slot_state(num_slots: int, max_blocks: int, vocab: int) -> SlotState:
 
 
 def _stopped(tokens, stop_ids, steps, limit):
-    return jnp.any(tokens[:, None] == stop_ids, axis=1) | (steps >= limit)
+    # Column by column, not any() over them: elementwise, so it fuses into the kernel that
+    # updates the rows (a reduction would be a kernel of its own every decode step).
+    hit = steps >= limit
+    for j in range(stop_ids.shape[1]):
+        hit = hit | (tokens == stop_ids[:, j])
+    return hit
 
 
 class ModelRunner:
@@ -374,16 +379,21 @@ class ModelRunner:
             procs_on = jnp.any(rows.alive & rows.processors(None).active())
             logprobs_on = jnp.any(rows.alive & (rows.logprobs >= 0))
 
+        # The loop's condition is computed in its own computation from the carry. A flag the
+        # body makes, read from the carry as the condition, ended windows early on an H100
+        # (every request, jax 0.11.2; right on the CPU): docs/performance-log.md.
         def runs(steps):  # the loop condition of a trip of `steps` steps
             def cond(carry):
-                k, _, r, *_ = carry
+                k, _, _, r, *_ = carry
                 return (k + steps <= n_steps) & jnp.any(r.alive)
 
             return cond
 
+        def lengths(r):  # each row's context with the token it feeds; dead rows write to scratch
+            return jnp.where(r.alive, r.positions + 1, 0)
+
         def step(carry):
-            k, cache, r, out, *more = carry
-            seq_lens = jnp.where(r.alive, r.positions + 1, 0)  # dead rows write to scratch
+            k, seq_lens, cache, r, out, *more = carry
             meta = ForwardMetadata(r.positions[:, None], seq_lens, r.block_tables)
             logits, cache = self.forward(
                 params, self.config, r.tokens[:, None], cache, meta, kernels=kernels
@@ -416,7 +426,9 @@ class ModelRunner:
                 logprobs = lax.cond(
                     logprobs_on,
                     lambda lp: jax.tree.map(
-                        lambda a, v: a.at[k].set(v), lp, token_logprobs(logits, nxt)
+                        lambda a, v: lax.dynamic_update_index_in_dim(a, v, k, 0),
+                        lp,
+                        token_logprobs(logits, nxt),
                     ),
                     lambda lp: lp,
                     logprobs,
@@ -432,18 +444,23 @@ class ModelRunner:
                 steps=steps,
                 alive=live & ~_stopped(nxt, r.stop_ids, steps, r.limit),
             )
-            return k + 1, cache, r, out.at[k].set(jnp.where(live, nxt, -1)), *more
+            out = lax.dynamic_update_index_in_dim(out, jnp.where(live, nxt, -1), k, 0)
+            return k + 1, lengths(r), cache, r, out, *more
 
         def trip(carry):
             for _ in range(self.steps_per_trip):
                 carry = step(carry)
             return carry
 
-        carry = (0, cache, rows, out, *((state.counts, logprobs) if extras else ()))
+        # The next step's lengths ride in the carry, made in the kernel that updates the rows,
+        # not in a kernel of their own; `dynamic_update_index_in_dim` writes row k of the
+        # outputs without `.at[k]`'s bounds check (another kernel): k < n_steps <= its rows.
+        extra = (state.counts, logprobs) if extras else ()
+        carry = (0, lengths(rows), cache, rows, out, *extra)
         # Whole trips while they fit the window, then its last steps one a trip.
         if self.steps_per_trip > 1:
             carry = jax.lax.while_loop(runs(self.steps_per_trip), trip, carry)
-        _, cache, rows, out, *more = jax.lax.while_loop(runs(1), step, carry)
+        _, _, cache, rows, out, *more = jax.lax.while_loop(runs(1), step, carry)
         if extras:
             counts, logprobs = more
         # Only these fields change inside the loop; the rest of the state is as it came in.
