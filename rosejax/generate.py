@@ -1,4 +1,5 @@
-"""`python -m rosejax.generate`: generate text from a Hugging Face checkpoint on the command line."""
+"""`python -m rosejax.generate`: generate text from a Hugging Face checkpoint on the command
+line."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from rosejax.engine_args import (
     engine_kwargs,
     sampling_params,
 )
+from rosejax.models import SUPPORTED_MODEL_TYPES
 from rosejax.settings import initialize_distributed
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rosejax.generate",
-        description="Generate text with rosejax from a Hugging Face checkpoint (GPT-2, Qwen3, Llama 3, Qwen2, "
-        "Mistral).",
+        description="Generate text with rosejax from a Hugging Face checkpoint (model_type "
+        f"{SUPPORTED_MODEL_TYPES}).",
     )
     add_engine_args(p)
     add_distributed_args(p)

@@ -66,6 +66,7 @@ FAMILIES: dict[str, ModelFamily] = {
     ),
     **{model_type: _LLAMA for model_type in llama_config.MODEL_TYPES},
 }
+SUPPORTED_MODEL_TYPES = ", ".join(FAMILIES)  # for messages and --help
 
 
 def family(model_type: str) -> ModelFamily:
@@ -73,7 +74,7 @@ def family(model_type: str) -> ModelFamily:
         return FAMILIES[model_type]
     except KeyError:
         raise ValueError(
-            f"model_type {model_type!r} is not supported; rosejax serves {', '.join(FAMILIES)}"
+            f"model_type {model_type!r} is not supported; rosejax serves {SUPPORTED_MODEL_TYPES}"
         ) from None
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rosejax.engine_args import add_engine_args, engine_kwargs
+from rosejax.models import SUPPORTED_MODEL_TYPES
 from rosejax.serve.protocol import Limits
 from rosejax.settings import EngineConfig, configure_process
 
@@ -21,8 +22,9 @@ from rosejax.settings import EngineConfig, configure_process
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rosejax.serve",
-        description="Serve a Hugging Face checkpoint (GPT-2, Qwen3, Llama 3, Qwen2, Mistral) over an "
-        "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).",
+        description=f"Serve a Hugging Face checkpoint (model_type {SUPPORTED_MODEL_TYPES}) over an "
+        "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+        "/metrics).",
     )
     add_engine_args(p)
     p.add_argument(
