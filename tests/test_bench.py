@@ -949,6 +949,17 @@ def test_pdl_probe_quick(tmp_path):
 
 
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
+def test_persistent_probe_quick(tmp_path):
+    """The persistent-kernel probe's harness in interpret mode: its kernel-an-op Mosaic GPU chain
+    gives numpy's sums exactly, and the Triton linear chain numpy's matmuls within bf16 rounding
+    (its persistent kernels need a GPU's global semaphores)."""
+    rows = _quick_rows(tmp_path, "probe_persistent")
+    assert [r["variant"] for r in rows] == ["kernels", "triton"]
+    assert all(_positive(r["us"]) for r in rows)
+    assert rows[0]["max_err"] == 0 and rows[1]["max_err"] < 2**-7
+
+
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_all_reduce_probe_psum_on_two_host_devices(tmp_path):
     """The all-reduce probe's harness (mesh, chained loop, check against the host's sum) on two
     CPU devices, through `psum` (its one-shot kernel needs GPUs)."""
