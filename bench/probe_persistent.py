@@ -56,11 +56,19 @@ BF16 = jnp.bfloat16
 COLUMNS = 256  # a weight tile's row: the TMA box's widest side
 
 
-def _fence_proxy_async_global():
-    """Orders this thread's generic-proxy view of global memory (the semaphore's acquire) before
-    its later TMA (async-proxy) reads of what other programs' TMA stores wrote."""
+def _bf16(x) -> np.ndarray:
+    """x rounded to bf16, as float32 (numpy's side of a bf16 store)."""
+    return np.asarray(jnp.asarray(x, BF16), np.float32)
+
+
+def _wait_for_op(sem, j, ctas: int) -> None:
+    """The grid barrier before op j: all `ctas` programs signalled `sem` after storing op j - 1's
+    rows. Then a proxy fence: this thread's acquire (generic proxy) before its TMA (async proxy)
+    reads of what other programs' TMA stores wrote."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm
+
+    plgpu.semaphore_wait(sem, j * ctas, decrement=False, memory_scope="gpu")
 
     @plgpu.inline_mgpu()
     def fence(_ctx):
@@ -69,6 +77,16 @@ def _fence_proxy_async_global():
         )
 
     fence()
+
+
+def _store_and_signal(src_smem, dst_gmem, sem) -> None:
+    """src -> dst by TMA, waited for; then this program's signal that its rows are stored (sem
+    None: no barrier)."""
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(src_smem, dst_gmem)
+    plgpu.wait_smem_to_gmem(0)
+    if sem is not None:
+        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
 
 def _chain_body(
@@ -89,8 +107,8 @@ def _chain_body(
     sync,
 ):
     """One program's work for ops [op, op + op_count): per op, wait for the previous op (grid
-    barrier), load its activation row (`load_prev(j, x_smem, barrier)` starts its copy), add its weight
-    tiles' first rows, store its own row (`out_row(j, c)`)."""
+    barrier), load its activation row (`load_prev(j, x_smem, barrier)` starts its copy), add its
+    weight tiles' first rows, store its own row (`out_row(j, c)`)."""
     c = lax.axis_index("cta")
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if sync else None
 
@@ -103,8 +121,7 @@ def _chain_body(
 
                 @pl.when(j > 0)
                 def _():
-                    plgpu.semaphore_wait(sem, j * ctas, decrement=False, memory_scope="gpu")
-                    _fence_proxy_async_global()
+                    _wait_for_op(sem, j, ctas)
 
             load_prev(j, x_smem, x_barrier.at[0])
             plgpu.barrier_wait(x_barrier.at[0])
@@ -115,11 +132,7 @@ def _chain_body(
         @pl.when(t == tiles - 1)
         def _store():
             o_smem[...] = acc_smem[...].astype(o_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, out_row(j, c))
-            plgpu.wait_smem_to_gmem(0)
-            if sync:
-                plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+            _store_and_signal(o_smem, out_row(j, c), sem)
 
     def w_index(j, t):  # w is [ops * ctas * tiles * rows, COLUMNS]: op, program, tile
         return (((op + j) * ctas + c) * tiles + t, 0)
@@ -239,8 +252,7 @@ def gemv_chain(x0, wt, *, ops, dim, splits, tile_k, stages, sync, swizzle=False)
                 @pl.when(j > 0)
                 def _():
                     if sync:
-                        plgpu.semaphore_wait(sem, j * ctas, decrement=False, memory_scope="gpu")
-                        _fence_proxy_async_global()
+                        _wait_for_op(sem, j, ctas)
                     load(parts_ref.at[j - 1])
 
                 for i in range(tiles):
@@ -257,11 +269,7 @@ def gemv_chain(x0, wt, *, ops, dim, splits, tile_k, stages, sync, swizzle=False)
             @pl.when(t == tiles - 1)
             def _store():
                 o_smem[...] = acc
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, parts_ref.at[j, s, pl.ds(b * 64, 64)])
-                plgpu.wait_smem_to_gmem(0)
-                if sync:
-                    plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+                _store_and_signal(o_smem, parts_ref.at[j, s, pl.ds(b * 64, 64)], sem)
 
             return acc * (t != tiles - 1).astype(jnp.float32)  # zero after the store
 
@@ -296,7 +304,7 @@ def expected_gemv_chain(x0, wt, *, ops, dim) -> np.ndarray:
     x = np.asarray(x0, np.float32).sum(axis=0)
     wts = np.asarray(wt, np.float32).reshape(ops, dim, dim)
     for j in range(ops):
-        x = wts[j] @ np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)
+        x = wts[j] @ _bf16(x)
     return x
 
 
@@ -307,7 +315,7 @@ def expected_chain(x, w, *, ops, ctas, tiles, rows) -> np.ndarray:
     prev = np.asarray(x, np.float32)[0]
     for j in range(ops):
         acc = prev[None] + firsts[j].sum(axis=1)  # sequential f32 sums; within rounding below
-        out[j] = np.asarray(jnp.asarray(acc, jnp.bfloat16), np.float32)
+        out[j] = _bf16(acc)
         prev = out[j, 0]
     return out[-1]
 
@@ -355,7 +363,7 @@ def measure(
 
         got, want = np.asarray(jax.jit(chain)(x, *ws), np.float32)[0], np.asarray(x, np.float32)[0]
         for wj in ws:
-            want = np.asarray(jnp.asarray(want @ np.asarray(wj, np.float32), BF16), np.float32)
+            want = _bf16(want @ np.asarray(wj, np.float32))
         err = float(np.abs(got - want).max() / np.abs(want).max())
         return time_in_loop(chain, x, *ws, **timing), dim * dim * 2, err
     splits = max(1, min(128 // (dim // 64), dim // 64))  # <= 128 programs, K ranges of >= 64
