@@ -247,24 +247,26 @@ def parse_kernel_bench_args(
 LOOP_UNROLL = 20
 
 
-def time_in_loop(fn: Callable, x, *operands, iters: int, repeats: int) -> float:
-    """Microseconds per call of `fn(x, *operands) -> array shaped like x`, called `iters` times
-    inside one jitted fori_loop unrolled LOOP_UNROLL calls a trip (each output feeds the next
-    call, so Python dispatch stays out; a CUDA graph under `parse_kernel_bench_args`' flags);
-    median of `repeats` loops. The operands (caches, weights) are arguments of the loop, as the
-    engine's are of its windows: closed over, they would be constants of the program."""
+def time_in_loop(
+    fn: Callable, x, *operands, iters: int, repeats: int, unroll: int = LOOP_UNROLL
+) -> float:
+    """Microseconds per call of `fn(x, *operands) -> array (or pytree) shaped like x`, called
+    `iters` times inside one jitted fori_loop unrolled `unroll` calls a trip (each output feeds
+    the next call, so Python dispatch stays out; a CUDA graph under `parse_kernel_bench_args`'
+    flags); median of `repeats` loops. The operands (caches, weights) are arguments of the loop,
+    as the engine's are of its windows: closed over, they would be constants of the program."""
     import jax
 
     loop = jax.jit(
         lambda x, *ops: jax.lax.fori_loop(
-            0, iters, lambda _, y: fn(y, *ops), x, unroll=min(iters, LOOP_UNROLL)
+            0, iters, lambda _, y: fn(y, *ops), x, unroll=min(iters, unroll)
         )
     )
-    loop(x, *operands).block_until_ready()
+    jax.block_until_ready(loop(x, *operands))
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        loop(x, *operands).block_until_ready()
+        jax.block_until_ready(loop(x, *operands))
         times.append((time.perf_counter() - t) / iters)
     return float(np.median(times)) * 1e6
 

@@ -960,6 +960,17 @@ def test_persistent_probe_quick(tmp_path):
 
 
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
+def test_decoder_step_bench_quick(tmp_path):
+    """The one-kernel step's bench harness on the CPU, its XLA reference in the kernel's place:
+    both steps timed, and the reference's logits near the bf16 model's (float32 residual
+    against the model's bf16 one) with the same argmax."""
+    rows = _quick_rows(tmp_path, "bench_decoder_step")
+    assert [r["variant"] for r in rows] == ["model", "kernel"]
+    assert all(_positive(r["ms"]) for r in rows)
+    assert rows[0]["logits_rel_diff"] < 3e-2 and rows[0]["argmax_same"]
+
+
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_all_reduce_probe_psum_on_two_host_devices(tmp_path):
     """The all-reduce probe's harness (mesh, chained loop, check against the host's sum) on two
     CPU devices, through `psum` (its one-shot kernel needs GPUs)."""

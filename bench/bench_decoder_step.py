@@ -1,0 +1,208 @@
+"""A decode step at one row: the Llama family's whole decoder in one persistent Mosaic GPU kernel
+(`pallas_kernels.decoder_step`) against the model's own step (`forward` of one token with the
+engine's kernels: the small-batch Pallas linears, the decode attention with its fused q/k norm,
+RoPE and append), in one process.
+
+Both steps embed the token, run every layer over the same paged cache (random contents: the
+work per token is the same), apply the final norm and LM head and take the argmax, which feeds
+the next call (bench.common.time_in_loop, the caches carried). Per context length: ms a step,
+the ratio, the weights' GB/s and the logits' relative difference (and whether the argmax agrees).
+`--quick` (CPU smoke): tiny sizes, the XLA reference (`decoder_step_reference`) in the kernel's
+place, since jax's Mosaic GPU interpreter cannot run the kernel's grid barrier.
+
+    PYTHONPATH=. JAX_PLATFORMS=cuda python bench/bench_decoder_step.py --context 16,136,1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: make `bench` and `pallas_kernels` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    add_kernel_bench_args,
+    ints,
+    parse_kernel_bench_args,
+    report_kernel_bench,
+    time_in_loop,
+)
+from pallas_kernels.decoder_step import (  # noqa: E402
+    DecoderShape,
+    decoder_step,
+    decoder_step_reference,
+    pack_decoder_weights,
+)
+from pallas_kernels.rms_norm import rms_norm_reference  # noqa: E402
+from rosejax.layers.attention import ForwardMetadata  # noqa: E402
+from rosejax.layers.kv_cache import KVCache  # noqa: E402
+from rosejax.layers.rotary import rope_cos_sin  # noqa: E402
+from rosejax.models import family_of, preset  # noqa: E402
+from rosejax.models.llama.model import inv_freq  # noqa: E402
+from rosejax.settings import KernelConfig  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def model_step(config, kernels, table, context):
+    """The model's decode step: (token [1, 1], k caches, v caches) -> the next ones."""
+    forward = family_of(config).forward
+    meta = ForwardMetadata(
+        positions=jnp.full((1, 1), context - 1, jnp.int32),
+        seq_lens=jnp.full((1,), context, jnp.int32),
+        block_tables=table[None],
+    )
+
+    def step(carry, params):
+        token, ks, vs = carry
+        logits, cache = forward(params, config, token, KVCache(k=ks, v=vs), meta, kernels=kernels)
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache.k, cache.v
+
+    return step
+
+
+def head(config, params, h):
+    """Final norm and LM head over the float32 stream h [E] -> logits [V]."""
+    dtype = params["embed_tokens"]["embedding"].dtype
+    x = rms_norm_reference(h.astype(dtype)[None], params["norm"]["scale"], eps=config.rms_norm_eps)
+    if config.tie_word_embeddings:
+        logits = x @ params["embed_tokens"]["embedding"].T
+    else:
+        logits = x @ params["lm_head"]["kernel"]
+    return logits[0, : config.vocab_size]
+
+
+def kernel_step(config, table, context, run):
+    """The one-kernel step: `run(weights, params, h, rope, table, seq_len, ks, vs)` is the
+    decoder (the kernel, or its reference)."""
+    cos, sin = rope_cos_sin(jnp.asarray(context - 1), inv_freq(config))
+    rope, seq_len = jnp.stack([cos, sin]), jnp.full((1,), context, jnp.int32)
+
+    def step(carry, weights, params):
+        token, ks, vs = carry
+        h = params["embed_tokens"]["embedding"][token[0, 0]].astype(jnp.float32)
+        h, ks, vs = run(weights, params, h, rope, table, seq_len, ks, vs)
+        token = jnp.argmax(head(config, params, h)).astype(jnp.int32).reshape(1, 1)
+        return token, ks, vs
+
+    return step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="qwen3-0.6b", help="a Llama-family preset's shape")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the preset's")
+    p.add_argument("--context", type=ints, default=[16, 136, 1024], help="comma list of lengths")
+    p.add_argument("--programs", type=int, default=None, help="kernel programs (default: SMs)")
+    p.add_argument("--splits", type=int, default=8, help="attention splits of a KV head")
+    p.add_argument("--stages", type=int, default=4, help="weight tiles in flight a program")
+    p.add_argument("--unroll", type=int, default=2, help="steps a loop trip (both variants)")
+    add_kernel_bench_args(p)
+    args = parse_kernel_bench_args(p)
+    config = preset(args.model)
+    if args.quick:  # the reference on the CPU, at widths the kernel's tiles take
+        config = dataclasses.replace(
+            config,
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+        )
+        args.layers, args.context, args.iters, args.repeats = 2, [20], 2, 1
+    if args.layers:
+        config = dataclasses.replace(config, num_hidden_layers=args.layers)
+    shape = DecoderShape.of(config)
+    programs = args.programs or getattr(jax.devices()[0], "core_count", 128)
+    kernels = KernelConfig.for_backend()
+    params = family_of(config).random_params(config, seed=0, dtype=jnp.bfloat16)
+    weights = pack_decoder_weights(params, shape)
+    if args.quick:
+
+        def run(weights, params, *inputs):
+            return decoder_step_reference(params, shape, *inputs)
+
+    else:
+
+        def run(weights, params, *inputs):
+            return decoder_step(
+                weights,
+                *inputs,
+                shape=shape,
+                programs=programs,
+                splits=args.splits,
+                stages=args.stages,
+            )
+
+    weight_bytes = weights["tiles"].size * weights["tiles"].dtype.itemsize
+    rng, rows = np.random.default_rng(0), []
+    for context in args.context:
+        pages = -(-context // BLOCK_SIZE)
+        table = jnp.asarray(1 + rng.permutation(pages), jnp.int32)
+        cache_shape = (shape.kv_heads, pages + 1, BLOCK_SIZE, shape.head_dim)
+        ks = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in range(shape.layers)]
+        vs = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in range(shape.layers)]
+        token = jnp.asarray([[int(rng.integers(config.vocab_size))]], jnp.int32)
+        steps = {
+            "model": (model_step(config, kernels, table, context), (params,)),
+            "kernel": (kernel_step(config, table, context, run), (weights, params)),
+        }
+        # One step's logits of each: the model's from its forward, the kernel's from its head.
+        meta = ForwardMetadata(
+            positions=jnp.full((1, 1), context - 1, jnp.int32),
+            seq_lens=jnp.full((1,), context, jnp.int32),
+            block_tables=table[None],
+        )
+        want, _ = jax.jit(
+            family_of(config).forward, static_argnums=(1,), static_argnames="kernels"
+        )(params, config, token, KVCache(k=ks, v=vs), meta, kernels=kernels)
+        cos, sin = rope_cos_sin(jnp.asarray(context - 1), inv_freq(config))
+        h = params["embed_tokens"]["embedding"][token[0, 0]].astype(jnp.float32)
+        seq_len = jnp.full((1,), context, jnp.int32)
+        h, _, _ = jax.jit(run)(weights, params, h, jnp.stack([cos, sin]), table, seq_len, ks, vs)
+        got = np.asarray(jax.jit(head, static_argnums=0)(config, params, h), np.float32)
+        want = np.asarray(want[0, -1], np.float32)
+        diff = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        same = bool(np.argmax(got) == np.argmax(want))
+        base = None
+        for name, (step, operands) in steps.items():
+            us = time_in_loop(
+                step,
+                (token, ks, vs),
+                *operands,
+                iters=args.iters,
+                repeats=args.repeats,
+                unroll=args.unroll,
+            )
+            base = base or us
+            row = dict(
+                context=context,
+                variant=name,
+                ms=us / 1e3,
+                vs_model=us / base,
+                weights_gbs=weight_bytes / us / 1e3,
+                logits_rel_diff=diff,
+                argmax_same=same,
+            )
+            rows.append(row)
+            print(
+                f"context {context:6d} {name:7s} {us / 1e3:7.4f} ms/step {us / base:6.3f}x model "
+                f"layers' weights {row['weights_gbs']:7.1f} GB/s  logits rel diff {diff:.2e} "
+                f"argmax {'same' if same else 'DIFFERS'}",
+                flush=True,
+            )
+    report_kernel_bench(args.json, rows, args=vars(args), programs=programs)
+
+
+if __name__ == "__main__":
+    main()

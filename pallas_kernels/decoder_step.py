@@ -1,0 +1,648 @@
+"""A Llama-style decoder's whole decode step at one row (Qwen3, Llama 3) in one persistent Mosaic
+GPU kernel: every layer's RMSNorms, q/k/v, q/k norm and RoPE, the K/V append, paged attention,
+output projection, gate/up, SwiGLU and down projection, with the residual stream in float32.
+
+Why: at one row a step is ~7 small kernels a layer, each paying a launch, ramp and drain on top of
+its bytes; the Triton matmuls reach 25-50% of copy bandwidth (docs/performance-log.md). Here one
+program a SM stays for the whole step. Every program streams its share of all layers' weights
+through one ring of TMA copies that never waits for activations (weights do not depend on them),
+so the next phase's weights arrive while the programs wait for the previous phase's outputs.
+
+Work: each layer's four matmuls are cut into tiles of W^T, 64 output columns x 256 of K (packed
+once, `pack_decoder_weights`), dealt round-robin to the programs (tile r of a layer to program
+r mod P). A tile's program multiplies it by its 256 inputs on the CUDA cores and stores float32
+partials: q/k/v and gate/up partials to buffers the next phase sums, o_proj and down partials
+added into the residual stream by TMA reduce-adds. Attention is H x `splits` items (a KV head, a
+range of 64-token tiles of the pages; the current token and its append go to split 0), each
+storing its unnormalised output and softmax max/sum for the o_proj tiles to merge.
+
+Order: one global semaphore counts finished tiles and items; a phase's tiles wait until every
+tile of the phases before it in the layer (and all earlier layers) has been counted: a program
+signals once it has stored its last tile of a phase (its tiles of a phase are consecutive). Programs
+take tiles in order and all are resident (one a SM), so the waits cannot deadlock.
+
+Rounding follows the bf16 model where it rounds (`decoder_step_reference`): the normed input, q/k/v,
+q/k norm and RoPE, the attention output and the SwiGLU product in the weights' dtype; the residual
+stream stays float32 (the XLA model rounds it at each add).
+
+jax's Mosaic GPU interpreter has no global semaphores: the kernel runs on a GPU only; the CPU
+tests check `decoder_step_reference` against the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.qk_norm_rope import apply_rotary
+
+TILE_N = 64  # output columns of a weight tile (rows of W^T: a WGMMA layout's rows)
+TILE_K = 256  # its K range (the widest side of a TMA box)
+TOKENS = 64  # KV positions an attention tile reads
+FLOAT = jnp.float32
+NEG_INF = float("-inf")
+QKV, O_PROJ, GATE_UP, DOWN = range(4)  # a layer's matmul phases, in order
+
+WGMMA = plgpu.Layout.WGMMA
+COL = WGMMA.reduce(0)  # a vector along a [64, N] tile's columns
+ROW = WGMMA.reduce(1)  # a vector along its rows
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderShape:
+    """A Llama-style decoder's sizes (hashable: the kernel's static argument)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    qk_norm: bool
+
+    @classmethod
+    def of(cls, config) -> DecoderShape:
+        """From a `rosejax.models.llama.config.LlamaConfig`."""
+        return cls(
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            intermediate=config.intermediate_size,
+            eps=config.rms_norm_eps,
+            qk_norm=config.qk_norm,
+        )
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    def phase_tiles(self) -> tuple[int, int, int, int]:
+        """Weight tiles a layer, by phase: q/k/v, o_proj, gate/up, down."""
+        e, f, q = self.hidden, self.intermediate, self.heads * self.head_dim
+        return (
+            e // TILE_K * (self.qkv_width // TILE_N),
+            q // TILE_K * (e // TILE_N),
+            e // TILE_K * (2 * f // TILE_N),
+            f // TILE_K * (e // TILE_N),
+        )
+
+    def phase_blocks(self) -> tuple[int, int, int, int]:
+        """Column blocks (of TILE_N) of each phase's output."""
+        e = self.hidden // TILE_N
+        return self.qkv_width // TILE_N, e, 2 * self.intermediate // TILE_N, e
+
+
+def _w_tiles(kernel: jax.Array) -> jax.Array:  # [K, N] -> [K/256 * N/64, 64, 256]
+    """A Dense kernel's W^T tiles, K-range-major (tile k * N/64 + b: columns b, K range k)."""
+    k, n = kernel.shape
+    t = kernel.reshape(k // TILE_K, TILE_K, n // TILE_N, TILE_N)
+    return t.transpose(0, 2, 3, 1).reshape(-1, TILE_N, TILE_K)
+
+
+def pack_decoder_weights(params: dict, shape: DecoderShape) -> dict:
+    """rosejax Llama-family params -> the kernel's weights: "tiles" [L * T, 64, 256] (each
+    layer's q/k/v, o_proj, gate/up and down tiles, in the params' dtype), "norms" float32
+    [L, 2, E] (input and post-attention RMSNorm scales), "qk_norms" float32 [L, 2, D] (q_norm,
+    k_norm; ones without them)."""
+    tiles, norms, qk_norms = [], [], []
+    for i in range(shape.layers):
+        layer = params[f"layers_{i}"]
+        attn, mlp = layer["self_attn"], layer["mlp"]
+        for kernel in (
+            attn["qkv_proj"]["kernel"],
+            attn["o_proj"]["kernel"],
+            mlp["gate_up_proj"]["kernel"],
+            mlp["down_proj"]["kernel"],
+        ):
+            tiles.append(_w_tiles(kernel))
+        norms.append(
+            jnp.stack(
+                [layer["input_layernorm"]["scale"], layer["post_attention_layernorm"]["scale"]]
+            )
+        )
+        if shape.qk_norm:
+            qk_norms.append(jnp.stack([attn["q_norm"]["scale"], attn["k_norm"]["scale"]]))
+        else:
+            qk_norms.append(jnp.ones((2, shape.head_dim)))
+    return {
+        "tiles": jnp.concatenate(tiles),
+        "norms": jnp.stack(norms).astype(FLOAT),
+        "qk_norms": jnp.stack(qk_norms).astype(FLOAT),
+    }
+
+
+def _select(i, values):
+    """values[i] for a traced scalar i and static ints (a chain of selects)."""
+    out = jnp.int32(values[-1])
+    for j in range(len(values) - 2, -1, -1):
+        out = jnp.where(i == j, jnp.int32(values[j]), out)
+    return out
+
+
+def _wait_count(sem, target) -> None:
+    """Wait until `sem` counts `target` signals; then a proxy fence: this thread's acquire
+    (generic proxy) before its TMA (async proxy) reads of what other programs stored."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+
+    plgpu.semaphore_wait(sem, target, decrement=False, memory_scope="gpu")
+
+    @plgpu.inline_mgpu()
+    def fence(_ctx):
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;", "", has_side_effects=True
+        )
+
+    fence()
+
+
+def _load(ref, layout=COL):
+    return plgpu.load(ref, (), layout=layout, optimized=False)
+
+
+def _chunks(src, dst):
+    """(src, dst) cut along the last dim into TMA boxes of at most TILE_K."""
+    n = src.shape[-1]
+    if n <= TILE_K:
+        return [(src, dst)]
+    lead = (slice(None),) * (len(src.shape) - 1)
+    return [
+        (src.at[(*lead, pl.ds(i, TILE_K))], dst.at[(*lead, pl.ds(i, TILE_K))])
+        for i in range(0, n, TILE_K)
+    ]
+
+
+def _copy_in(srcs_and_dsts, barriers) -> None:
+    """TMA copies GMEM -> SMEM, each box on its own barrier, all waited for."""
+    boxes = [box for pair in srcs_and_dsts for box in _chunks(*pair)]
+    for i, (src, dst) in enumerate(boxes):
+        plgpu.copy_gmem_to_smem(src, dst, barriers.at[i])
+    for i in range(len(boxes)):
+        plgpu.barrier_wait(barriers.at[i])
+
+
+def decoder_step_kernel(
+    *refs,
+    shape: DecoderShape,
+    dtype,
+    block_size: int,
+    programs: int,
+    splits: int,
+    stages: int,
+):
+    """One program's share of the step. Refs: inputs tiles, norms, qk_norms, rope [2, D/2],
+    block_table [pages], seq_len [1], then h, K and V caches (aliased to the outputs: unused);
+    outputs h [E] float32, the L K and L V caches [H, blocks, block_size, D], the buffers
+    between phases (q/k/v and gate/up partials, attention partials); scratch."""
+    lay, e, hq, h_kv, d = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
+    f, group, half = shape.intermediate, shape.heads // shape.kv_heads, shape.head_dim // 2
+    starts, blocks = [0], shape.phase_blocks()
+    for n in shape.phase_tiles():
+        starts.append(starts[-1] + n)
+    per_layer_tiles, items = starts[-1], h_kv * splits
+    # A program's tiles of one phase are consecutive: it signals once a phase (a run), so
+    # min(programs, tiles) programs signal a phase, and one signal an attention item.
+    runs = [min(programs, n) for n in shape.phase_tiles()]
+    per_layer = sum(runs) + items  # signals a layer
+    # A phase's inputs are complete at these counts within its layer (attention items come
+    # right after q/k/v).
+    targets = (0, runs[0] + items, sum(runs[:2]) + items, sum(runs[:3]) + items)
+    kt_e = e // TILE_K
+    pages_per_tile = TOKENS // block_size
+
+    tiles_ref, norms_ref, qk_norms_ref, rope_ref, table_ref, seq_len_ref = refs[:6]
+    out = refs[6 + 1 + 2 * lay :]
+    h_ref, k_refs, v_refs = out[0], out[1 : 1 + lay], out[1 + lay : 1 + 2 * lay]
+    qkv_ref, gu_ref, acc_ref, m_ref, l_ref = out[1 + 2 * lay : 6 + 2 * lay]
+    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars = out[6 + 2 * lay :]
+
+    c = pl.program_id(0)
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    own = (per_layer_tiles - c + programs - 1) // programs  # this program's tiles a layer
+    total = lay * own
+    pos = seq_len_ref[0] - 1  # the step's token: its position; the cache holds [0, pos)
+
+    def fetch(t, slot):
+        layer, s = t // own, t % own
+        tile = layer * per_layer_tiles + s * programs + c
+        plgpu.copy_gmem_to_smem(tiles_ref.at[tile], ring.at[slot], ring_bar.at[slot])
+
+    for i in range(stages):
+        fetch(i, i)
+    _copy_in([(rope_ref, rope_smem)], bars)
+
+    def phase_of(r):
+        return sum((r >= starts[p]).astype(jnp.int32) for p in (1, 2, 3))
+
+    def bf16(x):  # the weights' dtype's rounding, in float32
+        return x.astype(dtype).astype(FLOAT)
+
+    def norm_input(k):
+        """The tile's 256 inputs of RMSNorm(h) (h and the layer's scale in SMEM)."""
+        hh = h_smem[...]
+        inv = lax.rsqrt(jnp.sum(hh * hh) / e + shape.eps)
+        x = _load(h_smem.at[pl.ds(k * TILE_K, TILE_K)])
+        x_smem[...] = bf16(bf16(x * inv) * _load(norm_smem.at[pl.ds(k * TILE_K, TILE_K)]))
+
+    def merged_attention(k):
+        """The tile's 256 attention outputs (of 256 / D query heads), merged over the splits."""
+
+        def scoped(acc_s, m_s, l_s):
+            cols = pl.ds(k * TILE_K, TILE_K)
+            _copy_in([(acc_ref.at[:, cols], acc_s), (m_ref.at[:, cols], m_s)], bars)
+            _copy_in([(l_ref.at[:, cols], l_s)], bars)
+            ms = [_load(m_s.at[i]) for i in range(splits)]
+            top = functools.reduce(jnp.maximum, ms)
+            ws = [jnp.exp(m - top) for m in ms]
+            total_l = sum(_load(l_s.at[i]) * w for i, w in enumerate(ws))
+            o = sum(_load(acc_s.at[i]) * w for i, w in enumerate(ws))
+            x_smem[...] = bf16(o / total_l)
+
+        pl.run_scoped(scoped, *[plgpu.SMEM((splits, TILE_K), FLOAT)] * 3)
+
+    def swiglu_input(k):
+        """The tile's 256 inputs of silu(gate) * up, summed from gate/up's partials."""
+
+        def scoped(g_s, u_s):
+            gate, up = pl.ds(k * TILE_K, TILE_K), pl.ds(f + k * TILE_K, TILE_K)
+            _copy_in([(gu_ref.at[:, gate], g_s), (gu_ref.at[:, up], u_s)], bars)
+            g = bf16(sum(_load(g_s.at[i]) for i in range(kt_e)))
+            u = bf16(sum(_load(u_s.at[i]) for i in range(kt_e)))
+            x_smem[...] = bf16(bf16(g / (1.0 + jnp.exp(-g))) * u)
+
+        pl.run_scoped(scoped, plgpu.SMEM((kt_e, TILE_K), FLOAT), plgpu.SMEM((kt_e, TILE_K), FLOAT))
+
+    def attention(layer, head, split):
+        """Item (head, split) of the layer: its query heads over its range of 64-token tiles
+        (split 0 also the step's own token, which it appends to the cache)."""
+
+        def from_layer(refs, index, dst, barrier):  # a TMA copy from this layer's cache
+            for i, ref in enumerate(refs):
+                pl.when(layer == i)(
+                    lambda ref=ref: plgpu.copy_gmem_to_smem(ref.at[index], dst, barrier)
+                )
+
+        def to_layer(src, refs, index):
+            for i, ref in enumerate(refs):
+                pl.when(layer == i)(lambda ref=ref: plgpu.copy_smem_to_gmem(src, ref.at[index]))
+
+        def load_page(i, j, k_s, v_s, page_bars):
+            """Page j of 64-token tile i into rows j * block_size... of k_s, v_s, if it holds
+            cached tokens."""
+            token = i * TOKENS + j * block_size
+
+            @pl.when(token < pos)
+            def _():
+                page = table_ref[token // block_size]
+                rows = pl.ds(j * block_size, block_size)
+                from_layer(k_refs, (head, page), k_s.at[rows], page_bars.at[2 * j])
+                from_layer(v_refs, (head, page), v_s.at[rows], page_bars.at[2 * j + 1])
+
+        def wait_page(i, j, page_bars):
+            @pl.when(i * TOKENS + j * block_size < pos)
+            def _():
+                plgpu.barrier_wait(page_bars.at[2 * j])
+                plgpu.barrier_wait(page_bars.at[2 * j + 1])
+
+        def scoped(heads_s, qkn_s, k_s, v_s, out_s, cur_s, page_bars):
+            q0, k0, v0 = head * group * d, hq * d + head * d, (hq + h_kv) * d + head * d
+            srcs = [qkv_ref.at[:, pl.ds(q0 + g * d, d)] for g in range(group)]
+            srcs += [qkv_ref.at[:, pl.ds(k0, d)], qkv_ref.at[:, pl.ds(v0, d)]]
+            _copy_in([(src, heads_s.at[i]) for i, src in enumerate(srcs)], page_bars)
+            _copy_in([(qk_norms_ref.at[layer], qkn_s)], page_bars)
+            cos, sin = _load(rope_smem.at[0]), _load(rope_smem.at[1])
+
+            def head_vec(i):  # summed partials, in halves of D
+                return tuple(
+                    bf16(sum(_load(heads_s.at[i, j, pl.ds(p * half, half)]) for j in range(kt_e)))
+                    for p in (0, 1)
+                )
+
+            def norm_rope(x1, x2, which):
+                if shape.qk_norm:
+                    inv = lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / d + shape.eps)
+                    x1 = bf16(bf16(x1 * inv) * _load(qkn_s.at[which, pl.ds(0, half)]))
+                    x2 = bf16(bf16(x2 * inv) * _load(qkn_s.at[which, pl.ds(half, half)]))
+                return bf16(x1 * cos - x2 * sin), bf16(x2 * cos + x1 * sin)
+
+            qs = [norm_rope(*head_vec(g), 0) for g in range(group)]
+            k_cur, v_cur = norm_rope(*head_vec(group), 1), head_vec(group + 1)
+            scale = 1.0 / math.sqrt(d)
+            zero = plgpu.layout_cast(jnp.zeros((half,), FLOAT), COL)  # a loop carry's layout
+            state = [(jnp.float32(NEG_INF), jnp.float32(0.0), zero, zero) for _ in range(group)]
+
+            tiles = (pos + TOKENS - 1) // TOKENS
+            per_split = (tiles + splits - 1) // splits
+            first = jnp.minimum(split * per_split, tiles)
+            last = jnp.minimum(first + per_split, tiles)
+
+            def tile(i, state):
+                for j in range(pages_per_tile):
+                    load_page(i, j, k_s, v_s, page_bars)
+                for j in range(pages_per_tile):
+                    wait_page(i, j, page_bars)
+                valid = i * TOKENS + plgpu.broadcasted_iota(jnp.int32, (TOKENS,), 0, layout=ROW)
+                valid = valid < pos
+                keys = [
+                    _load(k_s.at[:, pl.ds(p * half, half)], WGMMA).astype(FLOAT) for p in (0, 1)
+                ]
+                vals = [
+                    _load(v_s.at[:, pl.ds(p * half, half)], WGMMA).astype(FLOAT) for p in (0, 1)
+                ]
+                rows = lax.broadcast_in_dim(valid, (TOKENS, half), [0])
+                vals = [jnp.where(rows, v, 0.0) for v in vals]
+                new = []
+                for (q1, q2), (m, l_sum, a1, a2) in zip(qs, state, strict=True):
+                    s = sum(
+                        (kp * lax.broadcast_in_dim(qp, (TOKENS, half), [1])).sum(axis=1)
+                        for kp, qp in zip(keys, (q1, q2), strict=True)
+                    )
+                    s = jnp.where(valid, s * scale, NEG_INF)
+                    m_new = jnp.maximum(m, jnp.max(s))
+                    alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
+                    pb = lax.broadcast_in_dim(p, (TOKENS, half), [0])
+                    a1 = a1 * alpha + (vals[0] * pb).sum(axis=0)
+                    a2 = a2 * alpha + (vals[1] * pb).sum(axis=0)
+                    new.append((m_new, l_sum * alpha + jnp.sum(p), a1, a2))
+                plgpu.commit_smem()  # every thread's reads done before the next tile's copies
+                return new
+
+            state = lax.fori_loop(first, last, tile, state)
+            owner = split == 0
+            for g, ((q1, q2), (m, l_sum, a1, a2)) in enumerate(zip(qs, state, strict=True)):
+                s_cur = (jnp.sum(q1 * k_cur[0]) + jnp.sum(q2 * k_cur[1])) * scale
+                m_new = jnp.where(owner, jnp.maximum(m, s_cur), m)
+                alpha = jnp.where(owner, jnp.exp(m - m_new), 1.0)
+                p = jnp.where(owner, jnp.exp(s_cur - m_new), 0.0)
+                out_s[0, g, pl.ds(0, half)] = a1 * alpha + p * v_cur[0]
+                out_s[0, g, pl.ds(half, half)] = a2 * alpha + p * v_cur[1]
+                for p_ in (0, 1):
+                    out_s[1, g, pl.ds(p_ * half, half)] = zero + m_new
+                    out_s[2, g, pl.ds(p_ * half, half)] = zero + (l_sum * alpha + p)
+            cur_s[0, pl.ds(0, half)] = k_cur[0].astype(dtype)
+            cur_s[0, pl.ds(half, half)] = k_cur[1].astype(dtype)
+            cur_s[1, pl.ds(0, half)] = v_cur[0].astype(dtype)
+            cur_s[1, pl.ds(half, half)] = v_cur[1].astype(dtype)
+            plgpu.commit_smem()
+            for g in range(group):
+                cols = pl.ds((head * group + g) * d, d)
+                for buf, dst in enumerate((acc_ref, m_ref, l_ref)):
+                    plgpu.copy_smem_to_gmem(out_s.at[buf, g], dst.at[split, cols])
+
+            @pl.when(owner)
+            def _():
+                at = (head, table_ref[pos // block_size], pos % block_size)
+                to_layer(cur_s.at[0], k_refs, at)
+                to_layer(cur_s.at[1], v_refs, at)
+
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((group + 2, kt_e, d), FLOAT),
+            plgpu.SMEM((2, d), FLOAT),
+            plgpu.SMEM((TOKENS, d), dtype),
+            plgpu.SMEM((TOKENS, d), dtype),
+            plgpu.SMEM((3, group, d), FLOAT),
+            plgpu.SMEM((2, d), dtype),
+            plgpu.Barrier(num_barriers=max(group + 2, 2 * pages_per_tile)),
+        )
+
+    def step(t, prev_phase):
+        layer, s = t // own, t % own
+        r = s * programs + c
+        phase = phase_of(r)
+        base = layer * per_layer
+
+        # This program's attention item: before its first tile past q/k/v.
+        @pl.when((r >= starts[1]) & (r - programs < starts[1]) & (c < items))
+        def _():
+            _wait_count(sem, base + runs[0])
+            attention(layer, c // splits, c % splits)
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+
+        @pl.when((s == 0) | (phase != prev_phase))
+        def _():
+            _wait_count(sem, base + _select(phase, targets))
+
+            @pl.when((phase == QKV) | (phase == GATE_UP))
+            def _():
+                _copy_in([(h_ref, h_smem), (norms_ref.at[layer, phase // 2], norm_smem)], bars)
+
+        q = r - _select(phase, starts[:4])
+        nb = _select(phase, blocks)
+        k, b = q // nb, q % nb
+
+        @pl.when((phase == QKV) | (phase == GATE_UP))
+        def _():
+            norm_input(k)
+
+        @pl.when(phase == O_PROJ)
+        def _():
+            merged_attention(k)
+
+        @pl.when(phase == DOWN)
+        def _():
+            swiglu_input(k)
+
+        plgpu.commit_smem()  # x_smem written by every thread before any reads it
+        slot = t % stages
+        plgpu.barrier_wait(ring_bar.at[slot])
+        x = _load(x_smem)
+        w = _load(ring.at[slot], WGMMA).astype(FLOAT)
+        o_smem[...] = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
+        plgpu.commit_smem()  # the slot read and o_smem written by every thread
+
+        @pl.when(t + stages < total)
+        def _():
+            fetch(t + stages, slot)
+
+        cols = pl.ds(b * TILE_N, TILE_N)
+
+        @pl.when(phase == QKV)
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem, qkv_ref.at[k, cols])
+
+        @pl.when(phase == GATE_UP)
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem, gu_ref.at[k, cols])
+
+        @pl.when((phase == O_PROJ) | (phase == DOWN))
+        def _():
+            plgpu.copy_smem_to_gmem(o_smem, h_ref.at[cols], reduction_op="add")
+
+        plgpu.wait_smem_to_gmem(0)
+
+        @pl.when((s == own - 1) | (phase_of(r + programs) != phase))
+        def _():  # the end of this program's run of the phase
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+
+        return phase
+
+    lax.fori_loop(0, total, step, jnp.int32(-1))
+
+
+_STATIC = ("shape", "programs", "splits", "stages", "interpret")
+
+
+def check_decoder_step(shape: DecoderShape, tiles, k_caches, *, programs, splits, stages) -> None:
+    """ValueError unless the kernel can run these sizes."""
+    d, e, f = shape.head_dim, shape.hidden, shape.intermediate
+    block_size = k_caches[0].shape[2]
+    problems = []
+    if e % TILE_K or f % TILE_K or (shape.heads * d) % TILE_K or shape.qkv_width % TILE_N:
+        problems.append(
+            f"hidden, intermediate and heads x head_dim must be multiples of {TILE_K}"
+            f" (got {e}, {f}, {shape.heads * d})"
+        )
+    if d % 16 or d > TILE_K or TILE_K % d or shape.heads % shape.kv_heads:
+        problems.append(f"head_dim must be a multiple of 16 dividing {TILE_K}, heads of kv_heads")
+    if TOKENS % block_size:
+        problems.append(f"the cache's block_size must divide {TOKENS}, got {block_size}")
+    if tiles.dtype not in (jnp.bfloat16, jnp.float16) or k_caches[0].dtype != tiles.dtype:
+        problems.append(f"weights and caches must be bf16 or fp16 alike, got {tiles.dtype}")
+    per_layer = sum(shape.phase_tiles())
+    if tiles.shape != (shape.layers * per_layer, TILE_N, TILE_K):
+        problems.append(f"tiles must be {(shape.layers * per_layer, TILE_N, TILE_K)}")
+    if not 0 < programs <= shape.phase_tiles()[0] or shape.kv_heads * splits > programs:
+        problems.append(f"programs ({programs}) must cover kv_heads x splits and <= q/k/v tiles")
+    if not 1 <= stages <= shape.layers * (per_layer // programs):
+        problems.append(f"stages must be 1 .. the tiles a program takes, got {stages}")
+    if len(k_caches) != shape.layers:
+        problems.append(f"{shape.layers} layers of caches expected, got {len(k_caches)}")
+    if problems:
+        raise ValueError("decoder_step: " + "; ".join(problems))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def decoder_step(
+    weights: dict,  # pack_decoder_weights
+    h: jax.Array,  # float32 [E]: the token's embedding
+    rope: jax.Array,  # float32 [2, D/2]: cos, sin of the token's position
+    block_table: jax.Array,  # int32 [pages]: the row's pages
+    seq_len: jax.Array,  # int32 [1]: its length with the step's token
+    k_caches: list,  # L x [H, blocks, block_size, D]
+    v_caches: list,  # L x [H, blocks, block_size, D]
+    *,
+    shape: DecoderShape,
+    programs: int = 128,
+    splits: int = 8,
+    stages: int = 4,
+    interpret: bool = False,
+) -> tuple[jax.Array, list, list]:
+    """h after every layer (float32 [E]) and the caches with the token's K/V appended.
+    `programs` must not exceed the GPU's SMs (all must be resident: they wait for each other)."""
+    if interpret:
+        raise NotImplementedError(
+            "decoder_step needs a GPU: jax's Mosaic GPU interpreter has no global semaphores"
+        )
+    tiles = weights["tiles"]
+    check_decoder_step(shape, tiles, k_caches, programs=programs, splits=splits, stages=stages)
+    lay, e, d = shape.layers, shape.hidden, shape.head_dim
+    dtype, caches = tiles.dtype, [*k_caches, *v_caches]
+    kt_e, q = e // TILE_K, shape.heads * d
+    buffers = [
+        jax.ShapeDtypeStruct((kt_e, shape.qkv_width), FLOAT),
+        jax.ShapeDtypeStruct((kt_e, 2 * shape.intermediate), FLOAT),
+        *[jax.ShapeDtypeStruct((splits, q), FLOAT)] * 3,
+    ]
+    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+    outs = pl.pallas_call(
+        functools.partial(
+            decoder_step_kernel,
+            shape=shape,
+            dtype=dtype,
+            block_size=k_caches[0].shape[2],
+            programs=programs,
+            splits=splits,
+            stages=stages,
+        ),
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (h, *caches)] + buffers,
+        grid=(programs,),
+        in_specs=[gmem] * (7 + 2 * lay),
+        out_specs=[gmem] * (1 + 2 * lay + len(buffers)),
+        input_output_aliases={6 + i: i for i in range(1 + 2 * lay)},
+        scratch_shapes=[
+            plgpu.SMEM((stages, TILE_N, TILE_K), dtype),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.SMEM((e,), FLOAT),
+            plgpu.SMEM((e,), FLOAT),
+            plgpu.SMEM((TILE_K,), FLOAT),
+            plgpu.SMEM((TILE_N,), FLOAT),
+            plgpu.SMEM((2, d // 2), FLOAT),
+            plgpu.Barrier(num_barriers=max(3, 2 * kt_e)),
+        ],
+        compiler_params=plgpu.CompilerParams(),
+    )(
+        tiles,
+        weights["norms"],
+        weights["qk_norms"],
+        rope,
+        block_table,
+        seq_len,
+        h,
+        *caches,
+    )
+    return outs[0], list(outs[1 : 1 + lay]), list(outs[1 + lay : 1 + 2 * lay])
+
+
+def decoder_step_reference(
+    params: dict,
+    shape: DecoderShape,
+    h: jax.Array,  # float32 [E]
+    rope: jax.Array,  # float32 [2, D/2]
+    block_table: jax.Array,  # int32 [pages]
+    seq_len: jax.Array,  # int32 [1]
+    k_caches: list,
+    v_caches: list,
+) -> tuple[jax.Array, list, list]:
+    """Plain XLA over the model's own params, with the kernel's rounding: the residual stream in
+    float32, everything the bf16 model rounds rounded to the params' dtype."""
+    d, hq, h_kv, f = shape.head_dim, shape.heads, shape.kv_heads, shape.intermediate
+    block_size = k_caches[0].shape[2]
+    pos = seq_len[0] - 1
+    page, offset = block_table[pos // block_size], pos % block_size
+    cos, sin = rope[:1], rope[1:]
+    positions = jnp.arange(block_table.shape[0] * block_size)
+    k_caches, v_caches = list(k_caches), list(v_caches)
+    dtype = params["layers_0"]["self_attn"]["qkv_proj"]["kernel"].dtype
+
+    def norm(x, scale):
+        x = (x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + shape.eps)).astype(dtype)
+        return (x * scale).astype(dtype)
+
+    def dot(x, w):
+        return jnp.dot(x, w, preferred_element_type=FLOAT)
+
+    for i in range(shape.layers):
+        layer = params[f"layers_{i}"]
+        attn, mlp = layer["self_attn"], layer["mlp"]
+        qkv = dot(norm(h, layer["input_layernorm"]["scale"]), attn["qkv_proj"]["kernel"])
+        qkv = qkv.astype(dtype).reshape(hq + 2 * h_kv, d)
+        q, k, v = qkv[:hq], qkv[hq : hq + h_kv], qkv[hq + h_kv :]
+        if shape.qk_norm:
+            q, k = norm(q, attn["q_norm"]["scale"]), norm(k, attn["k_norm"]["scale"])
+        q, k = apply_rotary(q[None], cos, sin)[0], apply_rotary(k[None], cos, sin)[0]
+        k_caches[i] = k_caches[i].at[:, page, offset].set(k)
+        v_caches[i] = v_caches[i].at[:, page, offset].set(v)
+        keys = k_caches[i][:, block_table].reshape(h_kv, -1, d).astype(FLOAT)  # [H, P*bs, D]
+        vals = v_caches[i][:, block_table].reshape(h_kv, -1, d).astype(FLOAT)
+        qg = q.reshape(h_kv, hq // h_kv, d).astype(FLOAT)
+        scores = jnp.einsum("hgd,htd->hgt", qg, keys) / math.sqrt(d)
+        scores = jnp.where(positions <= pos, scores, NEG_INF)
+        out = jnp.einsum("hgt,htd->hgd", jax.nn.softmax(scores, axis=-1), vals)
+        h = h + dot(out.reshape(-1).astype(dtype), attn["o_proj"]["kernel"])
+        gu = dot(norm(h, layer["post_attention_layernorm"]["scale"]), mlp["gate_up_proj"]["kernel"])
+        g, u = gu[:f].astype(dtype), gu[f:].astype(dtype)
+        h = h + dot((jax.nn.silu(g).astype(dtype) * u).astype(dtype), mlp["down_proj"]["kernel"])
+    return h, k_caches, v_caches
