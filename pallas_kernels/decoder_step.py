@@ -514,8 +514,19 @@ def check_decoder_step(shape: DecoderShape, tiles, k_caches, *, programs, splits
     per_layer = sum(shape.phase_tiles())
     if tiles.shape != (shape.layers * per_layer, TILE_N, TILE_K):
         problems.append(f"tiles must be {(shape.layers * per_layer, TILE_N, TILE_K)}")
-    if not 0 < programs <= shape.phase_tiles()[0] or shape.kv_heads * splits > programs:
-        problems.append(f"programs ({programs}) must cover kv_heads x splits and <= q/k/v tiles")
+    qkv_tiles = shape.phase_tiles()[0]
+    if (
+        not 0 < programs <= min(qkv_tiles, per_layer - qkv_tiles)
+        or shape.kv_heads * splits > programs
+    ):
+        # Every program takes a q/k/v tile and a later one (its attention item comes between).
+        problems.append(
+            f"programs ({programs}) must cover kv_heads x splits and take a q/k/v tile and a later"
+            " one"
+        )
+    sms = getattr(jax.devices()[0], "core_count", None)
+    if sms is not None and programs > sms:  # programs wait for each other: all must be resident
+        problems.append(f"programs ({programs}) must not exceed the GPU's {sms} SMs")
     if not 1 <= stages <= shape.layers * (per_layer // programs):
         problems.append(f"stages must be 1 .. the tiles a program takes, got {stages}")
     if len(k_caches) != shape.layers:

@@ -250,8 +250,9 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         "layer_norm, rms_norm, linear = "
         "pallas | xla; " + ", ".join(KERNEL_SWITCHES) + " = on | off; "
         "kv_append_min_batch, linear_max_rows, cublas_min_batch, xla_split_k_min_rows = an int "
-        "(the last two also none). Default: every Pallas kernel on a GPU, XLA on a CPU, then "
-        "$ROSEJAX_* switches",
+        "(the last two also none); decoder_step_programs = the programs of the one-kernel decode "
+        "step at one row (Llama family; at most the GPU's SMs; 0: off). Default: every Pallas "
+        "kernel on a GPU, XLA on a CPU, then $ROSEJAX_* switches",
     )
     p.add_argument(
         "--kernel-tile",

@@ -173,6 +173,10 @@ class KernelConfig:
     # Decode programs order their command buffer's kernels by the buffers they share
     # (CONCURRENT; -0.5% to -1.8% ms/step, H200) rather than in program order.
     concurrent_command_buffers: bool = True
+    # Decode steps of one row run a Llama-family decoder's every layer as one persistent Mosaic
+    # GPU kernel of this many programs (`pallas_kernels.decoder_step`; at most the GPU's SMs,
+    # with a copy of the layers' weights in its tiles); 0: off.
+    decoder_step_programs: int = 0
     # Tile overrides, ((op, parameter, value), ...): keyword arguments of that op's kernel,
     # e.g. ("linear", "num_warps", 2). Ops: kv_append, attention, prefill_attention, layer_norm,
     # rms_norm, linear.
@@ -190,7 +194,7 @@ class KernelConfig:
                     f"got {(op, param, value)!r}"
                 )
             _check_tile(op, param)
-        for name in ("kv_append_min_batch", "linear_max_rows"):
+        for name in ("kv_append_min_batch", "linear_max_rows", "decoder_step_programs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"kernels.{name} must be >= 0, got {getattr(self, name)}")
         if self.xla_split_k_min_rows is not None and self.xla_split_k_min_rows < 1:

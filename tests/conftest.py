@@ -81,9 +81,9 @@ hf_greedy_cached = functools.cache(hf_greedy)  # prompts as tuples: several test
 TIE_RTOL = 1e-4
 
 
-def assert_matches_hf_greedy(model, prompt, got: list[int], n: int) -> None:
+def assert_matches_hf_greedy(model, prompt, got: list[int], n: int, rtol: float = TIE_RTOL) -> None:
     """`got` is HF's greedy continuation of `prompt` by `n` tokens, up to a near-tie: where the
-    two first part, HF's logits for its token and for ours must be within TIE_RTOL of its largest
+    two first part, HF's logits for its token and for ours must be within `rtol` of its largest
     |logit|; past that point the paths differ and are not compared."""
     import torch
 
@@ -95,7 +95,7 @@ def assert_matches_hf_greedy(model, prompt, got: list[int], n: int) -> None:
     with torch.no_grad():
         logits = model(torch.tensor([[*prompt, *want[:i]]])).logits[0, -1]  # [V]
     gap = float(logits[want[i]] - logits[got[i]])
-    assert gap <= TIE_RTOL * float(logits.abs().max()), (
+    assert gap <= rtol * float(logits.abs().max()), (
         f"token {i}: {got[i]} where HF's greedy gives {want[i]}, whose logit is {gap:.3g} higher"
     )
 

@@ -228,6 +228,14 @@ class LLMEngine:
             self.tokenizer = tokenizer.result()
         if config.max_model_len is not None:
             self.config = with_context_len(self.config, config.max_model_len)
+        if self.kernels.decoder_step_programs:  # its weights before the cache takes the memory
+            pack = family_of(self.config).with_decoder_step
+            if pack is None or mesh is not None:
+                raise ValueError(
+                    "decoder_step_programs: the one-kernel decode step runs Llama-family models "
+                    "on one device"
+                )
+            params = pack(self.config, params)
         cache_sharding = None
         if mesh is not None:
             layout = family_of(self.config).shard_layout(self.config)

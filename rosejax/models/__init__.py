@@ -38,6 +38,9 @@ class ModelFamily:
     shard_layout: Callable[[Any], Any]  # config -> its params' `ShardLayout` (tensor parallel)
     # The smallest decode program on a GPU: smaller batches pad to it (`min_decode_batch`).
     gpu_min_decode_batch: int
+    # (config, params) -> params with the one-kernel decode step's weights beside them
+    # (`KernelConfig.decoder_step_programs`); None: the family has no such step.
+    with_decoder_step: Callable[[Any, dict], dict] | None = None
 
 
 _LLAMA = ModelFamily(
@@ -51,6 +54,7 @@ _LLAMA = ModelFamily(
     # Each batch its own bucket: the split-K decode attention sizes its splits from the rows a
     # program holds (one 32k-token row: 2.87 ms/step in a 1-row program, 13.6 padded to 16; H100).
     gpu_min_decode_batch=1,
+    with_decoder_step=llama_model.with_decoder_step,
 )
 
 FAMILIES: dict[str, ModelFamily] = {

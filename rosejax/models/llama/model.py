@@ -22,7 +22,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.decoder_step import DecoderShape, decoder_step, pack_decoder_weights
 from pallas_kernels.qk_norm_rope import apply_rotary
+from pallas_kernels.rms_norm import rms_norm_reference
 from rosejax.layers.attention import (
     ForwardMetadata,
     append_kv,
@@ -201,6 +203,57 @@ class LlamaModel(nn.Module):
         return logits[..., : cfg.vocab_size], cache.replace(k=ks, v=vs)
 
 
+DECODER_STEP = "decoder_step"  # the params' key of the one-kernel step's weights
+
+
+def with_decoder_step(config: LlamaConfig, params: dict) -> dict:
+    """params and, under DECODER_STEP, the one-kernel decode step's weights (a tiled copy of the
+    layers' matmuls: `pallas_kernels.decoder_step.pack_decoder_weights`)."""
+    if config.qkv_bias or config.o_bias or config.mlp_bias:
+        raise ValueError("the one-kernel decode step has no biases: decoder_step_programs=0")
+    weights = jax.jit(pack_decoder_weights, static_argnums=1)(params, DecoderShape.of(config))
+    return {**params, DECODER_STEP: weights}
+
+
+def one_kernel_step(
+    params: dict,
+    config: LlamaConfig,
+    tokens: jax.Array,  # [1, 1] int32
+    cache: KVCache,
+    meta: ForwardMetadata,
+    programs: int,
+) -> tuple[jax.Array, KVCache]:
+    """A decode step of one row by `pallas_kernels.decoder_step` (every layer, the residual
+    stream in float32), then the final norm and LM head in XLA. A dead row (length 0) writes
+    position 0 of the scratch block, as `cache_slots` sends it."""
+    live = meta.seq_lens > 0  # [1]
+    seq_len = jnp.where(live, meta.seq_lens, 1)
+    table = jnp.where(live, meta.block_tables[0], 0)  # [MB]
+    cos, sin = rope_cos_sin(seq_len - 1, inv_freq(config))  # [1, D/2] each
+    embedding = params["embed_tokens"]["embedding"]
+    h = embedding[tokens[0, 0]].astype(jnp.float32)
+    shape = DecoderShape.of(config)
+    h, k, v = decoder_step(
+        params[DECODER_STEP],
+        h,
+        jnp.concatenate([cos, sin]),
+        table,
+        seq_len,
+        cache.k,
+        cache.v,
+        shape=shape,
+        programs=programs,
+        splits=max(1, min(8, programs // config.num_kv_heads)),
+        stages=min(4, config.num_hidden_layers * (sum(shape.phase_tiles()) // programs)),
+    )
+    x = rms_norm_reference(
+        h.astype(embedding.dtype)[None], params["norm"]["scale"], eps=config.rms_norm_eps
+    )
+    head = embedding.T if config.tie_word_embeddings else params["lm_head"]["kernel"]
+    logits = (x @ head)[:, : config.vocab_size]
+    return logits[:, None], cache.replace(k=k, v=v)
+
+
 def forward(
     params: dict,
     config: LlamaConfig,
@@ -215,6 +268,12 @@ def forward(
     """Run the model over `tokens`, writing their K/V into `cache`, each op as `kernels` says;
     with `tp`, on one shard's params and cache (inside shard_map). Returns (logits [B, T, V] in
     the params' dtype, or [B, V] with `logit_indices`, cache)."""
+    if DECODER_STEP in params:
+        if kernels.decoder_step_programs and tokens.shape == (1, 1) and logit_indices is None:
+            return one_kernel_step(
+                params, config, tokens, cache, meta, kernels.decoder_step_programs
+            )
+        params = {k: v for k, v in params.items() if k != DECODER_STEP}
     dtype = params["embed_tokens"]["embedding"].dtype
     return LlamaModel(config, dtype, kernels, tp).apply(
         {"params": params}, tokens, cache, meta, logit_indices
