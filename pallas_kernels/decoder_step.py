@@ -200,10 +200,10 @@ def decoder_step_kernel(
     splits: int,
     stages: int,
 ):
-    """One program's share of the step. Refs: inputs tiles, norms, qk_norms, rope [2, D/2],
-    block_table [pages], seq_len [1], then h, K and V caches (aliased to the outputs: unused);
-    outputs h [E] float32, the L K and L V caches [H, blocks, block_size, D], the buffers
-    between phases (q/k/v and gate/up partials, attention partials); scratch."""
+    """One program's share of the step. Refs: tiles, norms, qk_norms, rope [2, D/2],
+    block_table [pages], seq_len [1]; h [E] float32, the L K and L V caches [H, blocks,
+    block_size, D] (all three updated in place); the buffers between phases (q/k/v and gate/up
+    partials, attention partials); scratch."""
     lay, e, hq, h_kv, d = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
     f, group, half = shape.intermediate, shape.heads // shape.kv_heads, shape.head_dim // 2
     starts, blocks = [0], shape.phase_blocks()
@@ -220,13 +220,12 @@ def decoder_step_kernel(
     kt_e = e // TILE_K
     pages_per_tile = TOKENS // block_size
 
-    tiles_ref, norms_ref, qk_norms_ref, rope_ref, table_ref, seq_len_ref = refs[:6]
-    out = refs[6 + 1 + 2 * lay :]
-    h_ref, k_refs, v_refs = out[0], out[1 : 1 + lay], out[1 + lay : 1 + 2 * lay]
-    qkv_ref, gu_ref, acc_ref, m_ref, l_ref = out[1 + 2 * lay : 6 + 2 * lay]
-    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars = out[6 + 2 * lay :]
+    tiles_ref, norms_ref, qk_norms_ref, rope_ref, table_ref, seq_len_ref, h_ref = refs[:7]
+    k_refs, v_refs, rest = refs[7 : 7 + lay], refs[7 + lay : 7 + 2 * lay], refs[7 + 2 * lay :]
+    qkv_ref, gu_ref, acc_ref, m_ref, l_ref = rest[:5]
+    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars = rest[5:]
 
-    c = pl.program_id(0)
+    c = lax.axis_index("program")
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
     own = (per_layer_tiles - c + programs - 1) // programs  # this program's tiles a layer
     total = lay * own
@@ -567,44 +566,41 @@ def decoder_step(
         jax.ShapeDtypeStruct((kt_e, 2 * shape.intermediate), FLOAT),
         *[jax.ShapeDtypeStruct((splits, q), FLOAT)] * 3,
     ]
-    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-    outs = pl.pallas_call(
-        functools.partial(
-            decoder_step_kernel,
-            shape=shape,
-            dtype=dtype,
-            block_size=k_caches[0].shape[2],
-            programs=programs,
-            splits=splits,
-            stages=stages,
-        ),
-        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (h, *caches)] + buffers,
-        grid=(programs,),
-        in_specs=[gmem] * (7 + 2 * lay),
-        out_specs=[gmem] * (1 + 2 * lay + len(buffers)),
-        input_output_aliases={6 + i: i for i in range(1 + 2 * lay)},
-        scratch_shapes=[
-            plgpu.SMEM((stages, TILE_N, TILE_K), dtype),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.SMEM((e,), FLOAT),
-            plgpu.SMEM((e,), FLOAT),
-            plgpu.SMEM((TILE_K,), FLOAT),
-            plgpu.SMEM((TILE_N,), FLOAT),
-            plgpu.SMEM((2, d // 2), FLOAT),
-            plgpu.Barrier(num_barriers=max(3, 2 * kt_e)),
-        ],
-        compiler_params=plgpu.CompilerParams(),
-    )(
-        tiles,
-        weights["norms"],
-        weights["qk_norms"],
-        rope,
-        block_table,
-        seq_len,
-        h,
-        *caches,
+    body = functools.partial(
+        decoder_step_kernel,
+        shape=shape,
+        dtype=dtype,
+        block_size=k_caches[0].shape[2],
+        programs=programs,
+        splits=splits,
+        stages=stages,
     )
-    return outs[0], list(outs[1 : 1 + lay]), list(outs[1 + lay : 1 + 2 * lay])
+    scratch = [
+        plgpu.SMEM((stages, TILE_N, TILE_K), dtype),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.SMEM((e,), FLOAT),
+        plgpu.SMEM((e,), FLOAT),
+        plgpu.SMEM((TILE_K,), FLOAT),
+        plgpu.SMEM((TILE_N,), FLOAT),
+        plgpu.SMEM((2, d // 2), FLOAT),
+        plgpu.Barrier(num_barriers=max(3, 2 * kt_e)),
+    ]
+    # pl.kernel rather than plgpu.kernel: its operands may be Refs (h and the caches, written in
+    # place under run_state below), which plgpu.kernel's batching wrapper does not pass through.
+    kernel = pl.kernel(
+        lambda *refs: pl.run_scoped(functools.partial(body, *refs), *scratch),
+        out_type=buffers,
+        mesh=plgpu.Mesh(grid=(programs,), grid_names=("program",)),
+        compiler_params=plgpu.CompilerParams(),
+    )
+    inputs = (tiles, weights["norms"], weights["qk_norms"], rope, block_table, seq_len)
+
+    def in_place(refs):  # the kernel writes h and the caches where they are
+        h_ref, caches = refs
+        kernel(*inputs, h_ref, *caches)
+
+    h, caches = pl.run_state(in_place)((h, caches))
+    return h, caches[:lay], caches[lay:]
 
 
 def decoder_step_reference(
