@@ -246,12 +246,20 @@ def decoder_step_kernel(
     def bf16(x):  # the weights' dtype's rounding, in float32
         return x.astype(dtype).astype(FLOAT)
 
-    def norm_input(k):
-        """The tile's 256 inputs of RMSNorm(h) (h and the layer's scale in SMEM)."""
+    # A tile's inputs are computed in the default (strided) layout, 2 of 256 a thread, then
+    # stored for the matmul to load in COL, whose vectors every thread holds 64 of: elementwise
+    # work there (the merge's exps, SwiGLU) cost 32x the instructions and spilled registers.
+
+    def normalize_h():
+        """h in SMEM -> h / rms(h), rounded: once a run of a norm's tiles."""
         hh = h_smem[...]
-        inv = lax.rsqrt(jnp.sum(hh * hh) / e + shape.eps)
-        x = _load(h_smem.at[pl.ds(k * TILE_K, TILE_K)])
-        x_smem[...] = bf16(bf16(x * inv) * _load(norm_smem.at[pl.ds(k * TILE_K, TILE_K)]))
+        h_smem[...] = bf16(hh * lax.rsqrt(jnp.sum(hh * hh) / e + shape.eps))
+        plgpu.commit_smem()  # written by every thread before any reads another's part
+
+    def norm_input(k):
+        """The tile's 256 inputs of RMSNorm(h) (h normalized and the layer's scale in SMEM)."""
+        cols = pl.ds(k * TILE_K, TILE_K)
+        x_smem[...] = bf16(h_smem[cols] * norm_smem[cols])
 
     def merged_attention(k):
         """The tile's 256 attention outputs (of 256 / D query heads), merged over the splits."""
@@ -260,11 +268,11 @@ def decoder_step_kernel(
             cols = pl.ds(k * TILE_K, TILE_K)
             _copy_in([(acc_ref.at[:, cols], acc_s), (m_ref.at[:, cols], m_s)], bars)
             _copy_in([(l_ref.at[:, cols], l_s)], bars)
-            ms = [_load(m_s.at[i]) for i in range(splits)]
+            ms = [m_s[i] for i in range(splits)]
             top = functools.reduce(jnp.maximum, ms)
             ws = [jnp.exp(m - top) for m in ms]
-            total_l = sum(_load(l_s.at[i]) * w for i, w in enumerate(ws))
-            o = sum(_load(acc_s.at[i]) * w for i, w in enumerate(ws))
+            total_l = sum(l_s[i] * w for i, w in enumerate(ws))
+            o = sum(acc_s[i] * w for i, w in enumerate(ws))
             x_smem[...] = bf16(o / total_l)
 
         pl.run_scoped(scoped, *[plgpu.SMEM((splits, TILE_K), FLOAT)] * 3)
@@ -275,8 +283,8 @@ def decoder_step_kernel(
         def scoped(g_s, u_s):
             gate, up = pl.ds(k * TILE_K, TILE_K), pl.ds(f + k * TILE_K, TILE_K)
             _copy_in([(gu_ref.at[:, gate], g_s), (gu_ref.at[:, up], u_s)], bars)
-            g = bf16(sum(_load(g_s.at[i]) for i in range(kt_e)))
-            u = bf16(sum(_load(u_s.at[i]) for i in range(kt_e)))
+            g = bf16(sum(g_s[i] for i in range(kt_e)))
+            u = bf16(sum(u_s[i] for i in range(kt_e)))
             x_smem[...] = bf16(bf16(g / (1.0 + jnp.exp(-g))) * u)
 
         pl.run_scoped(scoped, plgpu.SMEM((kt_e, TILE_K), FLOAT), plgpu.SMEM((kt_e, TILE_K), FLOAT))
@@ -437,6 +445,7 @@ def decoder_step_kernel(
             @pl.when((phase == QKV) | (phase == GATE_UP))
             def _():
                 _copy_in([(h_ref, h_smem), (norms_ref.at[layer, phase // 2], norm_smem)], bars)
+                normalize_h()
 
         q = r - _select(phase, starts[:4])
         nb = _select(phase, blocks)
@@ -459,8 +468,10 @@ def decoder_step_kernel(
         plgpu.barrier_wait(ring_bar.at[slot])
         x = _load(x_smem)
         w = _load(ring.at[slot], WGMMA).astype(FLOAT)
-        o_smem[...] = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
-        plgpu.commit_smem()  # the slot read and o_smem written by every thread
+        out = o_smem.at[t % 2]  # double-buffered: a store in flight while the next tile runs
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store two tiles back read `out`
+        out[...] = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
+        plgpu.commit_smem()  # the slot read and `out` written by every thread
 
         @pl.when(t + stages < total)
         def _():
@@ -470,20 +481,19 @@ def decoder_step_kernel(
 
         @pl.when(phase == QKV)
         def _():
-            plgpu.copy_smem_to_gmem(o_smem, qkv_ref.at[k, cols])
+            plgpu.copy_smem_to_gmem(out, qkv_ref.at[k, cols])
 
         @pl.when(phase == GATE_UP)
         def _():
-            plgpu.copy_smem_to_gmem(o_smem, gu_ref.at[k, cols])
+            plgpu.copy_smem_to_gmem(out, gu_ref.at[k, cols])
 
         @pl.when((phase == O_PROJ) | (phase == DOWN))
         def _():
-            plgpu.copy_smem_to_gmem(o_smem, h_ref.at[cols], reduction_op="add")
-
-        plgpu.wait_smem_to_gmem(0)
+            plgpu.copy_smem_to_gmem(out, h_ref.at[cols], reduction_op="add")
 
         @pl.when((s == own - 1) | (phase_of(r + programs) != phase))
-        def _():  # the end of this program's run of the phase
+        def _():  # the end of this program's run of the phase: its stores done, then counted
+            plgpu.wait_smem_to_gmem(0)
             plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
         return phase
@@ -581,7 +591,7 @@ def decoder_step(
         plgpu.SMEM((e,), FLOAT),
         plgpu.SMEM((e,), FLOAT),
         plgpu.SMEM((TILE_K,), FLOAT),
-        plgpu.SMEM((TILE_N,), FLOAT),
+        plgpu.SMEM((2, TILE_N), FLOAT),
         plgpu.SMEM((2, d // 2), FLOAT),
         plgpu.Barrier(num_barriers=max(3, 2 * kt_e)),
     ]
