@@ -51,14 +51,24 @@ from rosejax.settings import KernelConfig  # noqa: E402
 BLOCK_SIZE = 16
 
 
-def model_step(config, kernels, table, context):
-    """The model's decode step: (token [1, 1], k caches, v caches) -> the next ones."""
-    forward = family_of(config).forward
-    meta = ForwardMetadata(
+def decode_meta(table, context: int) -> ForwardMetadata:
+    """One row's decode step at length `context` (its last token the one fed)."""
+    return ForwardMetadata(
         positions=jnp.full((1, 1), context - 1, jnp.int32),
         seq_lens=jnp.full((1,), context, jnp.int32),
         block_tables=table[None],
     )
+
+
+def rope_at(config, context: int) -> jax.Array:
+    """float32 [2, D/2]: cos, sin of position context - 1."""
+    return jnp.stack(rope_cos_sin(jnp.asarray(context - 1), inv_freq(config)))
+
+
+def model_step(config, kernels, table, context):
+    """The model's decode step: (token [1, 1], k caches, v caches) -> the next ones."""
+    forward = family_of(config).forward
+    meta = decode_meta(table, context)
 
     def step(carry, params):
         token, ks, vs = carry
@@ -82,8 +92,7 @@ def head(config, params, h):
 def kernel_step(config, table, context, run):
     """The one-kernel step: `run(weights, params, h, rope, table, seq_len, ks, vs)` is the
     decoder (the kernel, or its reference)."""
-    cos, sin = rope_cos_sin(jnp.asarray(context - 1), inv_freq(config))
-    rope, seq_len = jnp.stack([cos, sin]), jnp.full((1,), context, jnp.int32)
+    rope, seq_len = rope_at(config, context), jnp.full((1,), context, jnp.int32)
 
     def step(carry, weights, params):
         token, ks, vs = carry
@@ -158,18 +167,13 @@ def main() -> None:
             "kernel": (kernel_step(config, table, context, run), (weights, params)),
         }
         # One step's logits of each: the model's from its forward, the kernel's from its head.
-        meta = ForwardMetadata(
-            positions=jnp.full((1, 1), context - 1, jnp.int32),
-            seq_lens=jnp.full((1,), context, jnp.int32),
-            block_tables=table[None],
-        )
+        meta = decode_meta(table, context)
         want, _ = jax.jit(
             family_of(config).forward, static_argnums=(1,), static_argnames="kernels"
         )(params, config, token, KVCache(k=ks, v=vs), meta, kernels=kernels)
-        cos, sin = rope_cos_sin(jnp.asarray(context - 1), inv_freq(config))
         h = params["embed_tokens"]["embedding"][token[0, 0]].astype(jnp.float32)
         seq_len = jnp.full((1,), context, jnp.int32)
-        h, _, _ = jax.jit(run)(weights, params, h, jnp.stack([cos, sin]), table, seq_len, ks, vs)
+        h, _, _ = jax.jit(run)(weights, params, h, rope_at(config, context), table, seq_len, ks, vs)
         got = np.asarray(jax.jit(head, static_argnums=0)(config, params, h), np.float32)
         want = np.asarray(want[0, -1], np.float32)
         diff = float(np.linalg.norm(got - want) / np.linalg.norm(want))
