@@ -51,8 +51,8 @@ from rosejax.settings import KernelConfig  # noqa: E402
 BLOCK_SIZE = 16
 
 
-def decode_meta(table, context: int) -> ForwardMetadata:
-    """One row's decode step at length `context` (its last token the one fed)."""
+def decode_meta(table, context) -> ForwardMetadata:
+    """One row's decode step at length `context` (an int32 scalar; its last token the one fed)."""
     return ForwardMetadata(
         positions=jnp.full((1, 1), context - 1, jnp.int32),
         seq_lens=jnp.full((1,), context, jnp.int32),
@@ -60,18 +60,19 @@ def decode_meta(table, context: int) -> ForwardMetadata:
     )
 
 
-def rope_at(config, context: int) -> jax.Array:
+def rope_at(config, context) -> jax.Array:
     """float32 [2, D/2]: cos, sin of position context - 1."""
-    return jnp.stack(rope_cos_sin(jnp.asarray(context - 1), inv_freq(config)))
+    return jnp.stack(rope_cos_sin(context - 1, inv_freq(config)))
 
 
-def model_step(config, kernels, table, context):
-    """The model's decode step: (token [1, 1], k caches, v caches) -> the next ones."""
+def model_step(config, kernels):
+    """The model's decode step: (token [1, 1], k caches, v caches), params, table, context ->
+    the next carry. The context length is an operand: every length runs one program."""
     forward = family_of(config).forward
-    meta = decode_meta(table, context)
 
-    def step(carry, params):
+    def step(carry, params, table, context):
         token, ks, vs = carry
+        meta = decode_meta(table, context)
         logits, cache = forward(params, config, token, KVCache(k=ks, v=vs), meta, kernels=kernels)
         return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache.k, cache.v
 
@@ -89,18 +90,23 @@ def head(config, params, h):
     return logits[0, : config.vocab_size]
 
 
-def kernel_step(config, table, context, run):
+def kernel_step(config, run):
     """The one-kernel step: `run(weights, params, h, rope, table, seq_len, ks, vs)` is the
-    decoder (the kernel, or its reference)."""
-    rope, seq_len = rope_at(config, context), jnp.full((1,), context, jnp.int32)
+    decoder (the kernel, or its reference); the rest as `model_step`. `step.logits`: the same
+    step's logits [V] and caches."""
 
-    def step(carry, weights, params):
+    def logits(carry, weights, params, table, context):
         token, ks, vs = carry
         h = params["embed_tokens"]["embedding"][token[0, 0]].astype(jnp.float32)
-        h, ks, vs = run(weights, params, h, rope, table, seq_len, ks, vs)
-        token = jnp.argmax(head(config, params, h)).astype(jnp.int32).reshape(1, 1)
-        return token, ks, vs
+        seq_len = jnp.full((1,), context, jnp.int32)
+        h, ks, vs = run(weights, params, h, rope_at(config, context), table, seq_len, ks, vs)
+        return head(config, params, h), ks, vs
 
+    def step(*args):
+        out, ks, vs = logits(*args)
+        return jnp.argmax(out).astype(jnp.int32).reshape(1, 1), ks, vs
+
+    step.logits = logits
     return step
 
 
@@ -128,7 +134,7 @@ def main() -> None:
             num_key_value_heads=2,
             head_dim=64,
         )
-        args.layers, args.context, args.iters, args.repeats = 2, [20], 2, 1
+        args.layers, args.context, args.iters, args.repeats = 2, [20, 70], 2, 1
     if args.layers:
         config = dataclasses.replace(config, num_hidden_layers=args.layers)
     shape = DecoderShape.of(config)
@@ -154,28 +160,33 @@ def main() -> None:
             )
 
     weight_bytes = weights["tiles"].size * weights["tiles"].dtype.itemsize
+    # One cache and block table for the longest context: the lengths differ only in an operand.
     rng, rows = np.random.default_rng(0), []
+    pages = -(-max(args.context) // BLOCK_SIZE)
+    table = jnp.asarray(1 + rng.permutation(pages), jnp.int32)
+    cache_shape = (shape.kv_heads, pages + 1, BLOCK_SIZE, shape.head_dim)
+    ks = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in range(shape.layers)]
+    vs = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in range(shape.layers)]
+    token = jnp.asarray([[int(rng.integers(config.vocab_size))]], jnp.int32)
+    steps = {
+        "model": (model_step(config, kernels), (params,)),
+        "kernel": (kernel_step(config, run), (weights, params)),
+    }
+    # One step's logits of each, from the same cache: the model's forward, the kernel's head.
+    model_logits = jax.jit(
+        lambda params, ks, vs, context: family_of(config).forward(
+            params, config, token, KVCache(k=ks, v=vs), decode_meta(table, context), kernels=kernels
+        )[0][0, -1]
+    )
+    kernel_logits = jax.jit(
+        lambda weights, params, ks, vs, context: steps["kernel"][0].logits(
+            (token, ks, vs), weights, params, table, context
+        )[0]
+    )
     for context in args.context:
-        pages = -(-context // BLOCK_SIZE)
-        table = jnp.asarray(1 + rng.permutation(pages), jnp.int32)
-        cache_shape = (shape.kv_heads, pages + 1, BLOCK_SIZE, shape.head_dim)
-        ks = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in range(shape.layers)]
-        vs = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in range(shape.layers)]
-        token = jnp.asarray([[int(rng.integers(config.vocab_size))]], jnp.int32)
-        steps = {
-            "model": (model_step(config, kernels, table, context), (params,)),
-            "kernel": (kernel_step(config, table, context, run), (weights, params)),
-        }
-        # One step's logits of each: the model's from its forward, the kernel's from its head.
-        meta = decode_meta(table, context)
-        want, _ = jax.jit(
-            family_of(config).forward, static_argnums=(1,), static_argnames="kernels"
-        )(params, config, token, KVCache(k=ks, v=vs), meta, kernels=kernels)
-        h = params["embed_tokens"]["embedding"][token[0, 0]].astype(jnp.float32)
-        seq_len = jnp.full((1,), context, jnp.int32)
-        h, _, _ = jax.jit(run)(weights, params, h, rope_at(config, context), table, seq_len, ks, vs)
-        got = np.asarray(jax.jit(head, static_argnums=0)(config, params, h), np.float32)
-        want = np.asarray(want[0, -1], np.float32)
+        ctx = jnp.int32(context)
+        want = np.asarray(model_logits(params, ks, vs, ctx), np.float32)
+        got = np.asarray(kernel_logits(weights, params, ks, vs, ctx), np.float32)
         diff = float(np.linalg.norm(got - want) / np.linalg.norm(want))
         same = bool(np.argmax(got) == np.argmax(want))
         base = None
@@ -184,6 +195,8 @@ def main() -> None:
                 step,
                 (token, ks, vs),
                 *operands,
+                table,
+                ctx,
                 iters=args.iters,
                 repeats=args.repeats,
                 unroll=args.unroll,

@@ -247,6 +247,9 @@ def parse_kernel_bench_args(
 LOOP_UNROLL = 20
 
 
+_LOOPS: dict = {}  # time_in_loop's jitted loops
+
+
 def time_in_loop(
     fn: Callable, x, *operands, iters: int, repeats: int, unroll: int = LOOP_UNROLL
 ) -> float:
@@ -254,14 +257,19 @@ def time_in_loop(
     `iters` times inside one jitted fori_loop unrolled `unroll` calls a trip (each output feeds
     the next call, so Python dispatch stays out; a CUDA graph under `parse_kernel_bench_args`'
     flags); median of `repeats` loops. The operands (caches, weights) are arguments of the loop,
-    as the engine's are of its windows: closed over, they would be constants of the program."""
+    as the engine's are of its windows: closed over, they would be constants of the program.
+    The loop is made once for each (fn, iters, unroll): operands of the same shapes reuse its
+    compiled program."""
     import jax
 
-    loop = jax.jit(
-        lambda x, *ops: jax.lax.fori_loop(
-            0, iters, lambda _, y: fn(y, *ops), x, unroll=min(iters, unroll)
+    key = (fn, iters, unroll)
+    if key not in _LOOPS:
+        _LOOPS[key] = jax.jit(
+            lambda x, *ops: jax.lax.fori_loop(
+                0, iters, lambda _, y: fn(y, *ops), x, unroll=min(iters, unroll)
+            )
         )
-    )
+    loop = _LOOPS[key]
     jax.block_until_ready(loop(x, *operands))
     times = []
     for _ in range(repeats):
