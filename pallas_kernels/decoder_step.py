@@ -266,8 +266,10 @@ def decoder_step_kernel(
 
         def scoped(acc_s, m_s, l_s):
             cols = pl.ds(k * TILE_K, TILE_K)
-            _copy_in([(acc_ref.at[:, cols], acc_s), (m_ref.at[:, cols], m_s)], bars)
-            _copy_in([(l_ref.at[:, cols], l_s)], bars)
+            _copy_in(
+                [(acc_ref.at[:, cols], acc_s), (m_ref.at[:, cols], m_s), (l_ref.at[:, cols], l_s)],
+                bars,
+            )
             ms = [m_s[i] for i in range(splits)]
             top = functools.reduce(jnp.maximum, ms)
             ws = [jnp.exp(m - top) for m in ms]
@@ -325,8 +327,8 @@ def decoder_step_kernel(
             q0, k0, v0 = head * group * d, hq * d + head * d, (hq + h_kv) * d + head * d
             srcs = [qkv_ref.at[:, pl.ds(q0 + g * d, d)] for g in range(group)]
             srcs += [qkv_ref.at[:, pl.ds(k0, d)], qkv_ref.at[:, pl.ds(v0, d)]]
-            _copy_in([(src, heads_s.at[i]) for i, src in enumerate(srcs)], page_bars)
-            _copy_in([(qk_norms_ref.at[layer], qkn_s)], page_bars)
+            boxes = [(src, heads_s.at[i]) for i, src in enumerate(srcs)]
+            _copy_in([*boxes, (qk_norms_ref.at[layer], qkn_s)], page_bars)
             cos, sin = _load(rope_smem.at[0]), _load(rope_smem.at[1])
 
             def head_vec(i):  # summed partials, in halves of D
@@ -422,7 +424,7 @@ def decoder_step_kernel(
             plgpu.SMEM((TOKENS, d), dtype),
             plgpu.SMEM((3, group, d), FLOAT),
             plgpu.SMEM((2, d), dtype),
-            plgpu.Barrier(num_barriers=max(group + 2, 2 * pages_per_tile)),
+            plgpu.Barrier(num_barriers=max(group + 3, 2 * pages_per_tile)),
         )
 
     def step(t, prev_phase):
