@@ -23,7 +23,7 @@ TEST_LIMIT=${TEST_LIMIT:-480}
 WORKERS=${WORKERS:-4}
 TESTS=${TESTS:-tests/test_gqa_kernels.py tests/test_kv_append.py tests/test_paged_attention.py \
 tests/test_layer_norm.py tests/test_linear.py tests/test_model.py tests/test_llama_family.py \
-tests/test_engine_sampling_params.py tests/test_engine.py}
+tests/test_decoder_step.py tests/test_engine_sampling_params.py tests/test_engine.py}
 SUMMARY=$OUT/summary.txt
 FAILED=0
 declare -A pids
