@@ -182,13 +182,22 @@ def _chunks(src, dst):
     ]
 
 
-def _copy_in(srcs_and_dsts, barriers) -> None:
-    """TMA copies GMEM -> SMEM, each box on its own barrier, all waited for."""
+def _start_copies(srcs_and_dsts, barriers, first: int = 0) -> int:
+    """TMA copies GMEM -> SMEM, each box on its own barrier from `first` on; the boxes' count."""
     boxes = [box for pair in srcs_and_dsts for box in _chunks(*pair)]
     for i, (src, dst) in enumerate(boxes):
-        plgpu.copy_gmem_to_smem(src, dst, barriers.at[i])
-    for i in range(len(boxes)):
+        plgpu.copy_gmem_to_smem(src, dst, barriers.at[first + i])
+    return len(boxes)
+
+
+def _wait_copies(barriers, first: int, count: int) -> None:
+    for i in range(first, first + count):
         plgpu.barrier_wait(barriers.at[i])
+
+
+def _copy_in(srcs_and_dsts, barriers, first: int = 0) -> None:
+    """`_start_copies`, then all of them waited for."""
+    _wait_copies(barriers, first, _start_copies(srcs_and_dsts, barriers, first))
 
 
 def decoder_step_kernel(
@@ -291,9 +300,10 @@ def decoder_step_kernel(
 
         pl.run_scoped(scoped, plgpu.SMEM((kt_e, TILE_K), FLOAT), plgpu.SMEM((kt_e, TILE_K), FLOAT))
 
-    def attention(layer, head, split):
-        """Item (head, split) of the layer: its query heads over its range of 64-token tiles
-        (split 0 also the step's own token, which it appends to the cache)."""
+    def attention(layer, head, split, ready):
+        """Item (head, split) of the layer, once `sem` counts `ready` (q/k/v stored): its query
+        heads over its range of 64-token tiles (split 0 also the step's own token, which it
+        appends to the cache)."""
 
         def from_layer(refs, index, dst, barrier):  # a TMA copy from this layer's cache
             for i, ref in enumerate(refs):
@@ -327,8 +337,11 @@ def decoder_step_kernel(
             q0, k0, v0 = head * group * d, hq * d + head * d, (hq + h_kv) * d + head * d
             srcs = [qkv_ref.at[:, pl.ds(q0 + g * d, d)] for g in range(group)]
             srcs += [qkv_ref.at[:, pl.ds(k0, d)], qkv_ref.at[:, pl.ds(v0, d)]]
+            scales = _start_copies([(qk_norms_ref.at[layer], qkn_s)], page_bars)
+            _wait_count(sem, ready)
             boxes = [(src, heads_s.at[i]) for i, src in enumerate(srcs)]
-            _copy_in([*boxes, (qk_norms_ref.at[layer], qkn_s)], page_bars)
+            _copy_in(boxes, page_bars, first=scales)
+            _wait_copies(page_bars, 0, scales)
             cos, sin = _load(rope_smem.at[0]), _load(rope_smem.at[1])
 
             def head_vec(i):  # summed partials, in halves of D
@@ -436,17 +449,24 @@ def decoder_step_kernel(
         # This program's attention item: before its first tile past q/k/v.
         @pl.when((r >= starts[1]) & (r - programs < starts[1]) & (c < items))
         def _():
-            _wait_count(sem, base + runs[0])
-            attention(layer, c // splits, c % splits)
+            attention(layer, c // splits, c % splits, base + runs[0])
             plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
         @pl.when((s == 0) | (phase != prev_phase))
         def _():
+            norm_phase = (phase == QKV) | (phase == GATE_UP)
+
+            # The norm's scale does not depend on other programs: its copy starts before the wait.
+            @pl.when(norm_phase)
+            def _():
+                _start_copies([(norms_ref.at[layer, phase // 2], norm_smem)], bars)
+
             _wait_count(sem, base + _select(phase, targets))
 
-            @pl.when((phase == QKV) | (phase == GATE_UP))
+            @pl.when(norm_phase)
             def _():
-                _copy_in([(h_ref, h_smem), (norms_ref.at[layer, phase // 2], norm_smem)], bars)
+                _copy_in([(h_ref, h_smem)], bars, first=kt_e)
+                _wait_copies(bars, 0, kt_e)
                 normalize_h()
 
         q = r - _select(phase, starts[:4])
