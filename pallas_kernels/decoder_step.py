@@ -16,10 +16,11 @@ added into the residual stream by TMA reduce-adds. Attention is H x `splits` ite
 range of 64-token tiles of the pages; the current token and its append go to split 0), each
 storing its unnormalised output and softmax max/sum for the o_proj tiles to merge.
 
-Order: one global semaphore counts finished tiles and items; a phase's tiles wait until every
-tile of the phases before it in the layer (and all earlier layers) has been counted: a program
-signals once it has stored its last tile of a phase (its tiles of a phase are consecutive). Programs
-take tiles in order and all are resident (one a SM), so the waits cannot deadlock.
+Order: one global semaphore counts signals; a phase's tiles wait until every tile of the phases
+before it in the layer (and all earlier layers) is stored: a program signals once it has stored
+its last tile of a phase (its tiles of a phase are consecutive), an attention item once it has
+stored its output. Programs take tiles in order and all are resident (one a SM), so the waits
+cannot deadlock.
 
 Rounding follows the bf16 model where it rounds (`decoder_step_reference`): the normed input, q/k/v,
 q/k norm and RoPE, the attention output and the SwiGLU product in the weights' dtype; the residual
