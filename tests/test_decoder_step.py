@@ -27,6 +27,7 @@ from rosejax.layers.rotary import rope_cos_sin
 from rosejax.models import family_of, preset
 from rosejax.models.llama.model import DECODER_STEP, inv_freq, with_decoder_step
 from rosejax.models.loader import load_checkpoint
+from rosejax.settings import XLA_KERNELS
 from rosejax.tokenizer import packaged_gpt2_tokenizer_path
 from tests.conftest import assert_matches_hf_greedy
 
@@ -252,3 +253,47 @@ def test_engine_one_kernel_step_matches_hf(hf_checkpoint):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
         assert_matches_hf_greedy(hf, prompt, out.token_ids, 12, rtol=3e-2)
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_one_kernel_step_glue_matches_model(checkpoint, monkeypatch, live):
+    """The engine's route into the kernel (`one_kernel_step`: embedding, RoPE angles, the dead
+    row's scratch slot, final norm and head) with the XLA reference in the kernel's place: a
+    live row's logits and caches are the model's; a dead row (length 0) writes nothing but the
+    scratch block."""
+    from rosejax.models.llama import model as llama_model
+
+    config, params = checkpoint
+    shape = DecoderShape.of(config)
+
+    def reference(weights, h, rope, table, seq_len, ks, vs, **tiles):
+        assert tiles["shape"] == shape and tiles["programs"] == 8
+        return decoder_step_reference(params, shape, h, rope, table, seq_len, ks, vs)
+
+    monkeypatch.setattr(llama_model, "decoder_step", reference)
+    _, _, (h0, rope, table, seq_len), before = step_inputs(
+        config, params, 20, np.random.default_rng(4)
+    )
+    meta = ForwardMetadata(
+        positions=jnp.asarray([[20]], jnp.int32),
+        seq_lens=jnp.asarray([21 if live else 0], jnp.int32),
+        block_tables=table[None],
+    )
+    token = jnp.asarray([[11]], jnp.int32)
+    forward = jax.jit(family_of(config).forward, static_argnums=1, static_argnames="kernels")
+    want, want_cache = forward(params, config, token, before, meta)
+    kernels = dataclasses.replace(XLA_KERNELS, decoder_step_programs=8)
+    got, got_cache = forward(
+        with_decoder_step(config, params), config, token, before, meta, kernels=kernels
+    )
+    assert got.shape == want.shape
+    pairs = zip(
+        got_cache.k + got_cache.v, want_cache.k + want_cache.v, before.k + before.v, strict=True
+    )
+    if live:
+        assert rel_err(got, want) <= 1e-5
+        for g, w, _ in pairs:
+            assert rel_err(g, w) <= 1e-5
+    else:
+        for g, _, b in pairs:  # block 0 is the scratch block
+            np.testing.assert_array_equal(np.asarray(g)[:, 1:], np.asarray(b)[:, 1:])
