@@ -40,12 +40,11 @@ from pallas_kernels.decoder_step import (  # noqa: E402
     decoder_step_reference,
     pack_decoder_weights,
 )
-from pallas_kernels.rms_norm import rms_norm_reference  # noqa: E402
 from rosejax.layers.attention import ForwardMetadata  # noqa: E402
 from rosejax.layers.kv_cache import KVCache  # noqa: E402
 from rosejax.layers.rotary import rope_cos_sin  # noqa: E402
 from rosejax.models import family_of, preset  # noqa: E402
-from rosejax.models.llama.model import inv_freq  # noqa: E402
+from rosejax.models.llama.model import final_logits, inv_freq  # noqa: E402
 from rosejax.settings import KernelConfig  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -79,17 +78,6 @@ def model_step(config, kernels):
     return step
 
 
-def head(config, params, h):
-    """Final norm and LM head over the float32 stream h [E] -> logits [V]."""
-    dtype = params["embed_tokens"]["embedding"].dtype
-    x = rms_norm_reference(h.astype(dtype)[None], params["norm"]["scale"], eps=config.rms_norm_eps)
-    if config.tie_word_embeddings:
-        logits = x @ params["embed_tokens"]["embedding"].T
-    else:
-        logits = x @ params["lm_head"]["kernel"]
-    return logits[0, : config.vocab_size]
-
-
 def kernel_step(config, run):
     """The one-kernel step: `run(weights, params, h, rope, table, seq_len, ks, vs)` is the
     decoder (the kernel, or its reference); the rest as `model_step`. `step.logits`: the same
@@ -100,7 +88,7 @@ def kernel_step(config, run):
         h = params["embed_tokens"]["embedding"][token[0, 0]].astype(jnp.float32)
         seq_len = jnp.full((1,), context, jnp.int32)
         h, ks, vs = run(weights, params, h, rope_at(config, context), table, seq_len, ks, vs)
-        return head(config, params, h), ks, vs
+        return final_logits(params, config, h)[0], ks, vs
 
     def step(*args):
         out, ks, vs = logits(*args)
@@ -118,8 +106,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the preset's")
     p.add_argument("--context", type=ints, default=[16, 136, 1024], help="comma list of lengths")
     p.add_argument("--programs", type=int, default=None, help="kernel programs (default: SMs)")
-    p.add_argument("--splits", type=int, default=8, help="attention splits of a KV head")
-    p.add_argument("--stages", type=int, default=4, help="weight tiles in flight a program")
+    p.add_argument(
+        "--splits", type=int, default=None, help="attention splits of a KV head (default: fit)"
+    )
+    p.add_argument(
+        "--stages", type=int, default=None, help="weight tiles in flight a program (default: fit)"
+    )
     p.add_argument("--unroll", type=int, default=2, help="steps a loop trip (both variants)")
     add_kernel_bench_args(p)
     args = parse_kernel_bench_args(p)

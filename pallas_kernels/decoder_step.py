@@ -306,15 +306,9 @@ def decoder_step_kernel(
         heads over its range of 64-token tiles (split 0 also the step's own token, which it
         appends to the cache)."""
 
-        def from_layer(refs, index, dst, barrier):  # a TMA copy from this layer's cache
+        def on_layer(refs, copy):  # copy(ref) with this layer's cache (each layer its own Ref)
             for i, ref in enumerate(refs):
-                pl.when(layer == i)(
-                    lambda ref=ref: plgpu.copy_gmem_to_smem(ref.at[index], dst, barrier)
-                )
-
-        def to_layer(src, refs, index):
-            for i, ref in enumerate(refs):
-                pl.when(layer == i)(lambda ref=ref: plgpu.copy_smem_to_gmem(src, ref.at[index]))
+                pl.when(layer == i)(functools.partial(copy, ref))
 
         def load_page(i, j, k_s, v_s, page_bars):
             """Page j of 64-token tile i into rows j * block_size... of k_s, v_s, if it holds
@@ -325,8 +319,13 @@ def decoder_step_kernel(
             def _():
                 page = table_ref[token // block_size]
                 rows = pl.ds(j * block_size, block_size)
-                from_layer(k_refs, (head, page), k_s.at[rows], page_bars.at[2 * j])
-                from_layer(v_refs, (head, page), v_s.at[rows], page_bars.at[2 * j + 1])
+                for refs, dst, bar in ((k_refs, k_s, 2 * j), (v_refs, v_s, 2 * j + 1)):
+                    on_layer(
+                        refs,
+                        lambda ref, dst=dst, bar=bar: plgpu.copy_gmem_to_smem(
+                            ref.at[head, page], dst.at[rows], page_bars.at[bar]
+                        ),
+                    )
 
         def wait_page(i, j, page_bars):
             @pl.when(i * TOKENS + j * block_size < pos)
@@ -412,10 +411,9 @@ def decoder_step_kernel(
                 for p_ in (0, 1):
                     out_s[1, g, pl.ds(p_ * half, half)] = zero + m_new
                     out_s[2, g, pl.ds(p_ * half, half)] = zero + (l_sum * alpha + p)
-            cur_s[0, pl.ds(0, half)] = k_cur[0].astype(dtype)
-            cur_s[0, pl.ds(half, half)] = k_cur[1].astype(dtype)
-            cur_s[1, pl.ds(0, half)] = v_cur[0].astype(dtype)
-            cur_s[1, pl.ds(half, half)] = v_cur[1].astype(dtype)
+            for row, halves in enumerate((k_cur, v_cur)):
+                for p_, x in enumerate(halves):
+                    cur_s[row, pl.ds(p_ * half, half)] = x.astype(dtype)
             plgpu.commit_smem()
             for g in range(group):
                 cols = pl.ds((head * group + g) * d, d)
@@ -425,8 +423,11 @@ def decoder_step_kernel(
             @pl.when(owner)
             def _():
                 at = (head, table_ref[pos // block_size], pos % block_size)
-                to_layer(cur_s.at[0], k_refs, at)
-                to_layer(cur_s.at[1], v_refs, at)
+                for row, refs in enumerate((k_refs, v_refs)):
+                    on_layer(
+                        refs,
+                        lambda ref, row=row: plgpu.copy_smem_to_gmem(cur_s.at[row], ref.at[at]),
+                    )
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -579,17 +580,23 @@ def decoder_step(
     *,
     shape: DecoderShape,
     programs: int = 128,
-    splits: int = 8,
-    stages: int = 4,
+    splits: int | None = None,
+    stages: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, list, list]:
     """h after every layer (float32 [E]) and the caches with the token's K/V appended.
-    `programs` must not exceed the GPU's SMs (all must be resident: they wait for each other)."""
+    `programs` must not exceed the GPU's SMs (all must be resident: they wait for each other).
+    `splits` (attention items a KV head) defaults to what fits the programs, at most 8; `stages`
+    (weight tiles in flight a program) to at most 4 of the tiles a program takes."""
     if interpret:
         raise NotImplementedError(
             "decoder_step needs a GPU: jax's Mosaic GPU interpreter has no global semaphores"
         )
     tiles = weights["tiles"]
+    if splits is None:
+        splits = max(1, min(8, programs // shape.kv_heads))
+    if stages is None:
+        stages = max(1, min(4, shape.layers * (sum(shape.phase_tiles()) // programs)))
     check_decoder_step(shape, tiles, k_caches, programs=programs, splits=splits, stages=stages)
     lay, e, d = shape.layers, shape.hidden, shape.head_dim
     dtype, caches = tiles.dtype, [*k_caches, *v_caches]

@@ -19,13 +19,12 @@ from pallas_kernels.decoder_step import (
     decoder_step_reference,
     pack_decoder_weights,
 )
-from pallas_kernels.rms_norm import rms_norm_reference
 from rosejax import LLM, SamplingParams
 from rosejax.layers.attention import ForwardMetadata
 from rosejax.layers.kv_cache import init_kv_cache
 from rosejax.layers.rotary import rope_cos_sin
 from rosejax.models import family_of, preset
-from rosejax.models.llama.model import DECODER_STEP, inv_freq, with_decoder_step
+from rosejax.models.llama.model import DECODER_STEP, final_logits, inv_freq, with_decoder_step
 from rosejax.models.loader import load_checkpoint
 from rosejax.settings import XLA_KERNELS
 from rosejax.tokenizer import packaged_gpt2_tokenizer_path
@@ -103,16 +102,6 @@ def step_inputs(config, params, cached: int, rng):
     return logits[0, 0], after, inputs, before
 
 
-def head_logits(config, params, h):
-    """The model's final norm and LM head over h [E]."""
-    x = rms_norm_reference(h[None], params["norm"]["scale"], eps=config.rms_norm_eps)
-    if config.tie_word_embeddings:
-        w = params["embed_tokens"]["embedding"].T
-    else:
-        w = params["lm_head"]["kernel"]
-    return (x @ w)[0, : config.vocab_size]
-
-
 @pytest.mark.parametrize("cached", [0, 9, 77, 150])
 def test_reference_matches_model(checkpoint, cached):
     """Logits and caches after one step: the reference (float32 residual, fp32 weights: no
@@ -121,7 +110,7 @@ def test_reference_matches_model(checkpoint, cached):
     shape = DecoderShape.of(config)
     logits, after, inputs, before = step_inputs(config, params, cached, np.random.default_rng(7))
     h, ks, vs = decoder_step_reference(params, shape, *inputs, before.k, before.v)
-    assert rel_err(head_logits(config, params, h), logits) <= 1e-5
+    assert rel_err(final_logits(params, config, h)[0], logits) <= 1e-5
     for got, want in zip(ks + vs, after.k + after.v, strict=True):
         assert rel_err(got, want) <= 1e-5
 

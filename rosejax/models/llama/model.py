@@ -230,9 +230,7 @@ def one_kernel_step(
     seq_len = jnp.where(live, meta.seq_lens, 1)
     table = jnp.where(live, meta.block_tables[0], 0)  # [MB]
     cos, sin = rope_cos_sin(seq_len - 1, inv_freq(config))  # [1, D/2] each
-    embedding = params["embed_tokens"]["embedding"]
-    h = embedding[tokens[0, 0]].astype(jnp.float32)
-    shape = DecoderShape.of(config)
+    h = params["embed_tokens"]["embedding"][tokens[0, 0]].astype(jnp.float32)
     h, k, v = decoder_step(
         params[DECODER_STEP],
         h,
@@ -241,17 +239,20 @@ def one_kernel_step(
         seq_len,
         cache.k,
         cache.v,
-        shape=shape,
+        shape=DecoderShape.of(config),
         programs=programs,
-        splits=max(1, min(8, programs // config.num_kv_heads)),
-        stages=min(4, config.num_hidden_layers * (sum(shape.phase_tiles()) // programs)),
     )
+    return final_logits(params, config, h)[:, None], cache.replace(k=k, v=v)
+
+
+def final_logits(params: dict, config: LlamaConfig, h: jax.Array) -> jax.Array:
+    """The final RMSNorm and LM head in XLA over one row's float32 stream h [E] -> [1, V]."""
+    embedding = params["embed_tokens"]["embedding"]
     x = rms_norm_reference(
         h.astype(embedding.dtype)[None], params["norm"]["scale"], eps=config.rms_norm_eps
     )
     head = embedding.T if config.tie_word_embeddings else params["lm_head"]["kernel"]
-    logits = (x @ head)[:, : config.vocab_size]
-    return logits[:, None], cache.replace(k=k, v=v)
+    return (x @ head)[:, : config.vocab_size]
 
 
 def forward(
