@@ -374,13 +374,27 @@ def _children(pid: int) -> set[int]:
     """Every process below `pid` (Linux /proc)."""
     found, todo = set(), [pid]
     while todo:
-        p = todo.pop()
-        for task in os.listdir(f"/proc/{p}/task"):
-            with open(f"/proc/{p}/task/{task}/children") as f:
-                kids = {int(k) for k in f.read().split()} - found
-            todo += kids
-            found |= kids
+        kids = _read_children(todo.pop()) - found
+        todo += kids
+        found |= kids
     return found
+
+
+def _read_children(pid: int) -> set[int]:
+    """The children of each of a process's threads; a thread or the process may end while it
+    is read, which leaves its children out."""
+    kids = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return kids
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids |= {int(k) for k in f.read().split()}
+        except FileNotFoundError:
+            continue
+    return kids
 
 
 @pytest.mark.slow  # a server subprocess and its engine process
