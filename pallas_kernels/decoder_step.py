@@ -26,8 +26,9 @@ Rounding follows the bf16 model where it rounds (`decoder_step_reference`): the 
 q/k norm and RoPE, the attention output and the SwiGLU product in the weights' dtype; the residual
 stream stays float32 (the XLA model rounds it at each add).
 
-jax's Mosaic GPU interpreter has no global semaphores: the kernel runs on a GPU only; the CPU
-tests check `decoder_step_reference` against the model.
+`interpret=True` runs the kernel in jax's Mosaic GPU interpreter (how the CPU tests run it), which
+runs programs one after another and has no global semaphores, layouts or TMA reductions: there
+it takes one program, which needs no waits, and `_KernelOps` swaps those three for plain ones.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.qk_norm_rope import apply_rotary
+
+try:
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams as _InterpretGPUParams
+except ImportError:  # jax < 0.11 has it, unexported
+    from jax._src.pallas.mosaic_gpu.interpret.params import (
+        InterpretGPUParams as _InterpretGPUParams,
+    )
 
 TILE_N = 64  # output columns of a weight tile (rows of W^T: a WGMMA layout's rows)
 TILE_K = 256  # its K range (the widest side of a TMA box)
@@ -150,25 +158,61 @@ def _select(i, values):
     return out
 
 
-def _wait_count(sem, target) -> None:
-    """Wait until `sem` counts `target` signals; then a proxy fence: this thread's acquire
-    (generic proxy) before its TMA (async proxy) reads of what other programs stored."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
+@dataclasses.dataclass(frozen=True)
+class _KernelOps:
+    """The operations that differ between a GPU and jax's Mosaic GPU interpreter (one program,
+    no layouts, no global semaphores, no TMA reductions)."""
 
-    plgpu.semaphore_wait(sem, target, decrement=False, memory_scope="gpu")
+    interpret: bool
 
-    @plgpu.inline_mgpu()
-    def fence(_ctx):
-        llvm.inline_asm(
-            ir.Type.parse("!llvm.void"), [], "fence.proxy.async.global;", "", has_side_effects=True
-        )
+    def load(self, ref, layout=COL):
+        """ref's value in `layout` (the interpreter has none)."""
+        if self.interpret:
+            return ref[...]
+        return plgpu.load(ref, (), layout=layout, optimized=False)
 
-    fence()
+    def zeros(self, n: int, layout=COL):
+        zero = jnp.zeros((n,), FLOAT)
+        return zero if self.interpret else plgpu.layout_cast(zero, layout)
 
+    def iota(self, n: int, layout=ROW):
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, (n,), 0)
+        return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout)
 
-def _load(ref, layout=COL):
-    return plgpu.load(ref, (), layout=layout, optimized=False)
+    def semaphore(self):
+        return None if self.interpret else pl.get_global(plgpu.SemaphoreType.REGULAR)
+
+    def signal(self, sem) -> None:
+        if not self.interpret:
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+
+    def wait_count(self, sem, target) -> None:
+        """Wait until `sem` counts `target` signals; then a proxy fence: this thread's acquire
+        (generic proxy) before its TMA (async proxy) reads of what other programs stored. The
+        interpreter's one program stored it all itself."""
+        if self.interpret:
+            return
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import llvm
+
+        plgpu.semaphore_wait(sem, target, decrement=False, memory_scope="gpu")
+
+        @plgpu.inline_mgpu()
+        def fence(_ctx):
+            asm = "fence.proxy.async.global;"
+            llvm.inline_asm(ir.Type.parse("!llvm.void"), [], asm, "", has_side_effects=True)
+
+        fence()
+
+    def add_to_gmem(self, src, dst) -> None:
+        """dst += src (SMEM into GMEM): a TMA reduce-add, or in the interpreter's one program
+        (no other writer) once its earlier stores land, a read, add and write."""
+        if self.interpret:
+            plgpu.wait_smem_to_gmem(0)
+            dst[...] = dst[...] + src[...]
+        else:
+            plgpu.copy_smem_to_gmem(src, dst, reduction_op="add")
 
 
 def _chunks(src, dst):
@@ -209,6 +253,7 @@ def decoder_step_kernel(
     programs: int,
     splits: int,
     stages: int,
+    interpret: bool,
 ):
     """One program's share of the step. Refs: tiles, norms, qk_norms, rope [2, D/2],
     block_table [pages], seq_len [1]; h [E] float32, the L K and L V caches [H, blocks,
@@ -236,7 +281,8 @@ def decoder_step_kernel(
     ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars = rest[5:]
 
     c = lax.axis_index("program")
-    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    ops = _KernelOps(interpret)
+    sem = ops.semaphore()
     own = (per_layer_tiles - c + programs - 1) // programs  # this program's tiles a layer
     total = lay * own
     pos = seq_len_ref[0] - 1  # the step's token: its position; the cache holds [0, pos)
@@ -338,29 +384,31 @@ def decoder_step_kernel(
             srcs = [qkv_ref.at[:, pl.ds(q0 + g * d, d)] for g in range(group)]
             srcs += [qkv_ref.at[:, pl.ds(k0, d)], qkv_ref.at[:, pl.ds(v0, d)]]
             scales = _start_copies([(qk_norms_ref.at[layer], qkn_s)], page_bars)
-            _wait_count(sem, ready)
+            ops.wait_count(sem, ready)
             boxes = [(src, heads_s.at[i]) for i, src in enumerate(srcs)]
             _copy_in(boxes, page_bars, first=scales)
             _wait_copies(page_bars, 0, scales)
-            cos, sin = _load(rope_smem.at[0]), _load(rope_smem.at[1])
+            cos, sin = ops.load(rope_smem.at[0]), ops.load(rope_smem.at[1])
 
             def head_vec(i):  # summed partials, in halves of D
                 return tuple(
-                    bf16(sum(_load(heads_s.at[i, j, pl.ds(p * half, half)]) for j in range(kt_e)))
+                    bf16(
+                        sum(ops.load(heads_s.at[i, j, pl.ds(p * half, half)]) for j in range(kt_e))
+                    )
                     for p in (0, 1)
                 )
 
             def norm_rope(x1, x2, which):
                 if shape.qk_norm:
                     inv = lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / d + shape.eps)
-                    x1 = bf16(bf16(x1 * inv) * _load(qkn_s.at[which, pl.ds(0, half)]))
-                    x2 = bf16(bf16(x2 * inv) * _load(qkn_s.at[which, pl.ds(half, half)]))
+                    x1 = bf16(bf16(x1 * inv) * ops.load(qkn_s.at[which, pl.ds(0, half)]))
+                    x2 = bf16(bf16(x2 * inv) * ops.load(qkn_s.at[which, pl.ds(half, half)]))
                 return bf16(x1 * cos - x2 * sin), bf16(x2 * cos + x1 * sin)
 
             qs = [norm_rope(*head_vec(g), 0) for g in range(group)]
             k_cur, v_cur = norm_rope(*head_vec(group), 1), head_vec(group + 1)
             scale = 1.0 / math.sqrt(d)
-            zero = plgpu.layout_cast(jnp.zeros((half,), FLOAT), COL)  # a loop carry's layout
+            zero = ops.zeros(half)  # a loop carry's layout
             state = [(jnp.float32(NEG_INF), jnp.float32(0.0), zero, zero) for _ in range(group)]
 
             tiles = (pos + TOKENS - 1) // TOKENS
@@ -373,13 +421,13 @@ def decoder_step_kernel(
                     load_page(i, j, k_s, v_s, page_bars)
                 for j in range(pages_per_tile):
                     wait_page(i, j, page_bars)
-                valid = i * TOKENS + plgpu.broadcasted_iota(jnp.int32, (TOKENS,), 0, layout=ROW)
+                valid = i * TOKENS + ops.iota(TOKENS)
                 valid = valid < pos
                 keys = [
-                    _load(k_s.at[:, pl.ds(p * half, half)], WGMMA).astype(FLOAT) for p in (0, 1)
+                    ops.load(k_s.at[:, pl.ds(p * half, half)], WGMMA).astype(FLOAT) for p in (0, 1)
                 ]
                 vals = [
-                    _load(v_s.at[:, pl.ds(p * half, half)], WGMMA).astype(FLOAT) for p in (0, 1)
+                    ops.load(v_s.at[:, pl.ds(p * half, half)], WGMMA).astype(FLOAT) for p in (0, 1)
                 ]
                 rows = lax.broadcast_in_dim(valid, (TOKENS, half), [0])
                 vals = [jnp.where(rows, v, 0.0) for v in vals]
@@ -448,11 +496,13 @@ def decoder_step_kernel(
         phase = phase_of(r)
         base = layer * per_layer
 
-        # This program's attention item: before its first tile past q/k/v.
-        @pl.when((r >= starts[1]) & (r - programs < starts[1]) & (c < items))
+        # This program's attention items (c, c + P, ...): before its first tile past q/k/v.
+        @pl.when((r >= starts[1]) & (r - programs < starts[1]))
         def _():
-            attention(layer, c // splits, c % splits, base + runs[0])
-            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+            @pl.loop(c, items, step=programs)
+            def _(item):
+                attention(layer, item // splits, item % splits, base + runs[0])
+                ops.signal(sem)
 
         @pl.when((s == 0) | (phase != prev_phase))
         def _():
@@ -463,7 +513,7 @@ def decoder_step_kernel(
             def _():
                 _start_copies([(norms_ref.at[layer, phase // 2], norm_smem)], bars)
 
-            _wait_count(sem, base + _select(phase, targets))
+            ops.wait_count(sem, base + _select(phase, targets))
 
             @pl.when(norm_phase)
             def _():
@@ -490,8 +540,8 @@ def decoder_step_kernel(
         plgpu.commit_smem()  # x_smem written by every thread before any reads it
         slot = t % stages
         plgpu.barrier_wait(ring_bar.at[slot])
-        x = _load(x_smem)
-        w = _load(ring.at[slot], WGMMA).astype(FLOAT)
+        x = ops.load(x_smem)
+        w = ops.load(ring.at[slot], WGMMA).astype(FLOAT)
         out = o_smem.at[t % 2]  # double-buffered: a store in flight while the next tile runs
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store two tiles back read `out`
         out[...] = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
@@ -513,12 +563,12 @@ def decoder_step_kernel(
 
         @pl.when((phase == O_PROJ) | (phase == DOWN))
         def _():
-            plgpu.copy_smem_to_gmem(out, h_ref.at[cols], reduction_op="add")
+            ops.add_to_gmem(out, h_ref.at[cols])
 
         @pl.when((s == own - 1) | (phase_of(r + programs) != phase))
         def _():  # the end of this program's run of the phase: its stores done, then counted
             plgpu.wait_smem_to_gmem(0)
-            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+            ops.signal(sem)
 
         return phase
 
@@ -528,7 +578,9 @@ def decoder_step_kernel(
 _STATIC = ("shape", "programs", "splits", "stages", "interpret")
 
 
-def check_decoder_step(shape: DecoderShape, tiles, k_caches, *, programs, splits, stages) -> None:
+def check_decoder_step(
+    shape: DecoderShape, tiles, k_caches, *, programs, splits, stages, interpret=False
+) -> None:
     """ValueError unless the kernel can run these sizes."""
     d, e, f = shape.head_dim, shape.hidden, shape.intermediate
     block_size = k_caches[0].shape[2]
@@ -548,15 +600,13 @@ def check_decoder_step(shape: DecoderShape, tiles, k_caches, *, programs, splits
     if tiles.shape != (shape.layers * per_layer, TILE_N, TILE_K):
         problems.append(f"tiles must be {(shape.layers * per_layer, TILE_N, TILE_K)}")
     qkv_tiles = shape.phase_tiles()[0]
-    if (
-        not 0 < programs <= min(qkv_tiles, per_layer - qkv_tiles)
-        or shape.kv_heads * splits > programs
-    ):
-        # Every program takes a q/k/v tile and a later one (its attention item comes between).
-        problems.append(
-            f"programs ({programs}) must cover kv_heads x splits and take a q/k/v tile and a later"
-            " one"
-        )
+    if not 0 < programs <= min(qkv_tiles, per_layer - qkv_tiles):
+        # Every program takes a q/k/v tile and a later one (its attention items come between).
+        problems.append(f"programs ({programs}) must each take a q/k/v tile and a later one")
+    if splits < 1:
+        problems.append(f"splits must be >= 1, got {splits}")
+    if interpret and programs != 1:  # the interpreter runs programs one after another
+        problems.append(f"the interpreter runs one program (programs=1), got {programs}")
     sms = getattr(jax.devices()[0], "core_count", None)
     if sms is not None and programs > sms:  # programs wait for each other: all must be resident
         problems.append(f"programs ({programs}) must not exceed the GPU's {sms} SMs")
@@ -586,18 +636,17 @@ def decoder_step(
 ) -> tuple[jax.Array, list, list]:
     """h after every layer (float32 [E]) and the caches with the token's K/V appended.
     `programs` must not exceed the GPU's SMs (all must be resident: they wait for each other).
-    `splits` (attention items a KV head) defaults to what fits the programs, at most 8; `stages`
-    (weight tiles in flight a program) to at most 4 of the tiles a program takes."""
-    if interpret:
-        raise NotImplementedError(
-            "decoder_step needs a GPU: jax's Mosaic GPU interpreter has no global semaphores"
-        )
+    `splits` (attention items a KV head, dealt round-robin to the programs) defaults to what
+    fits the programs, at most 8; `stages` (weight tiles in flight a program) to at most 4 of
+    the tiles a program takes. `interpret=True` runs jax's Mosaic GPU interpreter, programs=1."""
     tiles = weights["tiles"]
     if splits is None:
         splits = max(1, min(8, programs // shape.kv_heads))
     if stages is None:
         stages = max(1, min(4, shape.layers * (sum(shape.phase_tiles()) // programs)))
-    check_decoder_step(shape, tiles, k_caches, programs=programs, splits=splits, stages=stages)
+    check_decoder_step(
+        shape, tiles, k_caches, programs=programs, splits=splits, stages=stages, interpret=interpret
+    )
     lay, e, d = shape.layers, shape.hidden, shape.head_dim
     dtype, caches = tiles.dtype, [*k_caches, *v_caches]
     kt_e, q = e // TILE_K, shape.heads * d
@@ -614,6 +663,7 @@ def decoder_step(
         programs=programs,
         splits=splits,
         stages=stages,
+        interpret=interpret,
     )
     scratch = [
         plgpu.SMEM((stages, TILE_N, TILE_K), dtype),
@@ -632,6 +682,7 @@ def decoder_step(
         out_type=buffers,
         mesh=plgpu.Mesh(grid=(programs,), grid_names=("program",)),
         compiler_params=plgpu.CompilerParams(),
+        interpret=_InterpretGPUParams() if interpret else False,
     )
     inputs = (tiles, weights["norms"], weights["qk_norms"], rope, block_table, seq_len)
 

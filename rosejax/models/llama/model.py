@@ -221,10 +221,11 @@ def one_kernel_step(
     tokens: jax.Array,  # [1, 1] int32
     cache: KVCache,
     meta: ForwardMetadata,
-    programs: int,
+    kernels: KernelConfig,
 ) -> tuple[jax.Array, KVCache]:
-    """A decode step of one row by `pallas_kernels.decoder_step` (every layer, the residual
-    stream in float32), then the final norm and LM head in XLA. A dead row (length 0) writes
+    """A decode step of one row by `pallas_kernels.decoder_step` on `kernels.decoder_step_programs`
+    programs (every layer, the residual stream in float32), then the final norm and LM head in
+    XLA. A dead row (length 0) writes
     position 0 of the scratch block, as `cache_slots` sends it."""
     live = meta.seq_lens > 0  # [1]
     seq_len = jnp.where(live, meta.seq_lens, 1)
@@ -240,7 +241,8 @@ def one_kernel_step(
         cache.k,
         cache.v,
         shape=DecoderShape.of(config),
-        programs=programs,
+        programs=kernels.decoder_step_programs,
+        interpret=kernels.interpret,
     )
     return final_logits(params, config, h)[:, None], cache.replace(k=k, v=v)
 
@@ -271,9 +273,7 @@ def forward(
     the params' dtype, or [B, V] with `logit_indices`, cache)."""
     if DECODER_STEP in params:
         if kernels.decoder_step_programs and tokens.shape == (1, 1) and logit_indices is None:
-            return one_kernel_step(
-                params, config, tokens, cache, meta, kernels.decoder_step_programs
-            )
+            return one_kernel_step(params, config, tokens, cache, meta, kernels)
         params = {k: v for k, v in params.items() if k != DECODER_STEP}
     dtype = params["embed_tokens"]["embedding"].dtype
     return LlamaModel(config, dtype, kernels, tp).apply(
