@@ -8,7 +8,8 @@ work per token is the same), apply the final norm and LM head and take the argma
 the next call (bench.common.time_in_loop, the caches carried). Per context length: ms a step,
 the ratio, the weights' GB/s and the logits' relative difference (and whether the argmax agrees).
 `--quick` (CPU smoke): tiny sizes, the XLA reference (`decoder_step_reference`) in the kernel's
-place, since jax's Mosaic GPU interpreter cannot run the kernel's grid barrier.
+place (the kernel runs in jax's Mosaic GPU interpreter only at one program, which times nothing;
+the tests run it there).
 
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/bench_decoder_step.py --context 16,136,1024
 """

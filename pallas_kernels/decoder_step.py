@@ -8,19 +8,24 @@ program a SM stays for the whole step. Every program streams its share of all la
 through one ring of TMA copies that never waits for activations (weights do not depend on them),
 so the next phase's weights arrive while the programs wait for the previous phase's outputs.
 
-Work: each layer's four matmuls are cut into tiles of W^T, 64 output columns x 256 of K (packed
-once, `pack_decoder_weights`), dealt round-robin to the programs (tile r of a layer to program
-r mod P). A tile's program multiplies it by its 256 inputs on the CUDA cores and stores float32
-partials: q/k/v and gate/up partials to buffers the next phase sums, o_proj and down partials
-added into the residual stream by TMA reduce-adds. Attention is H x `splits` items (a KV head, a
-range of 64-token tiles of the pages; the current token and its append go to split 0), each
-storing its unnormalised output and softmax max/sum for the o_proj tiles to merge.
+Work: a layer's q/k/v and o_proj matmuls are cut into tiles of W^T, 64 output columns x 256 of
+K (packed once, `pack_decoder_weights`), dealt round-robin to the programs (tile r of a layer to
+program r mod P). A tile's program multiplies it by its 256 inputs on the CUDA cores: q/k/v
+partials go to a buffer the attention sums, o_proj partials are added into the residual stream
+by TMA reduce-adds. Attention is H x `splits` items (a KV head, a range of 64-token tiles of the
+pages; the current token and its append go to split 0), each storing its unnormalised output and
+softmax max/sum for the o_proj tiles to merge. The MLP is cut into slices of 64 units, each
+taken whole by one program (`decoder_schedule`): its gate and up tiles over every K range, summed
+in the program's SMEM, SwiGLU, then its rows of down, whose partial sums over the slice's units
+are reduce-added into the stream. So gate/up and down need no wait between them: a layer has
+four dependent phases (q/k/v, attention, o_proj, MLP), not five.
 
 Order: one global semaphore counts signals; a phase's tiles wait until every tile of the phases
 before it in the layer (and all earlier layers) is stored: a program signals once it has stored
 its last tile of a phase (its tiles of a phase are consecutive), an attention item once it has
 stored its output. Programs take tiles in order and all are resident (one a SM), so the waits
-cannot deadlock.
+cannot deadlock: by induction, a phase's first signal comes after its wait saw every signal of
+the phases before it, so a count that reaches a phase's target holds exactly those signals.
 
 Rounding follows the bf16 model where it rounds (`decoder_step_reference`): the normed input, q/k/v,
 q/k norm and RoPE, the attention output and the SwiGLU product in the weights' dtype; the residual
@@ -41,6 +46,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels.qk_norm_rope import apply_rotary
@@ -57,7 +63,8 @@ TILE_K = 256  # its K range (the widest side of a TMA box)
 TOKENS = 64  # KV positions an attention tile reads
 FLOAT = jnp.float32
 NEG_INF = float("-inf")
-QKV, O_PROJ, GATE_UP, DOWN = range(4)  # a layer's matmul phases, in order
+UNITS = 64  # MLP units a slice of the MLP (its gate/up columns and down rows) takes
+QKV, O_PROJ, MLP = range(3)  # a layer's phases of weight tiles, in order
 
 WGMMA = plgpu.Layout.WGMMA
 COL = WGMMA.reduce(0)  # a vector along a [64, N] tile's columns
@@ -95,20 +102,23 @@ class DecoderShape:
     def qkv_width(self) -> int:
         return (self.heads + 2 * self.kv_heads) * self.head_dim
 
-    def phase_tiles(self) -> tuple[int, int, int, int]:
-        """Weight tiles a layer, by phase: q/k/v, o_proj, gate/up, down."""
-        e, f, q = self.hidden, self.intermediate, self.heads * self.head_dim
+    def slice_tiles(self) -> int:
+        """Weight tiles of an MLP slice: gate and up over each K range of 256 of the hidden
+        size, then down over each 256 of its outputs."""
+        return 3 * (self.hidden // TILE_K)
+
+    def phase_tiles(self) -> tuple[int, int, int]:
+        """Weight tiles a layer, by phase: q/k/v, o_proj, the MLP's slices."""
+        e, q = self.hidden, self.heads * self.head_dim
         return (
             e // TILE_K * (self.qkv_width // TILE_N),
             q // TILE_K * (e // TILE_N),
-            e // TILE_K * (2 * f // TILE_N),
-            f // TILE_K * (e // TILE_N),
+            self.intermediate // UNITS * self.slice_tiles(),
         )
 
-    def phase_blocks(self) -> tuple[int, int, int, int]:
-        """Column blocks (of TILE_N) of each phase's output."""
-        e = self.hidden // TILE_N
-        return self.qkv_width // TILE_N, e, 2 * self.intermediate // TILE_N, e
+    def phase_blocks(self) -> tuple[int, int]:
+        """Column blocks (of TILE_N) of q/k/v's and o_proj's outputs."""
+        return self.qkv_width // TILE_N, self.hidden // TILE_N
 
 
 def _w_tiles(kernel: jax.Array) -> jax.Array:  # [K, N] -> [K/256 * N/64, 64, 256]
@@ -118,22 +128,31 @@ def _w_tiles(kernel: jax.Array) -> jax.Array:  # [K, N] -> [K/256 * N/64, 64, 25
     return t.transpose(0, 2, 3, 1).reshape(-1, TILE_N, TILE_K)
 
 
+def _mlp_tiles(gate_up: jax.Array, down: jax.Array) -> jax.Array:  # -> [f/64 * 3E/256, 64, 256]
+    """The MLP's tiles, slice by slice (64 units each): the W^T tiles of its gate columns over
+    each K range, of its up columns, then its down rows over each range of 256 outputs (not
+    transposed: a down tile's rows are the slice's units)."""
+    e, f = down.shape[1], down.shape[0]
+
+    def w_t(w):  # [E, f] -> [f/64, E/256, 64, 256]: slice j, K range k
+        return w.reshape(e // TILE_K, TILE_K, f // UNITS, UNITS).transpose(2, 0, 3, 1)
+
+    rows = down.reshape(f // UNITS, UNITS, e // TILE_K, TILE_K).transpose(0, 2, 1, 3)
+    slices = jnp.concatenate([w_t(gate_up[:, :f]), w_t(gate_up[:, f:]), rows], axis=1)
+    return slices.reshape(-1, UNITS, TILE_K)
+
+
 def pack_decoder_weights(params: dict, shape: DecoderShape) -> dict:
     """rosejax Llama-family params -> the kernel's weights: "tiles" [L * T, 64, 256] (each
-    layer's q/k/v, o_proj, gate/up and down tiles, in the params' dtype), "norms" float32
+    layer's q/k/v and o_proj W^T tiles and its MLP slices, in the params' dtype), "norms" float32
     [L, 2, E] (input and post-attention RMSNorm scales), "qk_norms" float32 [L, 2, D] (q_norm,
     k_norm; ones without them)."""
     tiles, norms, qk_norms = [], [], []
     for i in range(shape.layers):
         layer = params[f"layers_{i}"]
         attn, mlp = layer["self_attn"], layer["mlp"]
-        for kernel in (
-            attn["qkv_proj"]["kernel"],
-            attn["o_proj"]["kernel"],
-            mlp["gate_up_proj"]["kernel"],
-            mlp["down_proj"]["kernel"],
-        ):
-            tiles.append(_w_tiles(kernel))
+        tiles += [_w_tiles(attn["qkv_proj"]["kernel"]), _w_tiles(attn["o_proj"]["kernel"])]
+        tiles.append(_mlp_tiles(mlp["gate_up_proj"]["kernel"], mlp["down_proj"]["kernel"]))
         norms.append(
             jnp.stack(
                 [layer["input_layernorm"]["scale"], layer["post_attention_layernorm"]["scale"]]
@@ -148,6 +167,37 @@ def pack_decoder_weights(params: dict, shape: DecoderShape) -> dict:
         "norms": jnp.stack(norms).astype(FLOAT),
         "qk_norms": jnp.stack(qk_norms).astype(FLOAT),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Which program takes which of a layer's weight tiles (the same every layer)."""
+
+    tiles: np.ndarray  # int32 [P, T]: program c's tiles in the order it takes them, then -1
+    counts: np.ndarray  # int32 [P]: how many each program takes
+    runs: tuple[int, int, int]  # programs with a tile in each phase (each signals once)
+
+
+@functools.cache
+def decoder_schedule(shape: DecoderShape, programs: int) -> Schedule:
+    """q/k/v and o_proj tiles round-robin (tile r to program r mod P, so a program's tiles of
+    a phase are consecutive); each MLP slice's tiles to one program, which keeps its gate/up
+    sums in SMEM: slice j to program P - 1 - j mod P, away from the attention items' programs
+    (0, 1, ...)."""
+    starts = np.cumsum((0, *shape.phase_tiles()))
+    lists = [[] for _ in range(programs)]
+    for r in range(starts[MLP]):
+        lists[r % programs].append(r)
+    per_slice = shape.slice_tiles()
+    for j in range(shape.intermediate // UNITS):
+        first = starts[MLP] + j * per_slice
+        lists[(programs - 1 - j) % programs] += range(first, first + per_slice)
+    tiles = np.full((programs, max(map(len, lists))), -1, np.int32)
+    for c, taken in enumerate(lists):
+        tiles[c, : len(taken)] = taken
+    phase = np.searchsorted(starts[1:], tiles, side="right")
+    runs = tuple(int(np.any((phase == p) & (tiles >= 0), axis=1).sum()) for p in range(3))
+    return Schedule(tiles, np.asarray([len(t) for t in lists], np.int32), runs)
 
 
 def _select(i, values):
@@ -255,49 +305,54 @@ def decoder_step_kernel(
     stages: int,
     interpret: bool,
 ):
-    """One program's share of the step. Refs: tiles, norms, qk_norms, rope [2, D/2],
-    block_table [pages], seq_len [1]; h [E] float32, the L K and L V caches [H, blocks,
-    block_size, D] (all three updated in place); the buffers between phases (q/k/v and gate/up
-    partials, attention partials); scratch."""
+    """One program's share of the step. Refs: tiles, norms, qk_norms, the schedule's tiles
+    [P, T] and counts [P], rope [2, D/2], block_table [pages], seq_len [1]; h [E] float32, the
+    L K and L V caches [H, blocks, block_size, D] (all three updated in place); the buffers
+    between phases (q/k/v partials, attention partials); scratch."""
     lay, e, hq, h_kv, d = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
-    f, group, half = shape.intermediate, shape.heads // shape.kv_heads, shape.head_dim // 2
+    group, half = shape.heads // shape.kv_heads, shape.head_dim // 2
     starts, blocks = [0], shape.phase_blocks()
     for n in shape.phase_tiles():
         starts.append(starts[-1] + n)
     per_layer_tiles, items = starts[-1], h_kv * splits
-    # A program's tiles of one phase are consecutive: it signals once a phase (a run), so
-    # min(programs, tiles) programs signal a phase, and one signal an attention item.
-    runs = [min(programs, n) for n in shape.phase_tiles()]
+    # A program's tiles of one phase are consecutive: it signals once a phase (a run), and
+    # once an attention item.
+    runs = decoder_schedule(shape, programs).runs
     per_layer = sum(runs) + items  # signals a layer
     # A phase's inputs are complete at these counts within its layer (attention items come
     # right after q/k/v).
-    targets = (0, runs[0] + items, sum(runs[:2]) + items, sum(runs[:3]) + items)
+    targets = (0, runs[0] + items, runs[0] + items + runs[1])
     kt_e = e // TILE_K
     pages_per_tile = TOKENS // block_size
 
-    tiles_ref, norms_ref, qk_norms_ref, rope_ref, table_ref, seq_len_ref, h_ref = refs[:7]
-    k_refs, v_refs, rest = refs[7 : 7 + lay], refs[7 + lay : 7 + 2 * lay], refs[7 + 2 * lay :]
-    qkv_ref, gu_ref, acc_ref, m_ref, l_ref = rest[:5]
-    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars = rest[5:]
+    tiles_ref, norms_ref, qk_norms_ref, sched_ref, counts_ref = refs[:5]
+    rope_ref, table_ref, seq_len_ref, h_ref = refs[5:9]
+    k_refs, v_refs, rest = refs[9 : 9 + lay], refs[9 + lay : 9 + 2 * lay], refs[9 + 2 * lay :]
+    qkv_ref, acc_ref, m_ref, l_ref = rest[:4]
+    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars = rest[4:12]
+    gu_smem, act_smem, down_smem = rest[12:]
 
     c = lax.axis_index("program")
     ops = _KernelOps(interpret)
     sem = ops.semaphore()
-    own = (per_layer_tiles - c + programs - 1) // programs  # this program's tiles a layer
+    own = counts_ref[c]  # this program's tiles a layer
     total = lay * own
     pos = seq_len_ref[0] - 1  # the step's token: its position; the cache holds [0, pos)
 
+    def tile_at(s):  # the index in its layer of this program's s-th tile (0 outside its list)
+        return jnp.maximum(sched_ref[c, jnp.clip(s, 0, sched_ref.shape[1] - 1)], 0)
+
     def fetch(t, slot):
         layer, s = t // own, t % own
-        tile = layer * per_layer_tiles + s * programs + c
+        tile = layer * per_layer_tiles + tile_at(s)
         plgpu.copy_gmem_to_smem(tiles_ref.at[tile], ring.at[slot], ring_bar.at[slot])
 
     for i in range(stages):
-        fetch(i, i)
+        pl.when(i < total)(functools.partial(fetch, i, i))
     _copy_in([(rope_ref, rope_smem)], bars)
 
     def phase_of(r):
-        return sum((r >= starts[p]).astype(jnp.int32) for p in (1, 2, 3))
+        return sum((r >= starts[p]).astype(jnp.int32) for p in (O_PROJ, MLP))
 
     def bf16(x):  # the weights' dtype's rounding, in float32
         return x.astype(dtype).astype(FLOAT)
@@ -335,17 +390,11 @@ def decoder_step_kernel(
 
         pl.run_scoped(scoped, *[plgpu.SMEM((splits, TILE_K), FLOAT)] * 3)
 
-    def swiglu_input(k):
-        """The tile's 256 inputs of silu(gate) * up, summed from gate/up's partials."""
-
-        def scoped(g_s, u_s):
-            gate, up = pl.ds(k * TILE_K, TILE_K), pl.ds(f + k * TILE_K, TILE_K)
-            _copy_in([(gu_ref.at[:, gate], g_s), (gu_ref.at[:, up], u_s)], bars)
-            g = bf16(sum(g_s[i] for i in range(kt_e)))
-            u = bf16(sum(u_s[i] for i in range(kt_e)))
-            x_smem[...] = bf16(bf16(g / (1.0 + jnp.exp(-g))) * u)
-
-        pl.run_scoped(scoped, plgpu.SMEM((kt_e, TILE_K), FLOAT), plgpu.SMEM((kt_e, TILE_K), FLOAT))
+    def mlp_activation():
+        """The slice's 64 units' silu(gate) * up, from the gate/up partials in SMEM (in ROW: 2
+        values a thread; a vector of 64 has no strided layout over 128 threads)."""
+        g, u = (bf16(sum(ops.load(gu_smem.at[j, i], ROW) for i in range(kt_e))) for j in (0, 1))
+        act_smem[...] = bf16(bf16(g / (1.0 + jnp.exp(-g))) * u)
 
     def attention(layer, head, split, ready):
         """Item (head, split) of the layer, once `sem` counts `ready` (q/k/v stored): its query
@@ -492,12 +541,12 @@ def decoder_step_kernel(
 
     def step(t, prev_phase):
         layer, s = t // own, t % own
-        r = s * programs + c
+        r = tile_at(s)
         phase = phase_of(r)
         base = layer * per_layer
 
         # This program's attention items (c, c + P, ...): before its first tile past q/k/v.
-        @pl.when((r >= starts[1]) & (r - programs < starts[1]))
+        @pl.when((phase != QKV) & ((s == 0) | (phase_of(tile_at(s - 1)) == QKV)))
         def _():
             @pl.loop(c, items, step=programs)
             def _(item):
@@ -506,7 +555,7 @@ def decoder_step_kernel(
 
         @pl.when((s == 0) | (phase != prev_phase))
         def _():
-            norm_phase = (phase == QKV) | (phase == GATE_UP)
+            norm_phase = (phase == QKV) | (phase == MLP)
 
             # The norm's scale does not depend on other programs: its copy starts before the wait.
             @pl.when(norm_phase)
@@ -521,11 +570,15 @@ def decoder_step_kernel(
                 _wait_copies(bars, 0, kt_e)
                 normalize_h()
 
-        q = r - _select(phase, starts[:4])
+        q = r - _select(phase, starts[:3])
         nb = _select(phase, blocks)
-        k, b = q // nb, q % nb
+        k, b = q // nb, q % nb  # q/k/v and o_proj: the tile's K range and column block
+        i = q % shape.slice_tiles()  # the MLP: the tile in its slice
+        gate_up, which, m = i < 2 * kt_e, i // kt_e, i % kt_e  # gate (0) or up (1), K range
+        down = (phase == MLP) & ~gate_up
+        row_tile = ~down  # the rest are W^T tiles: their outputs along the tile's rows
 
-        @pl.when((phase == QKV) | (phase == GATE_UP))
+        @pl.when(phase == QKV)
         def _():
             norm_input(k)
 
@@ -533,39 +586,60 @@ def decoder_step_kernel(
         def _():
             merged_attention(k)
 
-        @pl.when(phase == DOWN)
+        @pl.when((phase == MLP) & gate_up)
         def _():
-            swiglu_input(k)
+            norm_input(m)
 
-        plgpu.commit_smem()  # x_smem written by every thread before any reads it
+        @pl.when(down & (i == 2 * kt_e))
+        def _():
+            mlp_activation()
+
+        plgpu.commit_smem()  # a tile's inputs written by every thread before any reads them
         slot = t % stages
         plgpu.barrier_wait(ring_bar.at[slot])
-        x = ops.load(x_smem)
-        w = ops.load(ring.at[slot], WGMMA).astype(FLOAT)
-        out = o_smem.at[t % 2]  # double-buffered: a store in flight while the next tile runs
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store two tiles back read `out`
-        out[...] = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
-        plgpu.commit_smem()  # the slot read and `out` written by every thread
+        out, out_down = o_smem.at[t % 2], down_smem.at[t % 2]  # double-buffered stores
+
+        @pl.when(row_tile)
+        def _():
+            x = ops.load(x_smem)
+            w = ops.load(ring.at[slot], WGMMA).astype(FLOAT)
+            y = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
+
+            @pl.when(phase == MLP)  # a gate/up partial: summed in SMEM by the slice's program
+            def _():
+                gu_smem[which, m] = y
+
+            @pl.when(phase != MLP)
+            def _():
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store 2 tiles back
+                out[...] = y
+
+        @pl.when(down)
+        def _():  # the slice's units along the tile's rows: 256 outputs' partial sums
+            a = ops.load(act_smem, ROW)
+            w = ops.load(ring.at[slot], WGMMA).astype(FLOAT)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            out_down[...] = (w * lax.broadcast_in_dim(a, (TILE_N, TILE_K), [0])).sum(axis=0)
+
+        plgpu.commit_smem()  # the slot read and the outputs written by every thread
 
         @pl.when(t + stages < total)
         def _():
             fetch(t + stages, slot)
 
-        cols = pl.ds(b * TILE_N, TILE_N)
-
         @pl.when(phase == QKV)
         def _():
-            plgpu.copy_smem_to_gmem(out, qkv_ref.at[k, cols])
+            plgpu.copy_smem_to_gmem(out, qkv_ref.at[k, pl.ds(b * TILE_N, TILE_N)])
 
-        @pl.when(phase == GATE_UP)
+        @pl.when(phase == O_PROJ)
         def _():
-            plgpu.copy_smem_to_gmem(out, gu_ref.at[k, cols])
+            ops.add_to_gmem(out, h_ref.at[pl.ds(b * TILE_N, TILE_N)])
 
-        @pl.when((phase == O_PROJ) | (phase == DOWN))
+        @pl.when(down)
         def _():
-            ops.add_to_gmem(out, h_ref.at[cols])
+            ops.add_to_gmem(out_down, h_ref.at[pl.ds((i - 2 * kt_e) * TILE_K, TILE_K)])
 
-        @pl.when((s == own - 1) | (phase_of(r + programs) != phase))
+        @pl.when((s == own - 1) | (phase_of(tile_at(s + 1)) != phase))
         def _():  # the end of this program's run of the phase: its stores done, then counted
             plgpu.wait_smem_to_gmem(0)
             ops.signal(sem)
@@ -585,10 +659,10 @@ def check_decoder_step(
     d, e, f = shape.head_dim, shape.hidden, shape.intermediate
     block_size = k_caches[0].shape[2]
     problems = []
-    if e % TILE_K or f % TILE_K or (shape.heads * d) % TILE_K or shape.qkv_width % TILE_N:
+    if e % TILE_K or f % UNITS or (shape.heads * d) % TILE_K or shape.qkv_width % TILE_N:
         problems.append(
-            f"hidden, intermediate and heads x head_dim must be multiples of {TILE_K}"
-            f" (got {e}, {f}, {shape.heads * d})"
+            f"hidden and heads x head_dim must be multiples of {TILE_K}, intermediate of {UNITS}"
+            f" (got {e}, {shape.heads * d}, {f})"
         )
     if d % 16 or d > TILE_K or TILE_K % d or shape.heads % shape.kv_heads:
         problems.append(f"head_dim must be a multiple of 16 dividing {TILE_K}, heads of kv_heads")
@@ -599,19 +673,21 @@ def check_decoder_step(
     per_layer = sum(shape.phase_tiles())
     if tiles.shape != (shape.layers * per_layer, TILE_N, TILE_K):
         problems.append(f"tiles must be {(shape.layers * per_layer, TILE_N, TILE_K)}")
-    qkv_tiles = shape.phase_tiles()[0]
-    if not 0 < programs <= min(qkv_tiles, per_layer - qkv_tiles):
-        # Every program takes a q/k/v tile and a later one (its attention items come between).
-        problems.append(f"programs ({programs}) must each take a q/k/v tile and a later one")
-    if splits < 1:
-        problems.append(f"splits must be >= 1, got {splits}")
+    if min(programs, splits, stages) < 1:
+        problems.append(f"programs, splits, stages must be >= 1, got {programs, splits, stages}")
+    elif not problems:
+        # A program's attention items run before its first tile past q/k/v: it must have one.
+        past_qkv = decoder_schedule(shape, programs).tiles >= shape.phase_tiles()[0]
+        if not past_qkv[: shape.kv_heads * splits].any(axis=1).all():
+            problems.append(
+                f"each of the first kv_heads x splits of {programs} programs takes"
+                " attention items and must take a tile past q/k/v"
+            )
     if interpret and programs != 1:  # the interpreter runs programs one after another
         problems.append(f"the interpreter runs one program (programs=1), got {programs}")
     sms = getattr(jax.devices()[0], "core_count", None)
     if sms is not None and programs > sms:  # programs wait for each other: all must be resident
         problems.append(f"programs ({programs}) must not exceed the GPU's {sms} SMs")
-    if not 1 <= stages <= shape.layers * (per_layer // programs):
-        problems.append(f"stages must be 1 .. the tiles a program takes, got {stages}")
     if len(k_caches) != shape.layers:
         problems.append(f"{shape.layers} layers of caches expected, got {len(k_caches)}")
     if problems:
@@ -637,13 +713,12 @@ def decoder_step(
     """h after every layer (float32 [E]) and the caches with the token's K/V appended.
     `programs` must not exceed the GPU's SMs (all must be resident: they wait for each other).
     `splits` (attention items a KV head, dealt round-robin to the programs) defaults to what
-    fits the programs, at most 8; `stages` (weight tiles in flight a program) to at most 4 of
-    the tiles a program takes. `interpret=True` runs jax's Mosaic GPU interpreter, programs=1."""
+    fits the programs, at most 8; `stages` (weight tiles in flight a program) to 4.
+    `interpret=True` runs jax's Mosaic GPU interpreter, programs=1."""
     tiles = weights["tiles"]
     if splits is None:
         splits = max(1, min(8, programs // shape.kv_heads))
-    if stages is None:
-        stages = max(1, min(4, shape.layers * (sum(shape.phase_tiles()) // programs)))
+    stages = stages or 4
     check_decoder_step(
         shape, tiles, k_caches, programs=programs, splits=splits, stages=stages, interpret=interpret
     )
@@ -652,7 +727,6 @@ def decoder_step(
     kt_e, q = e // TILE_K, shape.heads * d
     buffers = [
         jax.ShapeDtypeStruct((kt_e, shape.qkv_width), FLOAT),
-        jax.ShapeDtypeStruct((kt_e, 2 * shape.intermediate), FLOAT),
         *[jax.ShapeDtypeStruct((splits, q), FLOAT)] * 3,
     ]
     body = functools.partial(
@@ -674,6 +748,9 @@ def decoder_step(
         plgpu.SMEM((2, TILE_N), FLOAT),
         plgpu.SMEM((2, d // 2), FLOAT),
         plgpu.Barrier(num_barriers=max(3, 2 * kt_e)),
+        plgpu.SMEM((2, kt_e, UNITS), FLOAT),  # an MLP slice's gate and up partials
+        plgpu.SMEM((UNITS,), FLOAT),  # its silu(gate) * up
+        plgpu.SMEM((2, TILE_K), FLOAT),  # its down partials (double-buffered stores)
     ]
     # pl.kernel rather than plgpu.kernel: its operands may be Refs (h and the caches, written in
     # place under run_state below), which plgpu.kernel's batching wrapper does not pass through.
@@ -684,7 +761,9 @@ def decoder_step(
         compiler_params=plgpu.CompilerParams(),
         interpret=_InterpretGPUParams() if interpret else False,
     )
-    inputs = (tiles, weights["norms"], weights["qk_norms"], rope, block_table, seq_len)
+    schedule = decoder_schedule(shape, programs)
+    inputs = (tiles, weights["norms"], weights["qk_norms"], schedule.tiles, schedule.counts)
+    inputs += (rope, block_table, seq_len)
 
     def in_place(refs):  # the kernel writes h and the caches where they are
         h_ref, caches = refs
