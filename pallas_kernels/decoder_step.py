@@ -177,6 +177,18 @@ class Schedule:
     counts: np.ndarray  # int32 [P]: how many each program takes
     runs: tuple[int, int, int]  # programs with a tile in each phase (each signals once)
 
+    # The one semaphore's count: a program signals once it has stored its run of a phase's
+    # tiles (they are consecutive), an attention item once it has stored its output.
+
+    def targets(self, items: int) -> tuple[int, int, int]:
+        """The signals a layer's phase waits for within its layer: every earlier phase's, the
+        attention items' (which come right after q/k/v) before o_proj and the MLP."""
+        qkv, o_proj, _ = self.runs
+        return (0, qkv + items, qkv + items + o_proj)
+
+    def signals_a_layer(self, items: int) -> int:
+        return sum(self.runs) + items
+
 
 @functools.cache
 def decoder_schedule(shape: DecoderShape, programs: int) -> Schedule:
@@ -315,13 +327,8 @@ def decoder_step_kernel(
     for n in shape.phase_tiles():
         starts.append(starts[-1] + n)
     per_layer_tiles, items = starts[-1], h_kv * splits
-    # A program's tiles of one phase are consecutive: it signals once a phase (a run), and
-    # once an attention item.
-    runs = decoder_schedule(shape, programs).runs
-    per_layer = sum(runs) + items  # signals a layer
-    # A phase's inputs are complete at these counts within its layer (attention items come
-    # right after q/k/v).
-    targets = (0, runs[0] + items, runs[0] + items + runs[1])
+    schedule = decoder_schedule(shape, programs)
+    targets, per_layer = schedule.targets(items), schedule.signals_a_layer(items)
     kt_e = e // TILE_K
     pages_per_tile = TOKENS // block_size
 
@@ -550,7 +557,7 @@ def decoder_step_kernel(
         def _():
             @pl.loop(c, items, step=programs)
             def _(item):
-                attention(layer, item // splits, item % splits, base + runs[0])
+                attention(layer, item // splits, item % splits, base + schedule.runs[QKV])
                 ops.signal(sem)
 
         @pl.when((s == 0) | (phase != prev_phase))

@@ -14,7 +14,11 @@ import pytest
 
 from bench.common import random_hf_model
 from pallas_kernels.decoder_step import (
+    MLP,
+    O_PROJ,
+    QKV,
     DecoderShape,
+    decoder_schedule,
     decoder_step,
     decoder_step_reference,
     pack_decoder_weights,
@@ -157,6 +161,84 @@ def test_pack_decoder_weights_tiles(checkpoint):
         first = start + j * shape.slice_tiles()
         np.testing.assert_array_equal(tiles[first : first + 3 * kt], np.stack(want))
     assert start + shape.phase_tiles()[2] == 2 * per_layer == len(tiles)
+
+
+def schedule_events(shape, programs: int, splits: int, layers: int) -> list[list[tuple]]:
+    """Each program's waits and signals over `layers` layers, as the kernel makes them from
+    `decoder_schedule`: ("wait", count, what it then reads), ("signal", what it stored)."""
+    schedule = decoder_schedule(shape, programs)
+    starts = np.cumsum(shape.phase_tiles())
+    items = shape.kv_heads * splits
+    targets, per_layer = schedule.targets(items), schedule.signals_a_layer(items)
+    events = []
+    for c in range(programs):
+        tiles = schedule.tiles[c, : schedule.counts[c]].tolist()
+        phases = [int(np.searchsorted(starts, r, side="right")) for r in tiles]
+        mine = []
+        for layer in range(layers):
+            base = layer * per_layer
+            for s, phase in enumerate(phases):
+                if phase != QKV and (s == 0 or phases[s - 1] == QKV):
+                    for _ in range(c, items, programs):
+                        mine += [("wait", base + schedule.runs[QKV], (layer, "items"))]
+                        mine += [("signal", (layer, "items"))]
+                if s == 0 or phase != phases[s - 1]:
+                    mine.append(("wait", base + targets[phase], (layer, phase)))
+                if s == len(phases) - 1 or phases[s + 1] != phase:
+                    mine.append(("signal", (layer, phase)))
+        events.append(mine)
+    return events
+
+
+@pytest.mark.parametrize(
+    "preset_name,programs",
+    [("qwen3-0.6b", 132), ("qwen3-0.6b", 128), ("qwen3-0.6b", 37), ("llama-3.2-1b", 132)],
+)
+def test_decoder_schedule_orders_every_phase(preset_name, programs):
+    """Every tile of a layer taken once, by one program a slice of the MLP; and the programs'
+    waits and signals played out together (one step of whichever program can move): none is
+    left waiting, and each wait ends only once every producer of what follows has signalled
+    (the previous layer for q/k/v, q/k/v for the attention items, the items for o_proj, o_proj
+    for the MLP)."""
+    shape = DecoderShape.of(dataclasses.replace(preset(preset_name), num_hidden_layers=3))
+    schedule = decoder_schedule(shape, programs)
+    taken = schedule.tiles[schedule.tiles >= 0]
+    assert sorted(taken.tolist()) == list(range(sum(shape.phase_tiles())))
+    first_slice = sum(shape.phase_tiles()[:2])
+    for c in range(programs):  # a program's slices: whole and in order
+        mlp = schedule.tiles[c][schedule.tiles[c] >= first_slice] - first_slice
+        slices = mlp.reshape(-1, shape.slice_tiles())
+        assert np.all(slices - slices[:, :1] == np.arange(shape.slice_tiles()))
+        assert np.all(slices[:, 0] % shape.slice_tiles() == 0)
+    splits = min(8, programs // shape.kv_heads)
+    items = shape.kv_heads * splits
+    events = schedule_events(shape, programs, splits, layers=3)
+    producers = {QKV: None, "items": QKV, O_PROJ: "items", MLP: O_PROJ}
+    expected = {QKV: schedule.runs[QKV], "items": items, O_PROJ: schedule.runs[O_PROJ]}
+    expected[MLP] = schedule.runs[MLP]
+    signalled, count, at = {}, 0, [0] * programs
+    while any(a < len(e) for a, e in zip(at, events, strict=True)):
+        moved = False
+        for c, mine in enumerate(events):
+            while at[c] < len(mine):
+                kind, *what = mine[at[c]]
+                if kind == "wait":
+                    target, (layer, phase) = what
+                    if count < target:
+                        break
+                    if phase == QKV:  # the whole previous layer
+                        done = [signalled.get((layer - 1, p), 0) for p in expected]
+                        assert layer == 0 or done == list(expected.values())
+                    else:
+                        producer = producers[phase]
+                        assert signalled.get((layer, producer), 0) == expected[producer]
+                else:
+                    signalled[what[0]] = signalled.get(what[0], 0) + 1
+                    count += 1
+                at[c] += 1
+                moved = True
+        assert moved, "the programs wait for each other"
+    assert count == 3 * schedule.signals_a_layer(items)
 
 
 def test_decoder_step_rejects_what_it_cannot_run(checkpoint):
