@@ -435,15 +435,26 @@ def decoder_step_kernel(
                 plgpu.barrier_wait(page_bars.at[2 * j])
                 plgpu.barrier_wait(page_bars.at[2 * j + 1])
 
-        def scoped(heads_s, qkn_s, k_s, v_s, out_s, cur_s, page_bars):
+        def scoped(heads_s, qkn_s, k_s, v_s, out_s, cur_s, copy_bars, page_bars):
+            def load_tile(i):
+                for j in range(pages_per_tile):
+                    load_page(i, j, k_s, v_s, page_bars)
+
+            tiles = (pos + TOKENS - 1) // TOKENS
+            per_split = (tiles + splits - 1) // splits
+            first = jnp.minimum(split * per_split, tiles)
+            last = jnp.minimum(first + per_split, tiles)
+            # The cached pages do not depend on the step's q/k/v: the first tile's copies (and
+            # the q/k norm scales') start before the wait for them.
+            pl.when(first < last)(lambda: load_tile(first))
             q0, k0, v0 = head * group * d, hq * d + head * d, (hq + h_kv) * d + head * d
             srcs = [qkv_ref.at[:, pl.ds(q0 + g * d, d)] for g in range(group)]
             srcs += [qkv_ref.at[:, pl.ds(k0, d)], qkv_ref.at[:, pl.ds(v0, d)]]
-            scales = _start_copies([(qk_norms_ref.at[layer], qkn_s)], page_bars)
+            scales = _start_copies([(qk_norms_ref.at[layer], qkn_s)], copy_bars)
             ops.wait_count(sem, ready)
             boxes = [(src, heads_s.at[i]) for i, src in enumerate(srcs)]
-            _copy_in(boxes, page_bars, first=scales)
-            _wait_copies(page_bars, 0, scales)
+            _copy_in(boxes, copy_bars, first=scales)
+            _wait_copies(copy_bars, 0, scales)
             cos, sin = ops.load(rope_smem.at[0]), ops.load(rope_smem.at[1])
 
             def head_vec(i):  # summed partials, in halves of D
@@ -467,14 +478,7 @@ def decoder_step_kernel(
             zero = ops.zeros(half)  # a loop carry's layout
             state = [(jnp.float32(NEG_INF), jnp.float32(0.0), zero, zero) for _ in range(group)]
 
-            tiles = (pos + TOKENS - 1) // TOKENS
-            per_split = (tiles + splits - 1) // splits
-            first = jnp.minimum(split * per_split, tiles)
-            last = jnp.minimum(first + per_split, tiles)
-
             def tile(i, state):
-                for j in range(pages_per_tile):
-                    load_page(i, j, k_s, v_s, page_bars)
                 for j in range(pages_per_tile):
                     wait_page(i, j, page_bars)
                 valid = i * TOKENS + ops.iota(TOKENS)
@@ -501,6 +505,7 @@ def decoder_step_kernel(
                     a2 = a2 * alpha + (vals[1] * pb).sum(axis=0)
                     new.append((m_new, l_sum * alpha + jnp.sum(p), a1, a2))
                 plgpu.commit_smem()  # every thread's reads done before the next tile's copies
+                pl.when(i + 1 < last)(lambda: load_tile(i + 1))
                 return new
 
             state = lax.fori_loop(first, last, tile, state)
@@ -543,7 +548,8 @@ def decoder_step_kernel(
             plgpu.SMEM((TOKENS, d), dtype),
             plgpu.SMEM((3, group, d), FLOAT),
             plgpu.SMEM((2, d), dtype),
-            plgpu.Barrier(num_barriers=max(group + 3, 2 * pages_per_tile)),
+            plgpu.Barrier(num_barriers=group + 3),
+            plgpu.Barrier(num_barriers=2 * pages_per_tile),
         )
 
     def step(t, prev_phase):
