@@ -409,6 +409,7 @@ def test_one_kernel_step_refused_where_it_cannot_run(checkpoint):
         LLM("random:tiny", kernel_overrides=(("decoder_step_programs", 8),), warmup=False)
 
 
+@(pytest.mark.slow if not GPU else (lambda test: test))  # interpreted, a step takes a second
 def test_engine_one_kernel_step_matches_hf(hf_checkpoint, mosaic_gpu_interpreter):
     """The engine at one row with the one-kernel step (bf16) gives HF's greedy tokens (fp32) up
     to a near-tie at bf16's precision: on a GPU compiled at 8 programs, on the CPU in the
