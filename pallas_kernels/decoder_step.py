@@ -173,7 +173,7 @@ def pack_decoder_weights(params: dict, shape: DecoderShape) -> dict:
 class Schedule:
     """Which program takes which of a layer's weight tiles (the same every layer)."""
 
-    tiles: np.ndarray  # int32 [P, T]: program c's tiles in the order it takes them, then -1
+    tiles: np.ndarray  # int32 [P, T]: program c's tiles in the order it takes them, then -1s
     counts: np.ndarray  # int32 [P]: how many each program takes
     runs: tuple[int, int, int]  # programs with a tile in each phase (each signals once)
 
@@ -204,7 +204,8 @@ def decoder_schedule(shape: DecoderShape, programs: int) -> Schedule:
     for j in range(shape.intermediate // UNITS):
         first = starts[MLP] + j * per_slice
         lists[(programs - 1 - j) % programs] += range(first, first + per_slice)
-    tiles = np.full((programs, max(map(len, lists))), -1, np.int32)
+    width = -(-max(map(len, lists)) // 4) * 4  # rows of 16 bytes: a TMA copy's unit
+    tiles = np.full((programs, width), -1, np.int32)
     for c, taken in enumerate(lists):
         tiles[c, : len(taken)] = taken
     phase = np.searchsorted(starts[1:], tiles, side="right")
@@ -337,7 +338,7 @@ def decoder_step_kernel(
     k_refs, v_refs, rest = refs[9 : 9 + lay], refs[9 + lay : 9 + 2 * lay], refs[9 + 2 * lay :]
     qkv_ref, acc_ref, m_ref, l_ref = rest[:4]
     ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars = rest[4:12]
-    gu_smem, act_smem, down_smem = rest[12:]
+    gu_smem, act_smem, down_smem, sched_smem = rest[12:]
 
     c = lax.axis_index("program")
     ops = _KernelOps(interpret)
@@ -347,16 +348,17 @@ def decoder_step_kernel(
     pos = seq_len_ref[0] - 1  # the step's token: its position; the cache holds [0, pos)
 
     def tile_at(s):  # the index in its layer of this program's s-th tile (0 outside its list)
-        return jnp.maximum(sched_ref[c, jnp.clip(s, 0, sched_ref.shape[1] - 1)], 0)
+        return jnp.maximum(sched_smem[jnp.clip(s, 0, sched_smem.shape[0] - 1)], 0)
 
     def fetch(t, slot):
         layer, s = t // own, t % own
         tile = layer * per_layer_tiles + tile_at(s)
         plgpu.copy_gmem_to_smem(tiles_ref.at[tile], ring.at[slot], ring_bar.at[slot])
 
+    # The schedule's row in SMEM first: a step reads it several times.
+    _copy_in([(sched_ref.at[c], sched_smem), (rope_ref, rope_smem)], bars)
     for i in range(stages):
         pl.when(i < total)(functools.partial(fetch, i, i))
-    _copy_in([(rope_ref, rope_smem)], bars)
 
     def phase_of(r):
         return sum((r >= starts[p]).astype(jnp.int32) for p in (O_PROJ, MLP))
@@ -752,6 +754,7 @@ def decoder_step(
         stages=stages,
         interpret=interpret,
     )
+    schedule = decoder_schedule(shape, programs)
     scratch = [
         plgpu.SMEM((stages, TILE_N, TILE_K), dtype),
         plgpu.Barrier(num_barriers=stages),
@@ -764,6 +767,7 @@ def decoder_step(
         plgpu.SMEM((2, kt_e, UNITS), FLOAT),  # an MLP slice's gate and up partials
         plgpu.SMEM((UNITS,), FLOAT),  # its silu(gate) * up
         plgpu.SMEM((2, TILE_K), FLOAT),  # its down partials (double-buffered stores)
+        plgpu.SMEM((schedule.tiles.shape[1],), jnp.int32),  # this program's schedule
     ]
     # pl.kernel rather than plgpu.kernel: its operands may be Refs (h and the caches, written in
     # place under run_state below), which plgpu.kernel's batching wrapper does not pass through.
@@ -774,7 +778,6 @@ def decoder_step(
         compiler_params=plgpu.CompilerParams(),
         interpret=_InterpretGPUParams() if interpret else False,
     )
-    schedule = decoder_schedule(shape, programs)
     inputs = (tiles, weights["norms"], weights["qk_norms"], schedule.tiles, schedule.counts)
     inputs += (rope, block_table, seq_len)
 
