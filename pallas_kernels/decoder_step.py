@@ -67,6 +67,7 @@ UNITS = 64  # MLP units a slice of the MLP (its gate/up columns and down rows) t
 QKV, O_PROJ, MLP = range(3)  # a layer's phases of weight tiles, in order
 
 WGMMA = plgpu.Layout.WGMMA
+RING_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 tiles
 COL = WGMMA.reduce(0)  # a vector along a [64, N] tile's columns
 ROW = WGMMA.reduce(1)  # a vector along its rows
 
@@ -228,11 +229,12 @@ class _KernelOps:
 
     interpret: bool
 
-    def load(self, ref, layout=COL):
-        """ref's value in `layout` (the interpreter has none)."""
+    def load(self, ref, layout=COL, optimized: bool = False):
+        """ref's value in `layout` (the interpreter has none); `optimized`: an error if Mosaic
+        GPU has no vectorized, bank-conflict-free way to load it."""
         if self.interpret:
             return ref[...]
-        return plgpu.load(ref, (), layout=layout, optimized=False)
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
 
     def zeros(self, n: int, layout=COL):
         zero = jnp.zeros((n,), FLOAT)
@@ -617,7 +619,7 @@ def decoder_step_kernel(
         @pl.when(row_tile)
         def _():
             x = ops.load(x_smem)
-            w = ops.load(ring.at[slot], WGMMA).astype(FLOAT)
+            w = ops.load(ring.at[slot], WGMMA, optimized=True).astype(FLOAT)
             y = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
 
             @pl.when(phase == MLP)  # a gate/up partial: summed in SMEM by the slice's program
@@ -632,7 +634,7 @@ def decoder_step_kernel(
         @pl.when(down)
         def _():  # the slice's units along the tile's rows: 256 outputs' partial sums
             a = ops.load(act_smem, ROW)
-            w = ops.load(ring.at[slot], WGMMA).astype(FLOAT)
+            w = ops.load(ring.at[slot], WGMMA, optimized=True).astype(FLOAT)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
             out_down[...] = (w * lax.broadcast_in_dim(a, (TILE_N, TILE_K), [0])).sum(axis=0)
 
@@ -756,7 +758,9 @@ def decoder_step(
     )
     schedule = decoder_schedule(shape, programs)
     scratch = [
-        plgpu.SMEM((stages, TILE_N, TILE_K), dtype),
+        # Tiled and swizzled as WGMMA operands are: a thread's loads of a tile in that layout
+        # do not collide in SMEM banks (unswizzled rows 512 bytes apart all hit one bank).
+        plgpu.SMEM((stages, TILE_N, TILE_K), dtype, transforms=RING_TRANSFORMS),
         plgpu.Barrier(num_barriers=stages),
         plgpu.SMEM((e,), FLOAT),
         plgpu.SMEM((e,), FLOAT),
