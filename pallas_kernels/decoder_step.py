@@ -368,9 +368,9 @@ def decoder_step_kernel(
     def bf16(x):  # the weights' dtype's rounding, in float32
         return x.astype(dtype).astype(FLOAT)
 
-    # A tile's inputs are computed in the default (strided) layout, 2 of 256 a thread, then
-    # stored for the matmul to load in COL, whose vectors every thread holds 64 of: elementwise
-    # work there (the merge's exps, SwiGLU) cost 32x the instructions and spilled registers.
+    # A tile's 256 inputs are computed in the default (strided) layout, 2 a thread, then stored
+    # for the matmul to load in COL, whose vectors every thread holds 64 of: elementwise work
+    # there (the merge's exps, the norm) cost 32x the instructions and spilled registers.
 
     def normalize_h():
         """h in SMEM -> h / rms(h), rounded: once a run of a norm's tiles."""
