@@ -175,8 +175,11 @@ class Schedule:
     """Which program takes which of a layer's weight tiles (the same every layer)."""
 
     tiles: np.ndarray  # int32 [P, T]: program c's tiles in the order it takes them, then -1s
-    counts: np.ndarray  # int32 [P]: how many each program takes
     runs: tuple[int, int, int]  # programs with a tile in each phase (each signals once)
+
+    @property
+    def counts(self) -> np.ndarray:  # int32 [P]: how many tiles each program takes
+        return (self.tiles >= 0).sum(axis=1).astype(np.int32)
 
     # The one semaphore's count: a program signals once it has stored its run of a phase's
     # tiles (they are consecutive), an attention item once it has stored its output.
@@ -211,7 +214,7 @@ def decoder_schedule(shape: DecoderShape, programs: int) -> Schedule:
         tiles[c, : len(taken)] = taken
     phase = np.searchsorted(starts[1:], tiles, side="right")
     runs = tuple(int(np.any((phase == p) & (tiles >= 0), axis=1).sum()) for p in range(3))
-    return Schedule(tiles, np.asarray([len(t) for t in lists], np.int32), runs)
+    return Schedule(tiles, runs)
 
 
 def _select(i, values):
@@ -595,17 +598,13 @@ def decoder_step_kernel(
         down = (phase == MLP) & ~gate_up
         row_tile = ~down  # the rest are W^T tiles: their outputs along the tile's rows
 
-        @pl.when(phase == QKV)
+        @pl.when((phase == QKV) | ((phase == MLP) & gate_up))
         def _():
-            norm_input(k)
+            norm_input(jnp.where(phase == QKV, k, m))
 
         @pl.when(phase == O_PROJ)
         def _():
             merged_attention(k)
-
-        @pl.when((phase == MLP) & gate_up)
-        def _():
-            norm_input(m)
 
         @pl.when(down & (i == 2 * kt_e))
         def _():
@@ -615,11 +614,12 @@ def decoder_step_kernel(
         slot = t % stages
         plgpu.barrier_wait(ring_bar.at[slot])
         out, out_down = o_smem.at[t % 2], down_smem.at[t % 2]  # double-buffered stores
+        w = ops.load(ring.at[slot], WGMMA, optimized=True).astype(FLOAT)
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store 2 tiles back read its buffer
 
         @pl.when(row_tile)
         def _():
             x = ops.load(x_smem)
-            w = ops.load(ring.at[slot], WGMMA, optimized=True).astype(FLOAT)
             y = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
 
             @pl.when(phase == MLP)  # a gate/up partial: summed in SMEM by the slice's program
@@ -628,14 +628,11 @@ def decoder_step_kernel(
 
             @pl.when(phase != MLP)
             def _():
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store 2 tiles back
                 out[...] = y
 
         @pl.when(down)
         def _():  # the slice's units along the tile's rows: 256 outputs' partial sums
             a = ops.load(act_smem, ROW)
-            w = ops.load(ring.at[slot], WGMMA, optimized=True).astype(FLOAT)
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
             out_down[...] = (w * lax.broadcast_in_dim(a, (TILE_N, TILE_K), [0])).sum(axis=0)
 
         plgpu.commit_smem()  # the slot read and the outputs written by every thread

@@ -225,8 +225,7 @@ def one_kernel_step(
 ) -> tuple[jax.Array, KVCache]:
     """A decode step of one row by `pallas_kernels.decoder_step` on `kernels.decoder_step_programs`
     programs (every layer, the residual stream in float32), then the final norm and LM head in
-    XLA. A dead row (length 0) writes
-    position 0 of the scratch block, as `cache_slots` sends it."""
+    XLA. A dead row (length 0) writes position 0 of the scratch block, as `cache_slots` sends it."""
     live = meta.seq_lens > 0  # [1]
     seq_len = jnp.where(live, meta.seq_lens, 1)
     table = jnp.where(live, meta.block_tables[0], 0)  # [MB]
