@@ -566,7 +566,7 @@ def decoder_step_kernel(
         base = layer * per_layer
 
         # This program's attention items (c, c + P, ...): before its first tile past q/k/v.
-        @pl.when((phase != QKV) & ((s == 0) | (phase_of(tile_at(s - 1)) == QKV)))
+        @pl.when((phase != QKV) & ((s == 0) | (prev_phase == QKV)))
         def _():
             @pl.loop(c, items, step=programs)
             def _(item):
