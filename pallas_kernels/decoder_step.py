@@ -8,17 +8,17 @@ program a SM stays for the whole step. Every program streams its share of all la
 through one ring of TMA copies that never waits for activations (weights do not depend on them),
 so the next phase's weights arrive while the programs wait for the previous phase's outputs.
 
-Work: a layer's q/k/v and o_proj matmuls are cut into tiles of W^T, 64 output columns x 256 of
-K (packed once, `pack_decoder_weights`), dealt round-robin to the programs (tile r of a layer to
-program r mod P). A tile's program multiplies it by its 256 inputs on the CUDA cores: q/k/v
-partials go to a buffer the attention sums, o_proj partials are added into the residual stream
-by TMA reduce-adds. Attention is H x `splits` items (a KV head, a range of 64-token tiles of the
-pages; the current token and its append go to split 0), each storing its unnormalised output and
-softmax max/sum for the o_proj tiles to merge. The MLP is cut into slices of 64 units, each
-taken whole by one program (`decoder_schedule`): its gate and up tiles over every K range, summed
-in the program's SMEM, SwiGLU, then its rows of down, whose partial sums over the slice's units
-are reduce-added into the stream. So gate/up and down need no wait between them: a layer has
-four dependent phases (q/k/v, attention, o_proj, MLP), not five.
+Work: a layer's four matmuls (q/k/v, o_proj, gate/up, down) are cut into tiles of W^T, 64
+output columns x 256 of K (packed once, `pack_decoder_weights`), dealt round-robin to the
+programs (`decoder_schedule`: tile r of a layer to program r mod P). A tile's program multiplies
+it by its 256 inputs on the CUDA cores: q/k/v and gate/up partials go to buffers that the
+attention and the down tiles' SwiGLU sum, o_proj and down partials are added into the residual
+stream by TMA reduce-adds. Attention is H x `splits` items (a KV head, a range of 64-token tiles
+of the pages; the current token and its append go to split 0), each storing its unnormalised
+output and softmax max/sum for the o_proj tiles to merge. So a layer has five dependent phases
+(q/k/v, attention, o_proj, gate/up, down), each spread over every program. (Slices of the MLP
+taken whole by one program, gate/up summed in its SMEM, saved the wait before down but left the
+MLP's weights to the 48 programs of Qwen3-0.6B's 48 slices: slower on an H100.)
 
 Order: one global semaphore counts signals; a phase's tiles wait until every tile of the phases
 before it in the layer (and all earlier layers) is stored: a program signals once it has stored
@@ -63,8 +63,7 @@ TILE_K = 256  # its K range (the widest side of a TMA box)
 TOKENS = 64  # KV positions an attention tile reads
 FLOAT = jnp.float32
 NEG_INF = float("-inf")
-UNITS = 64  # MLP units a slice of the MLP (its gate/up columns and down rows) takes
-QKV, O_PROJ, MLP = range(3)  # a layer's phases of weight tiles, in order
+QKV, O_PROJ, GATE_UP, DOWN = range(4)  # a layer's phases of weight tiles, in order
 
 WGMMA = plgpu.Layout.WGMMA
 RING_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # bf16 tiles
@@ -103,23 +102,15 @@ class DecoderShape:
     def qkv_width(self) -> int:
         return (self.heads + 2 * self.kv_heads) * self.head_dim
 
-    def slice_tiles(self) -> int:
-        """Weight tiles of an MLP slice: gate and up over each K range of 256 of the hidden
-        size, then down over each 256 of its outputs."""
-        return 3 * (self.hidden // TILE_K)
+    def phase_blocks(self) -> tuple[int, int, int, int]:
+        """Column blocks (of TILE_N) of each phase's output."""
+        e = self.hidden // TILE_N
+        return self.qkv_width // TILE_N, e, 2 * self.intermediate // TILE_N, e
 
-    def phase_tiles(self) -> tuple[int, int, int]:
-        """Weight tiles a layer, by phase: q/k/v, o_proj, the MLP's slices."""
-        e, q = self.hidden, self.heads * self.head_dim
-        return (
-            e // TILE_K * (self.qkv_width // TILE_N),
-            q // TILE_K * (e // TILE_N),
-            self.intermediate // UNITS * self.slice_tiles(),
-        )
-
-    def phase_blocks(self) -> tuple[int, int]:
-        """Column blocks (of TILE_N) of q/k/v's and o_proj's outputs."""
-        return self.qkv_width // TILE_N, self.hidden // TILE_N
+    def phase_tiles(self) -> tuple[int, int, int, int]:
+        """Weight tiles a layer, by phase: its K ranges of 256 x its column blocks."""
+        ks = (self.hidden, self.heads * self.head_dim, self.hidden, self.intermediate)
+        return tuple(k // TILE_K * n for k, n in zip(ks, self.phase_blocks(), strict=True))
 
 
 def _w_tiles(kernel: jax.Array) -> jax.Array:  # [K, N] -> [K/256 * N/64, 64, 256]
@@ -129,31 +120,17 @@ def _w_tiles(kernel: jax.Array) -> jax.Array:  # [K, N] -> [K/256 * N/64, 64, 25
     return t.transpose(0, 2, 3, 1).reshape(-1, TILE_N, TILE_K)
 
 
-def _mlp_tiles(gate_up: jax.Array, down: jax.Array) -> jax.Array:  # -> [f/64 * 3E/256, 64, 256]
-    """The MLP's tiles, slice by slice (64 units each): the W^T tiles of its gate columns over
-    each K range, of its up columns, then its down rows over each range of 256 outputs (not
-    transposed: a down tile's rows are the slice's units)."""
-    e, f = down.shape[1], down.shape[0]
-
-    def w_t(w):  # [E, f] -> [f/64, E/256, 64, 256]: slice j, K range k
-        return w.reshape(e // TILE_K, TILE_K, f // UNITS, UNITS).transpose(2, 0, 3, 1)
-
-    rows = down.reshape(f // UNITS, UNITS, e // TILE_K, TILE_K).transpose(0, 2, 1, 3)
-    slices = jnp.concatenate([w_t(gate_up[:, :f]), w_t(gate_up[:, f:]), rows], axis=1)
-    return slices.reshape(-1, UNITS, TILE_K)
-
-
 def pack_decoder_weights(params: dict, shape: DecoderShape) -> dict:
     """rosejax Llama-family params -> the kernel's weights: "tiles" [L * T, 64, 256] (each
-    layer's q/k/v and o_proj W^T tiles and its MLP slices, in the params' dtype), "norms" float32
+    layer's q/k/v, o_proj, gate/up and down W^T tiles, in the params' dtype), "norms" float32
     [L, 2, E] (input and post-attention RMSNorm scales), "qk_norms" float32 [L, 2, D] (q_norm,
     k_norm; ones without them)."""
     tiles, norms, qk_norms = [], [], []
     for i in range(shape.layers):
         layer = params[f"layers_{i}"]
         attn, mlp = layer["self_attn"], layer["mlp"]
-        tiles += [_w_tiles(attn["qkv_proj"]["kernel"]), _w_tiles(attn["o_proj"]["kernel"])]
-        tiles.append(_mlp_tiles(mlp["gate_up_proj"]["kernel"], mlp["down_proj"]["kernel"]))
+        for dense in (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]):
+            tiles.append(_w_tiles(dense["kernel"]))
         norms.append(
             jnp.stack(
                 [layer["input_layernorm"]["scale"], layer["post_attention_layernorm"]["scale"]]
@@ -175,7 +152,7 @@ class Schedule:
     """Which program takes which of a layer's weight tiles (the same every layer)."""
 
     tiles: np.ndarray  # int32 [P, T]: program c's tiles in the order it takes them, then -1s
-    runs: tuple[int, int, int]  # programs with a tile in each phase (each signals once)
+    runs: tuple[int, ...]  # programs with a tile in each phase (each signals once)
 
     @property
     def counts(self) -> np.ndarray:  # int32 [P]: how many tiles each program takes
@@ -184,11 +161,11 @@ class Schedule:
     # The one semaphore's count: a program signals once it has stored its run of a phase's
     # tiles (they are consecutive), an attention item once it has stored its output.
 
-    def targets(self, items: int) -> tuple[int, int, int]:
+    def targets(self, items: int) -> tuple[int, ...]:
         """The signals a layer's phase waits for within its layer: every earlier phase's, the
-        attention items' (which come right after q/k/v) before o_proj and the MLP."""
-        qkv, o_proj, _ = self.runs
-        return (0, qkv + items, qkv + items + o_proj)
+        attention items' (which come right after q/k/v) from o_proj on."""
+        done = np.cumsum((0, *self.runs[:-1])) + items * (np.arange(len(self.runs)) > 0)
+        return tuple(int(x) for x in done)
 
     def signals_a_layer(self, items: int) -> int:
         return sum(self.runs) + items
@@ -196,24 +173,18 @@ class Schedule:
 
 @functools.cache
 def decoder_schedule(shape: DecoderShape, programs: int) -> Schedule:
-    """q/k/v and o_proj tiles round-robin (tile r to program r mod P, so a program's tiles of
-    a phase are consecutive); each MLP slice's tiles to one program, which keeps its gate/up
-    sums in SMEM: slice j to program P - 1 - j mod P, away from the attention items' programs
-    (0, 1, ...)."""
+    """A layer's tiles round-robin: tile r to program r mod P, so a program's tiles of a phase
+    are consecutive and every phase is spread over all the programs it has tiles for."""
     starts = np.cumsum((0, *shape.phase_tiles()))
     lists = [[] for _ in range(programs)]
-    for r in range(starts[MLP]):
+    for r in range(starts[-1]):
         lists[r % programs].append(r)
-    per_slice = shape.slice_tiles()
-    for j in range(shape.intermediate // UNITS):
-        first = starts[MLP] + j * per_slice
-        lists[(programs - 1 - j) % programs] += range(first, first + per_slice)
     width = -(-max(map(len, lists)) // 4) * 4  # rows of 16 bytes: a TMA copy's unit
     tiles = np.full((programs, width), -1, np.int32)
     for c, taken in enumerate(lists):
         tiles[c, : len(taken)] = taken
     phase = np.searchsorted(starts[1:], tiles, side="right")
-    runs = tuple(int(np.any((phase == p) & (tiles >= 0), axis=1).sum()) for p in range(3))
+    runs = tuple(int(np.any((phase == p) & (tiles >= 0), axis=1).sum()) for p in range(4))
     return Schedule(tiles, runs)
 
 
@@ -326,9 +297,9 @@ def decoder_step_kernel(
     """One program's share of the step. Refs: tiles, norms, qk_norms, the schedule's tiles
     [P, T] and counts [P], rope [2, D/2], block_table [pages], seq_len [1]; h [E] float32, the
     L K and L V caches [H, blocks, block_size, D] (all three updated in place); the buffers
-    between phases (q/k/v partials, attention partials); scratch."""
+    between phases (q/k/v and gate/up partials, attention partials); scratch."""
     lay, e, hq, h_kv, d = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
-    group, half = shape.heads // shape.kv_heads, shape.head_dim // 2
+    f, group, half = shape.intermediate, shape.heads // shape.kv_heads, shape.head_dim // 2
     starts, blocks = [0], shape.phase_blocks()
     for n in shape.phase_tiles():
         starts.append(starts[-1] + n)
@@ -341,9 +312,8 @@ def decoder_step_kernel(
     tiles_ref, norms_ref, qk_norms_ref, sched_ref, counts_ref = refs[:5]
     rope_ref, table_ref, seq_len_ref, h_ref = refs[5:9]
     k_refs, v_refs, rest = refs[9 : 9 + lay], refs[9 + lay : 9 + 2 * lay], refs[9 + 2 * lay :]
-    qkv_ref, acc_ref, m_ref, l_ref = rest[:4]
-    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars = rest[4:12]
-    gu_smem, act_smem, down_smem, sched_smem = rest[12:]
+    qkv_ref, gu_ref, acc_ref, m_ref, l_ref = rest[:5]
+    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars, sched_smem = rest[5:]
 
     c = lax.axis_index("program")
     ops = _KernelOps(interpret)
@@ -366,7 +336,7 @@ def decoder_step_kernel(
         pl.when(i < total)(functools.partial(fetch, i, i))
 
     def phase_of(r):
-        return sum((r >= starts[p]).astype(jnp.int32) for p in (O_PROJ, MLP))
+        return sum((r >= starts[p]).astype(jnp.int32) for p in (O_PROJ, GATE_UP, DOWN))
 
     def bf16(x):  # the weights' dtype's rounding, in float32
         return x.astype(dtype).astype(FLOAT)
@@ -404,11 +374,17 @@ def decoder_step_kernel(
 
         pl.run_scoped(scoped, *[plgpu.SMEM((splits, TILE_K), FLOAT)] * 3)
 
-    def mlp_activation():
-        """The slice's 64 units' silu(gate) * up, from the gate/up partials in SMEM (in ROW: 2
-        values a thread; a vector of 64 has no strided layout over 128 threads)."""
-        g, u = (bf16(sum(ops.load(gu_smem.at[j, i], ROW) for i in range(kt_e))) for j in (0, 1))
-        act_smem[...] = bf16(bf16(g / (1.0 + jnp.exp(-g))) * u)
+    def swiglu_input(k):
+        """The tile's 256 inputs of silu(gate) * up, summed from gate/up's partials."""
+
+        def scoped(g_s, u_s):
+            gate, up = pl.ds(k * TILE_K, TILE_K), pl.ds(f + k * TILE_K, TILE_K)
+            _copy_in([(gu_ref.at[:, gate], g_s), (gu_ref.at[:, up], u_s)], bars)
+            g = bf16(sum(g_s[i] for i in range(kt_e)))
+            u = bf16(sum(u_s[i] for i in range(kt_e)))
+            x_smem[...] = bf16(bf16(g / (1.0 + jnp.exp(-g))) * u)
+
+        pl.run_scoped(scoped, *[plgpu.SMEM((kt_e, TILE_K), FLOAT)] * 2)
 
     def attention(layer, head, split, ready):
         """Item (head, split) of the layer, once `sem` counts `ready` (q/k/v stored): its query
@@ -575,7 +551,7 @@ def decoder_step_kernel(
 
         @pl.when((s == 0) | (phase != prev_phase))
         def _():
-            norm_phase = (phase == QKV) | (phase == MLP)
+            norm_phase = (phase == QKV) | (phase == GATE_UP)
 
             # The norm's scale does not depend on other programs: its copy starts before the wait.
             @pl.when(norm_phase)
@@ -590,52 +566,32 @@ def decoder_step_kernel(
                 _wait_copies(bars, 0, kt_e)
                 normalize_h()
 
-        q = r - _select(phase, starts[:3])
+        q = r - _select(phase, starts[:4])
         nb = _select(phase, blocks)
-        k, b = q // nb, q % nb  # q/k/v and o_proj: the tile's K range and column block
-        i = q % shape.slice_tiles()  # the MLP: the tile in its slice
-        gate_up, which, m = i < 2 * kt_e, i // kt_e, i % kt_e  # gate (0) or up (1), K range
-        down = (phase == MLP) & ~gate_up
-        row_tile = ~down  # the rest are W^T tiles: their outputs along the tile's rows
+        k, b = q // nb, q % nb  # the tile's K range and column block
+        cols = pl.ds(b * TILE_N, TILE_N)
 
-        @pl.when((phase == QKV) | ((phase == MLP) & gate_up))
+        @pl.when((phase == QKV) | (phase == GATE_UP))
         def _():
-            norm_input(jnp.where(phase == QKV, k, m))
+            norm_input(k)
 
         @pl.when(phase == O_PROJ)
         def _():
             merged_attention(k)
 
-        @pl.when(down & (i == 2 * kt_e))
+        @pl.when(phase == DOWN)
         def _():
-            mlp_activation()
+            swiglu_input(k)
 
         plgpu.commit_smem()  # a tile's inputs written by every thread before any reads them
         slot = t % stages
         plgpu.barrier_wait(ring_bar.at[slot])
-        out, out_down = o_smem.at[t % 2], down_smem.at[t % 2]  # double-buffered stores
+        out = o_smem.at[t % 2]  # double-buffered: a store in flight while the next tile runs
+        x = ops.load(x_smem)
         w = ops.load(ring.at[slot], WGMMA, optimized=True).astype(FLOAT)
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store 2 tiles back read its buffer
-
-        @pl.when(row_tile)
-        def _():
-            x = ops.load(x_smem)
-            y = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
-
-            @pl.when(phase == MLP)  # a gate/up partial: summed in SMEM by the slice's program
-            def _():
-                gu_smem[which, m] = y
-
-            @pl.when(phase != MLP)
-            def _():
-                out[...] = y
-
-        @pl.when(down)
-        def _():  # the slice's units along the tile's rows: 256 outputs' partial sums
-            a = ops.load(act_smem, ROW)
-            out_down[...] = (w * lax.broadcast_in_dim(a, (TILE_N, TILE_K), [0])).sum(axis=0)
-
-        plgpu.commit_smem()  # the slot read and the outputs written by every thread
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store 2 tiles back read `out`
+        out[...] = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
+        plgpu.commit_smem()  # the slot read and `out` written by every thread
 
         @pl.when(t + stages < total)
         def _():
@@ -643,15 +599,15 @@ def decoder_step_kernel(
 
         @pl.when(phase == QKV)
         def _():
-            plgpu.copy_smem_to_gmem(out, qkv_ref.at[k, pl.ds(b * TILE_N, TILE_N)])
+            plgpu.copy_smem_to_gmem(out, qkv_ref.at[k, cols])
 
-        @pl.when(phase == O_PROJ)
+        @pl.when(phase == GATE_UP)
         def _():
-            ops.add_to_gmem(out, h_ref.at[pl.ds(b * TILE_N, TILE_N)])
+            plgpu.copy_smem_to_gmem(out, gu_ref.at[k, cols])
 
-        @pl.when(down)
+        @pl.when((phase == O_PROJ) | (phase == DOWN))
         def _():
-            ops.add_to_gmem(out_down, h_ref.at[pl.ds((i - 2 * kt_e) * TILE_K, TILE_K)])
+            ops.add_to_gmem(out, h_ref.at[cols])
 
         @pl.when((s == own - 1) | (phase_of(tile_at(s + 1)) != phase))
         def _():  # the end of this program's run of the phase: its stores done, then counted
@@ -673,10 +629,10 @@ def check_decoder_step(
     d, e, f = shape.head_dim, shape.hidden, shape.intermediate
     block_size = k_caches[0].shape[2]
     problems = []
-    if e % TILE_K or f % UNITS or (shape.heads * d) % TILE_K or shape.qkv_width % TILE_N:
+    if e % TILE_K or f % TILE_K or (shape.heads * d) % TILE_K or shape.qkv_width % TILE_N:
         problems.append(
-            f"hidden and heads x head_dim must be multiples of {TILE_K}, intermediate of {UNITS}"
-            f" (got {e}, {shape.heads * d}, {f})"
+            f"hidden, intermediate and heads x head_dim must be multiples of {TILE_K}"
+            f" (got {e}, {f}, {shape.heads * d})"
         )
     if d % 16 or d > TILE_K or TILE_K % d or shape.heads % shape.kv_heads:
         problems.append(f"head_dim must be a multiple of 16 dividing {TILE_K}, heads of kv_heads")
@@ -741,6 +697,7 @@ def decoder_step(
     kt_e, q = e // TILE_K, shape.heads * d
     buffers = [
         jax.ShapeDtypeStruct((kt_e, shape.qkv_width), FLOAT),
+        jax.ShapeDtypeStruct((kt_e, 2 * shape.intermediate), FLOAT),
         *[jax.ShapeDtypeStruct((splits, q), FLOAT)] * 3,
     ]
     body = functools.partial(
@@ -765,9 +722,6 @@ def decoder_step(
         plgpu.SMEM((2, TILE_N), FLOAT),
         plgpu.SMEM((2, d // 2), FLOAT),
         plgpu.Barrier(num_barriers=max(3, 2 * kt_e)),
-        plgpu.SMEM((2, kt_e, UNITS), FLOAT),  # an MLP slice's gate and up partials
-        plgpu.SMEM((UNITS,), FLOAT),  # its silu(gate) * up
-        plgpu.SMEM((2, TILE_K), FLOAT),  # its down partials (double-buffered stores)
         plgpu.SMEM((schedule.tiles.shape[1],), jnp.int32),  # this program's schedule
     ]
     # pl.kernel rather than plgpu.kernel: its operands may be Refs (h and the caches, written in
