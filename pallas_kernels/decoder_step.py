@@ -427,9 +427,6 @@ def decoder_step_kernel(
             per_split = (tiles + splits - 1) // splits
             first = jnp.minimum(split * per_split, tiles)
             last = jnp.minimum(first + per_split, tiles)
-            # The cached pages do not depend on the step's q/k/v: the first tile's copies (and
-            # the q/k norm scales') start before the wait for them.
-            pl.when(first < last)(lambda: load_tile(first))
             q0, k0, v0 = head * group * d, hq * d + head * d, (hq + h_kv) * d + head * d
             srcs = [qkv_ref.at[:, pl.ds(q0 + g * d, d)] for g in range(group)]
             srcs += [qkv_ref.at[:, pl.ds(k0, d)], qkv_ref.at[:, pl.ds(v0, d)]]
@@ -462,6 +459,7 @@ def decoder_step_kernel(
             state = [(jnp.float32(NEG_INF), jnp.float32(0.0), zero, zero) for _ in range(group)]
 
             def tile(i, state):
+                load_tile(i)  # its pages copied as it starts: prefetching them measured slower
                 for j in range(pages_per_tile):
                     wait_page(i, j, page_bars)
                 valid = i * TOKENS + ops.iota(TOKENS)
@@ -488,7 +486,6 @@ def decoder_step_kernel(
                     a2 = a2 * alpha + (vals[1] * pb).sum(axis=0)
                     new.append((m_new, l_sum * alpha + jnp.sum(p), a1, a2))
                 plgpu.commit_smem()  # every thread's reads done before the next tile's copies
-                pl.when(i + 1 < last)(lambda: load_tile(i + 1))
                 return new
 
             state = lax.fori_loop(first, last, tile, state)
