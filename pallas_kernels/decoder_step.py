@@ -179,7 +179,7 @@ def decoder_schedule(shape: DecoderShape, programs: int) -> Schedule:
     lists = [[] for _ in range(programs)]
     for r in range(starts[-1]):
         lists[r % programs].append(r)
-    width = -(-max(map(len, lists)) // 4) * 4  # rows of 16 bytes: a TMA copy's unit
+    width = -(-max(map(len, lists)) // 32) * 32  # rows of 128 bytes: jax 0.10.s TMA unit
     tiles = np.full((programs, width), -1, np.int32)
     for c, taken in enumerate(lists):
         tiles[c, : len(taken)] = taken
