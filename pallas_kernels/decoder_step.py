@@ -179,13 +179,28 @@ def decoder_schedule(shape: DecoderShape, programs: int) -> Schedule:
     lists = [[] for _ in range(programs)]
     for r in range(starts[-1]):
         lists[r % programs].append(r)
-    width = -(-max(map(len, lists)) // 32) * 32  # rows of 128 bytes: jax 0.10.s TMA unit
+    width = -(-max(map(len, lists)) // 32) * 32  # rows of 128 bytes: jax 0.10's TMA unit
     tiles = np.full((programs, width), -1, np.int32)
     for c, taken in enumerate(lists):
         tiles[c, : len(taken)] = taken
     phase = np.searchsorted(starts[1:], tiles, side="right")
     runs = tuple(int(np.any((phase == p) & (tiles >= 0), axis=1).sum()) for p in range(4))
     return Schedule(tiles, runs)
+
+
+def _on_index(i, count: int, fn, first: int = 0) -> None:
+    """fn(j) for the static j equal to the traced i in [first, first + count): a binary tree of
+    branches, log2(count) deep. A chain of count branches, at every cache copy, made the
+    kernel's code and its jumps grow with the layers."""
+    if count == 1:
+        fn(first)
+        return
+    mid = first + count // 2
+    lax.cond(
+        i < mid,
+        lambda: _on_index(i, mid - first, fn, first),
+        lambda: _on_index(i, first + count - mid, fn, mid),
+    )
 
 
 def _select(i, values):
@@ -391,26 +406,24 @@ def decoder_step_kernel(
         heads over its range of 64-token tiles (split 0 also the step's own token, which it
         appends to the cache)."""
 
-        def on_layer(refs, copy):  # copy(ref) with this layer's cache (each layer its own Ref)
-            for i, ref in enumerate(refs):
-                pl.when(layer == i)(functools.partial(copy, ref))
+        def on_layer(copy):  # copy(k_ref, v_ref) with this layer's caches (a Ref pair a layer)
+            _on_index(layer, lay, lambda i: copy(k_refs[i], v_refs[i]))
 
-        def load_page(i, j, k_s, v_s, page_bars):
-            """Page j of 64-token tile i into rows j * block_size... of k_s, v_s, if it holds
-            cached tokens."""
-            token = i * TOKENS + j * block_size
+        def load_tile(i, k_s, v_s, page_bars):
+            """The pages of 64-token tile i that hold cached tokens into k_s, v_s (page j into
+            rows j * block_size...)."""
 
-            @pl.when(token < pos)
-            def _():
-                page = table_ref[token // block_size]
-                rows = pl.ds(j * block_size, block_size)
-                for refs, dst, bar in ((k_refs, k_s, 2 * j), (v_refs, v_s, 2 * j + 1)):
-                    on_layer(
-                        refs,
-                        lambda ref, dst=dst, bar=bar: plgpu.copy_gmem_to_smem(
-                            ref.at[head, page], dst.at[rows], page_bars.at[bar]
-                        ),
-                    )
+            cached = jnp.clip((pos - i * TOKENS + block_size - 1) // block_size, 0, pages_per_tile)
+
+            def copy(k_ref, v_ref):
+                @pl.loop(0, cached)  # a loop, not unrolled: one copy site a layer
+                def _(j):
+                    page = table_ref[i * pages_per_tile + j]
+                    rows = pl.ds(j * block_size, block_size)
+                    for ref, dst, bar in ((k_ref, k_s, 2 * j), (v_ref, v_s, 2 * j + 1)):
+                        plgpu.copy_gmem_to_smem(ref.at[head, page], dst.at[rows], page_bars.at[bar])
+
+            on_layer(copy)
 
         def wait_page(i, j, page_bars):
             @pl.when(i * TOKENS + j * block_size < pos)
@@ -419,10 +432,6 @@ def decoder_step_kernel(
                 plgpu.barrier_wait(page_bars.at[2 * j + 1])
 
         def scoped(heads_s, qkn_s, k_s, v_s, out_s, cur_s, copy_bars, page_bars):
-            def load_tile(i):
-                for j in range(pages_per_tile):
-                    load_page(i, j, k_s, v_s, page_bars)
-
             tiles = (pos + TOKENS - 1) // TOKENS
             per_split = (tiles + splits - 1) // splits
             first = jnp.minimum(split * per_split, tiles)
@@ -459,7 +468,7 @@ def decoder_step_kernel(
             state = [(jnp.float32(NEG_INF), jnp.float32(0.0), zero, zero) for _ in range(group)]
 
             def tile(i, state):
-                load_tile(i)  # its pages copied as it starts: prefetching them measured slower
+                load_tile(i, k_s, v_s, page_bars)  # copied as it starts: prefetching was slower
                 for j in range(pages_per_tile):
                     wait_page(i, j, page_bars)
                 valid = i * TOKENS + ops.iota(TOKENS)
@@ -512,11 +521,12 @@ def decoder_step_kernel(
             @pl.when(owner)
             def _():
                 at = (head, table_ref[pos // block_size], pos % block_size)
-                for row, refs in enumerate((k_refs, v_refs)):
-                    on_layer(
-                        refs,
-                        lambda ref, row=row: plgpu.copy_smem_to_gmem(cur_s.at[row], ref.at[at]),
-                    )
+
+                def append(*refs):  # the step's K and V rows into its slot
+                    for row, ref in enumerate(refs):
+                        plgpu.copy_smem_to_gmem(cur_s.at[row], ref.at[at])
+
+                on_layer(append)
 
             plgpu.wait_smem_to_gmem(0)
 
