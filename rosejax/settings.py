@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import jax
 
+from rosejax.compilation_cache import write_entries_whole
+
 Impl = Literal["pallas", "xla"]
 IMPLS = ("pallas", "xla")
 KERNEL_OPS = ("kv_append", "attention", "prefill_attention", "layer_norm", "rms_norm", "linear")
@@ -432,10 +434,12 @@ def configure_process(
     """The process-wide settings an engine runs best with, made by its entry points: XLA flags
     (`set_xla_flags`), `jax.distributed` when a coordinator address is given
     (`initialize_distributed`), and jax's persistent compilation cache in
-    `compilation_cache_dir` (if given), so a second start skips compiling."""
+    `compilation_cache_dir` (if given), so a second start skips compiling; its entries written
+    whole (`rosejax.compilation_cache`)."""
     set_xla_flags()
     initialize_distributed(coordinator_address, num_processes, process_id)
     if compilation_cache_dir:
+        write_entries_whole()  # other processes may read the same entries as they are written
         jax.config.update("jax_compilation_cache_dir", compilation_cache_dir)
         # Every program, however quick to compile: an engine's small ones load faster than they
         # compile (CPU, three engine-heavy test files: 139 -> 99 s warm, 235 -> 211 s cold).

@@ -136,7 +136,13 @@ def test_only_the_settings_module_reads_the_environment():
 # Lower layers first: a module may import from its own layer and those before it, never after.
 LAYERS = [
     ["pallas_kernels"],
-    ["rosejax.settings", "rosejax.sampling", "rosejax.tokenizer", "rosejax.host_inputs"],
+    [
+        "rosejax.settings",
+        "rosejax.compilation_cache",
+        "rosejax.sampling",
+        "rosejax.tokenizer",
+        "rosejax.host_inputs",
+    ],
     ["rosejax.layers"],
     ["rosejax.models"],
     ["rosejax.model_runner"],
@@ -227,3 +233,41 @@ def test_decode_steps_per_trip_flag_reaches_the_config():
     ):
         config = EngineConfig(model="random:tiny", **engine_kwargs(p.parse_args(argv)))
         assert config.decode_steps_per_trip == want
+
+
+WRITE_A_CACHE_ENTRY = """
+import sys
+from rosejax.settings import configure_process
+configure_process(sys.argv[1])
+from jax._src.lru_cache import LRUCache
+print("ready", flush=True)
+sys.stdin.readline()
+LRUCache(sys.argv[1], max_size=-1).put("entry", open(sys.argv[2], "rb").read())
+"""
+
+
+def test_compilation_cache_entries_appear_whole(tmp_path):
+    """A process reading jax's cache while another writes an entry sees none of it or all of it
+    (jax wrote entries in place: a reader got torn executables, which XLA segfaulted on)."""
+    cache, value = tmp_path / "cache", os.urandom(64 << 20)
+    (tmp_path / "value").write_bytes(value)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITE_A_CACHE_ENTRY, str(cache), str(tmp_path / "value")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert writer.stdout.readline() == "ready\n"
+    writer.stdin.write("\n")
+    writer.stdin.flush()
+    entry, sizes = cache / "entry-cache", set()
+    while writer.poll() is None:  # the sizes the entry's path has while it is written
+        try:
+            sizes.add(entry.stat().st_size)
+        except FileNotFoundError:
+            pass
+    assert writer.returncode == 0
+    sizes.add(entry.stat().st_size)
+    assert sizes == {len(value)}
+    assert entry.read_bytes() == value
+    assert [p.name for p in cache.iterdir()] == ["entry-cache"]  # no partial file left
