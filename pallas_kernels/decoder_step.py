@@ -149,7 +149,8 @@ def pack_decoder_weights(params: dict, shape: DecoderShape) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """Which program takes which of a layer's weight tiles (the same every layer)."""
+    """Which program takes which of a layer's weight tiles (the same every layer), as the kernel
+    deals them (`_dealt`): what the checks and tests reason about."""
 
     tiles: np.ndarray  # int32 [P, T]: program c's tiles in the order it takes them, then -1s
     runs: tuple[int, ...]  # programs with a tile in each phase (each signals once)
@@ -171,18 +172,26 @@ class Schedule:
         return sum(self.runs) + items
 
 
+def _dealt(s, c, programs: int):
+    """The tile of a layer that program c takes s-th (ints, or traced in the kernel)."""
+    return s * programs + c
+
+
+def _taken(c, programs: int, per_layer: int):
+    """How many of a layer's `per_layer` tiles program c takes."""
+    return (per_layer - c + programs - 1) // programs
+
+
 @functools.cache
 def decoder_schedule(shape: DecoderShape, programs: int) -> Schedule:
-    """A layer's tiles round-robin: tile r to program r mod P, so a program's tiles of a phase
-    are consecutive and every phase is spread over all the programs it has tiles for."""
+    """A layer's tiles round-robin (`_dealt`: tile r to program r mod P, as the kernel takes
+    them), so a program's tiles of a phase are consecutive and every phase is spread over all
+    the programs it has tiles for."""
     starts = np.cumsum((0, *shape.phase_tiles()))
-    lists = [[] for _ in range(programs)]
-    for r in range(starts[-1]):
-        lists[r % programs].append(r)
-    width = -(-max(map(len, lists)) // 32) * 32  # rows of 128 bytes: jax 0.10's TMA unit
-    tiles = np.full((programs, width), -1, np.int32)
-    for c, taken in enumerate(lists):
-        tiles[c, : len(taken)] = taken
+    counts = [_taken(c, programs, int(starts[-1])) for c in range(programs)]
+    tiles = np.full((programs, max(counts)), -1, np.int32)
+    for c, count in enumerate(counts):
+        tiles[c, :count] = [_dealt(s, c, programs) for s in range(count)]
     phase = np.searchsorted(starts[1:], tiles, side="right")
     runs = tuple(int(np.any((phase == p) & (tiles >= 0), axis=1).sum()) for p in range(4))
     return Schedule(tiles, runs)
@@ -309,9 +318,8 @@ def decoder_step_kernel(
     stages: int,
     interpret: bool,
 ):
-    """One program's share of the step. Refs: tiles, norms, qk_norms, the schedule's tiles
-    [P, T] and counts [P], rope [2, D/2], block_table [pages], seq_len [1]; h [E] float32, the
-    L K and L V caches [H, blocks, block_size, D] (all three updated in place); the buffers
+    """One program's share of the step. Refs: tiles, norms, qk_norms, rope [2, D/2],
+    block_table [pages], seq_len [1]; h [E] float32, the L K and L V caches [H, blocks, block_size, D] (all three updated in place); the buffers
     between phases (q/k/v and gate/up partials, attention partials); scratch."""
     lay, e, hq, h_kv, d = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
     f, group, half = shape.intermediate, shape.heads // shape.kv_heads, shape.head_dim // 2
@@ -324,29 +332,24 @@ def decoder_step_kernel(
     kt_e = e // TILE_K
     pages_per_tile = TOKENS // block_size
 
-    tiles_ref, norms_ref, qk_norms_ref, sched_ref, counts_ref = refs[:5]
-    rope_ref, table_ref, seq_len_ref, h_ref = refs[5:9]
-    k_refs, v_refs, rest = refs[9 : 9 + lay], refs[9 + lay : 9 + 2 * lay], refs[9 + 2 * lay :]
+    tiles_ref, norms_ref, qk_norms_ref, rope_ref, table_ref, seq_len_ref, h_ref = refs[:7]
+    k_refs, v_refs, rest = refs[7 : 7 + lay], refs[7 + lay : 7 + 2 * lay], refs[7 + 2 * lay :]
     qkv_ref, gu_ref, acc_ref, m_ref, l_ref = rest[:5]
-    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars, sched_smem = rest[5:]
+    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars = rest[5:]
 
     c = lax.axis_index("program")
     ops = _KernelOps(interpret)
     sem = ops.semaphore()
-    own = counts_ref[c]  # this program's tiles a layer
+    own = _taken(c, programs, per_layer_tiles)  # this program's tiles a layer
     total = lay * own
     pos = seq_len_ref[0] - 1  # the step's token: its position; the cache holds [0, pos)
 
-    def tile_at(s):  # the index in its layer of this program's s-th tile (0 outside its list)
-        return jnp.maximum(sched_smem[jnp.clip(s, 0, sched_smem.shape[0] - 1)], 0)
-
     def fetch(t, slot):
         layer, s = t // own, t % own
-        tile = layer * per_layer_tiles + tile_at(s)
+        tile = layer * per_layer_tiles + _dealt(s, c, programs)
         plgpu.copy_gmem_to_smem(tiles_ref.at[tile], ring.at[slot], ring_bar.at[slot])
 
-    # The schedule's row in SMEM first: a step reads it several times.
-    _copy_in([(sched_ref.at[c], sched_smem), (rope_ref, rope_smem)], bars)
+    _copy_in([(rope_ref, rope_smem)], bars)
     for i in range(stages):
         pl.when(i < total)(functools.partial(fetch, i, i))
 
@@ -544,7 +547,7 @@ def decoder_step_kernel(
 
     def step(t, prev_phase):
         layer, s = t // own, t % own
-        r = tile_at(s)
+        r = _dealt(s, c, programs)
         phase = phase_of(r)
         base = layer * per_layer
 
@@ -616,7 +619,7 @@ def decoder_step_kernel(
         def _():
             ops.add_to_gmem(out, h_ref.at[cols])
 
-        @pl.when((s == own - 1) | (phase_of(tile_at(s + 1)) != phase))
+        @pl.when((s == own - 1) | (phase_of(_dealt(s + 1, c, programs)) != phase))
         def _():  # the end of this program's run of the phase: its stores done, then counted
             plgpu.wait_smem_to_gmem(0)
             ops.signal(sem)
@@ -717,7 +720,6 @@ def decoder_step(
         stages=stages,
         interpret=interpret,
     )
-    schedule = decoder_schedule(shape, programs)
     scratch = [
         # Tiled and swizzled as WGMMA operands are: a thread's loads of a tile in that layout
         # do not collide in SMEM banks (unswizzled rows 512 bytes apart all hit one bank).
@@ -729,7 +731,6 @@ def decoder_step(
         plgpu.SMEM((2, TILE_N), FLOAT),
         plgpu.SMEM((2, d // 2), FLOAT),
         plgpu.Barrier(num_barriers=max(3, 2 * kt_e)),
-        plgpu.SMEM((schedule.tiles.shape[1],), jnp.int32),  # this program's schedule
     ]
     # pl.kernel rather than plgpu.kernel: its operands may be Refs (h and the caches, written in
     # place under run_state below), which plgpu.kernel's batching wrapper does not pass through.
@@ -740,8 +741,7 @@ def decoder_step(
         compiler_params=plgpu.CompilerParams(),
         interpret=_InterpretGPUParams() if interpret else False,
     )
-    inputs = (tiles, weights["norms"], weights["qk_norms"], schedule.tiles, schedule.counts)
-    inputs += (rope, block_table, seq_len)
+    inputs = (tiles, weights["norms"], weights["qk_norms"], rope, block_table, seq_len)
 
     def in_place(refs):  # the kernel writes h and the caches where they are
         h_ref, caches = refs
