@@ -319,8 +319,9 @@ def decoder_step_kernel(
     interpret: bool,
 ):
     """One program's share of the step. Refs: tiles, norms, qk_norms, rope [2, D/2],
-    block_table [pages], seq_len [1]; h [E] float32, the L K and L V caches [H, blocks, block_size, D] (all three updated in place); the buffers
-    between phases (q/k/v and gate/up partials, attention partials); scratch."""
+    block_table [pages], seq_len [1]; h [E] float32, the L K and L V caches [H, blocks,
+    block_size, D] (all three updated in place); the buffers between phases (q/k/v and gate/up
+    partials, attention partials); scratch."""
     lay, e, hq, h_kv, d = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
     f, group, half = shape.intermediate, shape.heads // shape.kv_heads, shape.head_dim // 2
     starts, blocks = [0], shape.phase_blocks()
