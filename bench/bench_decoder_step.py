@@ -7,17 +7,24 @@ Both steps embed the token, run every layer over the same paged cache (random co
 work per token is the same), apply the final norm and LM head and take the argmax, which feeds
 the next call (bench.common.time_in_loop, the caches carried). Per context length: ms a step,
 the ratio, the weights' GB/s and the logits' relative difference (and whether the argmax agrees).
-`--quick` (CPU smoke): tiny sizes, the XLA reference (`decoder_step_reference`) in the kernel's
-place (the kernel runs in jax's Mosaic GPU interpreter only at one program, which times nothing;
-the tests run it there).
+`--variant NAME=FILE` adds another version of the kernel's module (a copy of
+pallas_kernels/decoder_step.py, e.g. an older commit's or a change under trial) to the same
+process, timed and checked the same way: variants of one kernel differ by a few percent, less than
+separate processes do. `--quick` (CPU smoke): tiny sizes, the XLA reference
+(`decoder_step_reference`) in each kernel's place (the kernel runs in jax's Mosaic GPU interpreter
+only at one program, which times nothing; the tests run it there).
 
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/bench_decoder_step.py --context 16,136,1024
+    git show REV:pallas_kernels/decoder_step.py > /tmp/ds_rev.py
+    PYTHONPATH=. JAX_PLATFORMS=cuda python bench/bench_decoder_step.py --context 16,1024 \\
+        --variant rev=/tmp/ds_rev.py --layers 8
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 
@@ -28,18 +35,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import pallas_kernels.decoder_step  # noqa: E402
 from bench.common import (  # noqa: E402
     add_kernel_bench_args,
     ints,
     parse_kernel_bench_args,
     report_kernel_bench,
     time_in_loop,
-)
-from pallas_kernels.decoder_step import (  # noqa: E402
-    DecoderShape,
-    decoder_step,
-    decoder_step_reference,
-    pack_decoder_weights,
 )
 from rosejax.layers.attention import ForwardMetadata  # noqa: E402
 from rosejax.layers.kv_cache import KVCache  # noqa: E402
@@ -99,6 +101,18 @@ def kernel_step(config, run):
     return step
 
 
+def kernel_module(spec: str) -> tuple[str, object]:
+    """`NAME=FILE` -> (NAME, FILE imported as a module of its own)."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"expected NAME=FILE of an existing file, got {spec!r}")
+    module_spec = importlib.util.spec_from_file_location(f"decoder_step_{name}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # dataclasses look their module up by name
+    module_spec.loader.exec_module(module)
+    return name, module
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -113,7 +127,15 @@ def main() -> None:
     p.add_argument(
         "--stages", type=int, default=None, help="weight tiles in flight a program (default: fit)"
     )
-    p.add_argument("--unroll", type=int, default=2, help="steps a loop trip (both variants)")
+    p.add_argument("--unroll", type=int, default=2, help="steps a loop trip (every variant)")
+    p.add_argument(
+        "--variant",
+        type=kernel_module,
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="another version of pallas_kernels/decoder_step.py to time beside it (repeatable)",
+    )
     add_kernel_bench_args(p)
     args = parse_kernel_bench_args(p)
     config = preset(args.model)
@@ -130,20 +152,19 @@ def main() -> None:
         args.layers, args.context, args.iters, args.repeats = 2, [20, 70], 2, 1
     if args.layers:
         config = dataclasses.replace(config, num_hidden_layers=args.layers)
-    shape = DecoderShape.of(config)
     programs = args.programs or getattr(jax.devices()[0], "core_count", 128)
     kernels = KernelConfig.for_backend()
     params = family_of(config).random_params(config, seed=0, dtype=jnp.bfloat16)
-    weights = pack_decoder_weights(params, shape)
-    if args.quick:
+    modules = [("kernel", pallas_kernels.decoder_step), *args.variant]
+
+    def kernel_run(module):
+        """(weights packed by `module`, its step's decoder) for `kernel_step`."""
+        shape = module.DecoderShape.of(config)
 
         def run(weights, params, *inputs):
-            return decoder_step_reference(params, shape, *inputs)
-
-    else:
-
-        def run(weights, params, *inputs):
-            return decoder_step(
+            if args.quick:
+                return module.decoder_step_reference(params, shape, *inputs)
+            return module.decoder_step(
                 weights,
                 *inputs,
                 shape=shape,
@@ -152,38 +173,44 @@ def main() -> None:
                 stages=args.stages,
             )
 
-    weight_bytes = weights["tiles"].size * weights["tiles"].dtype.itemsize
+        return module.pack_decoder_weights(params, shape), run
+
     # One cache and block table for the longest context: the lengths differ only in an operand.
     rng, rows = np.random.default_rng(0), []
     pages = -(-max(args.context) // BLOCK_SIZE)
     table = jnp.asarray(1 + rng.permutation(pages), jnp.int32)
-    cache_shape = (shape.kv_heads, pages + 1, BLOCK_SIZE, shape.head_dim)
-    ks = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in range(shape.layers)]
-    vs = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in range(shape.layers)]
+    cache_shape = (config.num_kv_heads, pages + 1, BLOCK_SIZE, config.head_dim)
+    layers = range(config.num_hidden_layers)
+    ks = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
+    vs = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
     token = jnp.asarray([[int(rng.integers(config.vocab_size))]], jnp.int32)
-    steps = {
-        "model": (model_step(config, kernels), (params,)),
-        "kernel": (kernel_step(config, run), (weights, params)),
-    }
-    # One step's logits of each, from the same cache: the model's forward, the kernel's head.
-    model_logits = jax.jit(
-        lambda params, ks, vs, context: family_of(config).forward(
-            params, config, token, KVCache(k=ks, v=vs), decode_meta(table, context), kernels=kernels
-        )[0][0, -1]
-    )
-    kernel_logits = jax.jit(
-        lambda weights, params, ks, vs, context: steps["kernel"][0].logits(
-            (token, ks, vs), weights, params, table, context
-        )[0]
-    )
+    steps = {"model": (model_step(config, kernels), (params,))}
+    for name, module in modules:
+        weights, run = kernel_run(module)
+        steps[name] = (kernel_step(config, run), (weights, params))
+    weight_bytes = weights["tiles"].size * weights["tiles"].dtype.itemsize
+
+    # One step's logits of each, from the same cache: the model's forward, each kernel's head.
+    @jax.jit
+    def model_logits(params, ks, vs, context):
+        meta = decode_meta(table, context)
+        cache = KVCache(k=ks, v=vs)
+        return family_of(config).forward(params, config, token, cache, meta, kernels=kernels)[0][
+            0, -1
+        ]
+
+    def kernel_logits(step, operands, ctx):
+        logits = jax.jit(lambda ops, ks, vs: step.logits((token, ks, vs), *ops, table, ctx)[0])
+        return np.asarray(logits(operands, ks, vs), np.float32)
+
     for context in args.context:
         ctx = jnp.int32(context)
         want = np.asarray(model_logits(params, ks, vs, ctx), np.float32)
-        got = np.asarray(kernel_logits(weights, params, ks, vs, ctx), np.float32)
-        diff = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-        same = bool(np.argmax(got) == np.argmax(want))
         base = None
         for name, (step, operands) in steps.items():
+            got = want if name == "model" else kernel_logits(step, operands, ctx)
+            diff = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            same = bool(np.argmax(got) == np.argmax(want))
             us = time_in_loop(
                 step,
                 (token, ks, vs),
@@ -206,7 +233,7 @@ def main() -> None:
             )
             rows.append(row)
             print(
-                f"context {context:6d} {name:7s} {us / 1e3:7.4f} ms/step {us / base:6.3f}x model "
+                f"context {context:6d} {name:10s} {us / 1e3:7.4f} ms/step {us / base:6.3f}x model "
                 f"layers' weights {row['weights_gbs']:7.1f} GB/s  logits rel diff {diff:.2e} "
                 f"argmax {'same' if same else 'DIFFERS'}",
                 flush=True,

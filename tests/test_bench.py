@@ -914,11 +914,11 @@ def test_time_in_loop_calls_fn_iters_times_on_its_operands(iters):
     assert traced and all(traced)
 
 
-def _quick_rows(tmp_path, script: str) -> list[dict]:
-    """bench/{script}.py --quick (interpret mode), its JSON's rows."""
+def _quick_rows(tmp_path, script: str, *extra: str) -> list[dict]:
+    """bench/{script}.py --quick (interpret mode) with `extra` flags, its JSON's rows."""
     path = tmp_path / "k.json"
     subprocess.run(
-        [sys.executable, f"bench/{script}.py", "--quick", "--json", str(path)],
+        [sys.executable, f"bench/{script}.py", "--quick", "--json", str(path), *extra],
         check=True,
         capture_output=True,
     )
@@ -962,17 +962,20 @@ def test_persistent_probe_quick(tmp_path):
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_decoder_step_bench_quick(tmp_path):
     """The one-kernel step's bench harness on the CPU, its XLA reference in the kernel's place:
-    both steps timed, and the reference's logits near the bf16 model's (float32 residual
-    against the model's bf16 one) with the same argmax."""
-    rows = _quick_rows(tmp_path, "bench_decoder_step")
+    every step timed (the kernel's module and a copy of it loaded from a file as a variant), and
+    the reference's logits near the bf16 model's (float32 residual against the model's bf16 one)
+    with the same argmax."""
+    variant = tmp_path / "decoder_step_copy.py"
+    variant.write_text((_repo() / "pallas_kernels/decoder_step.py").read_text())
+    rows = _quick_rows(tmp_path, "bench_decoder_step", "--variant", f"copy={variant}")
     assert [(r["context"], r["variant"]) for r in rows] == [
-        (20, "model"),
-        (20, "kernel"),
-        (70, "model"),
-        (70, "kernel"),
+        (c, v) for c in (20, 70) for v in ("model", "kernel", "copy")
     ]
     assert all(_positive(r["ms"]) for r in rows)
     assert all(r["logits_rel_diff"] < 3e-2 and r["argmax_same"] for r in rows)
+    for model, kernel, copy in zip(rows[::3], rows[1::3], rows[2::3], strict=True):
+        assert model["logits_rel_diff"] == 0 and 0 < kernel["logits_rel_diff"]
+        assert copy["logits_rel_diff"] == kernel["logits_rel_diff"]
 
 
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
