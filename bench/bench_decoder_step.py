@@ -199,16 +199,18 @@ def main() -> None:
             0, -1
         ]
 
-    def kernel_logits(step, operands, ctx):
-        logits = jax.jit(lambda ops, ks, vs: step.logits((token, ks, vs), *ops, table, ctx)[0])
-        return np.asarray(logits(operands, ks, vs), np.float32)
+    def logits_of(step):  # jitted once a step: the context is an operand
+        return jax.jit(lambda ops, ks, vs, ctx: step.logits((token, ks, vs), *ops, table, ctx)[0])
+
+    kernel_logits = {name: logits_of(step) for name, (step, _) in steps.items() if name != "model"}
 
     for context in args.context:
         ctx = jnp.int32(context)
         want = np.asarray(model_logits(params, ks, vs, ctx), np.float32)
         base = None
         for name, (step, operands) in steps.items():
-            got = want if name == "model" else kernel_logits(step, operands, ctx)
+            got = want if name == "model" else kernel_logits[name](operands, ks, vs, ctx)
+            got = np.asarray(got, np.float32)
             diff = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             same = bool(np.argmax(got) == np.argmax(want))
             us = time_in_loop(
