@@ -243,6 +243,29 @@ class _KernelOps:
             return lax.broadcasted_iota(jnp.int32, (n,), 0)
         return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout)
 
+    def full(self, shape: tuple, value: float, layout=ROW):
+        x = jnp.full(shape, value, FLOAT)
+        return x if self.interpret else plgpu.layout_cast(x, layout)
+
+    def row_ids(self, shape: tuple):  # int32 `shape`: each element's row, in WGMMA
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, 0)
+        return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA)
+
+    def matmul(self, a, b, *, transpose_b: bool = False):
+        """a @ b (or b^T), float32, SMEM operands: a WGMMA on the matrix units (the interpreter
+        of jax 0.10 takes no transposed operand)."""
+        if self.interpret:
+            b = b[...].T if transpose_b else b[...]
+            return jnp.dot(a[...], b, preferred_element_type=FLOAT)
+
+        def run(acc_ref):
+            plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if transpose_b else b)
+            return acc_ref[...]
+
+        n = b.shape[0] if transpose_b else b.shape[1]
+        return pl.run_scoped(run, plgpu.ACC((a.shape[0], n), FLOAT))
+
     def semaphore(self):
         return None if self.interpret else pl.get_global(plgpu.SemaphoreType.REGULAR)
 
@@ -434,7 +457,7 @@ def decoder_step_kernel(
                 plgpu.barrier_wait(page_bars.at[2 * j])
                 plgpu.barrier_wait(page_bars.at[2 * j + 1])
 
-        def scoped(heads_s, qkn_s, k_s, v_s, out_s, cur_s, copy_bars, page_bars):
+        def scoped(heads_s, qkn_s, k_s, v_s, q_s, p_s, out_s, cur_s, copy_bars, page_bars):
             tiles = (pos + TOKENS - 1) // TOKENS
             per_split = (tiles + splits - 1) // splits
             first = jnp.minimum(split * per_split, tiles)
@@ -465,54 +488,73 @@ def decoder_step_kernel(
                 return bf16(x1 * cos - x2 * sin), bf16(x2 * cos + x1 * sin)
 
             qs = [norm_rope(*head_vec(g), 0) for g in range(group)]
-            k_cur, v_cur = norm_rope(*head_vec(group), 1), head_vec(group + 1)
+            k_cur = norm_rope(*head_vec(group), 1)
+            v_cur = bf16(sum(ops.load(heads_s.at[group + 1, j]) for j in range(kt_e)))  # [D]
             scale = 1.0 / math.sqrt(d)
-            zero = ops.zeros(half)  # a loop carry's layout
-            state = [(jnp.float32(NEG_INF), jnp.float32(0.0), zero, zero) for _ in range(group)]
+            # The group's query heads as rows 0..G-1 of a 64-row WGMMA operand (the rest zero):
+            # scores and P x V on the matrix units, the softmax's reductions along rows stay
+            # within a thread's quad (tokens along rows summed across warps cost ~1 µs each).
+            for g, q in enumerate(qs):  # whole rows through SMEM: a tile's halves need not be
+                for p_, x in enumerate(q):  # a WGMMA operand's 64-column tiles
+                    out_s[0, g, pl.ds(p_ * half, half)] = x
+            plgpu.commit_smem()
+            ids = ops.row_ids((TOKENS, d))
+            q_pad = ops.full((TOKENS, d), 0.0, WGMMA)
+            for g in range(group):
+                q_row = lax.broadcast_in_dim(ops.load(out_s.at[0, g]), (TOKENS, d), [1])
+                q_pad = jnp.where(ids == g, q_row, q_pad)
+            q_s[...] = q_pad.astype(dtype)
+            plgpu.commit_smem()
+            neg = ops.full((TOKENS,), NEG_INF)
+            state = (neg, ops.full((TOKENS,), 0.0), ops.full((TOKENS, d), 0.0, WGMMA))
 
             def tile(i, state):
+                m, l_sum, acc = state
                 load_tile(i, k_s, v_s, page_bars)
-                valid = i * TOKENS + ops.iota(TOKENS)
-                valid = valid < pos
-                keys = [
-                    ops.load(k_s.at[:, pl.ds(p * half, half)], WGMMA).astype(FLOAT) for p in (0, 1)
-                ]
-                vals = [
-                    ops.load(v_s.at[:, pl.ds(p * half, half)], WGMMA).astype(FLOAT) for p in (0, 1)
-                ]
-                rows = lax.broadcast_in_dim(valid, (TOKENS, half), [0])
-                vals = [jnp.where(rows, v, 0.0) for v in vals]
-                new = []
-                for (q1, q2), (m, l_sum, a1, a2) in zip(qs, state, strict=True):
-                    s = sum(
-                        (kp * lax.broadcast_in_dim(qp, (TOKENS, half), [1])).sum(axis=1)
-                        for kp, qp in zip(keys, (q1, q2), strict=True)
-                    )
-                    s = jnp.where(valid, s * scale, NEG_INF)
-                    m_new = jnp.maximum(m, jnp.max(s))
-                    alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
-                    pb = lax.broadcast_in_dim(p, (TOKENS, half), [0])
-                    a1 = a1 * alpha + (vals[0] * pb).sum(axis=0)
-                    a2 = a2 * alpha + (vals[1] * pb).sum(axis=0)
-                    new.append((m_new, l_sum * alpha + jnp.sum(p), a1, a2))
-                plgpu.commit_smem()  # every thread's reads done before the next tile's copies
-                return new
+                valid = i * TOKENS + ops.iota(TOKENS, COL) < pos
 
-            state = lax.fori_loop(first, last, tile, state)
+                @pl.when((i + 1) * TOKENS > pos)
+                def _():  # the tile's rows past the context: stale or never written (NaN bits)
+                    rows = (i * TOKENS + ops.row_ids((TOKENS, d))) < pos
+                    v_s[...] = jnp.where(rows, ops.load(v_s, WGMMA), 0).astype(dtype)
+                    plgpu.commit_smem()
+
+                s = ops.matmul(q_s, k_s, transpose_b=True)  # [64 (heads), 64 (tokens)]
+                cols = lax.broadcast_in_dim(valid, (TOKENS, TOKENS), [1])
+                s = jnp.where(cols, s * scale, NEG_INF)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp(m - m_new)
+                p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_sum = l_sum * alpha + p.sum(axis=1)
+                p_s[...] = p.astype(dtype)
+                plgpu.commit_smem()
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + ops.matmul(p_s, v_s)
+                plgpu.commit_smem()  # every thread's reads done before the next tile's copies
+                return m_new, l_sum, acc
+
+            m, l_sum, acc = lax.fori_loop(first, last, tile, state)
+            head_rows = ops.iota(TOKENS)
+            state = [
+                (
+                    jnp.max(jnp.where(head_rows == g, m, NEG_INF)),
+                    jnp.sum(jnp.where(head_rows == g, l_sum, 0.0)),
+                    jnp.sum(jnp.where(ids == g, acc, 0.0), axis=0),
+                )
+                for g in range(group)
+            ]
             owner = split == 0
-            for g, ((q1, q2), (m, l_sum, a1, a2)) in enumerate(zip(qs, state, strict=True)):
+            zero = ops.zeros(d)
+            for g, ((q1, q2), (m, l_sum, a)) in enumerate(zip(qs, state, strict=True)):
                 s_cur = (jnp.sum(q1 * k_cur[0]) + jnp.sum(q2 * k_cur[1])) * scale
                 m_new = jnp.where(owner, jnp.maximum(m, s_cur), m)
                 alpha = jnp.where(owner, jnp.exp(m - m_new), 1.0)
                 p = jnp.where(owner, jnp.exp(s_cur - m_new), 0.0)
-                out_s[0, g, pl.ds(0, half)] = a1 * alpha + p * v_cur[0]
-                out_s[0, g, pl.ds(half, half)] = a2 * alpha + p * v_cur[1]
-                for p_ in (0, 1):
-                    out_s[1, g, pl.ds(p_ * half, half)] = zero + m_new
-                    out_s[2, g, pl.ds(p_ * half, half)] = zero + (l_sum * alpha + p)
-            for row, halves in enumerate((k_cur, v_cur)):
-                for p_, x in enumerate(halves):
-                    cur_s[row, pl.ds(p_ * half, half)] = x.astype(dtype)
+                out_s[0, g] = a * alpha + p * v_cur
+                out_s[1, g] = zero + m_new
+                out_s[2, g] = zero + (l_sum * alpha + p)
+            for p_, x in enumerate(k_cur):
+                cur_s[0, pl.ds(p_ * half, half)] = x.astype(dtype)
+            cur_s[1] = v_cur.astype(dtype)
             plgpu.commit_smem()
             for g in range(group):
                 cols = pl.ds((head * group + g) * d, d)
@@ -535,8 +577,10 @@ def decoder_step_kernel(
             scoped,
             plgpu.SMEM((group + 2, kt_e, d), FLOAT),
             plgpu.SMEM((2, d), FLOAT),
-            plgpu.SMEM((TOKENS, d), dtype),
-            plgpu.SMEM((TOKENS, d), dtype),
+            plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
+            plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
+            plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
+            plgpu.SMEM((TOKENS, TOKENS), dtype, transforms=RING_TRANSFORMS),
             plgpu.SMEM((3, group, d), FLOAT),
             plgpu.SMEM((2, d), dtype),
             plgpu.Barrier(num_barriers=group + 3),
