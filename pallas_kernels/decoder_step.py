@@ -253,11 +253,12 @@ class _KernelOps:
         return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA)
 
     def matmul(self, a, b, *, transpose_b: bool = False):
-        """a @ b (or b^T), float32, SMEM operands: a WGMMA on the matrix units (the interpreter
-        of jax 0.10 takes no transposed operand)."""
+        """a @ b (or b^T), float32: a WGMMA on the matrix units; a an SMEM Ref or a value in
+        WGMMA, b an SMEM Ref (the interpreter of jax 0.10 takes no transposed operand)."""
         if self.interpret:
             b = b[...].T if transpose_b else b[...]
-            return jnp.dot(a[...], b, preferred_element_type=FLOAT)
+            a = a[...] if hasattr(a, "at") else a
+            return jnp.dot(a, b, preferred_element_type=FLOAT)
 
         def run(acc_ref):
             plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if transpose_b else b)
@@ -457,7 +458,7 @@ def decoder_step_kernel(
                 plgpu.barrier_wait(page_bars.at[2 * j])
                 plgpu.barrier_wait(page_bars.at[2 * j + 1])
 
-        def scoped(heads_s, qkn_s, k_s, v_s, q_s, p_s, out_s, cur_s, copy_bars, page_bars):
+        def scoped(heads_s, qkn_s, k_s, v_s, q_s, out_s, cur_s, copy_bars, page_bars):
             tiles = (pos + TOKENS - 1) // TOKENS
             per_split = (tiles + splits - 1) // splits
             first = jnp.minimum(split * per_split, tiles)
@@ -526,9 +527,8 @@ def decoder_step_kernel(
                 alpha = jnp.exp(m - m_new)
                 p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 l_sum = l_sum * alpha + p.sum(axis=1)
-                p_s[...] = p.astype(dtype)
-                plgpu.commit_smem()
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + ops.matmul(p_s, v_s)
+                pv = ops.matmul(p.astype(dtype), v_s)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
                 plgpu.commit_smem()  # every thread's reads done before the next tile's copies
                 return m_new, l_sum, acc
 
@@ -580,7 +580,6 @@ def decoder_step_kernel(
             plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
             plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
             plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
-            plgpu.SMEM((TOKENS, TOKENS), dtype, transforms=RING_TRANSFORMS),
             plgpu.SMEM((3, group, d), FLOAT),
             plgpu.SMEM((2, d), dtype),
             plgpu.Barrier(num_barriers=group + 3),
