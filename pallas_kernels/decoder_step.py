@@ -685,10 +685,10 @@ def check_decoder_step(
             f"hidden, intermediate and heads x head_dim must be multiples of {TILE_K}"
             f" (got {e}, {f}, {shape.heads * d})"
         )
-    if d % 16 or d > TILE_K or TILE_K % d or shape.heads % shape.kv_heads:
-        problems.append(f"head_dim must be a multiple of 16 dividing {TILE_K}, heads of kv_heads")
-    if TOKENS % block_size:
-        problems.append(f"the cache's block_size must divide {TOKENS}, got {block_size}")
+    if d % 64 or TILE_K % d or shape.heads % shape.kv_heads:  # 64: a WGMMA operand's tile
+        problems.append("head_dim must be 64, 128 or 256, heads a multiple of kv_heads")
+    if TOKENS % block_size or block_size % 8:
+        problems.append(f"the cache's block_size must be 8, 16, 32 or 64, got {block_size}")
     if tiles.dtype not in (jnp.bfloat16, jnp.float16) or k_caches[0].dtype != tiles.dtype:
         problems.append(f"weights and caches must be bf16 or fp16 alike, got {tiles.dtype}")
     per_layer = sum(shape.phase_tiles())
