@@ -493,8 +493,8 @@ def decoder_step_kernel(
             v_cur = bf16(sum(ops.load(heads_s.at[group + 1, j]) for j in range(kt_e)))  # [D]
             scale = 1.0 / math.sqrt(d)
             # The group's query heads as rows 0..G-1 of a 64-row WGMMA operand (the rest zero):
-            # scores and P x V on the matrix units, the softmax's reductions along rows stay
-            # within a thread's quad (tokens along rows summed across warps cost ~1 µs each).
+            # scores and P x V on the matrix units, and the softmax's reductions run along rows,
+            # within a thread's quad (with tokens along rows, every tile summed across warps).
             for g, q in enumerate(qs):  # whole rows through SMEM: a tile's halves need not be
                 for p_, x in enumerate(q):  # a WGMMA operand's 64-column tiles
                     out_s[0, g, pl.ds(p_ * half, half)] = x
