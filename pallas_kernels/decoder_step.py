@@ -15,8 +15,9 @@ it by its 256 inputs on the CUDA cores: q/k/v and gate/up partials go to buffers
 attention and the down tiles' SwiGLU sum, o_proj and down partials are added into the residual
 stream by TMA reduce-adds. Attention is H x `splits` items (a KV head, a range of 64-token tiles
 of the pages; the current token and its append go to split 0), each storing its unnormalised
-output and softmax max/sum for the o_proj tiles to merge. So a layer has five dependent phases
-(q/k/v, attention, o_proj, gate/up, down), each spread over every program. (Slices of the MLP
+output and softmax max/sum for the o_proj tiles to merge; a tile's scores and P x V are WGMMAs
+with the KV head's query heads as the rows of a 64-row operand. So a layer has five dependent
+phases (q/k/v, attention, o_proj, gate/up, down), each spread over every program. (Slices of the MLP
 taken whole by one program, gate/up summed in its SMEM, saved the wait before down but left the
 MLP's weights to the 48 programs of Qwen3-0.6B's 48 slices: slower on an H100.)
 
