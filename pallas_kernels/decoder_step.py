@@ -496,6 +496,12 @@ def decoder_step_kernel(
             # The group's query heads as rows 0..G-1 of a 64-row WGMMA operand (the rest zero):
             # scores and P x V on the matrix units, and the softmax's reductions run along rows,
             # within a thread's quad (with tokens along rows, every tile summed across warps).
+            # What the end needs of q, k and v is taken now, not held in registers over the loop:
+            # the current token's scores, and its K and V rows (for the append) in SMEM.
+            s_curs = [(jnp.sum(q1 * k_cur[0]) + jnp.sum(q2 * k_cur[1])) * scale for q1, q2 in qs]
+            for p_, x in enumerate(k_cur):
+                cur_s[0, pl.ds(p_ * half, half)] = x.astype(dtype)
+            cur_s[1] = v_cur.astype(dtype)
             for g, q in enumerate(qs):  # whole rows through SMEM: a tile's halves need not be
                 for p_, x in enumerate(q):  # a WGMMA operand's 64-column tiles
                     out_s[0, g, pl.ds(p_ * half, half)] = x
@@ -534,7 +540,7 @@ def decoder_step_kernel(
                 return m_new, l_sum, acc
 
             m, l_sum, acc = lax.fori_loop(first, last, tile, state)
-            head_rows = ops.iota(TOKENS)
+            head_rows, ids = ops.iota(TOKENS), ops.row_ids((TOKENS, d))
             state = [
                 (
                     jnp.max(jnp.where(head_rows == g, m, NEG_INF)),
@@ -545,17 +551,14 @@ def decoder_step_kernel(
             ]
             owner = split == 0
             zero = ops.zeros(d)
-            for g, ((q1, q2), (m, l_sum, a)) in enumerate(zip(qs, state, strict=True)):
-                s_cur = (jnp.sum(q1 * k_cur[0]) + jnp.sum(q2 * k_cur[1])) * scale
+            v_cur = ops.load(cur_s.at[1]).astype(FLOAT)
+            for g, (s_cur, (m, l_sum, a)) in enumerate(zip(s_curs, state, strict=True)):
                 m_new = jnp.where(owner, jnp.maximum(m, s_cur), m)
                 alpha = jnp.where(owner, jnp.exp(m - m_new), 1.0)
                 p = jnp.where(owner, jnp.exp(s_cur - m_new), 0.0)
                 out_s[0, g] = a * alpha + p * v_cur
                 out_s[1, g] = zero + m_new
                 out_s[2, g] = zero + (l_sum * alpha + p)
-            for p_, x in enumerate(k_cur):
-                cur_s[0, pl.ds(p_ * half, half)] = x.astype(dtype)
-            cur_s[1] = v_cur.astype(dtype)
             plgpu.commit_smem()
             for g in range(group):
                 cols = pl.ds((head * group + g) * d, d)
