@@ -235,23 +235,14 @@ class _KernelOps:
             return ref[...]
         return plgpu.load(ref, (), layout=layout, optimized=optimized)
 
-    def zeros(self, n: int, layout=COL):
-        zero = jnp.zeros((n,), FLOAT)
-        return zero if self.interpret else plgpu.layout_cast(zero, layout)
-
-    def iota(self, n: int, layout=ROW):
-        if self.interpret:
-            return lax.broadcasted_iota(jnp.int32, (n,), 0)
-        return plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=layout)
-
     def full(self, shape: tuple, value: float, layout=ROW):
         x = jnp.full(shape, value, FLOAT)
         return x if self.interpret else plgpu.layout_cast(x, layout)
 
-    def row_ids(self, shape: tuple):  # int32 `shape`: each element's row, in WGMMA
+    def iota(self, shape: tuple, layout=ROW):  # int32: each element's index along axis 0
         if self.interpret:
             return lax.broadcasted_iota(jnp.int32, shape, 0)
-        return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WGMMA)
+        return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
 
     def matmul(self, a, b, *, transpose_b: bool = False):
         """a @ b (or b^T), float32: a WGMMA on the matrix units; a an SMEM Ref or a value in
@@ -506,24 +497,27 @@ def decoder_step_kernel(
                 for p_, x in enumerate(q):  # a WGMMA operand's 64-column tiles
                     out_s[0, g, pl.ds(p_ * half, half)] = x
             plgpu.commit_smem()
-            ids = ops.row_ids((TOKENS, d))
+            ids = ops.iota((TOKENS, d), WGMMA)
             q_pad = ops.full((TOKENS, d), 0.0, WGMMA)
             for g in range(group):
                 q_row = lax.broadcast_in_dim(ops.load(out_s.at[0, g]), (TOKENS, d), [1])
                 q_pad = jnp.where(ids == g, q_row, q_pad)
             q_s[...] = q_pad.astype(dtype)
             plgpu.commit_smem()
-            neg = ops.full((TOKENS,), NEG_INF)
-            state = (neg, ops.full((TOKENS,), 0.0), ops.full((TOKENS, d), 0.0, WGMMA))
+            state = (  # a row's max and sum [64], its P x V [64, D]
+                ops.full((TOKENS,), NEG_INF),
+                ops.full((TOKENS,), 0.0),
+                ops.full((TOKENS, d), 0.0, WGMMA),
+            )
 
             def tile(i, state):
                 m, l_sum, acc = state
                 load_tile(i, k_s, v_s, page_bars)
-                valid = i * TOKENS + ops.iota(TOKENS, COL) < pos
+                valid = i * TOKENS + ops.iota((TOKENS,), COL) < pos
 
                 @pl.when((i + 1) * TOKENS > pos)
                 def _():  # the tile's rows past the context: stale or never written (NaN bits)
-                    rows = (i * TOKENS + ops.row_ids((TOKENS, d))) < pos
+                    rows = (i * TOKENS + ops.iota((TOKENS, d), WGMMA)) < pos
                     v_s[...] = jnp.where(rows, ops.load(v_s, WGMMA), 0).astype(dtype)
                     plgpu.commit_smem()
 
@@ -540,7 +534,8 @@ def decoder_step_kernel(
                 return m_new, l_sum, acc
 
             m, l_sum, acc = lax.fori_loop(first, last, tile, state)
-            head_rows, ids = ops.iota(TOKENS), ops.row_ids((TOKENS, d))
+            # The row ids again rather than held in registers over the loop.
+            head_rows, ids = ops.iota((TOKENS,)), ops.iota((TOKENS, d), WGMMA)
             state = [
                 (
                     jnp.max(jnp.where(head_rows == g, m, NEG_INF)),
@@ -550,7 +545,7 @@ def decoder_step_kernel(
                 for g in range(group)
             ]
             owner = split == 0
-            zero = ops.zeros(d)
+            zero = ops.full((d,), 0.0, COL)
             v_cur = ops.load(cur_s.at[1]).astype(FLOAT)
             for g, (s_cur, (m, l_sum, a)) in enumerate(zip(s_curs, state, strict=True)):
                 m_new = jnp.where(owner, jnp.maximum(m, s_cur), m)
