@@ -188,7 +188,8 @@ def main() -> None:
     for name, module in modules:
         weights, run = kernel_run(module)
         steps[name] = (kernel_step(config, run), (weights, params))
-    weight_bytes = weights["tiles"].size * weights["tiles"].dtype.itemsize
+    tiles = steps["kernel"][1][0]["tiles"]  # every version streams the same layers' weights
+    weight_bytes = tiles.size * tiles.dtype.itemsize
 
     # One step's logits of each, from the same cache: the model's forward, each kernel's head.
     @jax.jit
