@@ -733,7 +733,9 @@ def decoder_step(
     """h after every layer (float32 [E]) and the caches with the token's K/V appended.
     `programs` must not exceed the GPU's SMs (all must be resident: they wait for each other).
     `splits` (attention items a KV head, dealt round-robin to the programs) defaults to what
-    fits the programs, at most 8; `stages` (weight tiles in flight a program) to 4.
+    fits the programs, at most 8; `stages` (weight tiles in flight a program, 32 KiB of SMEM
+    each) to 4, the most that fits beside the attention's SMEM at head_dim 128 (5 exceeds an
+    H100's 227 KiB: Mosaic GPU's ValueError).
     `interpret=True` runs jax's Mosaic GPU interpreter, programs=1."""
     tiles = weights["tiles"]
     if splits is None:
