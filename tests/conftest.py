@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import os
 
@@ -31,6 +32,27 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if os.environ["JAX_PLATFORMS"] != "cpu" and _workers > 1:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / _workers:.3f}")
+
+
+# XLA:CPU maps three memory regions for every kernel of a program it loads, and jax keeps the
+# programs of every shape a worker compiled: a worker passed 64k maps in a run, and at Linux's
+# vm.max_map_count (65,530) the next program XLA loads segfaults (it did, reading jax's persistent
+# cache). Past half of that, a test's end drops jax's compiled programs; engines still in use
+# load theirs again from the persistent cache.
+_MAPS = "/proc/self/maps"
+_MAPS_LIMIT = 32_768
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    yield
+    if os.path.exists(_MAPS):
+        with open(_MAPS) as f:
+            if f.read().count("\n") > _MAPS_LIMIT:
+                gc.collect()
+                jax.clear_caches()
+                gc.collect()
+
 
 # Pallas kernels under test: compiled on a GPU, interpreted on a CPU or when asked to.
 INTERPRET = jax.default_backend() == "cpu" or os.environ.get("ROSEJAX_TEST_INTERPRET") == "1"
