@@ -196,9 +196,8 @@ def main() -> None:
     def model_logits(params, ks, vs, context):
         meta = decode_meta(table, context)
         cache = KVCache(k=ks, v=vs)
-        return family_of(config).forward(params, config, token, cache, meta, kernels=kernels)[0][
-            0, -1
-        ]
+        logits, _ = family_of(config).forward(params, config, token, cache, meta, kernels=kernels)
+        return logits[0, -1]
 
     def logits_of(step):  # jitted once a step: the context is an operand
         return jax.jit(lambda ops, ks, vs, ctx: step.logits((token, ks, vs), *ops, table, ctx)[0])
