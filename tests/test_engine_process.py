@@ -45,7 +45,7 @@ _rng = random.Random(SEED)
 PROMPTS = [" ".join(_rng.choices(WORDS, k=_rng.randint(2, 8))) for _ in range(4)]
 PROMPTS.append([_rng.randrange(50257) for _ in range(_rng.randint(1, 12))])
 GREEDY = dict(max_tokens=12, temperature=0.0)
-SAMPLED = dict(max_tokens=10, temperature=0.9, top_p=0.9, seed=_rng.randrange(2**31))
+SAMPLED = dict(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=_rng.randrange(2**31))
 # n = 2 with echo and logprobs (the prompt's logprobs, as lm-eval's loglikelihood sends):
 # the module's engine records its outputs step by step (with a stop id that ends one sequence
 # at its first token, found then), and both servers answer it with no compile more.

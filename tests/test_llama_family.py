@@ -439,7 +439,7 @@ def test_chat_prompt_ids_are_the_chat_template(tmp_path_factory, name, model_typ
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Hello, who are you?"},
     ]
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
     expected = tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
     outs = llm.chat([messages, messages[1:]], params, use_tqdm=False)
     assert outs[0].prompt_token_ids == expected
@@ -473,7 +473,10 @@ def test_chat_server_takes_template_kwargs_a_developer_message_and_the_rest_of_t
 
     path = _chat_checkpoint(tmp_path_factory, "qwen3", "qwen3", 151936)
     tok = AutoTokenizer.from_pretrained(path)
-    llm = LLM(path, block_size=16, max_batch_size=2, warmup=False, dtype="float32")
+    # A context of 64 (the checkpoint's is 256): the chat below runs to its end.
+    llm = LLM(
+        path, block_size=16, max_batch_size=2, warmup=False, dtype="float32", max_model_len=64
+    )
     words = np.random.default_rng().choice(["terse", "kind", "brief", "exact"], 3)
     asked = [
         {"role": "developer", "content": f"Be {words[0]}."},
@@ -495,7 +498,7 @@ def test_chat_server_takes_template_kwargs_a_developer_message_and_the_rest_of_t
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
         assert usage["prompt_tokens"] == len(want)
-        assert usage["completion_tokens"] == 256 - len(want)  # the context's end
+        assert usage["completion_tokens"] == 64 - len(want)  # the context's end
         bad = {**body, "chat_template_kwargs": {"tokenize": True}}  # the template call's own
         r = httpx.post(server.url + "/v1/chat/completions", json=bad, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text

@@ -56,7 +56,7 @@ TEMPLATE = (
 STREAMS = [
     ("the cat runs quickly over the lazy river", dict(max_tokens=24, temperature=0.0)),
     ([464, 3797, 4539, 6364], dict(max_tokens=32, temperature=0.0)),
-    ("a blue mountain", dict(max_tokens=24, temperature=0.9, top_p=0.9, seed=1234)),
+    ("a blue mountain", dict(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=1234)),
     ("green light time", dict(max_tokens=24, temperature=0.0, stop=["e"])),
 ]
 
@@ -517,7 +517,7 @@ def test_continuous_usage_stats_as_guidellm_sends_them(served):
 
 
 def test_overload_429_says_when_to_retry(served):
-    body = {"prompt": ["the"] * 10, "max_tokens": 100, "ignore_eos": True}
+    body = {"prompt": ["the"] * 10, "max_tokens": 100, "ignore_eos": True, "temperature": 0.0}
 
     async def overload(h: httpx.AsyncClient) -> httpx.Response:
         async with h.stream("POST", "/v1/completions", json={**body, "stream": True}):
@@ -530,7 +530,13 @@ def test_overload_429_says_when_to_retry(served):
 def test_overload_counts_each_choice(served):
     """A request's n choices each take a batch slot: the 429 bound counts them, as the 400 for
     a request that could never fit does."""
-    body = {"prompt": ["the"] * 5, "n": 2, "max_tokens": 100, "ignore_eos": True}
+    body = {
+        "prompt": ["the"] * 5,
+        "n": 2,
+        "max_tokens": 100,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
 
     async def overload() -> list[httpx.Response]:  # alone: nothing else in flight
         async with httpx.AsyncClient(base_url=served.url, timeout=60) as h:
