@@ -6,6 +6,7 @@ import functools
 import gc
 import itertools
 import os
+import time
 
 import jax
 import pytest
@@ -26,6 +27,10 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
 # pool's threads spin, and on a 2-core machine with anything else busy, HF's greedy generate
 # of 24 tokens on these tiny models took 0.5-0.9 s with two threads, 0.02 s with one.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Engines decode at least 4 rows wide (a GPU's default is 16, a CPU's 1): widths 1 and 2 would be
+# programs of their own in every engine to compile (tests/test_engine.py from an empty cache: 168
+# -> 146 s). Tests of the widths themselves pass min_decode_batch.
+os.environ.setdefault("ROSEJAX_MIN_DECODE_BATCH", "4")
 
 # On a GPU, pytest-xdist's workers share the card: each gets an equal share of its memory (jax
 # would preallocate 75% of it in every process), and engines size their KV caches from that.
@@ -38,20 +43,27 @@ if os.environ["JAX_PLATFORMS"] != "cpu" and _workers > 1:
 # programs of every shape a worker compiled: a worker passed 64k maps in a run, and at Linux's
 # vm.max_map_count (65,530) the next program XLA loads segfaults (it did, reading jax's persistent
 # cache). Past three quarters of that, a test's end drops jax's compiled programs; engines still
-# in use load theirs again from the persistent cache (at half, the suite took 4% longer).
+# in use load theirs again from the persistent cache (at half, the suite took 4% longer). The
+# count is read at most once a second of tests: reading 40k maps takes ~50 ms, and programs come
+# slower than that adds maps (an engine's, all from the cache: 6.8k maps in 7.9 s).
 _MAPS = "/proc/self/maps"
 _MAPS_LIMIT = 49_152
+_MAPS_EVERY = 1.0  # seconds
+_maps_read_at = [0.0]
 
 
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
     yield
-    if os.path.exists(_MAPS):
-        with open(_MAPS) as f:
-            if f.read().count("\n") > _MAPS_LIMIT:
-                gc.collect()
-                jax.clear_caches()
-                gc.collect()
+    now = time.monotonic()
+    if now - _maps_read_at[0] < _MAPS_EVERY or not os.path.exists(_MAPS):
+        return
+    _maps_read_at[0] = now
+    with open(_MAPS) as f:
+        if f.read().count("\n") > _MAPS_LIMIT:
+            gc.collect()
+            jax.clear_caches()
+            gc.collect()
 
 
 # Pallas kernels under test: compiled on a GPU, interpreted on a CPU or when asked to.

@@ -337,6 +337,7 @@ def test_streaming_end_to_end(tmp_path, monkeypatch):
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_streaming_schedule_pretok_unique_decode_steps(tmp_path):
     from bench import benchmark_streaming
 
@@ -381,6 +382,7 @@ def test_streaming_schedule_pretok_unique_decode_steps(tmp_path):
     assert s["duration_s"] > 0.04
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_scheduler_offline_and_online(tmp_path):
     from bench import benchmark_scheduler
 
@@ -597,6 +599,7 @@ def test_compare_variants_stops_before_memory_runs_out(monkeypatch):
     assert len(built) == 1
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_compare_variants(tmp_path, monkeypatch):
     """Each variant's engine is built from its own EngineConfig (KernelConfig fields, tiles,
     engine fields), nothing in the environment or the modules changed; the timed runs are

@@ -115,7 +115,7 @@ def step_inputs(config, params, cached: int, rng):
     return logits[0, 0], after, inputs, before
 
 
-@pytest.mark.parametrize("cached", [0, 9, 77, 150])
+@pytest.mark.parametrize("cached", [0, pytest.param(9, marks=pytest.mark.slow), 77, 150])
 def test_reference_matches_model(checkpoint, cached):
     """Logits and caches after one step: the reference (float32 residual, fp32 weights: no
     rounding) against the model's forward of one token, across 64-token tiles and pages."""
@@ -320,9 +320,9 @@ def check_kernel_against_reference(
     "name,splits,stages,cached",
     [
         ("qwen3-g2-hd64-tied", 1, 1, 0),
-        ("qwen3-g2-hd64-tied", 3, 3, 77),
+        pytest.param("qwen3-g2-hd64-tied", 3, 3, 77, marks=pytest.mark.slow),
         ("llama-g4-hd128-untied", 2, 2, 150),
-        ("llama-g4-hd128-untied", 1, 4, 9),
+        pytest.param("llama-g4-hd128-untied", 1, 4, 9, marks=pytest.mark.slow),
         ("llama-g2-hd128-e512", 2, 3, 70),
     ],
 )

@@ -26,6 +26,9 @@ from tests.conftest import (
 )
 
 SHAPE = HF_SHAPES["hd16"]
+# The module's engines are shared by settings (`shared_llm`): one pytest-xdist worker compiles each.
+pytestmark = pytest.mark.xdist_group("engine")
+
 TOK = packaged_gpt2_tokenizer_path()
 
 
@@ -163,6 +166,7 @@ def test_multi_step_windows_equal_single_steps(checkpoint, shared_llm, temperatu
     assert outs[1] == outs[7]
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 @pytest.mark.parametrize("steps_per_trip", [2, 3])
 def test_steps_per_trip_equal_one_step_a_trip(checkpoint, shared_llm, steps_per_trip):
     """A decode loop that runs several steps a trip gives what one step a trip gives: windows
@@ -820,7 +824,7 @@ def test_decode_width_follows_the_running_requests(checkpoint, shared_llm, monke
     decode window runs at the smallest bucket that holds the running requests, survivors are
     moved down with their state (greedy and seeded-sampled tokens equal HF's / a lone run's),
     and a request arriving afterwards decodes alone at width 1."""
-    llm = shared_llm(max_batch_size=8, decode_steps=2)
+    llm = shared_llm(max_batch_size=8, decode_steps=2, min_decode_batch=1)
     engine = llm.engine
     widths = []  # (program batch, requests running)
     decode = engine.runner.decode

@@ -38,6 +38,9 @@ from rosejax.settings import EngineConfig
 from rosejax.tokenizer import TokenTexts
 from tests.test_server import SEED, TEMPLATE, metrics, start_cli, stop_cli, wait_idle
 
+# The module's tests share one served engine: one pytest-xdist worker builds it, not each.
+pytestmark = pytest.mark.xdist_group("engine_process")
+
 MODEL = "random:tiny"
 ENGINE = dict(seed=SEED, warmup=False, max_batch_size=8, block_size=16, kv_cache_tokens=1024)
 WORDS = "the a of cat dog runs quickly over lazy river mountain blue green light time".split()

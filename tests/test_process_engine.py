@@ -117,6 +117,7 @@ def run_both(llms, prompts, params, tag: str) -> tuple[list, list]:
     return [final[r] for r in rids], sorted(want, key=lambda o: rids.index(o.request_id))
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_outputs_equal_one_engines(llms):
     rng = random.Random(SEED)
     engine = llms.dp.engine

@@ -31,6 +31,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rosejax import LLM, SamplingParams
 from rosejax.serve import create_app
 
+# The module's tests share one served engine: one pytest-xdist worker builds it, not each.
+pytestmark = pytest.mark.xdist_group("server")
+
 MODEL, NAME = "random:tiny", "tiny"
 # Fresh weights and prompts every run; failures print the seed, ROSEJAX_TEST_SEED replays it.
 SEED = int(os.environ.get("ROSEJAX_TEST_SEED", random.randrange(2**31)))

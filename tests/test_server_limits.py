@@ -37,6 +37,9 @@ from rosejax.serve import server as server_module
 from rosejax.serve.protocol import Limits
 from rosejax.serve.server import ServerThread
 
+# The module's tests share one served engine: one pytest-xdist worker builds it, not each.
+pytestmark = pytest.mark.xdist_group("server_limits")
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, NAME = "random:tiny", "tiny"
 SEED = int(os.environ.get("ROSEJAX_TEST_SEED", random.randrange(2**31)))
@@ -651,6 +654,7 @@ def test_fuzzing_from_openapi_finds_no_5xx(served):
     idle(served)
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_server_compiles_the_rest_on_a_thread_of_its_own():
     """A server that compiled only what a first request needs compiles the other programs on
     a thread of its own, until none is left, and runs each once while idle; its

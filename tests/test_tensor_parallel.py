@@ -95,6 +95,7 @@ def assert_hf_greedy(hf, prompts, tokens) -> None:
         assert row == hf_greedy(hf, prompt, len(row))
 
 
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_tensor_parallel_gives_hf_tokens_and_bad_sizes_are_named(tmp_path, models):
     """GPT-2 at TP=2 and the grouped-query Qwen3 at TP=4 (XLA path; the engine at TP=1 is
     checked against the same HF references in test_engine and test_llama_family)."""
