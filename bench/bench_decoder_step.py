@@ -18,14 +18,22 @@ only at one program, which times nothing; the tests run it there).
     git show REV:pallas_kernels/decoder_step.py > /tmp/ds_rev.py
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/bench_decoder_step.py --context 16,1024 \\
         --variant rev=/tmp/ds_rev.py --layers 8
+
+`--profile DIR` then runs the kernel (pallas_kernels', not the variants') once more per context
+under Mosaic GPU's profiler (2 weight stages, to leave its SMEM room) and reads its trace
+(`bench/decoder_trace.py`): where each program's time goes and how long each phase of a layer
+holds the step up, with a PNG of one layer's ranges, under DIR/ctxN/.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 
 if __package__ in (None, ""):  # run as a file: make `bench` and `pallas_kernels` importable
@@ -36,6 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels.decoder_step  # noqa: E402
+from bench import decoder_trace  # noqa: E402
 from bench.common import (  # noqa: E402
     add_kernel_bench_args,
     ints,
@@ -113,6 +122,38 @@ def kernel_module(spec: str) -> tuple[str, object]:
     return name, module
 
 
+def sm_clock_mhz() -> float:
+    """The GPU's SM clock now (nvidia-smi), or its usual H100/H200 boost where that fails."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return float(out.stdout.split()[0])
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+        return 1980.0
+
+
+def profile(run, weights, params, inputs, out_dir: str) -> None:
+    """Run the kernel once under the profiler into `out_dir`; print and write what its trace
+    says (summary.json, timeline.png)."""
+    os.makedirs(out_dir, exist_ok=True)
+    jax.block_until_ready(jax.jit(run)(weights, params, *inputs))
+    jax.effects_barrier()  # the profiler writes its file from a host callback
+    clock = sm_clock_mhz()  # read right after the run, while the clock is up
+    (path,) = glob.glob(os.path.join(out_dir, "*-trace.json"))
+    with open(path) as f:
+        trace = json.load(f)
+    summary = decoder_trace.summarize(trace, clock)
+    decoder_trace.print_summary(summary)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    plot = os.path.join(out_dir, "timeline.png")
+    decoder_trace.plot_layer(trace, summary["layers"] // 2, plot, clock)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -136,8 +177,16 @@ def main() -> None:
         metavar="NAME=FILE",
         help="another version of pallas_kernels/decoder_step.py to time beside it (repeatable)",
     )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="then profile the kernel once a context into DIR (see above; needs a GPU)",
+    )
     add_kernel_bench_args(p)
     args = parse_kernel_bench_args(p)
+    if args.profile and args.quick:
+        p.error("--profile profiles the kernel on a GPU; --quick runs its reference")
     config = preset(args.model)
     if args.quick:  # the reference on the CPU, at widths the kernel's tiles take
         config = dataclasses.replace(
@@ -157,8 +206,9 @@ def main() -> None:
     params = family_of(config).random_params(config, seed=0, dtype=jnp.bfloat16)
     modules = [("kernel", pallas_kernels.decoder_step), *args.variant]
 
-    def kernel_run(module):
-        """(weights packed by `module`, its step's decoder) for `kernel_step`."""
+    def kernel_run(module, profile_dir: str = ""):
+        """(weights packed by `module`, its step's decoder) for `kernel_step`; with
+        `profile_dir`, the decoder under the profiler (2 stages unless --stages)."""
         shape = module.DecoderShape.of(config)
 
         def run(weights, params, *inputs):
@@ -170,7 +220,8 @@ def main() -> None:
                 shape=shape,
                 programs=programs,
                 splits=args.splits,
-                stages=args.stages,
+                stages=args.stages or (2 if profile_dir else None),
+                **({"profile_dir": profile_dir} if profile_dir else {}),
             )
 
         return module.pack_decoder_weights(params, shape), run
@@ -241,6 +292,14 @@ def main() -> None:
                 flush=True,
             )
     report_kernel_bench(args.json, rows, args=vars(args), programs=programs)
+    for context in args.context if args.profile else ():
+        out_dir = os.path.join(args.profile, f"ctx{context}")
+        print(f"profile at context {context} ({out_dir}):", flush=True)
+        weights, run = kernel_run(pallas_kernels.decoder_step, out_dir)
+        h = params["embed_tokens"]["embedding"][token[0, 0]].astype(jnp.float32)
+        seq_len = jnp.full((1,), context, jnp.int32)
+        inputs = (h, rope_at(config, jnp.int32(context)), table, seq_len, ks, vs)
+        profile(run, weights, params, inputs, out_dir)
 
 
 if __name__ == "__main__":

@@ -459,10 +459,12 @@ def decoder_step_kernel(
             srcs = [qkv_ref.at[:, pl.ds(q0 + g * d, d)] for g in range(group)]
             srcs += [qkv_ref.at[:, pl.ds(k0, d)], qkv_ref.at[:, pl.ds(v0, d)]]
             scales = _start_copies([(qk_norms_ref.at[layer], qkn_s)], copy_bars)
-            ops.wait_count(sem, ready)
-            boxes = [(src, heads_s.at[i]) for i, src in enumerate(srcs)]
-            _copy_in(boxes, copy_bars, first=scales)
-            _wait_copies(copy_bars, 0, scales)
+            with jax.named_scope("attention_wait"):
+                ops.wait_count(sem, ready)
+            with jax.named_scope("attention_inputs"):
+                boxes = [(src, heads_s.at[i]) for i, src in enumerate(srcs)]
+                _copy_in(boxes, copy_bars, first=scales)
+                _wait_copies(copy_bars, 0, scales)
             cos, sin = ops.load(rope_smem.at[0]), ops.load(rope_smem.at[1])
 
             def head_vec(i):  # summed partials, in halves of D
@@ -596,8 +598,9 @@ def decoder_step_kernel(
         def _():
             @pl.loop(c, items, step=programs)
             def _(item):
-                attention(layer, item // splits, item % splits, base + schedule.runs[QKV])
-                ops.signal(sem)
+                with jax.named_scope("attention"):
+                    attention(layer, item // splits, item % splits, base + schedule.runs[QKV])
+                    ops.signal(sem)
 
         @pl.when((s == 0) | (phase != prev_phase))
         def _():
@@ -608,40 +611,48 @@ def decoder_step_kernel(
             def _():
                 _start_copies([(norms_ref.at[layer, phase // 2], norm_smem)], bars)
 
-            ops.wait_count(sem, base + _select(phase, targets))
+            with jax.named_scope("phase_wait"):
+                ops.wait_count(sem, base + _select(phase, targets))
 
             @pl.when(norm_phase)
             def _():
-                _copy_in([(h_ref, h_smem)], bars, first=kt_e)
-                _wait_copies(bars, 0, kt_e)
-                normalize_h()
+                with jax.named_scope("rms_norm"):
+                    _copy_in([(h_ref, h_smem)], bars, first=kt_e)
+                    _wait_copies(bars, 0, kt_e)
+                    normalize_h()
 
         q = r - _select(phase, starts[:4])
         nb = _select(phase, blocks)
         k, b = q // nb, q % nb  # the tile's K range and column block
         cols = pl.ds(b * TILE_N, TILE_N)
 
+        # Each kind of input under a name of its own: what tells a profile's tiles apart.
         @pl.when((phase == QKV) | (phase == GATE_UP))
         def _():
-            norm_input(k)
+            with jax.named_scope("norm_inputs"):
+                norm_input(k)
 
         @pl.when(phase == O_PROJ)
         def _():
-            merged_attention(k)
+            with jax.named_scope("merge_inputs"):
+                merged_attention(k)
 
         @pl.when(phase == DOWN)
         def _():
-            swiglu_input(k)
+            with jax.named_scope("swiglu_inputs"):
+                swiglu_input(k)
 
         plgpu.commit_smem()  # a tile's inputs written by every thread before any reads them
         slot = t % stages
-        plgpu.barrier_wait(ring_bar.at[slot])
+        with jax.named_scope("weights_wait"):
+            plgpu.barrier_wait(ring_bar.at[slot])
         out = o_smem.at[t % 2]  # double-buffered: a store in flight while the next tile runs
-        x = ops.load(x_smem)
-        w = ops.load(ring.at[slot], WGMMA, optimized=True).astype(FLOAT)
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store 2 tiles back read `out`
-        out[...] = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
-        plgpu.commit_smem()  # the slot read and `out` written by every thread
+        with jax.named_scope("tile"):
+            x = ops.load(x_smem)
+            w = ops.load(ring.at[slot], WGMMA, optimized=True).astype(FLOAT)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store 2 tiles back read `out`
+            out[...] = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
+            plgpu.commit_smem()  # the slot read and `out` written by every thread
 
         @pl.when(t + stages < total)
         def _():
@@ -661,19 +672,37 @@ def decoder_step_kernel(
 
         @pl.when((s == own - 1) | (phase_of(_dealt(s + 1, c, programs)) != phase))
         def _():  # the end of this program's run of the phase: its stores done, then counted
-            plgpu.wait_smem_to_gmem(0)
-            ops.signal(sem)
+            with jax.named_scope("store_signal"):
+                plgpu.wait_smem_to_gmem(0)
+                ops.signal(sem)
 
         return phase
 
     lax.fori_loop(0, total, step, jnp.int32(-1))
 
 
-_STATIC = ("shape", "programs", "splits", "stages", "interpret")
+_STATIC = ("shape", "programs", "splits", "stages", "interpret", "profile_dir")
+
+
+def profile_ranges(shape: DecoderShape, programs: int, splits: int) -> int:
+    """The most named ranges a program records in a step (its profile's size): a layer's tiles
+    (their inputs, weights' wait, the tile), its phases (wait, norm, store and signal) and its
+    attention items (the item, its wait, its inputs)."""
+    tiles = int(decoder_schedule(shape, programs).counts.max())
+    items = -(-shape.kv_heads * splits // programs)
+    return shape.layers * (3 * tiles + 3 * 4 + 3 * items)
 
 
 def check_decoder_step(
-    shape: DecoderShape, tiles, k_caches, *, programs, splits, stages, interpret=False
+    shape: DecoderShape,
+    tiles,
+    k_caches,
+    *,
+    programs,
+    splits,
+    stages,
+    interpret=False,
+    profile_dir="",
 ) -> None:
     """ValueError unless the kernel can run these sizes."""
     d, e, f = shape.head_dim, shape.hidden, shape.intermediate
@@ -705,6 +734,8 @@ def check_decoder_step(
             )
     if interpret and programs != 1:  # the interpreter runs programs one after another
         problems.append(f"the interpreter runs one program (programs=1), got {programs}")
+    if interpret and profile_dir:
+        problems.append("the interpreter has no profiler: profile_dir needs a GPU")
     sms = getattr(jax.devices()[0], "core_count", None)
     if sms is not None and programs > sms:  # programs wait for each other: all must be resident
         problems.append(f"programs ({programs}) must not exceed the GPU's {sms} SMs")
@@ -729,6 +760,7 @@ def decoder_step(
     splits: int | None = None,
     stages: int | None = None,
     interpret: bool = False,
+    profile_dir: str = "",
 ) -> tuple[jax.Array, list, list]:
     """h after every layer (float32 [E]) and the caches with the token's K/V appended.
     `programs` must not exceed the GPU's SMs (all must be resident: they wait for each other).
@@ -736,13 +768,23 @@ def decoder_step(
     fits the programs, at most 8; `stages` (weight tiles in flight a program, 32 KiB of SMEM
     each) to 4, the most that fits beside the attention's SMEM at head_dim 128 (5 exceeds an
     H100's 227 KiB: Mosaic GPU's ValueError).
-    `interpret=True` runs jax's Mosaic GPU interpreter, programs=1."""
+    `interpret=True` runs jax's Mosaic GPU interpreter, programs=1.
+    `profile_dir`: Mosaic GPU's profiler writes there a trace of each program's named ranges (a
+    JSON file a compiled call; `bench/decoder_trace.py` reads it); it takes
+    4 x `profile_ranges` words of SMEM a program, which 2 stages leave room for."""
     tiles = weights["tiles"]
     if splits is None:
         splits = max(1, min(8, programs // shape.kv_heads))
     stages = stages or 4
     check_decoder_step(
-        shape, tiles, k_caches, programs=programs, splits=splits, stages=stages, interpret=interpret
+        shape,
+        tiles,
+        k_caches,
+        programs=programs,
+        splits=splits,
+        stages=stages,
+        interpret=interpret,
+        profile_dir=profile_dir,
     )
     lay, e, d = shape.layers, shape.hidden, shape.head_dim
     dtype, caches = tiles.dtype, [*k_caches, *v_caches]
@@ -780,7 +822,11 @@ def decoder_step(
         lambda *refs: pl.run_scoped(functools.partial(body, *refs), *scratch),
         out_type=buffers,
         mesh=plgpu.Mesh(grid=(programs,), grid_names=("program",)),
-        compiler_params=plgpu.CompilerParams(),
+        compiler_params=plgpu.CompilerParams(
+            # Its size in ranges; one more for the trace's header (3 words).
+            profile_space=profile_ranges(shape, programs, splits) + 1 if profile_dir else 0,
+            profile_dir=profile_dir,
+        ),
         interpret=_InterpretGPUParams() if interpret else False,
     )
     inputs = (tiles, weights["norms"], weights["qk_norms"], rope, block_table, seq_len)

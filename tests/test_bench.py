@@ -1044,3 +1044,86 @@ def test_engine_parity_check_passes_for_each_family(family, capsys):
     args = ["--family", family, "--num-prompts", "3", "--max-tokens", "5", "--decode-steps", "2"]
     assert check_engine_parity.main(args) == 0
     assert "0/3 requests differ from HF" in capsys.readouterr().out
+
+
+def _decoder_trace(layers: int, programs: int, no_o_proj: int) -> dict:
+    """A profile as Mosaic GPU's profiler writes one (`ts` in thousands of cycles), built by hand:
+    layer l from 100 l; program c's ranges of each link one unit each, c units late; program
+    `no_o_proj` takes no o_proj tile, the last program no attention item."""
+    events = []
+
+    def span(c, name, start, end, inner=()):
+        events.append(dict(name=name, ph="B", ts=start, pid=1, tid=c + 1))
+        for i, part in enumerate(inner):
+            span(c, part, start + i, start + i + 1)
+        events.append(dict(name=name, ph="E", ts=end, pid=1, tid=c + 1))
+
+    def run(c, at, inputs, norm=False):  # a phase run: its wait ends at `at + 1 + c`
+        span(c, "phase_wait", at, at + 1 + c)
+        t = at + 1 + c
+        if norm:
+            span(c, "rms_norm", t, t + 1)
+            t += 1
+        for name in (inputs, "weights_wait", "tile", "store_signal"):
+            span(c, name, t, t + 1)
+            t += 1
+
+    for lay in range(layers):
+        b = 100 * lay
+        for c in range(programs):
+            run(c, b, "norm_inputs", norm=True)
+            if c < programs - 1:
+                span(c, "attention", b + 10 + c, b + 15 + c, ("attention_wait", "attention_inputs"))
+            if c != no_o_proj:
+                run(c, b + 20, "merge_inputs")
+            run(c, b + 30, "norm_inputs", norm=True)
+            run(c, b + 40, "swiglu_inputs")
+    return {"displayTimeUnit": "ns", "traceEvents": events}
+
+
+def test_decoder_trace_spans_wake_ups_and_time_a_program(tmp_path):
+    """The one-kernel step's profile reader: each run of a program labelled with its phase and
+    layer (a program without o_proj tiles runs gate/up right after q/k/v), every link's span
+    and wake-up and the layer's period as the hand-built trace has them, at the clock given."""
+    from bench import decoder_trace
+
+    trace = _decoder_trace(layers=3, programs=3, no_o_proj=2)
+    s = decoder_trace.summarize(trace, clock_mhz=1000.0)  # a unit of `ts` is then 1 µs
+    assert (s["programs"], s["layers"], s["layer_period_us"]) == (3, 3, 100.0)
+    # q/k/v: tiles from 2 to 5 + 2 + 1; attention from 10 to 15 + 1; o_proj (programs 0, 1)
+    # from 21 to 25 + 1; gate/up from 32 to 36 + 2; down from 41 to 45 + 2.
+    spans = {k: v["span_us"] for k, v in s["phases"].items()}
+    wakes = {k: v["wake_us"] for k, v in s["phases"].items()}
+    assert spans == {"qkv": 6, "attention": 6, "o_proj": 5, "gate_up": 6, "down": 6}
+    assert wakes == {
+        "qkv": 1 + 100 - 47,
+        "attention": 11 - 8,
+        "o_proj": 21 - 16,
+        "gate_up": 31 - 26,
+        "down": 41 - 38,
+    }
+    per = s["us_a_program_a_layer"]
+    assert per["tile"] == pytest.approx(11 / 3) and per["rms_norm"] == 2
+    assert per["attention"] == pytest.approx(2 * (5 - 2) / 3)  # its wait and inputs taken out
+    assert per["phase_wait"] == pytest.approx(sum(1 + c for c in range(3)) * 4 / 3 - 3 / 3)
+    # At twice the clock every time halves.
+    assert decoder_trace.summarize(trace, 2000.0)["layer_period_us"] == 50.0
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    png = tmp_path / "layer.png"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "bench/decoder_trace.py",
+            str(path),
+            "--clock-mhz",
+            "1000",
+            "--plot",
+            str(png),
+        ],
+        cwd=_repo(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "a layer every 100.00 µs" in out and png.stat().st_size > 0

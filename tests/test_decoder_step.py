@@ -239,6 +239,8 @@ def test_decoder_step_rejects_what_it_cannot_run(checkpoint):
     args = (bf16[0], *args[1:5], bf16[1], bf16[2])
     with pytest.raises(ValueError, match="one program"):  # the interpreter runs them in turn
         decoder_step(*args, shape=shape, programs=2, splits=1, stages=2, interpret=True)
+    with pytest.raises(ValueError, match="no profiler"):
+        decoder_step(*args, shape=shape, programs=1, splits=1, interpret=True, profile_dir="/tmp")
     narrow = dataclasses.replace(shape, head_dim=32)  # narrower than a WGMMA operand's tile
     with pytest.raises(ValueError, match="head_dim must be 64, 128 or 256"):
         decoder_step(*args, shape=narrow, programs=1, splits=1, stages=2, interpret=True)

@@ -1,0 +1,204 @@
+"""Read a profile of the one-kernel decode step (`decoder_step(..., profile_dir=...)`: Mosaic GPU's
+profiler, one Perfetto JSON a call) into where each program's time goes and how long each of a
+layer's phases holds the step up.
+
+The profiler stamps each named range of the kernel (`phase_wait`, `rms_norm`, `norm_inputs`,
+`merge_inputs`, `swiglu_inputs`, `weights_wait`, `tile`, `store_signal`, `attention` with its
+`attention_wait` and `attention_inputs`) with the SM's cycle counter, one trace a program (`tid`).
+Its file writes cycles as if they were nanoseconds (`ts` in thousands of cycles), so times here
+are cycles divided by the SM clock (`clock_mhz`).
+
+A program's ranges in order give each of its runs of a phase (a `phase_wait`, then the tiles,
+whose inputs name the phase: `norm_inputs` are q/k/v after a layer's down projection or at the
+start, gate/up after q/k/v or o_proj; `merge_inputs` o_proj; `swiglu_inputs` down) and so each
+run's layer. A phase's span runs from its first tile's start on any program to its last
+`store_signal`'s end (attention's: its items' first start to last end); its wake-up is from the
+end of the phase before it (in the chain q/k/v, attention, o_proj, gate/up, down) to the first
+end of a wait for it.
+
+    python bench/decoder_trace.py TRACE.json [--clock-mhz 1980] [--plot timeline.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+
+if __package__ in (None, ""):  # run as a file: make `bench` importable (for its plots)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PHASES = ("qkv", "o_proj", "gate_up", "down")
+CHAIN = ("qkv", "attention", "o_proj", "gate_up", "down")  # each waits for the one before
+INPUTS = {"merge_inputs": "o_proj", "swiglu_inputs": "down"}  # norm_inputs: by order
+
+
+def ranges(trace: dict) -> dict[int, list[tuple[str, float, float, int]]]:
+    """Each program's ranges (name, start, end in the file's units, depth), by start."""
+    out = collections.defaultdict(list)
+    stacks = collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        tid = e["tid"] - 1
+        if e["ph"] == "B":
+            stacks[tid].append((e["name"], e["ts"]))
+        else:
+            name, start = stacks[tid].pop()
+            if name != e["name"]:
+                raise ValueError(f"program {tid}: {e['name']} ends inside {name}")
+            out[tid].append((name, start, e["ts"], len(stacks[tid])))
+    return {tid: sorted(rs, key=lambda r: r[1]) for tid, rs in sorted(out.items())}
+
+
+def label_runs(rs: list) -> list[tuple[int, str, list]]:
+    """A program's phase runs: (layer, phase, its ranges from the phase's wait on). Attention
+    items join the q/k/v run they follow (they run before the program's next phase)."""
+    runs, layer, current = [], -1, None
+    for r in rs:
+        name = r[0]
+        if name == "phase_wait":
+            current = [None, None, [r]]
+            runs.append(current)
+            continue
+        if current is None:
+            continue
+        if current[1] is None and name.endswith("_inputs") and not name.startswith("attention"):
+            if name == "norm_inputs":
+                previous = runs[-2][1] if len(runs) > 1 else None
+                phase = "qkv" if previous in (None, "down") else "gate_up"
+            else:
+                phase = INPUTS[name]
+            if phase == "qkv":
+                layer += 1
+            current[0], current[1] = layer, phase
+        current[2].append(r)
+    return [(lay, phase, body) for lay, phase, body in runs if phase is not None]
+
+
+def summarize(trace: dict, clock_mhz: float) -> dict:
+    """Per program and layer, µs in each named range (nested attention parts taken out of
+    `attention`); along the chain, each link's span and wake-up (means over the layers after the
+    first); the layer's period (first q/k/v tile to the next layer's, mean)."""
+    us = 1e3 / clock_mhz  # the file's unit (1,000 cycles) in µs
+    by_program = ranges(trace)
+    totals = collections.Counter()
+    spans = collections.defaultdict(lambda: [float("inf"), float("-inf")])  # (layer, phase)
+    waits_end = collections.defaultdict(lambda: float("inf"))
+    layers = 0
+    for rs in by_program.values():
+        for name, start, end, _ in rs:
+            totals[name] += end - start
+            if name in ("attention_wait", "attention_inputs"):
+                totals["attention"] -= end - start
+        for lay, phase, body in label_runs(rs):
+            layers = max(layers, lay + 1)
+            key = (lay, phase)
+            for name, start, end, _ in body:
+                if name in ("phase_wait", "attention_wait"):
+                    link = (lay, "attention") if name == "attention_wait" else key
+                    waits_end[link] = min(waits_end[link], end)
+                elif name == "attention":
+                    span = spans[(lay, "attention")]
+                    span[0], span[1] = min(span[0], start), max(span[1], end)
+                elif name == "store_signal":
+                    spans[key][1] = max(spans[key][1], end)
+                elif name not in ("rms_norm", "attention_inputs"):
+                    spans[key][0] = min(spans[key][0], start)
+    programs = len(by_program)
+    per_layer = {name: t * us / programs / max(layers, 1) for name, t in sorted(totals.items())}
+    phases = {}
+    for i, phase in enumerate(CHAIN):
+        span, wake = [], []
+        for lay in range(1, layers):
+            start, end = spans[(lay, phase)]
+            span.append((end - start) * us)
+            before = (lay, CHAIN[i - 1]) if i else (lay - 1, CHAIN[-1])
+            wake.append((waits_end[(lay, phase)] - spans[before][1]) * us)
+        if span:
+            phases[phase] = {"span_us": statistics.mean(span), "wake_us": statistics.mean(wake)}
+    firsts = [spans[(lay, "qkv")][0] for lay in range(layers)]
+    period = (firsts[-1] - firsts[0]) * us / (layers - 1) if layers > 1 else float("nan")
+    return {
+        "programs": programs,
+        "layers": layers,
+        "clock_mhz": clock_mhz,
+        "layer_period_us": period,
+        "phases": phases,
+        "us_a_program_a_layer": per_layer,
+    }
+
+
+def print_summary(summary: dict) -> None:
+    print(
+        f"{summary['programs']} programs, {summary['layers']} layers, "
+        f"a layer every {summary['layer_period_us']:.2f} µs (at {summary['clock_mhz']:.0f} MHz)"
+    )
+    print(f"{'link':10s} {'span µs':>9s} {'wake-up µs':>11s}")
+    for phase, row in summary["phases"].items():
+        print(f"{phase:10s} {row['span_us']:9.2f} {row['wake_us']:11.2f}")
+    print(f"{'range':18s} {'µs a program a layer':>21s}")
+    for name, t in summary["us_a_program_a_layer"].items():
+        print(f"{name:18s} {t:21.2f}")
+
+
+def plot_layer(trace: dict, layer: int, path: str, clock_mhz: float) -> None:
+    """Every program's ranges during one layer: a row a program, a color a range name."""
+    from bench.common import load_pyplot, save_figure
+
+    plt = load_pyplot()
+    us = 1e3 / clock_mhz
+    by_program = ranges(trace)
+    window = [float("inf"), float("-inf")]
+    for rs in by_program.values():
+        for lay, _, body in label_runs(rs):
+            if lay == layer:
+                window = [min(window[0], body[0][1]), max(window[1], body[-1][2])]
+    names = sorted({r[0] for rs in by_program.values() for r in rs})
+    colors = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}
+    fig, ax = plt.subplots(figsize=(14, 8))
+    for tid, rs in by_program.items():
+        for name, start, end, depth in rs:
+            if end >= window[0] and start <= window[1]:
+                x = (start - window[0]) * us
+                ax.barh(
+                    tid,
+                    (end - start) * us,
+                    left=x,
+                    height=0.8 - 0.3 * depth,
+                    color=colors[name],
+                    linewidth=0,
+                )
+    for name in names:
+        ax.barh(0, 0, color=colors[name], label=name)
+    ax.set_xlabel(f"µs from layer {layer}'s first range (SM clock {clock_mhz:.0f} MHz)")
+    ax.set_ylabel("program")
+    ax.legend(loc="upper right", fontsize=8)
+    save_figure(plt, fig, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("trace", help="a JSON trace the kernel's profiler wrote")
+    p.add_argument("--clock-mhz", type=float, default=1980.0, help="the SM clock the run held")
+    p.add_argument("--json", default=None, help="write the summary here")
+    p.add_argument("--plot", default=None, help="a PNG of one layer's ranges, a row a program")
+    p.add_argument("--layer", type=int, default=None, help="the plotted layer (default: middle)")
+    args = p.parse_args()
+    with open(args.trace) as f:
+        trace = json.load(f)
+    summary = summarize(trace, args.clock_mhz)
+    print_summary(summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    if args.plot:
+        layer = summary["layers"] // 2 if args.layer is None else args.layer
+        plot_layer(trace, layer, args.plot, args.clock_mhz)
+
+
+if __name__ == "__main__":
+    main()
