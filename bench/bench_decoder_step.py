@@ -22,14 +22,17 @@ only at one program, which times nothing; the tests run it there).
 `--profile DIR` then runs the kernel (pallas_kernels', not the variants') once more per context
 under Mosaic GPU's profiler (2 weight stages, to leave its SMEM room) and reads its trace
 (`bench/decoder_trace.py`): where each program's time goes and how long each phase of a layer
-holds the step up, with a PNG of one layer's ranges, under DIR/ctxN/.
+holds the step up, with a PNG of one layer's ranges, under DIR/ctxN/ (its file is written from
+a host callback, so JAX_PLATFORMS must list cpu beside cuda):
+
+    PYTHONPATH=. JAX_PLATFORMS=cuda,cpu python bench/bench_decoder_step.py --context 16,1024 \\
+        --profile /tmp/ds_profile
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import importlib.util
 import json
 import os
@@ -137,15 +140,29 @@ def sm_clock_mhz() -> float:
 
 
 def profile(run, weights, params, inputs, out_dir: str) -> None:
-    """Run the kernel once under the profiler into `out_dir`; print and write what its trace
-    says (summary.json, timeline.png)."""
+    """Run the kernel once under the profiler into `out_dir`; print and write what its raw
+    buffer says (trace.json uncorrected, summary.json, timeline.png; the profiler's own file,
+    *-trace.json, beside them)."""
+    from jax.experimental.mosaic.gpu import profiler
+
     os.makedirs(out_dir, exist_ok=True)
-    jax.block_until_ready(jax.jit(run)(weights, params, *inputs))
-    jax.effects_barrier()  # the profiler writes its file from a host callback
+    raw, dump = [], profiler.ProfilerSpec.dump
+
+    def keep_raw(spec, buffer, f, grid, block):  # the buffer as it came, then jax's file
+        raw.append((np.asarray(buffer), dict(spec.interned_names), spec.entries_per_warpgroup))
+        return dump(spec, buffer, f, grid=grid, block=block)
+
+    profiler.ProfilerSpec.dump = keep_raw
+    try:
+        jax.block_until_ready(jax.jit(run)(weights, params, *inputs))
+        jax.effects_barrier()  # the profiler writes from a host callback
+    finally:
+        profiler.ProfilerSpec.dump = dump
     clock = sm_clock_mhz()  # read right after the run, while the clock is up
-    (path,) = glob.glob(os.path.join(out_dir, "*-trace.json"))
-    with open(path) as f:
-        trace = json.load(f)
+    ((buffer, names, words),) = raw
+    trace = decoder_trace.trace_from_buffer(buffer, names, words, clock)
+    with open(os.path.join(out_dir, "trace.json"), "w") as f:
+        json.dump(trace, f)
     summary = decoder_trace.summarize(trace, clock)
     decoder_trace.print_summary(summary)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
@@ -187,6 +204,11 @@ def main() -> None:
     args = parse_kernel_bench_args(p)
     if args.profile and args.quick:
         p.error("--profile profiles the kernel on a GPU; --quick runs its reference")
+    if args.profile:
+        try:
+            jax.devices("cpu")
+        except RuntimeError:
+            p.error("--profile: the profiler writes from a host callback: JAX_PLATFORMS=cuda,cpu")
     config = preset(args.model)
     if args.quick:  # the reference on the CPU, at widths the kernel's tiles take
         config = dataclasses.replace(

@@ -4,9 +4,12 @@ layer's phases holds the step up.
 
 The profiler stamps each named range of the kernel (`phase_wait`, `rms_norm`, `norm_inputs`,
 `merge_inputs`, `swiglu_inputs`, `weights_wait`, `tile`, `store_signal`, `attention` with its
-`attention_wait` and `attention_inputs`) with the SM's cycle counter, one trace a program (`tid`).
-Its file writes cycles as if they were nanoseconds (`ts` in thousands of cycles), so times here
-are cycles divided by the SM clock (`clock_mhz`).
+parts, `attention_*`) with the SM's cycle counter, one trace a program (`tid`). Its file writes cycles as if
+they were nanoseconds (`ts` in thousands of cycles), so times here are cycles divided by the SM
+clock (`clock_mhz`). That file also takes an estimate of a stamp's cost off every stamp, times its
+index in the trace: up to ~10k cycles by a trace's end, a different shift in each program (its
+waits then end before the signals they wait for). `trace_from_buffer` reads the profiler's raw
+buffer instead, uncorrected (`bench_decoder_step.py --profile` keeps it).
 
 A program's ranges in order give each of its runs of a phase (a `phase_wait`, then the tiles,
 whose inputs name the phase: `norm_inputs` are q/k/v after a layer's down projection or at the
@@ -28,12 +31,46 @@ import os
 import statistics
 import sys
 
+import numpy as np
+
 if __package__ in (None, ""):  # run as a file: make `bench` importable (for its plots)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PHASES = ("qkv", "o_proj", "gate_up", "down")
 CHAIN = ("qkv", "attention", "o_proj", "gate_up", "down")  # each waits for the one before
 INPUTS = {"merge_inputs": "o_proj", "swiglu_inputs": "down"}  # norm_inputs: by order
+
+
+EXIT = 1 << 31  # the profiler's tag bit of a range's end
+
+
+def trace_from_buffer(
+    buffer: np.ndarray, names: dict[str, int], words: int, clock_mhz: float
+) -> dict:
+    """The profiler's raw buffer (u32, `words` a trace: its start in ns, SM, the words used, then
+    (tag, cycle counter) pairs) -> events as the profiler's file has them, `ts` in thousands of
+    cycles from the trace's start time, with no per-stamp correction and the 32-bit counter
+    unwrapped."""
+    by_id = {i: n for n, i in names.items()}
+    traces = np.asarray(buffer).reshape(-1, words).astype(np.int64)
+    events = []
+    for tid, trace in enumerate(traces):
+        start, sm, used = trace[:3]
+        tags, clocks = trace[3 : 3 + used : 2], trace[4 : 4 + used : 2]
+        cycles = np.concatenate([[0], np.cumsum(np.diff(clocks) % 2**32)])
+        base = start * clock_mhz / 1e3  # the start in cycles
+        for tag, t in zip(tags, cycles, strict=True):
+            end = bool(tag & EXIT)
+            events.append(
+                dict(
+                    name=by_id[int(tag & ~EXIT)],
+                    ph="E" if end else "B",
+                    ts=(base + t) / 1e3,
+                    pid=int(sm) + 1,
+                    tid=tid + 1,
+                )
+            )
+    return {"traceEvents": events}
 
 
 def ranges(trace: dict) -> dict[int, list[tuple[str, float, float, int]]]:
@@ -90,7 +127,7 @@ def summarize(trace: dict, clock_mhz: float) -> dict:
     for rs in by_program.values():
         for name, start, end, _ in rs:
             totals[name] += end - start
-            if name in ("attention_wait", "attention_inputs"):
+            if name.startswith("attention_"):  # parts of an item: what is left is its own
                 totals["attention"] -= end - start
         for lay, phase, body in label_runs(rs):
             layers = max(layers, lay + 1)
@@ -104,7 +141,7 @@ def summarize(trace: dict, clock_mhz: float) -> dict:
                     span[0], span[1] = min(span[0], start), max(span[1], end)
                 elif name == "store_signal":
                     spans[key][1] = max(spans[key][1], end)
-                elif name not in ("rms_norm", "attention_inputs"):
+                elif name != "rms_norm" and not name.startswith("attention_"):
                     spans[key][0] = min(spans[key][0], start)
     programs = len(by_program)
     per_layer = {name: t * us / programs / max(layers, 1) for name, t in sorted(totals.items())}

@@ -482,9 +482,10 @@ def decoder_step_kernel(
                     x2 = bf16(bf16(x2 * inv) * ops.load(qkn_s.at[which, pl.ds(half, half)]))
                 return bf16(x1 * cos - x2 * sin), bf16(x2 * cos + x1 * sin)
 
-            qs = [norm_rope(*head_vec(g), 0) for g in range(group)]
-            k_cur = norm_rope(*head_vec(group), 1)
-            v_cur = bf16(sum(ops.load(heads_s.at[group + 1, j]) for j in range(kt_e)))  # [D]
+            with jax.named_scope("attention_rope"):
+                qs = [norm_rope(*head_vec(g), 0) for g in range(group)]
+                k_cur = norm_rope(*head_vec(group), 1)
+                v_cur = bf16(sum(ops.load(heads_s.at[group + 1, j]) for j in range(kt_e)))  # [D]
             scale = 1.0 / math.sqrt(d)
             # The group's query heads as rows 0..G-1 of a 64-row WGMMA operand (the rest zero):
             # scores and P x V on the matrix units, and the softmax's reductions run along rows,
@@ -499,13 +500,14 @@ def decoder_step_kernel(
                 for p_, x in enumerate(q):  # a WGMMA operand's 64-column tiles
                     out_s[0, g, pl.ds(p_ * half, half)] = x
             plgpu.commit_smem()
-            ids = ops.iota((TOKENS, d), WGMMA)
-            q_pad = ops.full((TOKENS, d), 0.0, WGMMA)
-            for g in range(group):
-                q_row = lax.broadcast_in_dim(ops.load(out_s.at[0, g]), (TOKENS, d), [1])
-                q_pad = jnp.where(ids == g, q_row, q_pad)
-            q_s[...] = q_pad.astype(dtype)
-            plgpu.commit_smem()
+            with jax.named_scope("attention_q_tile"):
+                ids = ops.iota((TOKENS, d), WGMMA)
+                q_pad = ops.full((TOKENS, d), 0.0, WGMMA)
+                for g in range(group):
+                    q_row = lax.broadcast_in_dim(ops.load(out_s.at[0, g]), (TOKENS, d), [1])
+                    q_pad = jnp.where(ids == g, q_row, q_pad)
+                q_s[...] = q_pad.astype(dtype)
+                plgpu.commit_smem()
             state = (  # a row's max and sum [64], its P x V [64, D]
                 ops.full((TOKENS,), NEG_INF),
                 ops.full((TOKENS,), 0.0),
@@ -535,28 +537,31 @@ def decoder_step_kernel(
                 plgpu.commit_smem()  # every thread's reads done before the next tile's copies
                 return m_new, l_sum, acc
 
-            m, l_sum, acc = lax.fori_loop(first, last, tile, state)
+            with jax.named_scope("attention_tiles"):
+                m, l_sum, acc = lax.fori_loop(first, last, tile, state)
             # The row ids again rather than held in registers over the loop.
-            head_rows, ids = ops.iota((TOKENS,)), ops.iota((TOKENS, d), WGMMA)
-            state = [
-                (
-                    jnp.max(jnp.where(head_rows == g, m, NEG_INF)),
-                    jnp.sum(jnp.where(head_rows == g, l_sum, 0.0)),
-                    jnp.sum(jnp.where(ids == g, acc, 0.0), axis=0),
-                )
-                for g in range(group)
-            ]
+            with jax.named_scope("attention_rows"):
+                head_rows, ids = ops.iota((TOKENS,)), ops.iota((TOKENS, d), WGMMA)
+                state = [
+                    (
+                        jnp.max(jnp.where(head_rows == g, m, NEG_INF)),
+                        jnp.sum(jnp.where(head_rows == g, l_sum, 0.0)),
+                        jnp.sum(jnp.where(ids == g, acc, 0.0), axis=0),
+                    )
+                    for g in range(group)
+                ]
             owner = split == 0
             zero = ops.full((d,), 0.0, COL)
             v_cur = ops.load(cur_s.at[1]).astype(FLOAT)
-            for g, (s_cur, (m, l_sum, a)) in enumerate(zip(s_curs, state, strict=True)):
-                m_new = jnp.where(owner, jnp.maximum(m, s_cur), m)
-                alpha = jnp.where(owner, jnp.exp(m - m_new), 1.0)
-                p = jnp.where(owner, jnp.exp(s_cur - m_new), 0.0)
-                out_s[0, g] = a * alpha + p * v_cur
-                out_s[1, g] = zero + m_new
-                out_s[2, g] = zero + (l_sum * alpha + p)
-            plgpu.commit_smem()
+            with jax.named_scope("attention_merge"):
+                for g, (s_cur, (m, l_sum, a)) in enumerate(zip(s_curs, state, strict=True)):
+                    m_new = jnp.where(owner, jnp.maximum(m, s_cur), m)
+                    alpha = jnp.where(owner, jnp.exp(m - m_new), 1.0)
+                    p = jnp.where(owner, jnp.exp(s_cur - m_new), 0.0)
+                    out_s[0, g] = a * alpha + p * v_cur
+                    out_s[1, g] = zero + m_new
+                    out_s[2, g] = zero + (l_sum * alpha + p)
+                plgpu.commit_smem()
             for g in range(group):
                 cols = pl.ds((head * group + g) * d, d)
                 for buf, dst in enumerate((acc_ref, m_ref, l_ref)):
@@ -572,7 +577,8 @@ def decoder_step_kernel(
 
                 on_layer(append)
 
-            plgpu.wait_smem_to_gmem(0)
+            with jax.named_scope("attention_store"):  # its outputs and the append land
+                plgpu.wait_smem_to_gmem(0)
 
         pl.run_scoped(
             scoped,
@@ -687,10 +693,10 @@ _STATIC = ("shape", "programs", "splits", "stages", "interpret", "profile_dir")
 def profile_ranges(shape: DecoderShape, programs: int, splits: int) -> int:
     """The most named ranges a program records in a step (its profile's size): a layer's tiles
     (their inputs, weights' wait, the tile), its phases (wait, norm, store and signal) and its
-    attention items (the item, its wait, its inputs)."""
+    attention items (the item and its eight parts)."""
     tiles = int(decoder_schedule(shape, programs).counts.max())
     items = -(-shape.kv_heads * splits // programs)
-    return shape.layers * (3 * tiles + 3 * 4 + 3 * items)
+    return shape.layers * (3 * tiles + 3 * 4 + 9 * items)
 
 
 def check_decoder_step(

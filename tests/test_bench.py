@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from bench import metrics as m
@@ -1127,3 +1128,32 @@ def test_decoder_trace_spans_wake_ups_and_time_a_program(tmp_path):
         check=True,
     ).stdout
     assert "a layer every 100.00 µs" in out and png.stat().st_size > 0
+
+
+def test_decoder_trace_from_the_profilers_raw_buffer():
+    """The profiler's raw words (start ns, SM, words used, then (tag, 32-bit cycle counter)
+    pairs) read back as events: names by their ids, ends by the tag's top bit, cycles from the
+    trace's first stamp across the counter's wrap, the start in cycles at the clock given."""
+    from bench import decoder_trace
+
+    names = {"tile": 0, "phase_wait": 1}
+    end, words = 1 << 31, 3 + 8 + 2  # two unused words at the end
+    near_wrap = 2**32 - 500
+    rows = [
+        [1000, 7, 8, 1, near_wrap, 1 | end, near_wrap + 300, 0, 200, 0 | end, 900, 0, 0],
+        [1002, 9, 4, 0, 50, 0 | end, 80, 0, 0, 0, 0, 0, 0],
+    ]
+    buffer = np.asarray(rows, np.uint32).reshape(-1)
+    trace = decoder_trace.trace_from_buffer(buffer, names, words, clock_mhz=2000.0)
+    got = [(e["tid"], e["pid"], e["name"], e["ph"], e["ts"]) for e in trace["traceEvents"]]
+    # ts in thousands of cycles: 1,000 ns at 2 GHz is 2,000 cycles
+    assert got == [
+        (1, 8, "phase_wait", "B", 2.0),
+        (1, 8, "phase_wait", "E", 2.3),
+        (1, 8, "tile", "B", 2.7),  # 200 after the wrap: 500 + 200 cycles from the first stamp
+        (1, 8, "tile", "E", 3.4),
+        (2, 10, "tile", "B", 2.004),
+        (2, 10, "tile", "E", 2.034),
+    ]
+    rs = decoder_trace.ranges(trace)
+    assert [r[0] for r in rs[0]] == ["phase_wait", "tile"] and len(rs[1]) == 1
