@@ -14,7 +14,9 @@ buffer instead, uncorrected (`bench_decoder_step.py --profile` keeps it).
 A program's ranges in order give each of its runs of a phase (a `phase_wait`, then the tiles,
 whose inputs name the phase: `norm_inputs` are q/k/v after a layer's down projection or at the
 start, gate/up after q/k/v or o_proj; `merge_inputs` o_proj; `swiglu_inputs` down) and so each
-run's layer. A phase's span runs from its first tile's start on any program to its last
+run's layer. SMs' cycle counters drift apart (on an H100, two groups of programs by ~900 cycles a
+layer), so each program's ranges of a layer are moved to line up on the end of its q/k/v wait:
+every program's ends on the same last signal of the layer before. A phase's span runs from its first tile's start on any program to its last
 `store_signal`'s end (attention's: its items' first start to last end); its wake-up is from the
 end of the phase before it (in the chain q/k/v, attention, o_proj, gate/up, down) to the first
 end of a wait for it.
@@ -114,22 +116,46 @@ def label_runs(rs: list) -> list[tuple[int, str, list]]:
     return [(lay, phase, body) for lay, phase, body in runs if phase is not None]
 
 
+def aligned_runs(by_program: dict) -> dict[int, list[tuple[int, str, list]]]:
+    """`label_runs` of each program, each layer's ranges moved so that its q/k/v wait ends
+    where the median program's does (see above)."""
+    runs = {tid: label_runs(rs) for tid, rs in by_program.items()}
+    anchors = {  # (program, layer) -> the end of its q/k/v wait
+        (tid, lay): body[0][2]
+        for tid, rs in runs.items()
+        for lay, phase, body in rs
+        if phase == "qkv"
+    }
+    by_layer = collections.defaultdict(list)
+    for (_, lay), t in anchors.items():
+        by_layer[lay].append(t)
+    middle = {lay: statistics.median(ts) for lay, ts in by_layer.items()}
+    out = {}
+    for tid, rs in runs.items():
+        out[tid] = []
+        for lay, phase, body in rs:
+            shift = anchors[(tid, lay)] - middle[lay] if (tid, lay) in anchors else 0.0
+            out[tid].append((lay, phase, [(n, a - shift, b - shift, d) for n, a, b, d in body]))
+    return out
+
+
 def summarize(trace: dict, clock_mhz: float) -> dict:
     """Per program and layer, µs in each named range (nested attention parts taken out of
     `attention`); along the chain, each link's span and wake-up (means over the layers after the
     first); the layer's period (first q/k/v tile to the next layer's, mean)."""
     us = 1e3 / clock_mhz  # the file's unit (1,000 cycles) in µs
     by_program = ranges(trace)
+    runs = aligned_runs(by_program)
     totals = collections.Counter()
     spans = collections.defaultdict(lambda: [float("inf"), float("-inf")])  # (layer, phase)
     waits_end = collections.defaultdict(lambda: float("inf"))
     layers = 0
-    for rs in by_program.values():
+    for tid, rs in by_program.items():
         for name, start, end, _ in rs:
             totals[name] += end - start
             if name.startswith("attention_"):  # parts of an item: what is left is its own
                 totals["attention"] -= end - start
-        for lay, phase, body in label_runs(rs):
+        for lay, phase, body in runs[tid]:
             layers = max(layers, lay + 1)
             key = (lay, phase)
             for name, start, end, _ in body:
@@ -181,32 +207,30 @@ def print_summary(summary: dict) -> None:
 
 
 def plot_layer(trace: dict, layer: int, path: str, clock_mhz: float) -> None:
-    """Every program's ranges during one layer: a row a program, a color a range name."""
+    """Every program's ranges (its runs') during one layer, lined up as `summarize` lines them
+    up: a row a program, a color a range name."""
     from bench.common import load_pyplot, save_figure
 
     plt = load_pyplot()
     us = 1e3 / clock_mhz
-    by_program = ranges(trace)
-    window = [float("inf"), float("-inf")]
-    for rs in by_program.values():
-        for lay, _, body in label_runs(rs):
-            if lay == layer:
-                window = [min(window[0], body[0][1]), max(window[1], body[-1][2])]
-    names = sorted({r[0] for rs in by_program.values() for r in rs})
+    runs = aligned_runs(ranges(trace))
+    shown = {
+        tid: [r for lay, _, body in rs if lay == layer for r in body] for tid, rs in runs.items()
+    }
+    window = min(r[1] for rs in shown.values() for r in rs)
+    names = sorted({r[0] for rs in shown.values() for r in rs})
     colors = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}
     fig, ax = plt.subplots(figsize=(14, 8))
-    for tid, rs in by_program.items():
+    for tid, rs in shown.items():
         for name, start, end, depth in rs:
-            if end >= window[0] and start <= window[1]:
-                x = (start - window[0]) * us
-                ax.barh(
-                    tid,
-                    (end - start) * us,
-                    left=x,
-                    height=0.8 - 0.3 * depth,
-                    color=colors[name],
-                    linewidth=0,
-                )
+            ax.barh(
+                tid,
+                (end - start) * us,
+                left=(start - window) * us,
+                height=0.8 - 0.3 * depth,
+                color=colors[name],
+                linewidth=0,
+            )
     for name in names:
         ax.barh(0, 0, color=colors[name], label=name)
     ax.set_xlabel(f"µs from layer {layer}'s first range (SM clock {clock_mhz:.0f} MHz)")

@@ -1049,8 +1049,9 @@ def test_engine_parity_check_passes_for_each_family(family, capsys):
 
 def _decoder_trace(layers: int, programs: int, no_o_proj: int) -> dict:
     """A profile as Mosaic GPU's profiler writes one (`ts` in thousands of cycles), built by hand:
-    layer l from 100 l; program c's ranges of each link one unit each, c units late; program
-    `no_o_proj` takes no o_proj tile, the last program no attention item."""
+    layer l from 100 l; program c's ranges of each link one unit each, c units late (its waits
+    but the q/k/v one too, which every program ends at once); program `no_o_proj` takes no o_proj
+    tile, the last program no attention item."""
     events = []
 
     def span(c, name, start, end, inner=()):
@@ -1059,8 +1060,8 @@ def _decoder_trace(layers: int, programs: int, no_o_proj: int) -> dict:
             span(c, part, start + i, start + i + 1)
         events.append(dict(name=name, ph="E", ts=end, pid=1, tid=c + 1))
 
-    def run(c, at, inputs, norm=False):  # a phase run: its wait ends at `at + 1 + c`
-        span(c, "phase_wait", at, at + 1 + c)
+    def run(c, at, inputs, norm=False, wait_late=True):  # a phase run
+        span(c, "phase_wait", at, at + 1 + (c if wait_late else 0))
         t = at + 1 + c
         if norm:
             span(c, "rms_norm", t, t + 1)
@@ -1072,7 +1073,7 @@ def _decoder_trace(layers: int, programs: int, no_o_proj: int) -> dict:
     for lay in range(layers):
         b = 100 * lay
         for c in range(programs):
-            run(c, b, "norm_inputs", norm=True)
+            run(c, b, "norm_inputs", norm=True, wait_late=False)
             if c < programs - 1:
                 span(c, "attention", b + 10 + c, b + 15 + c, ("attention_wait", "attention_inputs"))
             if c != no_o_proj:
@@ -1085,7 +1086,8 @@ def _decoder_trace(layers: int, programs: int, no_o_proj: int) -> dict:
 def test_decoder_trace_spans_wake_ups_and_time_a_program(tmp_path):
     """The one-kernel step's profile reader: each run of a program labelled with its phase and
     layer (a program without o_proj tiles runs gate/up right after q/k/v), every link's span
-    and wake-up and the layer's period as the hand-built trace has them, at the clock given."""
+    and wake-up and the layer's period as the hand-built trace has them, at the clock given,
+    and the same with one program's clock off and drifting."""
     from bench import decoder_trace
 
     trace = _decoder_trace(layers=3, programs=3, no_o_proj=2)
@@ -1106,7 +1108,14 @@ def test_decoder_trace_spans_wake_ups_and_time_a_program(tmp_path):
     per = s["us_a_program_a_layer"]
     assert per["tile"] == pytest.approx(11 / 3) and per["rms_norm"] == 2
     assert per["attention"] == pytest.approx(2 * (5 - 2) / 3)  # its wait and inputs taken out
-    assert per["phase_wait"] == pytest.approx(sum(1 + c for c in range(3)) * 4 / 3 - 3 / 3)
+    assert per["phase_wait"] == pytest.approx((4 + 7 + 7) / 3)  # program 2: no o_proj
+    # A program's counter off by a constant and drifting by layer: lined up again.
+    drifted = json.loads(json.dumps(trace))
+    for e in drifted["traceEvents"]:
+        if e["tid"] == 2:
+            e["ts"] += 7.25 + 0.5 * (e["ts"] // 100)
+    again = decoder_trace.summarize(drifted, clock_mhz=1000.0)
+    assert again["phases"] == s["phases"] and again["layer_period_us"] == 100.0
     # At twice the clock every time halves.
     assert decoder_trace.summarize(trace, 2000.0)["layer_period_us"] == 50.0
     path = tmp_path / "trace.json"
