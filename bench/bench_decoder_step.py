@@ -139,9 +139,9 @@ def sm_clock_mhz() -> float:
         return 1980.0
 
 
-def profile(run, weights, params, inputs, out_dir: str) -> None:
-    """Run the kernel once under the profiler into `out_dir`; print and write what its raw
-    buffer says (trace.json uncorrected, summary.json, timeline.png; the profiler's own file,
+def profile(step, operands: tuple, out_dir: str) -> None:
+    """Run `step(*operands)` (a step whose kernel has the profiler on) once; print and write
+    what the profiler's raw buffer says (trace.json uncorrected, summary.json, timeline.png; the profiler's own file,
     *-trace.json, beside them)."""
     from jax.experimental.mosaic.gpu import profiler
 
@@ -154,7 +154,7 @@ def profile(run, weights, params, inputs, out_dir: str) -> None:
 
     profiler.ProfilerSpec.dump = keep_raw
     try:
-        jax.block_until_ready(jax.jit(run)(weights, params, *inputs))
+        jax.block_until_ready(jax.jit(step)(*operands))
         jax.effects_barrier()  # the profiler writes from a host callback
     finally:
         profiler.ProfilerSpec.dump = dump
@@ -202,9 +202,9 @@ def main() -> None:
     )
     add_kernel_bench_args(p)
     args = parse_kernel_bench_args(p)
-    if args.profile and args.quick:
-        p.error("--profile profiles the kernel on a GPU; --quick runs its reference")
     if args.profile:
+        if args.quick:
+            p.error("--profile profiles the kernel on a GPU; --quick runs its reference")
         try:
             jax.devices("cpu")
         except RuntimeError:
@@ -318,10 +318,8 @@ def main() -> None:
         out_dir = os.path.join(args.profile, f"ctx{context}")
         print(f"profile at context {context} ({out_dir}):", flush=True)
         weights, run = kernel_run(pallas_kernels.decoder_step, out_dir)
-        h = params["embed_tokens"]["embedding"][token[0, 0]].astype(jnp.float32)
-        seq_len = jnp.full((1,), context, jnp.int32)
-        inputs = (h, rope_at(config, jnp.int32(context)), table, seq_len, ks, vs)
-        profile(run, weights, params, inputs, out_dir)
+        operands = ((token, ks, vs), weights, params, table, jnp.int32(context))
+        profile(kernel_step(config, run).logits, operands, out_dir)
 
 
 if __name__ == "__main__":
