@@ -27,10 +27,11 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
 # pool's threads spin, and on a 2-core machine with anything else busy, HF's greedy generate
 # of 24 tokens on these tiny models took 0.5-0.9 s with two threads, 0.02 s with one.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Engines decode at least 4 rows wide (a GPU's default is 16, a CPU's 1): widths 1 and 2 would be
-# programs of their own in every engine to compile (tests/test_engine.py from an empty cache: 168
-# -> 146 s). Tests of the widths themselves pass min_decode_batch.
-os.environ.setdefault("ROSEJAX_MIN_DECODE_BATCH", "4")
+# On a CPU engines decode at least 4 rows wide (its default is 1; a GPU's 16 stays): widths 1 and
+# 2 would be programs of their own in every engine to compile (tests/test_engine.py from an empty
+# cache: 168 -> 146 s). Tests of the widths themselves pass min_decode_batch.
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    os.environ.setdefault("ROSEJAX_MIN_DECODE_BATCH", "4")
 
 # On a GPU, pytest-xdist's workers share the card: each gets an equal share of its memory (jax
 # would preallocate 75% of it in every process), and engines size their KV caches from that.
