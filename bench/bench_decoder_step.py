@@ -126,10 +126,11 @@ def kernel_module(spec: str) -> tuple[str, object]:
 
 
 def sm_clock_mhz() -> float:
-    """The GPU's SM clock now (nvidia-smi), or its usual H100/H200 boost where that fails."""
+    """The GPU's top SM clock (nvidia-smi), which a busy H100 or H200 holds (1,980 MHz); its
+    current clock reads 345 MHz while idle. 1,980 where nvidia-smi fails."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+            ["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             check=True,
@@ -141,8 +142,8 @@ def sm_clock_mhz() -> float:
 
 def profile(step, operands: tuple, out_dir: str) -> None:
     """Run `step(*operands)` (a step whose kernel has the profiler on) once; print and write
-    what the profiler's raw buffer says (trace.json uncorrected, summary.json, timeline.png; the profiler's own file,
-    *-trace.json, beside them)."""
+    what the profiler's raw buffer says (trace.json uncorrected, summary.json, timeline.png;
+    the profiler's own file, *-trace.json, beside them)."""
     from jax.experimental.mosaic.gpu import profiler
 
     os.makedirs(out_dir, exist_ok=True)
@@ -158,7 +159,7 @@ def profile(step, operands: tuple, out_dir: str) -> None:
         jax.effects_barrier()  # the profiler writes from a host callback
     finally:
         profiler.ProfilerSpec.dump = dump
-    clock = sm_clock_mhz()  # read right after the run, while the clock is up
+    clock = sm_clock_mhz()
     ((buffer, names, words),) = raw
     trace = decoder_trace.trace_from_buffer(buffer, names, words, clock)
     with open(os.path.join(out_dir, "trace.json"), "w") as f:

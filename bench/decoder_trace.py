@@ -4,22 +4,23 @@ layer's phases holds the step up.
 
 The profiler stamps each named range of the kernel (`phase_wait`, `rms_norm`, `norm_inputs`,
 `merge_inputs`, `swiglu_inputs`, `weights_wait`, `tile`, `store_signal`, `attention` with its
-parts, `attention_*`) with the SM's cycle counter, one trace a program (`tid`). Its file writes cycles as if
-they were nanoseconds (`ts` in thousands of cycles), so times here are cycles divided by the SM
-clock (`clock_mhz`). That file also takes an estimate of a stamp's cost off every stamp, times its
-index in the trace: up to ~10k cycles by a trace's end, a different shift in each program (its
-waits then end before the signals they wait for). `trace_from_buffer` reads the profiler's raw
-buffer instead, uncorrected (`bench_decoder_step.py --profile` keeps it).
+parts, `attention_*`) with the SM's cycle counter, one trace a program (`tid`). Its file writes
+cycles as if they were nanoseconds (`ts` in thousands of cycles), so times here are cycles
+divided by the SM clock (`clock_mhz`). That file also takes an estimate of a stamp's cost off
+every stamp, times its index in the trace: up to ~10k cycles by a trace's end, a different shift
+in each program (its waits then end before the signals they wait for). `trace_from_buffer` reads
+the profiler's raw buffer instead, uncorrected: `bench_decoder_step.py --profile` writes that as
+trace.json, the file to read here.
 
 A program's ranges in order give each of its runs of a phase (a `phase_wait`, then the tiles,
 whose inputs name the phase: `norm_inputs` are q/k/v after a layer's down projection or at the
 start, gate/up after q/k/v or o_proj; `merge_inputs` o_proj; `swiglu_inputs` down) and so each
 run's layer. SMs' cycle counters drift apart (on an H100, two groups of programs by ~900 cycles a
 layer), so each program's ranges of a layer are moved to line up on the end of its q/k/v wait:
-every program's ends on the same last signal of the layer before. A phase's span runs from its first tile's start on any program to its last
-`store_signal`'s end (attention's: its items' first start to last end); its wake-up is from the
-end of the phase before it (in the chain q/k/v, attention, o_proj, gate/up, down) to the first
-end of a wait for it.
+every program's ends on the same last signal of the layer before. A phase's span runs from its
+first tile's start on any program to its last `store_signal`'s end (attention's: its items'
+first start to last end); its wake-up is from the end of the phase before it (in the chain q/k/v,
+attention, o_proj, gate/up, down) to the first end of a wait for it.
 
     python bench/decoder_trace.py TRACE.json [--clock-mhz 1980] [--plot timeline.png]
 """
@@ -38,7 +39,6 @@ import numpy as np
 if __package__ in (None, ""):  # run as a file: make `bench` importable (for its plots)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PHASES = ("qkv", "o_proj", "gate_up", "down")
 CHAIN = ("qkv", "attention", "o_proj", "gate_up", "down")  # each waits for the one before
 INPUTS = {"merge_inputs": "o_proj", "swiglu_inputs": "down"}  # norm_inputs: by order
 

@@ -17,7 +17,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # LLVM at -O0 about halves what the engine tests spend on it; XLA's older fusion emitters
 # instead of its MLIR ones halve it again (an engine's 12 programs from an empty cache: 14.1 ->
 # 7.6 s). No fast-math either way: sampled tokens and kernel outputs came out bit for bit the
-# same at -O0 and the default. An XLA_FLAGS that names a flag keeps its own value.
+# same at -O0 and the default. An XLA_FLAGS that names a flag keeps its own value. What -O0
+# slows: the sampler's radix selects, which a top_p over a flat row (random weights) runs, take
+# ~90 ms a step at 8 x 50,257 (6x -O1's), so tests that sample beside other work give top_p a
+# top_k (the candidates' path) or sample greedily.
 _xla_flags = os.environ.get("XLA_FLAGS", "")
 if os.environ["JAX_PLATFORMS"] == "cpu":
     for _flag in ("xla_backend_optimization_level=0", "xla_cpu_use_fusion_emitters=false"):
