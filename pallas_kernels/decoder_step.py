@@ -49,6 +49,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 
 from pallas_kernels.qk_norm_rope import apply_rotary
 
@@ -221,6 +222,24 @@ def _select(i, values):
     return out
 
 
+def _heads_layouts(half: int):
+    """The layout of [rows, half] arrays (a half of D of some heads' vectors) that puts each row on
+    a warp (rows 4 apart on the same one) and its columns over the warp's lanes, half / 32 a lane,
+    so a row's sums are a warp's shuffles and RoPE's pairs (column j of both halves) share a
+    thread; and the layout of [half] vectors that broadcast along its rows."""
+    rows = mgpu_fa.TiledLayout(
+        mgpu_fa.Tiling(((4, half), (half // 32,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1
+    )
+    cols = rows.reduce((0,))
+
+    def pallas(layout):
+        return plgpu.Layout.TILED(
+            layout.tiling, layout.warp_dims, layout.lane_dims, layout.vector_dim
+        )
+
+    return pallas(rows), pallas(cols)
+
+
 @dataclasses.dataclass(frozen=True)
 class _KernelOps:
     """The operations that differ between a GPU and jax's Mosaic GPU interpreter (one program,
@@ -258,6 +277,13 @@ class _KernelOps:
 
         n = b.shape[0] if transpose_b else b.shape[1]
         return pl.run_scoped(run, plgpu.ACC((a.shape[0], n), FLOAT))
+
+    def union(self, *groups):
+        """Scratch whose groups share SMEM (the interpreter's are apart)."""
+        return groups if self.interpret else plgpu.RefUnion(*groups)
+
+    def cast(self, x, layout):
+        return x if self.interpret else plgpu.layout_cast(x, layout)
 
     def semaphore(self):
         return None if self.interpret else pl.get_global(plgpu.SemaphoreType.REGULAR)
@@ -348,6 +374,8 @@ def decoder_step_kernel(
     targets, per_layer = schedule.targets(items), schedule.signals_a_layer(items)
     kt_e = e // TILE_K
     pages_per_tile = TOKENS // block_size
+    rows = -(-(group + 2) // 4) * 4  # an item's q heads, k and v, a row a warp
+    heads_layout, heads_col = _heads_layouts(half)
 
     tiles_ref, norms_ref, qk_norms_ref, rope_ref, table_ref, seq_len_ref, h_ref = refs[:7]
     k_refs, v_refs, rest = refs[7 : 7 + lay], refs[7 + lay : 7 + 2 * lay], refs[7 + 2 * lay :]
@@ -429,14 +457,14 @@ def decoder_step_kernel(
         def on_layer(copy):  # copy(k_ref, v_ref) with this layer's caches (a Ref pair a layer)
             _on_index(layer, lay, lambda i: copy(k_refs[i], v_refs[i]))
 
-        def load_tile(i, k_s, v_s, page_bars):
-            """The pages of 64-token tile i that hold cached tokens copied into k_s, v_s (page j
-            into rows j * block_size...) and waited for: as the tile starts (prefetching them
-            measured slower)."""
-            cached = jnp.clip((pos - i * TOKENS + block_size - 1) // block_size, 0, pages_per_tile)
+        def cached_pages(i):  # the pages of 64-token tile i that hold cached tokens
+            return jnp.clip((pos - i * TOKENS + block_size - 1) // block_size, 0, pages_per_tile)
+
+        def start_tile(i, k_s, v_s, page_bars):
+            """Tile i's cached pages copied into k_s, v_s (page j into rows j * block_size...)."""
 
             def copy(k_ref, v_ref):
-                @pl.loop(0, cached)  # a loop, not unrolled: one copy site a layer
+                @pl.loop(0, cached_pages(i))  # a loop, not unrolled: one copy site a layer
                 def _(j):
                     page = table_ref[i * pages_per_tile + j]
                     rows = pl.ds(j * block_size, block_size)
@@ -445,16 +473,22 @@ def decoder_step_kernel(
 
             on_layer(copy)
 
-            @pl.loop(0, cached)
+        def wait_tile(i, page_bars):
+            @pl.loop(0, cached_pages(i))
             def _(j):
                 plgpu.barrier_wait(page_bars.at[2 * j])
                 plgpu.barrier_wait(page_bars.at[2 * j + 1])
 
-        def scoped(heads_s, qkn_s, k_s, v_s, q_s, out_s, cur_s, copy_bars, page_bars):
+        def scoped(
+            heads_s, qkn_s, kv_out_s, q_s, rows_s, stats_s, out_s, cur_s, copy_bars, page_bars
+        ):
+            (k_s, v_s), tile_s = kv_out_s  # the pages' tiles, then the output tile in their place
             tiles = (pos + TOKENS - 1) // TOKENS
             per_split = (tiles + splits - 1) // splits
             first = jnp.minimum(split * per_split, tiles)
             last = jnp.minimum(first + per_split, tiles)
+            # The cached pages depend on no phase of this step: their copies start before the wait.
+            pl.when(first < last)(lambda: start_tile(first, k_s, v_s, page_bars))
             q0, k0, v0 = head * group * d, hq * d + head * d, (hq + h_kv) * d + head * d
             srcs = [qkv_ref.at[:, pl.ds(q0 + g * d, d)] for g in range(group)]
             srcs += [qkv_ref.at[:, pl.ds(k0, d)], qkv_ref.at[:, pl.ds(v0, d)]]
@@ -465,48 +499,62 @@ def decoder_step_kernel(
                 boxes = [(src, heads_s.at[i]) for i, src in enumerate(srcs)]
                 _copy_in(boxes, copy_bars, first=scales)
                 _wait_copies(copy_bars, 0, scales)
-            cos, sin = ops.load(rope_smem.at[0]), ops.load(rope_smem.at[1])
 
-            def head_vec(i):  # summed partials, in halves of D
-                return tuple(
-                    bf16(
-                        sum(ops.load(heads_s.at[i, j, pl.ds(p * half, half)]) for j in range(kt_e))
-                    )
-                    for p in (0, 1)
-                )
+            # Rows q_0..q_{G-1}, k, v (then padding) in halves of D, a row a warp: the partials'
+            # sums, the norms' sums and RoPE's pairs (column j of both halves) stay in a thread
+            # or its warp.
+            def halves(ref, p):  # [rows, D] ref -> its p-th half of columns
+                return ref.at[:, pl.ds(p * half, half)]
 
-            def norm_rope(x1, x2, which):
-                if shape.qk_norm:
-                    inv = lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / d + shape.eps)
-                    x1 = bf16(bf16(x1 * inv) * ops.load(qkn_s.at[which, pl.ds(0, half)]))
-                    x2 = bf16(bf16(x2 * inv) * ops.load(qkn_s.at[which, pl.ds(half, half)]))
-                return bf16(x1 * cos - x2 * sin), bf16(x2 * cos + x1 * sin)
+            def by_row(vec):  # [half] -> [rows, half], the same in every row
+                return ops.cast(lax.broadcast_in_dim(vec, (rows, half), [1]), heads_layout)
 
             with jax.named_scope("attention_rope"):
-                qs = [norm_rope(*head_vec(g), 0) for g in range(group)]
-                k_cur = norm_rope(*head_vec(group), 1)
-                v_cur = bf16(sum(ops.load(heads_s.at[group + 1, j]) for j in range(kt_e)))  # [D]
+                sums = [
+                    bf16(
+                        sum(
+                            ops.load(halves(heads_s.at[:, j], p), heads_layout) for j in range(kt_e)
+                        )
+                    )
+                    for p in (0, 1)
+                ]
+                row, xs = ops.iota((rows, half), heads_layout), sums
+                if shape.qk_norm:
+                    sq = sum(jnp.sum(x * x, axis=1) for x in xs)
+                    inv = lax.rsqrt(sq / d + shape.eps)
+                    inv = ops.cast(lax.broadcast_in_dim(inv, (rows, half), [0]), heads_layout)
+                    xs = [
+                        bf16(
+                            bf16(x * inv)
+                            * jnp.where(
+                                row < group,
+                                by_row(ops.load(qkn_s.at[0, pl.ds(p * half, half)], heads_col)),
+                                by_row(ops.load(qkn_s.at[1, pl.ds(p * half, half)], heads_col)),
+                            )
+                        )
+                        for p, x in enumerate(xs)
+                    ]
+                cos = by_row(ops.load(rope_smem.at[0], heads_col))
+                sin = by_row(ops.load(rope_smem.at[1], heads_col))
+                x1, x2 = xs
+                roped = (bf16(x1 * cos - x2 * sin), bf16(x2 * cos + x1 * sin))
+                for p, (x, y) in enumerate(zip(sums, roped, strict=True)):
+                    y = jnp.where(row == group + 1, x, y)  # v: neither normed nor rotated
+                    rows_s[:, pl.ds(p * half, half)] = y
+                plgpu.commit_smem()
             scale = 1.0 / math.sqrt(d)
             # The group's query heads as rows 0..G-1 of a 64-row WGMMA operand (the rest zero):
             # scores and P x V on the matrix units, and the softmax's reductions run along rows,
             # within a thread's quad (with tokens along rows, every tile summed across warps).
-            # What the end needs of q, k and v is taken now, not held in registers over the loop:
-            # the current token's scores, and its K and V rows (for the append) in SMEM.
-            s_curs = [(jnp.sum(q1 * k_cur[0]) + jnp.sum(q2 * k_cur[1])) * scale for q1, q2 in qs]
-            for p_, x in enumerate(k_cur):
-                cur_s[0, pl.ds(p_ * half, half)] = x.astype(dtype)
-            cur_s[1] = v_cur.astype(dtype)
-            for g, q in enumerate(qs):  # whole rows through SMEM: a tile's halves need not be
-                for p_, x in enumerate(q):  # a WGMMA operand's 64-column tiles
-                    out_s[0, g, pl.ds(p_ * half, half)] = x
-            plgpu.commit_smem()
             with jax.named_scope("attention_q_tile"):
                 ids = ops.iota((TOKENS, d), WGMMA)
                 q_pad = ops.full((TOKENS, d), 0.0, WGMMA)
                 for g in range(group):
-                    q_row = lax.broadcast_in_dim(ops.load(out_s.at[0, g]), (TOKENS, d), [1])
+                    q_row = lax.broadcast_in_dim(ops.load(rows_s.at[g]), (TOKENS, d), [1])
                     q_pad = jnp.where(ids == g, q_row, q_pad)
                 q_s[...] = q_pad.astype(dtype)
+                k_cur = lax.broadcast_in_dim(ops.load(rows_s.at[group]), (TOKENS, d), [1])
+                s_cur = (q_pad * k_cur).sum(axis=1) * scale  # [64]: each head's own token's score
                 plgpu.commit_smem()
             state = (  # a row's max and sum [64], its P x V [64, D]
                 ops.full((TOKENS,), NEG_INF),
@@ -516,7 +564,8 @@ def decoder_step_kernel(
 
             def tile(i, state):
                 m, l_sum, acc = state
-                load_tile(i, k_s, v_s, page_bars)
+                pl.when(i != first)(lambda: start_tile(i, k_s, v_s, page_bars))
+                wait_tile(i, page_bars)
                 valid = i * TOKENS + ops.iota((TOKENS,), COL) < pos
 
                 @pl.when((i + 1) * TOKENS > pos)
@@ -539,41 +588,42 @@ def decoder_step_kernel(
 
             with jax.named_scope("attention_tiles"):
                 m, l_sum, acc = lax.fori_loop(first, last, tile, state)
-            # The row ids again rather than held in registers over the loop.
-            with jax.named_scope("attention_rows"):
-                head_rows, ids = ops.iota((TOKENS,)), ops.iota((TOKENS, d), WGMMA)
-                state = [
-                    (
-                        jnp.max(jnp.where(head_rows == g, m, NEG_INF)),
-                        jnp.sum(jnp.where(head_rows == g, l_sum, 0.0)),
-                        jnp.sum(jnp.where(ids == g, acc, 0.0), axis=0),
-                    )
-                    for g in range(group)
-                ]
-            owner = split == 0
-            zero = ops.full((d,), 0.0, COL)
-            v_cur = ops.load(cur_s.at[1]).astype(FLOAT)
+            # Split 0 adds the step's own token to its rows, on the tile as it is.
             with jax.named_scope("attention_merge"):
-                for g, (s_cur, (m, l_sum, a)) in enumerate(zip(s_curs, state, strict=True)):
-                    m_new = jnp.where(owner, jnp.maximum(m, s_cur), m)
-                    alpha = jnp.where(owner, jnp.exp(m - m_new), 1.0)
-                    p = jnp.where(owner, jnp.exp(s_cur - m_new), 0.0)
-                    out_s[0, g] = a * alpha + p * v_cur
-                    out_s[1, g] = zero + m_new
-                    out_s[2, g] = zero + (l_sum * alpha + p)
+                owner = (ops.iota((TOKENS,)) >= 0) & (split == 0)  # [64]: a select's operands alike
+                m_new = jnp.where(owner, jnp.maximum(m, s_cur), m)
+                alpha = jnp.where(owner, jnp.exp(m - m_new), 1.0)
+                p = jnp.where(owner, jnp.exp(s_cur - m_new), 0.0)
+                v_cur = lax.broadcast_in_dim(ops.load(rows_s.at[group + 1]), (TOKENS, d), [1])
+                tile_s[...] = (
+                    acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    + lax.broadcast_in_dim(p, acc.shape, [0]) * v_cur
+                )
+                stats_s[0] = m_new
+                stats_s[1] = l_sum * alpha + p
+                plgpu.commit_smem()
+            # What o_proj's merge reads: each head's P x V row, and its max and sum along D.
+            with jax.named_scope("attention_rows"):
+                for g in range(group):
+                    for i in (0, 1):
+                        out_s[i, g] = ops.full((d,), 0.0, COL) + stats_s[i, g]
                 plgpu.commit_smem()
             for g in range(group):
                 cols = pl.ds((head * group + g) * d, d)
-                for buf, dst in enumerate((acc_ref, m_ref, l_ref)):
-                    plgpu.copy_smem_to_gmem(out_s.at[buf, g], dst.at[split, cols])
+                plgpu.copy_smem_to_gmem(tile_s.at[g], acc_ref.at[split, cols])
+                for i, dst in enumerate((m_ref, l_ref)):
+                    plgpu.copy_smem_to_gmem(out_s.at[i, g], dst.at[split, cols])
 
-            @pl.when(owner)
+            @pl.when(split == 0)
             def _():
                 at = (head, table_ref[pos // block_size], pos % block_size)
+                cur = rows_s.at[pl.ds(group, 2)]  # the step's K and V rows
+                cur_s[...] = ops.load(cur, plgpu.Layout.WG_STRIDED((2, d), 1)).astype(dtype)
+                plgpu.commit_smem()
 
                 def append(*refs):  # the step's K and V rows into its slot
-                    for row, ref in enumerate(refs):
-                        plgpu.copy_smem_to_gmem(cur_s.at[row], ref.at[at])
+                    for r, ref in enumerate(refs):
+                        plgpu.copy_smem_to_gmem(cur_s.at[r], ref.at[at])
 
                 on_layer(append)
 
@@ -582,12 +632,19 @@ def decoder_step_kernel(
 
         pl.run_scoped(
             scoped,
-            plgpu.SMEM((group + 2, kt_e, d), FLOAT),
+            plgpu.SMEM((rows, kt_e, d), FLOAT),
             plgpu.SMEM((2, d), FLOAT),
+            ops.union(
+                (
+                    plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
+                    plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
+                ),
+                plgpu.SMEM((TOKENS, d), FLOAT),
+            ),
             plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
-            plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
-            plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
-            plgpu.SMEM((3, group, d), FLOAT),
+            plgpu.SMEM((rows, d), FLOAT),
+            plgpu.SMEM((2, TOKENS), FLOAT),
+            plgpu.SMEM((2, group, d), FLOAT),
             plgpu.SMEM((2, d), dtype),
             plgpu.Barrier(num_barriers=group + 3),
             plgpu.Barrier(num_barriers=2 * pages_per_tile),
@@ -829,6 +886,8 @@ def decoder_step(
         out_type=buffers,
         mesh=plgpu.Mesh(grid=(programs,), grid_names=("program",)),
         compiler_params=plgpu.CompilerParams(
+            # Each array's layout as written here (what the CPU's lowering checks), on every jax.
+            lowering_semantics=plgpu.LoweringSemantics.Lane,
             # Its size in ranges; one more for the trace's header (3 words).
             profile_space=profile_ranges(shape, programs, splits) + 1 if profile_dir else 0,
             profile_dir=profile_dir,
