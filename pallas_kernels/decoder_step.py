@@ -737,7 +737,8 @@ def decoder_step_kernel(
         def _():  # the end of this program's run of the phase: its stores done, then counted
             with jax.named_scope("store_signal"):
                 plgpu.wait_smem_to_gmem(0)
-                ops.signal(sem)
+                with jax.named_scope("signal"):
+                    ops.signal(sem)
 
         return phase
 
@@ -749,11 +750,11 @@ _STATIC = ("shape", "programs", "splits", "stages", "interpret", "profile_dir")
 
 def profile_ranges(shape: DecoderShape, programs: int, splits: int) -> int:
     """The most named ranges a program records in a step (its profile's size): a layer's tiles
-    (their inputs, weights' wait, the tile), its phases (wait, norm, store and signal) and its
-    attention items (the item and its eight parts)."""
+    (their inputs, weights' wait, the tile), its phases (wait, norm, stores and signal, the signal)
+    and its attention items (the item and its eight parts)."""
     tiles = int(decoder_schedule(shape, programs).counts.max())
     items = -(-shape.kv_heads * splits // programs)
-    return shape.layers * (3 * tiles + 3 * 4 + 9 * items)
+    return shape.layers * (3 * tiles + 4 * 4 + 9 * items)
 
 
 def check_decoder_step(
