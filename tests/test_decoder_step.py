@@ -1,7 +1,8 @@
 """The one-kernel decode step of the Llama family (`pallas_kernels.decoder_step`): its XLA reference
 against the model's own decode step (CPU, fp32, checkpoints written by transformers), and the
 kernel against that reference (bf16, poisoned caches, every element compared): on the CPU in jax's
-Mosaic GPU interpreter at one program (which needs no grid waits), on a GPU compiled at many."""
+Mosaic GPU interpreter at one program (which needs no grid waits; it ignores layouts, so the CPU
+also lowers the kernel for a GPU at several shapes), on a GPU compiled at many."""
 
 from __future__ import annotations
 
@@ -224,6 +225,48 @@ def test_decoder_schedule_orders_every_phase(preset_name, programs):
                 moved = True
         assert moved, "the programs wait for each other"
     assert count == 3 * schedule.signals_a_layer(items)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [(4, 2, 64, 16), (8, 2, 128, 8), (12, 2, 64, 32), (8, 1, 128, 64), (2, 2, 256, 16)],
+)
+def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size):
+    """The compiled kernel's every array layout, shared-memory alias and copy is checked as jax
+    lowers it for a GPU, which needs none: head_dim 64, 128 and 256, groups of 1 to 8 query
+    heads (4 or 8 rows a head layout), pages of 8 to 64 tokens."""
+    shape = DecoderShape(
+        layers=2,
+        hidden=512,
+        intermediate=512,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        eps=1e-6,
+        qk_norm=True,
+    )
+    pages, bf16, f32 = 6, jnp.bfloat16, jnp.float32
+    weights = {
+        "tiles": jax.ShapeDtypeStruct((2 * sum(shape.phase_tiles()), 64, 256), bf16),
+        "norms": jax.ShapeDtypeStruct((2, 2, shape.hidden), f32),
+        "qk_norms": jax.ShapeDtypeStruct((2, 2, head_dim), f32),
+    }
+    cache = jax.ShapeDtypeStruct((kv_heads, pages + 1, block_size, head_dim), bf16)
+    args = (
+        weights,
+        jax.ShapeDtypeStruct((shape.hidden,), f32),
+        jax.ShapeDtypeStruct((2, head_dim // 2), f32),
+        jax.ShapeDtypeStruct((pages,), jnp.int32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+        [cache] * 2,
+        [cache] * 2,
+    )
+
+    def step(*args):
+        return decoder_step(*args, shape=shape, programs=16, splits=3, stages=2)
+
+    text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
 
 
 def test_decoder_step_rejects_what_it_cannot_run(checkpoint):
