@@ -177,8 +177,9 @@ class KernelConfig:
     concurrent_command_buffers: bool = True
     # Decode steps of one row run a Llama-family decoder's every layer as one persistent Mosaic
     # GPU kernel of this many programs (`pallas_kernels.decoder_step`; at most the GPU's SMs,
-    # with a copy of the layers' weights in its tiles); 0: off, the default while it is slower
-    # than the per-op kernels (docs/performance-log.md).
+    # with a copy of the layers' weights in its tiles); 0: off, the default until the engine's
+    # TPOT with it is measured against that memory (its step alone is 10-15% faster than the
+    # per-op kernels': docs/performance-log.md).
     decoder_step_programs: int = 0
     # Tile overrides, ((op, parameter, value), ...): keyword arguments of that op's kernel,
     # e.g. ("linear", "num_warps", 2). Ops: kv_append, attention, prefill_attention, layer_norm,
