@@ -632,20 +632,20 @@ def decoder_step_kernel(
 
         pl.run_scoped(
             scoped,
-            plgpu.SMEM((rows, kt_e, d), FLOAT),
-            plgpu.SMEM((2, d), FLOAT),
+            plgpu.SMEM((rows, kt_e, d), FLOAT),  # heads_s: q/k/v's partials, a head a row
+            plgpu.SMEM((2, d), FLOAT),  # qkn_s: q_norm, k_norm
             ops.union(
-                (
+                (  # k_s, v_s: a 64-token tile's pages
                     plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
                     plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
                 ),
-                plgpu.SMEM((TOKENS, d), FLOAT),
+                plgpu.SMEM((TOKENS, d), FLOAT),  # tile_s: then the output tile
             ),
-            plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
-            plgpu.SMEM((rows, d), FLOAT),
-            plgpu.SMEM((2, TOKENS), FLOAT),
-            plgpu.SMEM((2, group, d), FLOAT),
-            plgpu.SMEM((2, d), dtype),
+            plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),  # q_s: the query tile
+            plgpu.SMEM((rows, d), FLOAT),  # rows_s: q heads, k, v normed and rotated
+            plgpu.SMEM((2, TOKENS), FLOAT),  # stats_s: each row's max and sum
+            plgpu.SMEM((2, group, d), FLOAT),  # out_s: each head's max and sum along D
+            plgpu.SMEM((2, d), dtype),  # cur_s: the step's K and V rows, to append
             plgpu.Barrier(num_barriers=group + 3),
             plgpu.Barrier(num_barriers=2 * pages_per_tile),
         )
