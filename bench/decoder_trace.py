@@ -4,7 +4,8 @@ layer's phases holds the step up.
 
 The profiler stamps each named range of the kernel (`phase_wait`, `rms_norm`, `norm_inputs`,
 `merge_inputs`, `swiglu_inputs`, `weights_wait`, `tile`, `store_signal`, `attention` with its
-parts, `attention_*`) with the SM's cycle counter, one trace a program (`tid`). Its file writes
+parts, `attention_*`, and `signal` inside `store_signal` and `attention`) with the SM's cycle
+counter, one trace a program (`tid`). Its file writes
 cycles as if they were nanoseconds (`ts` in thousands of cycles), so times here are cycles
 divided by the SM clock (`clock_mhz`). That file also takes an estimate of a stamp's cost off
 every stamp, times its index in the trace: up to ~10k cycles by a trace's end, a different shift
@@ -76,7 +77,8 @@ def trace_from_buffer(
 
 
 def ranges(trace: dict) -> dict[int, list[tuple[str, float, float, int]]]:
-    """Each program's ranges (name, start, end in the file's units, depth), by start."""
+    """Each program's ranges (name, start, end in the file's units, depth), by start (a range
+    before those inside it)."""
     out = collections.defaultdict(list)
     stacks = collections.defaultdict(list)
     for e in trace["traceEvents"]:
@@ -88,7 +90,7 @@ def ranges(trace: dict) -> dict[int, list[tuple[str, float, float, int]]]:
             if name != e["name"]:
                 raise ValueError(f"program {tid}: {e['name']} ends inside {name}")
             out[tid].append((name, start, e["ts"], len(stacks[tid])))
-    return {tid: sorted(rs, key=lambda r: r[1]) for tid, rs in sorted(out.items())}
+    return {tid: sorted(rs, key=lambda r: (r[1], r[3])) for tid, rs in sorted(out.items())}
 
 
 def label_runs(rs: list) -> list[tuple[int, str, list]]:
@@ -140,8 +142,8 @@ def aligned_runs(by_program: dict) -> dict[int, list[tuple[int, str, list]]]:
 
 
 def summarize(trace: dict, clock_mhz: float) -> dict:
-    """Per program and layer, µs in each named range (nested attention parts taken out of
-    `attention`); along the chain, each link's span and wake-up (means over the layers after the
+    """Per program and layer, µs in each named range less the ranges inside it (an attention
+    item's parts and signal, a run's signal); along the chain, each link's span and wake-up (means over the layers after the
     first); the layer's period (first q/k/v tile to the next layer's, mean)."""
     us = 1e3 / clock_mhz  # the file's unit (1,000 cycles) in µs
     by_program = ranges(trace)
@@ -151,23 +153,27 @@ def summarize(trace: dict, clock_mhz: float) -> dict:
     waits_end = collections.defaultdict(lambda: float("inf"))
     layers = 0
     for tid, rs in by_program.items():
-        for name, start, end, _ in rs:
+        enclosing = {}  # depth -> the last range that began there
+        for name, start, end, depth in rs:
             totals[name] += end - start
-            if name.startswith("attention_"):  # parts of an item: what is left is its own
-                totals["attention"] -= end - start
+            if depth:  # inside another range: what is left of that one is its own
+                totals[enclosing[depth - 1]] -= end - start
+            enclosing[depth] = name
         for lay, phase, body in runs[tid]:
             layers = max(layers, lay + 1)
             key = (lay, phase)
-            for name, start, end, _ in body:
+            for name, start, end, depth in body:
                 if name in ("phase_wait", "attention_wait"):
                     link = (lay, "attention") if name == "attention_wait" else key
                     waits_end[link] = min(waits_end[link], end)
+                elif depth:  # a part of the ranges below
+                    continue
                 elif name == "attention":
                     span = spans[(lay, "attention")]
                     span[0], span[1] = min(span[0], start), max(span[1], end)
                 elif name == "store_signal":
                     spans[key][1] = max(spans[key][1], end)
-                elif name != "rms_norm" and not name.startswith("attention_"):
+                elif name != "rms_norm":
                     spans[key][0] = min(spans[key][0], start)
     programs = len(by_program)
     per_layer = {name: t * us / programs / max(layers, 1) for name, t in sorted(totals.items())}

@@ -289,8 +289,10 @@ class _KernelOps:
         return None if self.interpret else pl.get_global(plgpu.SemaphoreType.REGULAR)
 
     def signal(self, sem) -> None:
+        """One more count, under a named range of its own: its release is a fence (profiles)."""
         if not self.interpret:
-            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+            with jax.named_scope("signal"):
+                plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
     def wait_count(self, sem, target) -> None:
         """Wait until `sem` counts `target` signals; then a proxy fence: this thread's acquire
@@ -737,8 +739,7 @@ def decoder_step_kernel(
         def _():  # the end of this program's run of the phase: its stores done, then counted
             with jax.named_scope("store_signal"):
                 plgpu.wait_smem_to_gmem(0)
-                with jax.named_scope("signal"):
-                    ops.signal(sem)
+                ops.signal(sem)
 
         return phase
 
@@ -751,10 +752,10 @@ _STATIC = ("shape", "programs", "splits", "stages", "interpret", "profile_dir")
 def profile_ranges(shape: DecoderShape, programs: int, splits: int) -> int:
     """The most named ranges a program records in a step (its profile's size): a layer's tiles
     (their inputs, weights' wait, the tile), its phases (wait, norm, stores and signal, the signal)
-    and its attention items (the item and its eight parts)."""
+    and its attention items (the item, its eight parts and its signal)."""
     tiles = int(decoder_schedule(shape, programs).counts.max())
     items = -(-shape.kv_heads * splits // programs)
-    return shape.layers * (3 * tiles + 4 * 4 + 9 * items)
+    return shape.layers * (3 * tiles + 4 * 4 + 10 * items)
 
 
 def check_decoder_step(

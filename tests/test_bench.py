@@ -1066,9 +1066,10 @@ def _decoder_trace(layers: int, programs: int, no_o_proj: int) -> dict:
         if norm:
             span(c, "rms_norm", t, t + 1)
             t += 1
-        for name in (inputs, "weights_wait", "tile", "store_signal"):
+        for name in (inputs, "weights_wait", "tile"):
             span(c, name, t, t + 1)
             t += 1
+        span(c, "store_signal", t, t + 1, ("signal",))
 
     for lay in range(layers):
         b = 100 * lay
@@ -1107,6 +1108,8 @@ def test_decoder_trace_spans_wake_ups_and_time_a_program(tmp_path):
     }
     per = s["us_a_program_a_layer"]
     assert per["tile"] == pytest.approx(11 / 3) and per["rms_norm"] == 2
+    # Each run's signal fills its store_signal range: nothing of that left as its own.
+    assert per["signal"] == pytest.approx(11 / 3) and per["store_signal"] == 0
     assert per["attention"] == pytest.approx(2 * (5 - 2) / 3)  # its wait and inputs taken out
     assert per["phase_wait"] == pytest.approx((4 + 7 + 7) / 3)  # program 2: no o_proj
     # A program's counter off by a constant and drifting by layer: lined up again.
