@@ -227,17 +227,16 @@ def _heads_layouts(half: int):
     a warp (rows 4 apart on the same one) and its columns over the warp's lanes, half / 32 a lane,
     so a row's sums are a warp's shuffles and RoPE's pairs (column j of both halves) share a
     thread; and the layout of [half] vectors that broadcast along its rows."""
-    rows = mgpu_fa.TiledLayout(
+    by_warp = mgpu_fa.TiledLayout(
         mgpu_fa.Tiling(((4, half), (half // 32,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1
     )
-    cols = rows.reduce((0,))
 
     def pallas(layout):
         return plgpu.Layout.TILED(
             layout.tiling, layout.warp_dims, layout.lane_dims, layout.vector_dim
         )
 
-    return pallas(rows), pallas(cols)
+    return pallas(by_warp), pallas(by_warp.reduce((0,)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +375,7 @@ def decoder_step_kernel(
     targets, per_layer = schedule.targets(items), schedule.signals_a_layer(items)
     kt_e = e // TILE_K
     pages_per_tile = TOKENS // block_size
-    rows = -(-(group + 2) // 4) * 4  # an item's q heads, k and v, a row a warp
+    head_rows = -(-(group + 2) // 4) * 4  # an item's q heads, k and v, a row a warp
     heads_layout, heads_col = _heads_layouts(half)
 
     tiles_ref, norms_ref, qk_norms_ref, rope_ref, table_ref, seq_len_ref, h_ref = refs[:7]
@@ -505,11 +504,11 @@ def decoder_step_kernel(
             # Rows q_0..q_{G-1}, k, v (then padding) in halves of D, a row a warp: the partials'
             # sums, the norms' sums and RoPE's pairs (column j of both halves) stay in a thread
             # or its warp.
-            def halves(ref, p):  # [rows, D] ref -> its p-th half of columns
+            def halves(ref, p):  # [head_rows, D] ref -> its p-th half of columns
                 return ref.at[:, pl.ds(p * half, half)]
 
-            def by_row(vec):  # [half] -> [rows, half], the same in every row
-                return ops.cast(lax.broadcast_in_dim(vec, (rows, half), [1]), heads_layout)
+            def by_row(vec):  # [half] -> [head_rows, half], the same in every row
+                return ops.cast(lax.broadcast_in_dim(vec, (head_rows, half), [1]), heads_layout)
 
             with jax.named_scope("attention_rope"):
                 sums = [
@@ -520,11 +519,11 @@ def decoder_step_kernel(
                     )
                     for p in (0, 1)
                 ]
-                row, xs = ops.iota((rows, half), heads_layout), sums
+                row, xs = ops.iota((head_rows, half), heads_layout), sums
                 if shape.qk_norm:
                     sq = sum(jnp.sum(x * x, axis=1) for x in xs)
                     inv = lax.rsqrt(sq / d + shape.eps)
-                    inv = ops.cast(lax.broadcast_in_dim(inv, (rows, half), [0]), heads_layout)
+                    inv = ops.cast(lax.broadcast_in_dim(inv, (head_rows, half), [0]), heads_layout)
                     xs = [
                         bf16(
                             bf16(x * inv)
@@ -634,7 +633,7 @@ def decoder_step_kernel(
 
         pl.run_scoped(
             scoped,
-            plgpu.SMEM((rows, kt_e, d), FLOAT),  # heads_s: q/k/v's partials, a head a row
+            plgpu.SMEM((head_rows, kt_e, d), FLOAT),  # heads_s: q/k/v's partials, a head a row
             plgpu.SMEM((2, d), FLOAT),  # qkn_s: q_norm, k_norm
             ops.union(
                 (  # k_s, v_s: a 64-token tile's pages
@@ -644,7 +643,7 @@ def decoder_step_kernel(
                 plgpu.SMEM((TOKENS, d), FLOAT),  # tile_s: then the output tile
             ),
             plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),  # q_s: the query tile
-            plgpu.SMEM((rows, d), FLOAT),  # rows_s: q heads, k, v normed and rotated
+            plgpu.SMEM((head_rows, d), FLOAT),  # rows_s: q heads, k, v normed and rotated
             plgpu.SMEM((2, TOKENS), FLOAT),  # stats_s: each row's max and sum
             plgpu.SMEM((2, group, d), FLOAT),  # out_s: each head's max and sum along D
             plgpu.SMEM((2, d), dtype),  # cur_s: the step's K and V rows, to append

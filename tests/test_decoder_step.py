@@ -19,6 +19,8 @@ from pallas_kernels.decoder_step import (
     GATE_UP,
     O_PROJ,
     QKV,
+    TILE_K,
+    TILE_N,
     DecoderShape,
     decoder_schedule,
     decoder_step,
@@ -247,7 +249,7 @@ def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size):
     )
     pages, bf16, f32 = 6, jnp.bfloat16, jnp.float32
     weights = {
-        "tiles": jax.ShapeDtypeStruct((2 * sum(shape.phase_tiles()), 64, 256), bf16),
+        "tiles": jax.ShapeDtypeStruct((2 * sum(shape.phase_tiles()), TILE_N, TILE_K), bf16),
         "norms": jax.ShapeDtypeStruct((2, 2, shape.hidden), f32),
         "qk_norms": jax.ShapeDtypeStruct((2, 2, head_dim), f32),
     }
