@@ -14,7 +14,7 @@ programs (`decoder_schedule`: tile r of a layer to program r mod P). A tile's pr
 it by its 256 inputs on the CUDA cores: q/k/v and gate/up partials go to buffers that the
 attention and the down tiles' SwiGLU sum, o_proj and down partials are added into the residual
 stream by TMA reduce-adds. Attention is H x `splits` items (a KV head, a range of 64-token tiles
-of the pages; the current token and its append go to split 0), each storing its unnormalised
+of the pages; the current token and its append go to the last split), each storing its unnormalised
 output and softmax max/sum for the o_proj tiles to merge; a tile's scores and P x V are WGMMAs
 with the KV head's query heads as the rows of a 64-row operand. So a layer has five dependent
 phases (q/k/v, attention, o_proj, gate/up, down), each spread over every program. (Slices of the MLP
@@ -409,9 +409,14 @@ def decoder_step_kernel(
     # for the matmul to load in COL, whose vectors every thread holds 64 of: elementwise work
     # there (the merge's exps, the norm) cost 32x the instructions and spilled registers.
 
+    # 128 threads each 4 (2 where hidden is an odd multiple of 256) of h's elements a vector.
+    h_layout = plgpu.Layout.WG_STRIDED((e,), math.gcd(4, e // 128))
+
     def normalize_h():
-        """h in SMEM -> h / rms(h), rounded: once a run of a norm's tiles."""
-        hh = h_smem[...]
+        """h / rms(h), rounded, into SMEM once a run of a norm's tiles (its scale's copy waited
+        for too). The threads load h themselves: no TMA copy and barrier on the critical path."""
+        hh = ops.load(h_ref, h_layout)  # [E]
+        _wait_copies(bars, 0, kt_e)
         h_smem[...] = bf16(hh * lax.rsqrt(jnp.sum(hh * hh) / e + shape.eps))
         plgpu.commit_smem()  # written by every thread before any reads another's part
 
@@ -452,7 +457,7 @@ def decoder_step_kernel(
 
     def attention(layer, head, split, ready):
         """Item (head, split) of the layer, once `sem` counts `ready` (q/k/v stored): its query
-        heads over its range of 64-token tiles (split 0 also the step's own token, which it
+        heads over its range of 64-token tiles (the last split also the step's own token, which it
         appends to the cache)."""
 
         def on_layer(copy):  # copy(k_ref, v_ref) with this layer's caches (a Ref pair a layer)
@@ -589,9 +594,11 @@ def decoder_step_kernel(
 
             with jax.named_scope("attention_tiles"):
                 m, l_sum, acc = lax.fori_loop(first, last, tile, state)
-            # Split 0 adds the step's own token to its rows, on the tile as it is.
+            # The last split adds the step's own token to its rows, on the tile as it is (split 0
+            # has the most cached tiles at short contexts).
             with jax.named_scope("attention_merge"):
-                owner = (ops.iota((TOKENS,)) >= 0) & (split == 0)  # [64]: a select's operands alike
+                # [64]: a select's operands alike
+                owner = (ops.iota((TOKENS,)) >= 0) & (split == splits - 1)
                 m_new = jnp.where(owner, jnp.maximum(m, s_cur), m)
                 alpha = jnp.where(owner, jnp.exp(m - m_new), 1.0)
                 p = jnp.where(owner, jnp.exp(s_cur - m_new), 0.0)
@@ -615,7 +622,7 @@ def decoder_step_kernel(
                 for i, dst in enumerate((m_ref, l_ref)):
                     plgpu.copy_smem_to_gmem(out_s.at[i, g], dst.at[split, cols])
 
-            @pl.when(split == 0)
+            @pl.when(split == splits - 1)
             def _():
                 at = (head, table_ref[pos // block_size], pos % block_size)
                 cur = rows_s.at[pl.ds(group, 2)]  # the step's K and V rows
@@ -681,8 +688,6 @@ def decoder_step_kernel(
             @pl.when(norm_phase)
             def _():
                 with jax.named_scope("rms_norm"):
-                    _copy_in([(h_ref, h_smem)], bars, first=kt_e)
-                    _wait_copies(bars, 0, kt_e)
                     normalize_h()
 
         q = r - _select(phase, starts[:4])
@@ -718,10 +723,6 @@ def decoder_step_kernel(
             out[...] = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
             plgpu.commit_smem()  # the slot read and `out` written by every thread
 
-        @pl.when(t + stages < total)
-        def _():
-            fetch(t + stages, slot)
-
         @pl.when(phase == QKV)
         def _():
             plgpu.copy_smem_to_gmem(out, qkv_ref.at[k, cols])
@@ -739,6 +740,11 @@ def decoder_step_kernel(
             with jax.named_scope("store_signal"):
                 plgpu.wait_smem_to_gmem(0)
                 ops.signal(sem)
+
+        # After the signal: a release waits for this thread's TMA loads in flight, too.
+        @pl.when(t + stages < total)
+        def _():
+            fetch(t + stages, slot)
 
         return phase
 

@@ -230,16 +230,23 @@ def test_decoder_schedule_orders_every_phase(preset_name, programs):
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,block_size",
-    [(4, 2, 64, 16), (8, 2, 128, 8), (12, 2, 64, 32), (8, 1, 128, 64), (2, 2, 256, 16)],
+    "heads,kv_heads,head_dim,block_size,hidden",
+    [
+        (4, 2, 64, 16, 256),
+        (8, 2, 128, 8, 512),
+        (12, 2, 64, 32, 768),
+        (8, 1, 128, 64, 512),
+        (2, 2, 256, 16, 256),
+    ],
 )
-def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size):
+def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hidden):
     """The compiled kernel's every array layout, shared-memory alias and copy is checked as jax
     lowers it for a GPU, which needs none: head_dim 64, 128 and 256, groups of 1 to 8 query
-    heads (4 or 8 rows a head layout), pages of 8 to 64 tokens."""
+    heads (4 or 8 rows a head layout), pages of 8 to 64 tokens, hidden 256 to 768 (h's layout
+    takes 2 or 4 elements a vector)."""
     shape = DecoderShape(
         layers=2,
-        hidden=512,
+        hidden=hidden,
         intermediate=512,
         heads=heads,
         kv_heads=kv_heads,
