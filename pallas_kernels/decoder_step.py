@@ -763,20 +763,26 @@ def profile_ranges(shape: DecoderShape, programs: int, splits: int) -> int:
     return shape.layers * (3 * tiles + 4 * 4 + 10 * items)
 
 
-def check_decoder_step(
+def default_splits(shape: DecoderShape, programs: int) -> int:
+    """Attention items a KV head: what fits the programs, at most 8."""
+    return max(1, min(8, programs // shape.kv_heads))
+
+
+def decoder_step_problems(
     shape: DecoderShape,
-    tiles,
-    k_caches,
+    dtype,
+    block_size: int,
     *,
-    programs,
-    splits,
-    stages,
-    interpret=False,
-    profile_dir="",
-) -> None:
-    """ValueError unless the kernel can run these sizes."""
+    programs: int,
+    splits: int | None = None,
+    stages: int = 4,
+    interpret: bool = False,
+    profile_dir: str = "",
+) -> list[str]:
+    """Why the kernel cannot run a model of `shape` with `dtype` weights and caches of
+    `block_size` tokens a page on jax's first device (empty: it can)."""
     d, e, f = shape.head_dim, shape.hidden, shape.intermediate
-    block_size = k_caches[0].shape[2]
+    splits = default_splits(shape, programs) if splits is None else splits
     problems = []
     if e % TILE_K or f % TILE_K or (shape.heads * d) % TILE_K or shape.qkv_width % TILE_N:
         problems.append(
@@ -787,11 +793,8 @@ def check_decoder_step(
         problems.append("head_dim must be 64, 128 or 256, heads a multiple of kv_heads")
     if TOKENS % block_size or block_size % 8:
         problems.append(f"the cache's block_size must be 8, 16, 32 or 64, got {block_size}")
-    if tiles.dtype not in (jnp.bfloat16, jnp.float16) or k_caches[0].dtype != tiles.dtype:
-        problems.append(f"weights and caches must be bf16 or fp16 alike, got {tiles.dtype}")
-    per_layer = sum(shape.phase_tiles())
-    if tiles.shape != (shape.layers * per_layer, TILE_N, TILE_K):
-        problems.append(f"tiles must be {(shape.layers * per_layer, TILE_N, TILE_K)}")
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        problems.append(f"weights and caches must be bf16 or fp16, got {jnp.dtype(dtype).name}")
     if min(programs, splits, stages) < 1:
         problems.append(f"programs, splits, stages must be >= 1, got {programs, splits, stages}")
     elif not problems:
@@ -806,9 +809,35 @@ def check_decoder_step(
         problems.append(f"the interpreter runs one program (programs=1), got {programs}")
     if interpret and profile_dir:
         problems.append("the interpreter has no profiler: profile_dir needs a GPU")
-    sms = getattr(jax.devices()[0], "core_count", None)
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if not interpret and capability is not None and float(capability) < 9:  # TMA, WGMMA
+        problems.append(f"a Hopper GPU (compute capability 9.0+) is needed, got {capability}")
+    sms = getattr(device, "core_count", None)
     if sms is not None and programs > sms:  # programs wait for each other: all must be resident
         problems.append(f"programs ({programs}) must not exceed the GPU's {sms} SMs")
+    return problems
+
+
+def check_decoder_step(
+    shape: DecoderShape, tiles, k_caches, *, programs, splits, stages, interpret, profile_dir
+) -> None:
+    """ValueError unless the kernel can run these sizes."""
+    problems = decoder_step_problems(
+        shape,
+        tiles.dtype,
+        k_caches[0].shape[2],
+        programs=programs,
+        splits=splits,
+        stages=stages,
+        interpret=interpret,
+        profile_dir=profile_dir,
+    )
+    per_layer = sum(shape.phase_tiles())
+    if tiles.shape != (shape.layers * per_layer, TILE_N, TILE_K):
+        problems.append(f"tiles must be {(shape.layers * per_layer, TILE_N, TILE_K)}")
+    if k_caches[0].dtype != tiles.dtype:
+        problems.append(f"caches must be of the weights' dtype {tiles.dtype}")
     if len(k_caches) != shape.layers:
         problems.append(f"{shape.layers} layers of caches expected, got {len(k_caches)}")
     if problems:
@@ -843,8 +872,7 @@ def decoder_step(
     JSON file a compiled call; `bench/decoder_trace.py` reads it); it takes
     4 x `profile_ranges` words of SMEM a program, which 2 stages leave room for."""
     tiles = weights["tiles"]
-    if splits is None:
-        splits = max(1, min(8, programs // shape.kv_heads))
+    splits = default_splits(shape, programs) if splits is None else splits
     stages = stages or 4
     check_decoder_step(
         shape,

@@ -69,7 +69,13 @@ def kernel_overrides(
                 raise ValueError(f"--kernel {name} takes on or off, got {value!r}")
             overrides[name] = value.lower() in ("on", "true", "1")
         else:
-            overrides[name] = None if value.lower() == "none" else int(value)
+            word = "auto" if name == "decoder_step_programs" else "none"  # the field's None
+            if value.lower() == word:
+                overrides[name] = None
+            elif value.lstrip("-").isdigit():
+                overrides[name] = int(value)
+            else:
+                raise ValueError(f"--kernel {name} takes an int or {word}, got {value!r}")
     overrides["tiles"] = tuple(tiles)
     KernelConfig.for_backend("cpu", **overrides)  # ValueError now, not in an engine process
     return tuple(overrides.items())
@@ -251,7 +257,8 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         "pallas | xla; " + ", ".join(KERNEL_SWITCHES) + " = on | off; "
         "kv_append_min_batch, linear_max_rows, cublas_min_batch, xla_split_k_min_rows = an int "
         "(the last two also none); decoder_step_programs = the programs of the one-kernel decode "
-        "step at one row (Llama family; at most the GPU's SMs; 0: off). Default: every Pallas "
+        "step at one row (Llama family on one Hopper GPU; at most its SMs; 0: off; auto, the "
+        "default: its SMs where --max-batch-size is 1). Default: every Pallas "
         "kernel on a GPU, XLA on a CPU, then $ROSEJAX_* switches",
     )
     p.add_argument(

@@ -177,10 +177,11 @@ class KernelConfig:
     concurrent_command_buffers: bool = True
     # Decode steps of one row run a Llama-family decoder's every layer as one persistent Mosaic
     # GPU kernel of this many programs (`pallas_kernels.decoder_step`; at most the GPU's SMs,
-    # with a copy of the layers' weights in its tiles); 0: off, the default until the engine's
-    # TPOT with it is measured against that memory (its step alone is 10-15% faster than the
-    # per-op kernels': docs/performance-log.md).
-    decoder_step_programs: int = 0
+    # with a second, tiled copy of the layers' weights); 0: off. None (auto): the GPU's SMs
+    # where every decode step is one row (max_batch_size 1) and the kernel runs the model on
+    # that GPU, else off (0.715x the per-op kernels' B=1 step, Qwen3-0.6B, H100); a forward
+    # takes None as off (the engine hands it the count it resolved).
+    decoder_step_programs: int | None = None
     # Tile overrides, ((op, parameter, value), ...): keyword arguments of that op's kernel,
     # e.g. ("linear", "num_warps", 2). Ops: kv_append, attention, prefill_attention, layer_norm,
     # rms_norm, linear.
@@ -199,8 +200,11 @@ class KernelConfig:
                 )
             _check_tile(op, param)
         for name in ("kv_append_min_batch", "linear_max_rows", "decoder_step_programs"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"kernels.{name} must be >= 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is None and name == "decoder_step_programs":  # auto
+                continue
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"kernels.{name} must be an int >= 0, got {value!r}")
         if self.xla_split_k_min_rows is not None and self.xla_split_k_min_rows < 1:
             raise ValueError(
                 f"kernels.xla_split_k_min_rows must be >= 1 or None, got {self.xla_split_k_min_rows}"

@@ -7,6 +7,7 @@ also lowers the kernel for a GPU at several shapes), on a GPU compiled at many."
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +32,10 @@ from rosejax import LLM, SamplingParams
 from rosejax.layers.attention import ForwardMetadata
 from rosejax.layers.kv_cache import init_kv_cache
 from rosejax.layers.rotary import rope_cos_sin
-from rosejax.models import family, family_of, preset
+from rosejax.models import family, family_of, one_kernel_step_programs, preset
 from rosejax.models.llama.model import DECODER_STEP, final_logits, inv_freq, with_decoder_step
 from rosejax.models.loader import load_checkpoint
-from rosejax.settings import XLA_KERNELS
+from rosejax.settings import XLA_KERNELS, KernelConfig
 from rosejax.tokenizer import packaged_gpt2_tokenizer_path
 from tests.conftest import assert_matches_hf_greedy
 
@@ -230,16 +231,16 @@ def test_decoder_schedule_orders_every_phase(preset_name, programs):
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,block_size,hidden",
+    "heads,kv_heads,head_dim,block_size,hidden,dtype",
     [
-        (4, 2, 64, 16, 256),
-        (8, 2, 128, 8, 512),
-        (12, 2, 64, 32, 768),
-        (8, 1, 128, 64, 512),
-        (2, 2, 256, 16, 256),
+        (4, 2, 64, 16, 256, jnp.bfloat16),
+        (8, 2, 128, 8, 512, jnp.float16),
+        (12, 2, 64, 32, 768, jnp.bfloat16),
+        (8, 1, 128, 64, 512, jnp.bfloat16),
+        (2, 2, 256, 16, 256, jnp.float16),
     ],
 )
-def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hidden):
+def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hidden, dtype):
     """The compiled kernel's every array layout, shared-memory alias and copy is checked as jax
     lowers it for a GPU, which needs none: head_dim 64, 128 and 256, groups of 1 to 8 query
     heads (4 or 8 rows a head layout), pages of 8 to 64 tokens, hidden 256 to 768 (h's layout
@@ -254,13 +255,13 @@ def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hi
         eps=1e-6,
         qk_norm=True,
     )
-    pages, bf16, f32 = 6, jnp.bfloat16, jnp.float32
+    pages, f32 = 6, jnp.float32
     weights = {
-        "tiles": jax.ShapeDtypeStruct((2 * sum(shape.phase_tiles()), TILE_N, TILE_K), bf16),
+        "tiles": jax.ShapeDtypeStruct((2 * sum(shape.phase_tiles()), TILE_N, TILE_K), dtype),
         "norms": jax.ShapeDtypeStruct((2, 2, shape.hidden), f32),
         "qk_norms": jax.ShapeDtypeStruct((2, 2, head_dim), f32),
     }
-    cache = jax.ShapeDtypeStruct((kv_heads, pages + 1, block_size, head_dim), bf16)
+    cache = jax.ShapeDtypeStruct((kv_heads, pages + 1, block_size, head_dim), dtype)
     args = (
         weights,
         jax.ShapeDtypeStruct((shape.hidden,), f32),
@@ -451,17 +452,50 @@ def test_one_kernel_step_refused_where_it_cannot_run(checkpoint):
         LLM("random:tiny", kernel_overrides=(("decoder_step_programs", 8),), warmup=False)
 
 
+def test_one_kernel_step_programs_auto_and_set():
+    """Auto (None): a Hopper GPU's SMs for a one-row engine of a model the kernel runs, else off;
+    a count that is set runs or is a ValueError that says why."""
+    qwen = preset("qwen3-0.6b")
+    sms = getattr(jax.devices()[0], "core_count", 132)  # the kernel's check reads this GPU's
+    gpu = types.SimpleNamespace(platform="gpu", core_count=sms)
+    auto, eight = KernelConfig(), KernelConfig(decoder_step_programs=8)
+
+    def programs(config=qwen, dtype=jnp.bfloat16, kernels=auto, **engine):
+        engine = {"block_size": 16, "max_batch_size": 1, "device": gpu} | engine
+        return one_kernel_step_programs(config, dtype, kernels, **engine)
+
+    assert auto.decoder_step_programs is None
+    assert programs() == sms and programs(dtype=jnp.float16) == sms
+    assert programs(max_batch_size=2) == 0  # rows a step: the per-op kernels' batch
+    assert programs(device=types.SimpleNamespace(platform="cpu")) == 0
+    assert programs(device=None) == 0  # tensor parallel
+    assert programs(config=preset("gpt2")) == 0
+    assert programs(dtype=jnp.float32) == 0
+    assert programs(block_size=128) == 0
+    assert programs(config=dataclasses.replace(qwen, qkv_bias=True)) == 0
+    assert programs(kernels=eight, max_batch_size=64) == 8
+    assert programs(kernels=KernelConfig(decoder_step_programs=0)) == 0
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        programs(kernels=eight, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="no biases"):
+        programs(kernels=eight, config=dataclasses.replace(qwen, mlp_bias=True))
+    for where in ({"config": preset("gpt2")}, {"device": None}):
+        with pytest.raises(ValueError, match="Llama-family models on one device"):
+            programs(kernels=eight, **where)
+
+
 @(pytest.mark.slow if not GPU else (lambda test: test))  # interpreted, a step takes a second
-def test_engine_one_kernel_step_matches_hf(hf_checkpoint, mosaic_gpu_interpreter):
-    """The engine at one row with the one-kernel step (bf16) gives HF's greedy tokens (fp32) up
-    to a near-tie at bf16's precision: on a GPU compiled at 8 programs, on the CPU in the
-    interpreter at one (fewer tokens: a step there takes a second)."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_engine_one_kernel_step_matches_hf(hf_checkpoint, mosaic_gpu_interpreter, dtype):
+    """The engine at one row with the one-kernel step (bf16 or fp16, a GPU's default) gives HF's
+    greedy tokens (fp32) up to a near-tie at that precision: on a GPU compiled at 8 programs, on
+    the CPU in the interpreter at one (fewer tokens: a step there takes a second)."""
     path, hf = hf_checkpoint
     programs, extra = (8, ()) if GPU else (1, (("interpret", True),))
     llm = LLM(
         path,
         tokenizer=packaged_gpt2_tokenizer_path(),
-        dtype="bfloat16",
+        dtype=dtype,
         block_size=16,
         max_batch_size=1,
         kernel_overrides=(("decoder_step_programs", programs), *extra),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -53,7 +54,12 @@ from rosejax.model_runner import (
     NUM_STOP_IDS,
     ModelRunner,
 )
-from rosejax.models import eos_token_ids, family_of, with_context_len
+from rosejax.models import (
+    eos_token_ids,
+    family_of,
+    one_kernel_step_programs,
+    with_context_len,
+)
 from rosejax.models.loader import load_model, resolve_dtype
 from rosejax.sampling import (
     COUNT_MASK,
@@ -228,14 +234,17 @@ class LLMEngine:
             self.tokenizer = tokenizer.result()
         if config.max_model_len is not None:
             self.config = with_context_len(self.config, config.max_model_len)
-        if self.kernels.decoder_step_programs:  # its weights before the cache takes the memory
-            pack = family_of(self.config).with_decoder_step
-            if pack is None or mesh is not None:
-                raise ValueError(
-                    "decoder_step_programs: the one-kernel decode step runs Llama-family models "
-                    "on one device"
-                )
-            params = pack(self.config, params)
+        programs = one_kernel_step_programs(
+            self.config,
+            self.dtype,
+            self.kernels,
+            block_size=config.block_size,
+            max_batch_size=config.max_batch_size,
+            device=None if mesh is not None else self.home_device,
+        )
+        if programs:  # its weights before the cache takes the memory
+            self.kernels = dataclasses.replace(self.kernels, decoder_step_programs=programs)
+            params = family_of(self.config).with_decoder_step(self.config, params)
         cache_sharding = None
         if mesh is not None:
             layout = family_of(self.config).shard_layout(self.config)

@@ -41,6 +41,8 @@ class ModelFamily:
     # (config, params) -> params with the one-kernel decode step's weights beside them
     # (`KernelConfig.decoder_step_programs`); None: the family has no such step.
     with_decoder_step: Callable[[Any, dict], dict] | None = None
+    # (config, dtype, block_size, kernels) -> why that step cannot run (empty: it can).
+    one_kernel_step_problems: Callable[..., list[str]] | None = None
 
 
 _LLAMA = ModelFamily(
@@ -55,6 +57,7 @@ _LLAMA = ModelFamily(
     # program holds (one 32k-token row: 2.87 ms/step in a 1-row program, 13.6 padded to 16; H100).
     gpu_min_decode_batch=1,
     with_decoder_step=llama_model.with_decoder_step,
+    one_kernel_step_problems=llama_model.one_kernel_step_problems,
 )
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -118,3 +121,35 @@ def with_context_len(config: Any, n: int) -> Any:
     if not hasattr(config, "with_context_len"):
         raise ValueError(f"max_model_len cannot be lowered for {config.model_type} models")
     return config.with_context_len(n)
+
+
+def one_kernel_step_programs(
+    config: Any,
+    dtype: Any,
+    kernels: Any,
+    *,
+    block_size: int,
+    max_batch_size: int,
+    device: Any,
+) -> int:
+    """`kernels.decoder_step_programs` resolved for an engine of this model on `device` (None:
+    on several devices). Set, it must run (else a ValueError: what keeps it from running); 0:
+    off; None (auto): the GPU's SMs where every decode step is one row (max_batch_size 1) and
+    the kernel runs the model there, else 0."""
+    programs = kernels.decoder_step_programs
+    problems = family_of(config).one_kernel_step_problems
+    if programs is None:
+        sms = getattr(device, "core_count", 0)  # a GPU's SMs; a CPU's device has none
+        if not sms or device.platform == "cpu" or max_batch_size != 1 or problems is None:
+            return 0
+        auto = dataclasses.replace(kernels, decoder_step_programs=sms)
+        return 0 if problems(config, dtype, block_size, auto) else sms
+    if programs:
+        if problems is None or device is None:
+            raise ValueError(
+                "decoder_step_programs: the one-kernel decode step runs Llama-family models "
+                "on one device"
+            )
+        if found := problems(config, dtype, block_size, kernels):
+            raise ValueError("decoder_step_programs: " + "; ".join(found))
+    return programs

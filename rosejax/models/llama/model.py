@@ -22,7 +22,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decoder_step import DecoderShape, decoder_step, pack_decoder_weights
+from pallas_kernels.decoder_step import (
+    DecoderShape,
+    decoder_step,
+    decoder_step_problems,
+    pack_decoder_weights,
+)
 from pallas_kernels.qk_norm_rope import apply_rotary
 from pallas_kernels.rms_norm import rms_norm_reference
 from rosejax.layers.attention import (
@@ -206,10 +211,31 @@ class LlamaModel(nn.Module):
 DECODER_STEP = "decoder_step"  # the params' key of the one-kernel step's weights
 
 
+def _has_biases(config: LlamaConfig) -> bool:
+    return config.qkv_bias or config.o_bias or config.mlp_bias
+
+
+def one_kernel_step_problems(
+    config: LlamaConfig, dtype, block_size: int, kernels: KernelConfig
+) -> list[str]:
+    """Why the one-kernel decode step cannot run this model on `kernels.decoder_step_programs`
+    programs (empty: it can)."""
+    problems = decoder_step_problems(
+        DecoderShape.of(config),
+        dtype,
+        block_size,
+        programs=kernels.decoder_step_programs,
+        interpret=kernels.interpret,
+    )
+    if _has_biases(config):
+        problems.append("it has no biases")
+    return problems
+
+
 def with_decoder_step(config: LlamaConfig, params: dict) -> dict:
     """params and, under DECODER_STEP, the one-kernel decode step's weights (a tiled copy of the
     layers' matmuls: `pallas_kernels.decoder_step.pack_decoder_weights`)."""
-    if config.qkv_bias or config.o_bias or config.mlp_bias:
+    if _has_biases(config):
         raise ValueError("the one-kernel decode step has no biases: decoder_step_programs=0")
     weights = jax.jit(pack_decoder_weights, static_argnums=1)(params, DecoderShape.of(config))
     return {**params, DECODER_STEP: weights}
