@@ -85,6 +85,12 @@ class DecoderShape:
     intermediate: int
     eps: float
     qk_norm: bool
+    # GPT-2's decoder: LayerNorm (centred, with a shift) for RMSNorm, a bias on every projection,
+    # down(gelu_tanh(up x)) for down(silu(gate x) * up x), learned positions for RoPE.
+    layer_norm: bool = False
+    biases: bool = False
+    gelu: bool = False
+    rope: bool = True
 
     @classmethod
     def of(cls, config) -> DecoderShape:
@@ -104,15 +110,24 @@ class DecoderShape:
     def qkv_width(self) -> int:
         return (self.heads + 2 * self.kv_heads) * self.head_dim
 
+    @property
+    def up_width(self) -> int:  # the MLP's first projection: gate and up, or up alone
+        return self.intermediate * (1 if self.gelu else 2)
+
     def phase_blocks(self) -> tuple[int, int, int, int]:
         """Column blocks (of TILE_N) of each phase's output."""
         e = self.hidden // TILE_N
-        return self.qkv_width // TILE_N, e, 2 * self.intermediate // TILE_N, e
+        return self.qkv_width // TILE_N, e, self.up_width // TILE_N, e
 
     def phase_tiles(self) -> tuple[int, int, int, int]:
         """Weight tiles a layer, by phase: its K ranges of 256 x its column blocks."""
         ks = (self.hidden, self.heads * self.head_dim, self.hidden, self.intermediate)
         return tuple(k // TILE_K * n for k, n in zip(ks, self.phase_blocks(), strict=True))
+
+
+def _gelu_tanh(x: jax.Array) -> jax.Array:
+    """GPT-2's gelu_new (the tanh approximation), in float32."""
+    return 0.5 * x * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
 
 
 def _w_tiles(kernel: jax.Array) -> jax.Array:  # [K, N] -> [K/256 * N/64, 64, 256]
@@ -122,31 +137,65 @@ def _w_tiles(kernel: jax.Array) -> jax.Array:  # [K, N] -> [K/256 * N/64, 64, 25
     return t.transpose(0, 2, 3, 1).reshape(-1, TILE_N, TILE_K)
 
 
-def pack_decoder_weights(params: dict, shape: DecoderShape) -> dict:
-    """rosejax Llama-family params -> the kernel's weights: "tiles" [L * T, 64, 256] (each
-    layer's q/k/v, o_proj, gate/up and down W^T tiles, in the params' dtype), "norms" float32
-    [L, 2, E] (input and post-attention RMSNorm scales), "qk_norms" float32 [L, 2, D] (q_norm,
-    k_norm; ones without them)."""
-    tiles, norms, qk_norms = [], [], []
+def _layers(params: dict, shape: DecoderShape) -> list[dict]:
+    """Each layer's parts under one set of names, from rosejax Llama-family params (layers_i) or
+    GPT-2's (h_i): "dense" (q/k/v, o_proj, gate/up or up, down) as (kernel [K, N], bias [N] or
+    None), "norms" [2 (input, post-attention), 2 (scale, shift), E], "qk_norms" [2, D]."""
+    layers = []
     for i in range(shape.layers):
-        layer = params[f"layers_{i}"]
-        attn, mlp = layer["self_attn"], layer["mlp"]
-        for dense in (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]):
-            tiles.append(_w_tiles(dense["kernel"]))
-        norms.append(
-            jnp.stack(
-                [layer["input_layernorm"]["scale"], layer["post_attention_layernorm"]["scale"]]
-            )
-        )
-        if shape.qk_norm:
-            qk_norms.append(jnp.stack([attn["q_norm"]["scale"], attn["k_norm"]["scale"]]))
+        if "h_0" in params:  # GPT-2
+            layer = params[f"h_{i}"]
+            attn, mlp = layer["attn"], layer["mlp"]
+            dense = (attn["c_attn"], attn["c_proj"], mlp["c_fc"], mlp["c_proj"])
+            norms = [[layer[n]["scale"], layer[n]["bias"]] for n in ("ln_1", "ln_2")]
+            qk_norms = jnp.ones((2, shape.head_dim))
         else:
-            qk_norms.append(jnp.ones((2, shape.head_dim)))
-    return {
-        "tiles": jnp.concatenate(tiles),
-        "norms": jnp.stack(norms).astype(FLOAT),
-        "qk_norms": jnp.stack(qk_norms).astype(FLOAT),
+            layer = params[f"layers_{i}"]
+            attn, mlp = layer["self_attn"], layer["mlp"]
+            dense = (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"])
+            scales = [layer[n]["scale"] for n in ("input_layernorm", "post_attention_layernorm")]
+            norms = [[scale, jnp.zeros_like(scale)] for scale in scales]
+            qk_norms = (
+                jnp.stack([attn["q_norm"]["scale"], attn["k_norm"]["scale"]])
+                if shape.qk_norm
+                else jnp.ones((2, shape.head_dim))
+            )
+        layers.append(
+            {
+                "dense": [(x["kernel"], x.get("bias")) for x in dense],
+                "norms": jnp.asarray(norms, FLOAT),
+                "qk_norms": qk_norms.astype(FLOAT),
+            }
+        )
+    return layers
+
+
+def _bias_tiles(bias: jax.Array, k_ranges: int) -> jax.Array:  # [N] -> [K/256 * N/64, 64]
+    """A bias a tile, as `_w_tiles` orders them: K range 0's tiles add it, the others zeros."""
+    first = bias.astype(FLOAT).reshape(1, -1, TILE_N)
+    return jnp.concatenate([first, jnp.zeros((k_ranges - 1, *first.shape[1:]), FLOAT)]).reshape(
+        -1, TILE_N
+    )
+
+
+def pack_decoder_weights(params: dict, shape: DecoderShape) -> dict:
+    """rosejax Llama-family or GPT-2 params -> the kernel's weights: "tiles" [L * T, 64, 256]
+    (each layer's q/k/v, o_proj, gate/up (or up) and down W^T tiles, in the params' dtype),
+    "norms" float32 [L, 2, 2, E] (input and post-attention norms' scales and shifts, zeros for
+    RMSNorm), "qk_norms" float32 [L, 2, D] (q_norm, k_norm; ones without them); with biases,
+    "biases" float32 [L * T, 64] (each tile's bias for its columns, on its K range 0's tiles)."""
+    layers = _layers(params, shape)
+    dense = [d for layer in layers for d in layer["dense"]]
+    packed = {
+        "tiles": jnp.concatenate([_w_tiles(kernel) for kernel, _ in dense]),
+        "norms": jnp.stack([layer["norms"] for layer in layers]),
+        "qk_norms": jnp.stack([layer["qk_norms"] for layer in layers]),
     }
+    if shape.biases:
+        packed["biases"] = jnp.concatenate(
+            [_bias_tiles(bias, kernel.shape[0] // TILE_K) for kernel, bias in dense]
+        )
+    return packed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,10 +427,12 @@ def decoder_step_kernel(
     head_rows = -(-(group + 2) // 4) * 4  # an item's q heads, k and v, a row a warp
     heads_layout, heads_col = _heads_layouts(half)
 
-    tiles_ref, norms_ref, qk_norms_ref, rope_ref, table_ref, seq_len_ref, h_ref = refs[:7]
-    k_refs, v_refs, rest = refs[7 : 7 + lay], refs[7 + lay : 7 + 2 * lay], refs[7 + 2 * lay :]
+    tiles_ref, norms_ref, qk_norms_ref, *refs = refs
+    biases_ref = refs.pop(0) if shape.biases else None
+    rope_ref, table_ref, seq_len_ref, h_ref = refs[:4]
+    k_refs, v_refs, rest = refs[4 : 4 + lay], refs[4 + lay : 4 + 2 * lay], refs[4 + 2 * lay :]
     qkv_ref, gu_ref, acc_ref, m_ref, l_ref = rest[:5]
-    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars = rest[5:]
+    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars, *bias_ring = rest[5:]
 
     c = lax.axis_index("program")
     ops = _KernelOps(interpret)
@@ -394,6 +445,9 @@ def decoder_step_kernel(
         layer, s = t // own, t % own
         tile = layer * per_layer_tiles + _dealt(s, c, programs)
         plgpu.copy_gmem_to_smem(tiles_ref.at[tile], ring.at[slot], ring_bar.at[slot])
+        if shape.biases:  # the tile's bias beside it, on a barrier of its own
+            bias_s, bias_bar = bias_ring
+            plgpu.copy_gmem_to_smem(biases_ref.at[tile], bias_s.at[slot], bias_bar.at[slot])
 
     _copy_in([(rope_ref, rope_smem)], bars)
     for i in range(stages):
@@ -411,19 +465,28 @@ def decoder_step_kernel(
 
     # 128 threads each 4 (2 where hidden is an odd multiple of 256) of h's elements a vector.
     h_layout = plgpu.Layout.WG_STRIDED((e,), math.gcd(4, e // 128))
+    norm_rows = 2 if shape.layer_norm else 1  # a norm's scale, and LayerNorm's shift
 
     def normalize_h():
-        """h / rms(h), rounded, into SMEM once a run of a norm's tiles (its scale's copy waited
-        for too). The threads load h themselves: no TMA copy and barrier on the critical path."""
+        """h normalized into SMEM once a run of a norm's tiles (its scale and shift's copy waited
+        for too): h / rms(h), rounded as the model does, or LayerNorm's (h - mean) / std, whose
+        one rounding comes with the scale and shift. The threads load h themselves: no TMA copy
+        and barrier on the critical path."""
         hh = ops.load(h_ref, h_layout)  # [E]
-        _wait_copies(bars, 0, kt_e)
-        h_smem[...] = bf16(hh * lax.rsqrt(jnp.sum(hh * hh) / e + shape.eps))
+        _wait_copies(bars, 0, norm_rows * kt_e)
+        if shape.layer_norm:
+            hh = hh - jnp.sum(hh) / e
+            h_smem[...] = hh * lax.rsqrt(jnp.sum(hh * hh) / e + shape.eps)
+        else:
+            h_smem[...] = bf16(hh * lax.rsqrt(jnp.sum(hh * hh) / e + shape.eps))
         plgpu.commit_smem()  # written by every thread before any reads another's part
 
     def norm_input(k):
-        """The tile's 256 inputs of RMSNorm(h) (h normalized and the layer's scale in SMEM)."""
+        """The tile's 256 inputs of the norm of h (h normalized, the layer's scale and shift in
+        SMEM)."""
         cols = pl.ds(k * TILE_K, TILE_K)
-        x_smem[...] = bf16(h_smem[cols] * norm_smem[cols])
+        shift = norm_smem[1, cols] if shape.layer_norm else 0.0
+        x_smem[...] = bf16(h_smem[cols] * norm_smem[0, cols] + shift)
 
     def merged_attention(k):
         """The tile's 256 attention outputs (of 256 / D query heads), merged over the splits."""
@@ -443,17 +506,23 @@ def decoder_step_kernel(
 
         pl.run_scoped(scoped, *[plgpu.SMEM((splits, TILE_K), FLOAT)] * 3)
 
-    def swiglu_input(k):
-        """The tile's 256 inputs of silu(gate) * up, summed from gate/up's partials."""
+    def mlp_input(k):
+        """The tile's 256 inputs of silu(gate) * up, or of gelu_tanh(up), summed from the first
+        projection's partials."""
 
-        def scoped(g_s, u_s):
-            gate, up = pl.ds(k * TILE_K, TILE_K), pl.ds(f + k * TILE_K, TILE_K)
-            _copy_in([(gu_ref.at[:, gate], g_s), (gu_ref.at[:, up], u_s)], bars)
-            g = bf16(sum(g_s[i] for i in range(kt_e)))
-            u = bf16(sum(u_s[i] for i in range(kt_e)))
-            x_smem[...] = bf16(bf16(g / (1.0 + jnp.exp(-g))) * u)
+        def scoped(*parts_s):
+            boxes = [
+                (gu_ref.at[:, pl.ds(i * f + k * TILE_K, TILE_K)], p_s)
+                for i, p_s in enumerate(parts_s)
+            ]
+            _copy_in(boxes, bars)
+            g, *u = [bf16(sum(p_s[i] for i in range(kt_e))) for p_s in parts_s]
+            if shape.gelu:
+                x_smem[...] = bf16(_gelu_tanh(g))
+            else:
+                x_smem[...] = bf16(bf16(g / (1.0 + jnp.exp(-g))) * u[0])
 
-        pl.run_scoped(scoped, *[plgpu.SMEM((kt_e, TILE_K), FLOAT)] * 2)
+        pl.run_scoped(scoped, *[plgpu.SMEM((kt_e, TILE_K), FLOAT)] * (1 if shape.gelu else 2))
 
     def attention(layer, head, split, ready):
         """Item (head, split) of the layer, once `sem` counts `ready` (q/k/v stored): its query
@@ -540,10 +609,12 @@ def decoder_step_kernel(
                         )
                         for p, x in enumerate(xs)
                     ]
-                cos = by_row(ops.load(rope_smem.at[0], heads_col))
-                sin = by_row(ops.load(rope_smem.at[1], heads_col))
-                x1, x2 = xs
-                roped = (bf16(x1 * cos - x2 * sin), bf16(x2 * cos + x1 * sin))
+                roped = xs
+                if shape.rope:
+                    cos = by_row(ops.load(rope_smem.at[0], heads_col))
+                    sin = by_row(ops.load(rope_smem.at[1], heads_col))
+                    x1, x2 = xs
+                    roped = (bf16(x1 * cos - x2 * sin), bf16(x2 * cos + x1 * sin))
                 for p, (x, y) in enumerate(zip(sums, roped, strict=True)):
                     y = jnp.where(row == group + 1, x, y)  # v: neither normed nor rotated
                     rows_s[:, pl.ds(p * half, half)] = y
@@ -680,7 +751,8 @@ def decoder_step_kernel(
             # The norm's scale does not depend on other programs: its copy starts before the wait.
             @pl.when(norm_phase)
             def _():
-                _start_copies([(norms_ref.at[layer, phase // 2], norm_smem)], bars)
+                norm = norms_ref.at[layer, phase // 2]
+                _start_copies([(norm.at[i], norm_smem.at[i]) for i in range(norm_rows)], bars)
 
             with jax.named_scope("phase_wait"):
                 ops.wait_count(sem, base + _select(phase, targets))
@@ -708,8 +780,8 @@ def decoder_step_kernel(
 
         @pl.when(phase == DOWN)
         def _():
-            with jax.named_scope("swiglu_inputs"):
-                swiglu_input(k)
+            with jax.named_scope("mlp_inputs"):
+                mlp_input(k)
 
         plgpu.commit_smem()  # a tile's inputs written by every thread before any reads them
         slot = t % stages
@@ -720,7 +792,12 @@ def decoder_step_kernel(
             x = ops.load(x_smem)
             w = ops.load(ring.at[slot], WGMMA, optimized=True).astype(FLOAT)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store 2 tiles back read `out`
-            out[...] = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
+            y = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)  # [64]
+            if shape.biases:
+                bias_s, bias_bar = bias_ring
+                plgpu.barrier_wait(bias_bar.at[slot])
+                y = y + ops.load(bias_s.at[slot], ROW)
+            out[...] = y
             plgpu.commit_smem()  # the slot read and `out` written by every thread
 
         @pl.when(phase == QKV)
@@ -889,7 +966,7 @@ def decoder_step(
     kt_e, q = e // TILE_K, shape.heads * d
     buffers = [
         jax.ShapeDtypeStruct((kt_e, shape.qkv_width), FLOAT),
-        jax.ShapeDtypeStruct((kt_e, 2 * shape.intermediate), FLOAT),
+        jax.ShapeDtypeStruct((kt_e, shape.up_width), FLOAT),
         *[jax.ShapeDtypeStruct((splits, q), FLOAT)] * 3,
     ]
     body = functools.partial(
@@ -908,12 +985,14 @@ def decoder_step(
         plgpu.SMEM((stages, TILE_N, TILE_K), dtype, transforms=RING_TRANSFORMS),
         plgpu.Barrier(num_barriers=stages),
         plgpu.SMEM((e,), FLOAT),
-        plgpu.SMEM((e,), FLOAT),
+        plgpu.SMEM((2, e), FLOAT),
         plgpu.SMEM((TILE_K,), FLOAT),
         plgpu.SMEM((2, TILE_N), FLOAT),
         plgpu.SMEM((2, d // 2), FLOAT),
         plgpu.Barrier(num_barriers=max(3, 2 * kt_e)),
     ]
+    if shape.biases:  # bias_ring: each weight tile's bias, on its own barriers
+        scratch += [plgpu.SMEM((stages, TILE_N), FLOAT), plgpu.Barrier(num_barriers=stages)]
     # pl.kernel rather than plgpu.kernel: its operands may be Refs (h and the caches, written in
     # place under run_state below), which plgpu.kernel's batching wrapper does not pass through.
     kernel = pl.kernel(
@@ -929,7 +1008,9 @@ def decoder_step(
         ),
         interpret=_InterpretGPUParams() if interpret else False,
     )
-    inputs = (tiles, weights["norms"], weights["qk_norms"], rope, block_table, seq_len)
+    inputs = (tiles, weights["norms"], weights["qk_norms"])
+    inputs += (weights["biases"],) if shape.biases else ()
+    inputs += (rope, block_table, seq_len)
 
     def in_place(refs):  # the kernel writes h and the caches where they are
         h_ref, caches = refs
@@ -949,33 +1030,43 @@ def decoder_step_reference(
     k_caches: list,
     v_caches: list,
 ) -> tuple[jax.Array, list, list]:
-    """Plain XLA over the model's own params, with the kernel's rounding: the residual stream in
-    float32, everything the bf16 model rounds rounded to the params' dtype."""
-    d, hq, h_kv, f = shape.head_dim, shape.heads, shape.kv_heads, shape.intermediate
+    """Plain XLA over the model's own params (Llama-family or GPT-2), with the kernel's
+    rounding: the residual stream in float32, everything the model rounds rounded to the params'
+    dtype."""
+    d, hq, h_kv = shape.head_dim, shape.heads, shape.kv_heads
     block_size = k_caches[0].shape[2]
     pos = seq_len[0] - 1
     page, offset = block_table[pos // block_size], pos % block_size
     cos, sin = rope[:1], rope[1:]
     positions = jnp.arange(block_table.shape[0] * block_size)
     k_caches, v_caches = list(k_caches), list(v_caches)
-    dtype = params["layers_0"]["self_attn"]["qkv_proj"]["kernel"].dtype
+    layers = _layers(params, shape)
+    dtype = layers[0]["dense"][0][0].dtype
 
-    def norm(x, scale):
+    def rms_norm(x, scale):  # normalized x rounded, then the scale
         x = (x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + shape.eps)).astype(dtype)
         return (x * scale).astype(dtype)
 
-    def dot(x, w):
-        return jnp.dot(x, w, preferred_element_type=FLOAT)
+    def input_norm(x, scale, shift):  # a layer's norm of the residual stream
+        if not shape.layer_norm:
+            return rms_norm(x, scale)  # its shift is zero
+        x = x - jnp.mean(x)
+        return (x * lax.rsqrt(jnp.mean(x * x) + shape.eps) * scale + shift).astype(dtype)
 
-    for i in range(shape.layers):
-        layer = params[f"layers_{i}"]
-        attn, mlp = layer["self_attn"], layer["mlp"]
-        qkv = dot(norm(h, layer["input_layernorm"]["scale"]), attn["qkv_proj"]["kernel"])
-        qkv = qkv.astype(dtype).reshape(hq + 2 * h_kv, d)
+    def dense(x, part):  # float32 x @ W (+ b)
+        kernel, bias = part
+        y = jnp.dot(x.astype(dtype), kernel, preferred_element_type=FLOAT)
+        return y if bias is None else y + bias.astype(FLOAT)
+
+    for i, layer in enumerate(layers):
+        qkv_p, o_p, up_p, down_p = layer["dense"]
+        (n1, s1), (n2, s2) = layer["norms"]
+        qkv = dense(input_norm(h, n1, s1), qkv_p).astype(dtype).reshape(hq + 2 * h_kv, d)
         q, k, v = qkv[:hq], qkv[hq : hq + h_kv], qkv[hq + h_kv :]
         if shape.qk_norm:
-            q, k = norm(q, attn["q_norm"]["scale"]), norm(k, attn["k_norm"]["scale"])
-        q, k = apply_rotary(q[None], cos, sin)[0], apply_rotary(k[None], cos, sin)[0]
+            q, k = rms_norm(q, layer["qk_norms"][0]), rms_norm(k, layer["qk_norms"][1])
+        if shape.rope:
+            q, k = apply_rotary(q[None], cos, sin)[0], apply_rotary(k[None], cos, sin)[0]
         k_caches[i] = k_caches[i].at[:, page, offset].set(k)
         v_caches[i] = v_caches[i].at[:, page, offset].set(v)
         keys = k_caches[i][:, block_table].reshape(h_kv, -1, d).astype(FLOAT)  # [H, P*bs, D]
@@ -984,8 +1075,12 @@ def decoder_step_reference(
         scores = jnp.einsum("hgd,htd->hgt", qg, keys) / math.sqrt(d)
         scores = jnp.where(positions <= pos, scores, NEG_INF)
         out = jnp.einsum("hgt,htd->hgd", jax.nn.softmax(scores, axis=-1), vals)
-        h = h + dot(out.reshape(-1).astype(dtype), attn["o_proj"]["kernel"])
-        gu = dot(norm(h, layer["post_attention_layernorm"]["scale"]), mlp["gate_up_proj"]["kernel"])
-        g, u = gu[:f].astype(dtype), gu[f:].astype(dtype)
-        h = h + dot((jax.nn.silu(g).astype(dtype) * u).astype(dtype), mlp["down_proj"]["kernel"])
+        h = h + dense(out.reshape(-1), o_p)
+        up = dense(input_norm(h, n2, s2), up_p).astype(dtype).astype(FLOAT)
+        if shape.gelu:
+            x = _gelu_tanh(up)
+        else:
+            g, u = jnp.split(up, 2)
+            x = jax.nn.silu(g).astype(dtype) * u
+        h = h + dense(x, down_p)
     return h, k_caches, v_caches

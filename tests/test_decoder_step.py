@@ -33,6 +33,7 @@ from rosejax.layers.attention import ForwardMetadata
 from rosejax.layers.kv_cache import init_kv_cache
 from rosejax.layers.rotary import rope_cos_sin
 from rosejax.models import family, family_of, one_kernel_step_programs, preset
+from rosejax.models.gpt2.model import decoder_shape as gpt2_decoder_shape
 from rosejax.models.llama.model import DECODER_STEP, final_logits, inv_freq, with_decoder_step
 from rosejax.models.loader import load_checkpoint
 from rosejax.settings import XLA_KERNELS, KernelConfig
@@ -56,6 +57,7 @@ SHAPES = {
 
 
 # Wider, for the kernel alone: q/k/v, o_proj and gate/up over two K ranges of 256, down three.
+GPT2_E512 = ("gpt2", dict(n_embd=512, n_head=8, n_layer=2, n_inner=1024))  # MHA, head_dim 64
 E512 = (
     "llama",
     dict(hidden_size=512, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2)
@@ -231,20 +233,21 @@ def test_decoder_schedule_orders_every_phase(preset_name, programs):
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,block_size,hidden,dtype",
+    "heads,kv_heads,head_dim,block_size,hidden,dtype,gpt2",
     [
-        (4, 2, 64, 16, 256, jnp.bfloat16),
-        (8, 2, 128, 8, 512, jnp.float16),
-        (12, 2, 64, 32, 768, jnp.bfloat16),
-        (8, 1, 128, 64, 512, jnp.bfloat16),
-        (2, 2, 256, 16, 256, jnp.float16),
+        (4, 2, 64, 16, 256, jnp.bfloat16, False),
+        (8, 2, 128, 8, 512, jnp.float16, False),
+        (12, 2, 64, 32, 768, jnp.bfloat16, False),
+        (8, 1, 128, 64, 512, jnp.bfloat16, False),
+        (2, 2, 256, 16, 256, jnp.float16, False),
+        (12, 12, 64, 16, 768, jnp.float16, True),  # GPT-2 small's layer
     ],
 )
-def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hidden, dtype):
+def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hidden, dtype, gpt2):
     """The compiled kernel's every array layout, shared-memory alias and copy is checked as jax
     lowers it for a GPU, which needs none: head_dim 64, 128 and 256, groups of 1 to 8 query
     heads (4 or 8 rows a head layout), pages of 8 to 64 tokens, hidden 256 to 768 (h's layout
-    takes 2 or 4 elements a vector)."""
+    takes 2 or 4 elements a vector), and GPT-2's LayerNorm, biases and GELU without RoPE."""
     shape = DecoderShape(
         layers=2,
         hidden=hidden,
@@ -253,14 +256,20 @@ def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hi
         kv_heads=kv_heads,
         head_dim=head_dim,
         eps=1e-6,
-        qk_norm=True,
+        qk_norm=not gpt2,
+        layer_norm=gpt2,
+        biases=gpt2,
+        gelu=gpt2,
+        rope=not gpt2,
     )
     pages, f32 = 6, jnp.float32
     weights = {
         "tiles": jax.ShapeDtypeStruct((2 * sum(shape.phase_tiles()), TILE_N, TILE_K), dtype),
-        "norms": jax.ShapeDtypeStruct((2, 2, shape.hidden), f32),
+        "norms": jax.ShapeDtypeStruct((2, 2, 2, shape.hidden), f32),
         "qk_norms": jax.ShapeDtypeStruct((2, 2, head_dim), f32),
     }
+    if gpt2:
+        weights["biases"] = jax.ShapeDtypeStruct((2 * sum(shape.phase_tiles()), TILE_N), f32)
     cache = jax.ShapeDtypeStruct((kv_heads, pages + 1, block_size, head_dim), dtype)
     args = (
         weights,
@@ -317,6 +326,10 @@ def mosaic_gpu_interpreter(monkeypatch):
     )
 
 
+def shape_of(config) -> DecoderShape:
+    return gpt2_decoder_shape(config) if config.model_type == "gpt2" else DecoderShape.of(config)
+
+
 def wide_params(config, seed: int, rng) -> dict:
     """bf16 random params whose every part moves h: weights 5x the init (std 0.1), norm scales
     random around 1."""
@@ -324,6 +337,8 @@ def wide_params(config, seed: int, rng) -> dict:
     def widen(path, x):
         if path[-1].key == "scale":
             return jnp.asarray(1 + 0.5 * rng.normal(size=x.shape), jnp.bfloat16)
+        if path[-1].key == "bias":  # GPT-2's (zeros at init)
+            return jnp.asarray(0.1 * rng.normal(size=x.shape), jnp.bfloat16)
         return (x * 5).astype(jnp.bfloat16)
 
     params = family_of(config).random_params(config, seed=seed, dtype=jnp.float32)
@@ -336,7 +351,7 @@ def check_kernel_against_reference(
     """The kernel against `decoder_step_reference` (bf16 random params) on caches poisoned with
     random values: what the layers add to h, the step's K/V slot of every layer, and every other
     cache element kept."""
-    shape = DecoderShape.of(config)
+    shape = shape_of(config)
     rng = np.random.default_rng(cached)
     params = wide_params(config, cached, rng)
     weights = pack_decoder_weights(params, shape)
@@ -345,9 +360,12 @@ def check_kernel_against_reference(
     layers = range(shape.layers)
     ks = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
     vs = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
-    cos, sin = rope_cos_sin(jnp.asarray(cached), inv_freq(config))
+    if shape.rope:
+        rope = jnp.stack(rope_cos_sin(jnp.asarray(cached), inv_freq(config)))
+    else:  # GPT-2: positions are in the embedding
+        rope = jnp.zeros((2, shape.head_dim // 2), jnp.float32)
     h0 = jnp.asarray(rng.normal(size=shape.hidden), jnp.float32)
-    inputs = (h0, jnp.stack([cos, sin]), table, jnp.asarray([cached + 1], jnp.int32))
+    inputs = (h0, rope, table, jnp.asarray([cached + 1], jnp.int32))
     want = decoder_step_reference(params, shape, *inputs, ks, vs)
     got = decoder_step(
         weights,
@@ -379,6 +397,8 @@ def check_kernel_against_reference(
         ("llama-g4-hd128-untied", 2, 2, 150),
         pytest.param("llama-g4-hd128-untied", 1, 4, 9, marks=pytest.mark.slow),
         ("llama-g2-hd128-e512", 2, 3, 70),
+        ("gpt2-hd64-e512", 2, 2, 70),
+        pytest.param("gpt2-hd64-e512", 1, 3, 5, marks=pytest.mark.slow),
     ],
 )
 def test_decoder_step_interpreted_matches_reference(
@@ -387,7 +407,7 @@ def test_decoder_step_interpreted_matches_reference(
     """One program does every tile and attention item in turn (2 layers; splits that leave
     items empty, a ring of 1-4 tiles, contexts across 64-token tiles and 8-token pages; hidden
     512: two K ranges and two ranges of down's outputs)."""
-    model_type, kwargs = {**SHAPES, "llama-g2-hd128-e512": E512}[name]
+    model_type, kwargs = {**SHAPES, "llama-g2-hd128-e512": E512, "gpt2-hd64-e512": GPT2_E512}[name]
     hf = dict(model_type=model_type, num_hidden_layers=2, vocab_size=300, **kwargs)
     config = family(model_type).config_from_hf(hf)
     check_kernel_against_reference(

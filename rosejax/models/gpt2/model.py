@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.decoder_step import DecoderShape
 from rosejax.layers.attention import (
     ForwardMetadata,
     append_kv,
@@ -178,4 +179,22 @@ def shard_layout(config: GPT2Config) -> ShardLayout:
             "MLP hidden units (n_inner)": config.mlp_dim,
             "vocabulary rows (padded to 128)": config.padded_vocab_size,
         },
+    )
+
+
+def decoder_shape(config: GPT2Config) -> DecoderShape:
+    """The one-kernel decode step's sizes of a GPT-2 model (`pallas_kernels.decoder_step`)."""
+    return DecoderShape(
+        layers=config.n_layer,
+        hidden=config.n_embd,
+        heads=config.n_head,
+        kv_heads=config.n_head,
+        head_dim=config.n_embd // config.n_head,
+        intermediate=config.n_inner or 4 * config.n_embd,
+        eps=config.layer_norm_epsilon,
+        qk_norm=False,
+        layer_norm=True,
+        biases=True,
+        gelu=True,
+        rope=False,
     )
