@@ -710,7 +710,7 @@ def write_json(path: str | None, data: dict) -> None:
 
 
 def random_hf_model(model_type: str, seed: int = 0, **config: Any) -> Any:
-    """A random HF causal LM of a Llama-style `model_type` (qwen3, llama, qwen2) built from
+    """A random HF causal LM of `model_type` (qwen3, llama, qwen2, gpt2) built from
     `config` after `torch.manual_seed(seed)`, in eval mode, its norms drawn around 1 and its
     biases around 0 (HF starts them at 1 and 0, which would hide a missing or swapped one). No
     bos or eos id unless `config` gives one: HF's min_new_tokens would mask an eos logit inside a
@@ -718,18 +718,20 @@ def random_hf_model(model_type: str, seed: int = 0, **config: Any) -> Any:
     import torch
     import transformers
 
-    name = {"qwen3": "Qwen3", "llama": "Llama", "qwen2": "Qwen2"}[model_type]
+    name = {"qwen3": "Qwen3", "llama": "Llama", "qwen2": "Qwen2", "gpt2": "GPT2"}[model_type]
     config_cls = getattr(transformers, f"{name}Config")
-    model_cls = getattr(transformers, f"{name}ForCausalLM")
+    model_cls = getattr(
+        transformers, f"{name}LMHeadModel" if name == "GPT2" else f"{name}ForCausalLM"
+    )
     torch.manual_seed(seed)
     config = dict(bos_token_id=None, eos_token_id=None) | config
     model = model_cls(config_cls(**config)).eval()
     with torch.no_grad():
         for param_name, param in model.named_parameters():
-            if "norm" in param_name:
-                param.normal_(1.0, 0.3)
-            elif param_name.endswith("bias"):
+            if param_name.endswith("bias"):
                 param.normal_(0.0, 0.3)
+            elif "norm" in param_name or ".ln_" in param_name:  # GPT-2's ln_1, ln_2, ln_f
+                param.normal_(1.0, 0.3)
     return model
 
 

@@ -104,6 +104,7 @@ class DecoderShape:
             intermediate=config.intermediate_size,
             eps=config.rms_norm_eps,
             qk_norm=config.qk_norm,
+            biases=config.qkv_bias or config.o_bias or config.mlp_bias,
         )
 
     @property
@@ -162,12 +163,20 @@ def _layers(params: dict, shape: DecoderShape) -> list[dict]:
             )
         layers.append(
             {
-                "dense": [(x["kernel"], x.get("bias")) for x in dense],
+                "dense": [(x["kernel"], _bias(x, shape)) for x in dense],
                 "norms": jnp.asarray(norms, FLOAT),
                 "qk_norms": qk_norms.astype(FLOAT),
             }
         )
     return layers
+
+
+def _bias(dense: dict, shape: DecoderShape) -> jax.Array | None:
+    """A projection's bias: its own, zeros where a model with biases has none there (Qwen2's
+    o_proj and MLP), None without biases."""
+    if not shape.biases:
+        return None
+    return dense.get("bias", jnp.zeros(dense["kernel"].shape[1], FLOAT))
 
 
 def _bias_tiles(bias: jax.Array, k_ranges: int) -> jax.Array:  # [N] -> [K/256 * N/64, 64]

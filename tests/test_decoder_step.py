@@ -33,9 +33,12 @@ from rosejax.layers.attention import ForwardMetadata
 from rosejax.layers.kv_cache import init_kv_cache
 from rosejax.layers.rotary import rope_cos_sin
 from rosejax.models import family, family_of, one_kernel_step_programs, preset
-from rosejax.models.gpt2.model import decoder_shape as gpt2_decoder_shape
-from rosejax.models.llama.model import DECODER_STEP, final_logits, inv_freq, with_decoder_step
+from rosejax.models import one_kernel_step as one_kernel_step_module
+from rosejax.models.gpt2 import model as gpt2_model
+from rosejax.models.llama import model as llama_model
+from rosejax.models.llama.model import inv_freq
 from rosejax.models.loader import load_checkpoint
+from rosejax.models.one_kernel_step import DECODER_STEP, with_decoder_step
 from rosejax.settings import XLA_KERNELS, KernelConfig
 from rosejax.tokenizer import packaged_gpt2_tokenizer_path
 from tests.conftest import assert_matches_hf_greedy
@@ -53,6 +56,12 @@ SHAPES = {
         dict(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=1)
         | dict(head_dim=128, tie_word_embeddings=False),
     ),
+    "qwen2-g2-hd64-bias": (  # q/k/v biases
+        "qwen2",
+        dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+        | dict(head_dim=64),
+    ),
+    "gpt2-mha-hd64": ("gpt2", dict(hidden_size=256, num_attention_heads=4, n_inner=512)),
 }
 
 
@@ -115,10 +124,29 @@ def step_inputs(config, params, cached: int, rng):
         _, cache = run(0, cached, cache)
     before = cache
     logits, after = run(cached, 1, cache)
-    cos, sin = rope_cos_sin(jnp.asarray(cached), inv_freq(config))
-    h0 = params["embed_tokens"]["embedding"][tokens[cached]].astype(jnp.float32)
-    inputs = (h0, jnp.stack([cos, sin]), table, jnp.asarray([cached + 1], jnp.int32))
+    inputs = (embedded(config, params, tokens[cached], cached), rope_of(config, cached))
+    inputs += (table, jnp.asarray([cached + 1], jnp.int32))
     return logits[0, 0], after, inputs, before
+
+
+def embedded(config, params, token: int, position: int) -> jax.Array:
+    """The token's h before the layers, float32 [E] (GPT-2: its position's embedding added)."""
+    if config.model_type == "gpt2":
+        h = params["wte"]["embedding"][token] + params["wpe"]["embedding"][position]
+    else:
+        h = params["embed_tokens"]["embedding"][token]
+    return h.astype(jnp.float32)
+
+
+def rope_of(config, position: int) -> jax.Array:
+    """cos, sin of the position [2, D/2] (GPT-2: zeros, no RoPE)."""
+    if config.model_type == "gpt2":
+        return jnp.zeros((2, shape_of(config).head_dim // 2), jnp.float32)
+    return jnp.stack(rope_cos_sin(jnp.asarray(position), inv_freq(config)))
+
+
+def final_logits(params, config, h) -> jax.Array:
+    return family_module(config).final_logits(params, config, h)
 
 
 @pytest.mark.parametrize("cached", [0, pytest.param(9, marks=pytest.mark.slow), 77, 150])
@@ -126,7 +154,7 @@ def test_reference_matches_model(checkpoint, cached):
     """Logits and caches after one step: the reference (float32 residual, fp32 weights: no
     rounding) against the model's forward of one token, across 64-token tiles and pages."""
     config, params = checkpoint
-    shape = DecoderShape.of(config)
+    shape = shape_of(config)
     logits, after, inputs, before = step_inputs(config, params, cached, np.random.default_rng(7))
     h, ks, vs = decoder_step_reference(params, shape, *inputs, before.k, before.v)
     assert rel_err(final_logits(params, config, h)[0], logits) <= 1e-5
@@ -138,16 +166,18 @@ def test_pack_decoder_weights_tiles(checkpoint):
     """Layer 1's tiles, for q/k/v, o_proj, gate/up and down in turn: tile k * N/64 + b of a
     matmul is W[k*256 : (k+1)*256, b*64 : (b+1)*64] transposed."""
     config, params = checkpoint
-    shape = DecoderShape.of(config)
-    tiles = np.asarray(pack_decoder_weights(params, shape)["tiles"])
+    shape = shape_of(config)
+    packed = pack_decoder_weights(params, shape)
+    tiles = np.asarray(packed["tiles"])
     per_layer, rng = sum(shape.phase_tiles()), np.random.default_rng(0)
-    attn, mlp = params["layers_1"]["self_attn"], params["layers_1"]["mlp"]
+    if config.model_type == "gpt2":
+        attn, mlp = params["h_1"]["attn"], params["h_1"]["mlp"]
+        denses = (attn["c_attn"], attn["c_proj"], mlp["c_fc"], mlp["c_proj"])
+    else:
+        attn, mlp = params["layers_1"]["self_attn"], params["layers_1"]["mlp"]
+        denses = (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"])
     start = per_layer
-    for dense, n in zip(
-        (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]),
-        shape.phase_tiles(),
-        strict=True,
-    ):
+    for dense, n in zip(denses, shape.phase_tiles(), strict=True):
         w = np.asarray(dense["kernel"])
         blocks = w.shape[1] // 64
         assert n == w.shape[0] // 256 * blocks
@@ -155,6 +185,10 @@ def test_pack_decoder_weights_tiles(checkpoint):
             k, b = divmod(int(i), blocks)
             want = w[k * 256 : (k + 1) * 256, b * 64 : (b + 1) * 64].T
             np.testing.assert_array_equal(tiles[start + i], want)
+            if shape.biases:  # K range 0's tiles carry the bias of their columns (or zeros)
+                bias = dense.get("bias", np.zeros(w.shape[1]))[b * 64 : (b + 1) * 64]
+                bias = bias if k == 0 else np.zeros(64)
+                np.testing.assert_array_equal(packed["biases"][start + i], bias)
         start += n
     assert start == 2 * per_layer == len(tiles)
 
@@ -290,7 +324,7 @@ def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hi
 
 def test_decoder_step_rejects_what_it_cannot_run(checkpoint):
     config, params = checkpoint
-    shape = DecoderShape.of(config)
+    shape = shape_of(config)
     weights = pack_decoder_weights(params, shape)
     cache = init_kv_cache(config, 4, BLOCK_SIZE, jnp.float32)
     args = (weights, jnp.zeros(shape.hidden), jnp.zeros((2, shape.head_dim // 2)))
@@ -298,6 +332,8 @@ def test_decoder_step_rejects_what_it_cannot_run(checkpoint):
     with pytest.raises(ValueError, match="bf16 or fp16"):  # fp32 weights
         decoder_step(*args, shape=shape, programs=2, splits=1, stages=2)
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), (weights, cache.k, cache.v))
+    if shape.biases:
+        bf16[0]["biases"] = weights["biases"]  # float32, as packed
     args = (bf16[0], *args[1:5], bf16[1], bf16[2])
     with pytest.raises(ValueError, match="one program"):  # the interpreter runs them in turn
         decoder_step(*args, shape=shape, programs=2, splits=1, stages=2, interpret=True)
@@ -327,7 +363,11 @@ def mosaic_gpu_interpreter(monkeypatch):
 
 
 def shape_of(config) -> DecoderShape:
-    return gpt2_decoder_shape(config) if config.model_type == "gpt2" else DecoderShape.of(config)
+    return family_of(config).decoder_shape(config)
+
+
+def family_module(config):  # the model module: its final_logits
+    return gpt2_model if config.model_type == "gpt2" else llama_model
 
 
 def wide_params(config, seed: int, rng) -> dict:
@@ -398,6 +438,7 @@ def check_kernel_against_reference(
         pytest.param("llama-g4-hd128-untied", 1, 4, 9, marks=pytest.mark.slow),
         ("llama-g2-hd128-e512", 2, 3, 70),
         ("gpt2-hd64-e512", 2, 2, 70),
+        ("qwen2-g2-hd64-bias", 2, 1, 33),
         pytest.param("gpt2-hd64-e512", 1, 3, 5, marks=pytest.mark.slow),
     ],
 )
@@ -407,7 +448,8 @@ def test_decoder_step_interpreted_matches_reference(
     """One program does every tile and attention item in turn (2 layers; splits that leave
     items empty, a ring of 1-4 tiles, contexts across 64-token tiles and 8-token pages; hidden
     512: two K ranges and two ranges of down's outputs)."""
-    model_type, kwargs = {**SHAPES, "llama-g2-hd128-e512": E512, "gpt2-hd64-e512": GPT2_E512}[name]
+    extra = {"llama-g2-hd128-e512": E512, "gpt2-hd64-e512": GPT2_E512}
+    model_type, kwargs = {**SHAPES, **extra}[name]
     hf = dict(model_type=model_type, num_hidden_layers=2, vocab_size=300, **kwargs)
     config = family(model_type).config_from_hf(hf)
     check_kernel_against_reference(
@@ -446,7 +488,7 @@ def test_forward_without_the_kernel_ignores_its_weights(checkpoint):
     """Params carrying the one-kernel step's weights run the layer path unchanged when
     `decoder_step_programs` is 0 (the CPU's default): the same logits and caches."""
     config, params = checkpoint
-    packed = with_decoder_step(config, params)
+    packed = with_decoder_step(params, shape_of(config))
     assert DECODER_STEP in packed and DECODER_STEP not in params
     rng = np.random.default_rng(1)
     _, after, _, before = step_inputs(config, params, 12, rng)
@@ -464,11 +506,8 @@ def test_forward_without_the_kernel_ignores_its_weights(checkpoint):
         np.testing.assert_array_equal(g, w)
 
 
-def test_one_kernel_step_refused_where_it_cannot_run(checkpoint):
-    config, params = checkpoint
-    with pytest.raises(ValueError, match="no biases"):
-        with_decoder_step(dataclasses.replace(config, qkv_bias=True), params)
-    with pytest.raises(ValueError, match="Llama-family models on one device"):
+def test_one_kernel_step_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="hidden, intermediate and heads x head_dim"):
         LLM("random:tiny", kernel_overrides=(("decoder_step_programs", 8),), warmup=False)
 
 
@@ -489,19 +528,17 @@ def test_one_kernel_step_programs_auto_and_set():
     assert programs(max_batch_size=2) == 0  # rows a step: the per-op kernels' batch
     assert programs(device=types.SimpleNamespace(platform="cpu")) == 0
     assert programs(device=None) == 0  # tensor parallel
-    assert programs(config=preset("gpt2")) == 0
+    assert programs(config=preset("gpt2")) == 0  # not measured on a GPU yet: set it to run
     assert programs(dtype=jnp.float32) == 0
     assert programs(block_size=128) == 0
-    assert programs(config=dataclasses.replace(qwen, qkv_bias=True)) == 0
+    assert programs(config=dataclasses.replace(qwen, qkv_bias=True)) == sms  # Qwen2's biases
     assert programs(kernels=eight, max_batch_size=64) == 8
+    assert programs(kernels=eight, config=preset("gpt2")) == 8
     assert programs(kernels=KernelConfig(decoder_step_programs=0)) == 0
     with pytest.raises(ValueError, match="bf16 or fp16"):
         programs(kernels=eight, dtype=jnp.float32)
-    with pytest.raises(ValueError, match="no biases"):
-        programs(kernels=eight, config=dataclasses.replace(qwen, mlp_bias=True))
-    for where in ({"config": preset("gpt2")}, {"device": None}):
-        with pytest.raises(ValueError, match="Llama-family models on one device"):
-            programs(kernels=eight, **where)
+    with pytest.raises(ValueError, match="models on one device"):
+        programs(kernels=eight, device=None)
 
 
 @(pytest.mark.slow if not GPU else (lambda test: test))  # interpreted, a step takes a second
@@ -531,20 +568,19 @@ def test_engine_one_kernel_step_matches_hf(hf_checkpoint, mosaic_gpu_interpreter
 
 @pytest.mark.parametrize("live", [True, False])
 def test_one_kernel_step_glue_matches_model(checkpoint, monkeypatch, live):
-    """The engine's route into the kernel (`one_kernel_step`: embedding, RoPE angles, the dead
+    """The engine's route into the kernel (`one_kernel_step`: embedding (and GPT-2's position),
+    RoPE angles, the dead
     row's scratch slot, final norm and head) with the XLA reference in the kernel's place: a
     live row's logits and caches are the model's; a dead row (length 0) writes nothing but the
     scratch block."""
-    from rosejax.models.llama import model as llama_model
-
     config, params = checkpoint
-    shape = DecoderShape.of(config)
+    shape = shape_of(config)
 
     def reference(weights, h, rope, table, seq_len, ks, vs, **tiles):
         assert tiles["shape"] == shape and tiles["programs"] == 8
         return decoder_step_reference(params, shape, h, rope, table, seq_len, ks, vs)
 
-    monkeypatch.setattr(llama_model, "decoder_step", reference)
+    monkeypatch.setattr(one_kernel_step_module, "decoder_step", reference)
     _, _, (h0, rope, table, seq_len), before = step_inputs(
         config, params, 20, np.random.default_rng(4)
     )
@@ -558,7 +594,7 @@ def test_one_kernel_step_glue_matches_model(checkpoint, monkeypatch, live):
     want, want_cache = forward(params, config, token, before, meta)
     kernels = dataclasses.replace(XLA_KERNELS, decoder_step_programs=8)
     got, got_cache = forward(
-        with_decoder_step(config, params), config, token, before, meta, kernels=kernels
+        with_decoder_step(params, shape), config, token, before, meta, kernels=kernels
     )
     assert got.shape == want.shape
     pairs = zip(

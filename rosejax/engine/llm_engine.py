@@ -61,6 +61,7 @@ from rosejax.models import (
     with_context_len,
 )
 from rosejax.models.loader import load_model, resolve_dtype
+from rosejax.models.one_kernel_step import with_decoder_step
 from rosejax.sampling import (
     COUNT_MASK,
     PROMPT_BIT,
@@ -244,7 +245,7 @@ class LLMEngine:
         )
         if programs:  # its weights before the cache takes the memory
             self.kernels = dataclasses.replace(self.kernels, decoder_step_programs=programs)
-            params = family_of(self.config).with_decoder_step(self.config, params)
+            params = with_decoder_step(params, family_of(self.config).decoder_shape(self.config))
         cache_sharding = None
         if mesh is not None:
             layout = family_of(self.config).shard_layout(self.config)

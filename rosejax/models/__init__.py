@@ -17,12 +17,14 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from pallas_kernels.decoder_step import DecoderShape
 from rosejax.models.gpt2 import config as gpt2_config
 from rosejax.models.gpt2 import model as gpt2_model
 from rosejax.models.gpt2 import weights as gpt2_weights
 from rosejax.models.llama import config as llama_config
 from rosejax.models.llama import model as llama_model
 from rosejax.models.llama import weights as llama_weights
+from rosejax.models.one_kernel_step import one_kernel_step_problems
 from rosejax.settings import DEFAULT_GPU_MIN_DECODE_BATCH
 
 
@@ -38,11 +40,11 @@ class ModelFamily:
     shard_layout: Callable[[Any], Any]  # config -> its params' `ShardLayout` (tensor parallel)
     # The smallest decode program on a GPU: smaller batches pad to it (`min_decode_batch`).
     gpu_min_decode_batch: int
-    # (config, params) -> params with the one-kernel decode step's weights beside them
-    # (`KernelConfig.decoder_step_programs`); None: the family has no such step.
-    with_decoder_step: Callable[[Any, dict], dict] | None = None
-    # (config, dtype, block_size, kernels) -> why that step cannot run (empty: it can).
-    one_kernel_step_problems: Callable[..., list[str]] | None = None
+    # config -> the sizes of its one-kernel decode step (`KernelConfig.decoder_step_programs`,
+    # `rosejax.models.one_kernel_step`); None: the family has no such step.
+    decoder_shape: Callable[[Any], DecoderShape] | None = None
+    # Whether `decoder_step_programs`' auto turns that step on (its GPU speed measured).
+    decoder_step_auto: bool = False
 
 
 _LLAMA = ModelFamily(
@@ -56,8 +58,8 @@ _LLAMA = ModelFamily(
     # Each batch its own bucket: the split-K decode attention sizes its splits from the rows a
     # program holds (one 32k-token row: 2.87 ms/step in a 1-row program, 13.6 padded to 16; H100).
     gpu_min_decode_batch=1,
-    with_decoder_step=llama_model.with_decoder_step,
-    one_kernel_step_problems=llama_model.one_kernel_step_problems,
+    decoder_shape=DecoderShape.of,
+    decoder_step_auto=True,
 )
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -70,6 +72,7 @@ FAMILIES: dict[str, ModelFamily] = {
         forward=gpt2_model.forward,
         shard_layout=gpt2_model.shard_layout,
         gpu_min_decode_batch=DEFAULT_GPU_MIN_DECODE_BATCH,
+        decoder_shape=gpt2_model.decoder_shape,
     ),
     **{model_type: _LLAMA for model_type in llama_config.MODEL_TYPES},
 }
@@ -134,22 +137,24 @@ def one_kernel_step_programs(
 ) -> int:
     """`kernels.decoder_step_programs` resolved for an engine of this model on `device` (None:
     on several devices). Set, it must run (else a ValueError: what keeps it from running); 0:
-    off; None (auto): the GPU's SMs where every decode step is one row (max_batch_size 1) and
-    the kernel runs the model there, else 0."""
+    off; None (auto): the GPU's SMs where every decode step is one row (max_batch_size 1), the
+    family's step is measured on a GPU (`decoder_step_auto`) and the kernel runs the model
+    there, else 0."""
     programs = kernels.decoder_step_programs
-    problems = family_of(config).one_kernel_step_problems
+    fam = family_of(config)
+    shape_of = fam.decoder_shape
     if programs is None:
         sms = getattr(device, "core_count", 0)  # a GPU's SMs; a CPU's device has none
-        if not sms or device.platform == "cpu" or max_batch_size != 1 or problems is None:
+        if not sms or device.platform == "cpu" or max_batch_size != 1 or not fam.decoder_step_auto:
             return 0
         auto = dataclasses.replace(kernels, decoder_step_programs=sms)
-        return 0 if problems(config, dtype, block_size, auto) else sms
+        return 0 if one_kernel_step_problems(shape_of(config), dtype, block_size, auto) else sms
     if programs:
-        if problems is None or device is None:
+        if shape_of is None or device is None:
             raise ValueError(
-                "decoder_step_programs: the one-kernel decode step runs Llama-family models "
-                "on one device"
+                "decoder_step_programs: the one-kernel decode step runs GPT-2 and Llama-family "
+                "models on one device"
             )
-        if found := problems(config, dtype, block_size, kernels):
+        if found := one_kernel_step_problems(shape_of(config), dtype, block_size, kernels):
             raise ValueError("decoder_step_programs: " + "; ".join(found))
     return programs

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decoder_step import DecoderShape
+from pallas_kernels.layer_norm import layer_norm_reference
 from rosejax.layers.attention import (
     ForwardMetadata,
     append_kv,
@@ -34,6 +35,12 @@ from rosejax.layers.layer_norm import LayerNorm
 from rosejax.layers.linear import Linear, select_tokens
 from rosejax.layers.parallel import NO_TP, ShardLayout, TensorParallel, embed, gather_vocab
 from rosejax.models.gpt2.config import GPT2Config
+from rosejax.models.one_kernel_step import (
+    row_of,
+    run_layers,
+    takes_one_kernel_step,
+    without_decoder_step,
+)
 from rosejax.settings import XLA_KERNELS, KernelConfig
 
 
@@ -162,6 +169,9 @@ def forward(
     """Run GPT-2 over `tokens`, writing their K/V into `cache`, each op as `kernels` says (XLA by
     default); with `tp`, on one shard's params and cache (inside shard_map). Returns (logits,
     cache): logits are [B, T, V] in the params' dtype, or [B, V] when `logit_indices` is given."""
+    if takes_one_kernel_step(params, kernels, tokens, logit_indices):
+        return one_kernel_step(params, config, tokens, cache, meta, kernels)
+    params = without_decoder_step(params)
     dtype = params["wte"]["embedding"].dtype
     return GPT2(config, dtype, kernels, tp).apply(
         {"params": params}, tokens, cache, meta, logit_indices
@@ -198,3 +208,30 @@ def decoder_shape(config: GPT2Config) -> DecoderShape:
         gelu=True,
         rope=False,
     )
+
+
+def one_kernel_step(
+    params: dict,
+    config: GPT2Config,
+    tokens: jax.Array,  # [1, 1] int32
+    cache: KVCache,
+    meta: ForwardMetadata,
+    kernels: KernelConfig,
+) -> tuple[jax.Array, KVCache]:
+    """A decode step of one row: every layer in `pallas_kernels.decoder_step` (the residual
+    stream in float32), then ln_f and the tied head in XLA."""
+    shape = decoder_shape(config)
+    seq_len, _ = row_of(meta)
+    position = jnp.clip(seq_len[0] - 1, 0, config.n_positions - 1)
+    h = params["wte"]["embedding"][tokens[0, 0]] + params["wpe"]["embedding"][position]
+    rope = jnp.zeros((2, shape.head_dim // 2), jnp.float32)  # positions came with h
+    h, cache = run_layers(params, shape, h.astype(jnp.float32), rope, meta, cache, kernels)
+    return final_logits(params, config, h)[:, None], cache
+
+
+def final_logits(params: dict, config: GPT2Config, h: jax.Array) -> jax.Array:
+    """ln_f and the tied head in XLA over one row's float32 stream h [E] -> [1, V]."""
+    embedding = params["wte"]["embedding"]
+    ln_f = params["ln_f"]
+    x = layer_norm_reference(h[None], ln_f["scale"], ln_f["bias"], eps=config.layer_norm_epsilon)
+    return (x.astype(embedding.dtype) @ embedding.T)[:, : config.vocab_size]

@@ -22,12 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decoder_step import (
-    DecoderShape,
-    decoder_step,
-    decoder_step_problems,
-    pack_decoder_weights,
-)
+from pallas_kernels.decoder_step import DecoderShape
 from pallas_kernels.qk_norm_rope import apply_rotary
 from pallas_kernels.rms_norm import rms_norm_reference
 from rosejax.layers.attention import (
@@ -44,6 +39,12 @@ from rosejax.layers.parallel import NO_TP, ShardLayout, TensorParallel, embed, g
 from rosejax.layers.rms_norm import RMSNorm
 from rosejax.layers.rotary import rope_cos_sin, rope_inv_freq
 from rosejax.models.llama.config import LlamaConfig
+from rosejax.models.one_kernel_step import (
+    row_of,
+    run_layers,
+    takes_one_kernel_step,
+    without_decoder_step,
+)
 from rosejax.settings import XLA_KERNELS, KernelConfig
 
 
@@ -208,39 +209,6 @@ class LlamaModel(nn.Module):
         return logits[..., : cfg.vocab_size], cache.replace(k=ks, v=vs)
 
 
-DECODER_STEP = "decoder_step"  # the params' key of the one-kernel step's weights
-
-
-def _has_biases(config: LlamaConfig) -> bool:
-    return config.qkv_bias or config.o_bias or config.mlp_bias
-
-
-def one_kernel_step_problems(
-    config: LlamaConfig, dtype, block_size: int, kernels: KernelConfig
-) -> list[str]:
-    """Why the one-kernel decode step cannot run this model on `kernels.decoder_step_programs`
-    programs (empty: it can)."""
-    problems = decoder_step_problems(
-        DecoderShape.of(config),
-        dtype,
-        block_size,
-        programs=kernels.decoder_step_programs,
-        interpret=kernels.interpret,
-    )
-    if _has_biases(config):
-        problems.append("it has no biases")
-    return problems
-
-
-def with_decoder_step(config: LlamaConfig, params: dict) -> dict:
-    """params and, under DECODER_STEP, the one-kernel decode step's weights (a tiled copy of the
-    layers' matmuls: `pallas_kernels.decoder_step.pack_decoder_weights`)."""
-    if _has_biases(config):
-        raise ValueError("the one-kernel decode step has no biases: decoder_step_programs=0")
-    weights = jax.jit(pack_decoder_weights, static_argnums=1)(params, DecoderShape.of(config))
-    return {**params, DECODER_STEP: weights}
-
-
 def one_kernel_step(
     params: dict,
     config: LlamaConfig,
@@ -249,27 +217,14 @@ def one_kernel_step(
     meta: ForwardMetadata,
     kernels: KernelConfig,
 ) -> tuple[jax.Array, KVCache]:
-    """A decode step of one row by `pallas_kernels.decoder_step` on `kernels.decoder_step_programs`
-    programs (every layer, the residual stream in float32), then the final norm and LM head in
-    XLA. A dead row (length 0) writes position 0 of the scratch block, as `cache_slots` sends it."""
-    live = meta.seq_lens > 0  # [1]
-    seq_len = jnp.where(live, meta.seq_lens, 1)
-    table = jnp.where(live, meta.block_tables[0], 0)  # [MB]
+    """A decode step of one row: every layer in `pallas_kernels.decoder_step` (the residual
+    stream in float32), then the final norm and LM head in XLA."""
+    seq_len, _ = row_of(meta)
     cos, sin = rope_cos_sin(seq_len - 1, inv_freq(config))  # [1, D/2] each
     h = params["embed_tokens"]["embedding"][tokens[0, 0]].astype(jnp.float32)
-    h, k, v = decoder_step(
-        params[DECODER_STEP],
-        h,
-        jnp.concatenate([cos, sin]),
-        table,
-        seq_len,
-        cache.k,
-        cache.v,
-        shape=DecoderShape.of(config),
-        programs=kernels.decoder_step_programs,
-        interpret=kernels.interpret,
-    )
-    return final_logits(params, config, h)[:, None], cache.replace(k=k, v=v)
+    rope = jnp.concatenate([cos, sin])
+    h, cache = run_layers(params, DecoderShape.of(config), h, rope, meta, cache, kernels)
+    return final_logits(params, config, h)[:, None], cache
 
 
 def final_logits(params: dict, config: LlamaConfig, h: jax.Array) -> jax.Array:
@@ -296,10 +251,9 @@ def forward(
     """Run the model over `tokens`, writing their K/V into `cache`, each op as `kernels` says;
     with `tp`, on one shard's params and cache (inside shard_map). Returns (logits [B, T, V] in
     the params' dtype, or [B, V] with `logit_indices`, cache)."""
-    if DECODER_STEP in params:
-        if kernels.decoder_step_programs and tokens.shape == (1, 1) and logit_indices is None:
-            return one_kernel_step(params, config, tokens, cache, meta, kernels)
-        params = {k: v for k, v in params.items() if k != DECODER_STEP}
+    if takes_one_kernel_step(params, kernels, tokens, logit_indices):
+        return one_kernel_step(params, config, tokens, cache, meta, kernels)
+    params = without_decoder_step(params)
     dtype = params["embed_tokens"]["embedding"].dtype
     return LlamaModel(config, dtype, kernels, tp).apply(
         {"params": params}, tokens, cache, meta, logit_indices
