@@ -1,6 +1,8 @@
-"""A Llama-style decoder's whole decode step at one row (Qwen3, Llama 3) in one persistent Mosaic
-GPU kernel: every layer's RMSNorms, q/k/v, q/k norm and RoPE, the K/V append, paged attention,
-output projection, gate/up, SwiGLU and down projection, with the residual stream in float32.
+"""A decoder's whole decode step at one row (Qwen3, Llama 3, Qwen2, GPT-2) in one persistent
+Mosaic GPU kernel: every layer's RMSNorms (GPT-2: LayerNorms), q/k/v, q/k norm and RoPE, the K/V
+append, paged attention, output projection, gate/up, SwiGLU (GPT-2: up and GELU) and down
+projection, with the residual stream in float32; a projection's bias, where it has one, is added
+by the tiles of its first K range (each column block's, once).
 
 Why: at one row a step is ~7 small kernels a layer, each paying a launch, ramp and drain on top of
 its bytes; the Triton matmuls reach 25-50% of copy bandwidth (docs/performance-log.md). Here one

@@ -362,6 +362,10 @@ def mosaic_gpu_interpreter(monkeypatch):
     )
 
 
+def _layers_field(config) -> str:
+    return "n_layer" if config.model_type == "gpt2" else "num_hidden_layers"
+
+
 def shape_of(config) -> DecoderShape:
     return family_of(config).decoder_shape(config)
 
@@ -469,9 +473,12 @@ def test_decoder_step_interpreted_matches_reference(
     "programs,splits,stages,cached",
     [(128, 8, 4, 0), (128, 8, 4, 200), (132, 16, 3, 63), (37, 4, 2, 64), (96, 12, 4, 1000)],
 )
-def test_decoder_step_matches_reference(programs, splits, stages, cached):
-    """Qwen3-0.6B's widths (16 query / 8 KV heads of 128, 3,072 MLP units), 3 layers."""
-    config = dataclasses.replace(preset("qwen3-0.6b"), num_hidden_layers=3)
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "gpt2"])
+def test_decoder_step_matches_reference(model, programs, splits, stages, cached):
+    """Qwen3-0.6B's widths (16 query / 8 KV heads of 128, 3,072 MLP units) and GPT-2's (12
+    heads of 64, biases, LayerNorm, GELU), 3 layers."""
+    config = preset(model)
+    config = dataclasses.replace(config, **{_layers_field(config): 3})
     programs = min(programs, getattr(jax.devices()[0], "core_count", 128))
     check_kernel_against_reference(
         config,

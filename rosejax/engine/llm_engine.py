@@ -294,6 +294,8 @@ class LLMEngine:
             logits_chunk=PROMPT_LOGPROBS_CHUNK,
         )
         gpu_min_batch = family_of(self.config).gpu_min_decode_batch
+        if self.kernels.decoder_step_programs:  # a row alone runs the one-kernel step, unpadded
+            gpu_min_batch = 1
         min_batch = config.min_decode_batch or (1 if on_cpu else gpu_min_batch)
         num_slots = max(self.max_batch_size, min_batch)
         # A window may add ceil(2K / block_size) + 1 blocks per row: K in flight, K reserved.
