@@ -3,7 +3,7 @@ profiler, one Perfetto JSON a call) into where each program's time goes and how 
 layer's phases holds the step up.
 
 The profiler stamps each named range of the kernel (`phase_wait`, `rms_norm`, `norm_inputs`,
-`merge_inputs`, `swiglu_inputs`, `weights_wait`, `tile`, `store_signal`, `attention` with its
+`merge_inputs`, `mlp_inputs`, `weights_wait`, `tile`, `store_signal`, `attention` with its
 parts, `attention_*`, and `signal` inside `store_signal` and `attention`) with the SM's cycle
 counter, one trace a program (`tid`). Its file writes
 cycles as if they were nanoseconds (`ts` in thousands of cycles), so times here are cycles
@@ -15,7 +15,7 @@ trace.json, the file to read here.
 
 A program's ranges in order give each of its runs of a phase (a `phase_wait`, then the tiles,
 whose inputs name the phase: `norm_inputs` are q/k/v after a layer's down projection or at the
-start, gate/up after q/k/v or o_proj; `merge_inputs` o_proj; `swiglu_inputs` down) and so each
+start, gate/up after q/k/v or o_proj; `merge_inputs` o_proj; `mlp_inputs` down) and so each
 run's layer. SMs' cycle counters drift apart (on an H100, two groups of programs by ~900 cycles a
 layer), so each program's ranges of a layer are moved to line up on the end of its q/k/v wait:
 every program's ends on the same last signal of the layer before. A phase's span runs from its
@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as a file: make `bench` importable (for its
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CHAIN = ("qkv", "attention", "o_proj", "gate_up", "down")  # each waits for the one before
-INPUTS = {"merge_inputs": "o_proj", "swiglu_inputs": "down"}  # norm_inputs: by order
+INPUTS = {"merge_inputs": "o_proj", "mlp_inputs": "down"}  # norm_inputs: by order
 
 
 EXIT = 1 << 31  # the profiler's tag bit of a range's end

@@ -14,7 +14,7 @@ Work: a layer's four matmuls (q/k/v, o_proj, gate/up, down) are cut into tiles o
 output columns x 256 of K (packed once, `pack_decoder_weights`), dealt round-robin to the
 programs (`decoder_schedule`: tile r of a layer to program r mod P). A tile's program multiplies
 it by its 256 inputs on the CUDA cores: q/k/v and gate/up partials go to buffers that the
-attention and the down tiles' SwiGLU sum, o_proj and down partials are added into the residual
+attention and the down tiles' MLP input sum, o_proj and down partials are added into the residual
 stream by TMA reduce-adds. Attention is H x `splits` items (a KV head, a range of 64-token tiles
 of the pages; the current token and its append go to the last split), each storing its unnormalised
 output and softmax max/sum for the o_proj tiles to merge; a tile's scores and P x V are WGMMAs
@@ -30,9 +30,9 @@ stored its output. Programs take tiles in order and all are resident (one a SM),
 cannot deadlock: by induction, a phase's first signal comes after its wait saw every signal of
 the phases before it, so a count that reaches a phase's target holds exactly those signals.
 
-Rounding follows the bf16 model where it rounds (`decoder_step_reference`): the normed input, q/k/v,
-q/k norm and RoPE, the attention output and the SwiGLU product in the weights' dtype; the residual
-stream stays float32 (the XLA model rounds it at each add).
+Rounding follows the bf16 model where it rounds (`decoder_step_reference`): the normed input,
+q/k/v, q/k norm and RoPE, the attention output and the SwiGLU product (or GELU) in the weights'
+dtype; the residual stream stays float32 (the XLA model rounds it at each add).
 
 `interpret=True` runs the kernel in jax's Mosaic GPU interpreter (how the CPU tests run it), which
 runs programs one after another and has no global semaphores, layouts or TMA reductions: there
@@ -77,7 +77,8 @@ ROW = WGMMA.reduce(1)  # a vector along its rows
 
 @dataclasses.dataclass(frozen=True)
 class DecoderShape:
-    """A Llama-style decoder's sizes (hashable: the kernel's static argument)."""
+    """A decoder's sizes and parts, Llama-style or GPT-2 (hashable: the kernel's static
+    argument)."""
 
     layers: int
     hidden: int

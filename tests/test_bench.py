@@ -1080,7 +1080,7 @@ def _decoder_trace(layers: int, programs: int, no_o_proj: int) -> dict:
             if c != no_o_proj:
                 run(c, b + 20, "merge_inputs")
             run(c, b + 30, "norm_inputs", norm=True)
-            run(c, b + 40, "swiglu_inputs")
+            run(c, b + 40, "mlp_inputs")
     return {"displayTimeUnit": "ns", "traceEvents": events}
 
 
