@@ -1142,6 +1142,21 @@ def test_decoder_trace_spans_wake_ups_and_time_a_program(tmp_path):
     assert "a layer every 100.00 µs" in out and png.stat().st_size > 0
 
 
+def test_decoder_trace_reads_the_kernels_range_names():
+    """Each range name the trace reader keys on is a named range of the kernel (a range renamed
+    on one side alone would drop its phase from every profile without an error)."""
+    import inspect
+
+    from bench import decoder_trace
+    from pallas_kernels import decoder_step
+
+    source = inspect.getsource(decoder_step)
+    names = [*decoder_trace.INPUTS, "norm_inputs", "phase_wait", "rms_norm", "store_signal"]
+    names += ["attention", "attention_wait", "signal"]
+    for name in names:
+        assert f'named_scope("{name}")' in source, name
+
+
 def test_decoder_trace_from_the_profilers_raw_buffer():
     """The profiler's raw words (start ns, SM, words used, then (tag, 32-bit cycle counter)
     pairs) read back as events: names by their ids, ends by the tag's top bit, cycles from the
