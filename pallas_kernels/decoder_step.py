@@ -900,12 +900,48 @@ def decoder_step_problems(
         problems.append("the interpreter has no profiler: profile_dir needs a GPU")
     device = jax.devices()[0]
     capability = getattr(device, "compute_capability", None)
-    if not interpret and capability is not None and float(capability) < 9:  # TMA, WGMMA
-        problems.append(f"a Hopper GPU (compute capability 9.0+) is needed, got {capability}")
+    if not interpret and capability is not None and not str(capability).startswith("9."):
+        problems.append(f"a Hopper GPU (WGMMA: compute capability 9.x) is needed, got {capability}")
     sms = getattr(device, "core_count", None)
     if sms is not None and programs > sms:  # programs wait for each other: all must be resident
         problems.append(f"programs ({programs}) must not exceed the GPU's {sms} SMs")
     return problems
+
+
+@functools.cache
+def decoder_step_lowering_problem(
+    shape: DecoderShape,
+    dtype,
+    block_size: int,
+    *,
+    programs: int,
+    splits: int | None = None,
+    stages: int | None = None,
+) -> str | None:
+    """Why Mosaic GPU cannot build the kernel for these sizes (shared memory most often), or
+    None: its own answer, from lowering one layer for a GPU, which needs none (a step's shared
+    memory does not grow with its layers). Seconds: for an engine's start, not a step."""
+    one = dataclasses.replace(shape, layers=1)
+    d, f32, tiles = shape.head_dim, jnp.float32, sum(one.phase_tiles())
+    weights = {
+        "tiles": jax.ShapeDtypeStruct((tiles, TILE_N, TILE_K), dtype),
+        "norms": jax.ShapeDtypeStruct((1, 2, 2, shape.hidden), f32),
+        "qk_norms": jax.ShapeDtypeStruct((1, 2, d), f32),
+    }
+    if shape.biases:
+        weights["biases"] = jax.ShapeDtypeStruct((tiles, TILE_N), f32)
+    cache = [jax.ShapeDtypeStruct((shape.kv_heads, 2, block_size, d), dtype)]
+    args = (weights, jax.ShapeDtypeStruct((shape.hidden,), f32))
+    args += (jax.ShapeDtypeStruct((2, d // 2), f32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    args += (jax.ShapeDtypeStruct((1,), jnp.int32), cache, cache)
+    step = functools.partial(
+        decoder_step, shape=one, programs=programs, splits=splits, stages=stages
+    )
+    try:
+        jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
+    except (ValueError, NotImplementedError) as e:
+        return f"Mosaic GPU cannot build it: {str(e).splitlines()[-1]}"
+    return None
 
 
 def check_decoder_step(
@@ -997,7 +1033,7 @@ def decoder_step(
         plgpu.SMEM((stages, TILE_N, TILE_K), dtype, transforms=RING_TRANSFORMS),
         plgpu.Barrier(num_barriers=stages),
         plgpu.SMEM((e,), FLOAT),
-        plgpu.SMEM((2, e), FLOAT),
+        plgpu.SMEM((2 if shape.layer_norm else 1, e), FLOAT),  # a norm's scale (and shift)
         plgpu.SMEM((TILE_K,), FLOAT),
         plgpu.SMEM((2, TILE_N), FLOAT),
         plgpu.SMEM((2, d // 2), FLOAT),

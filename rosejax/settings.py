@@ -314,8 +314,8 @@ class EngineConfig:
     # A file each engine step appends one JSON line to (`LLMEngine.step`: its timing, what it
     # prefilled and dispatched), for following a server's engine step by step; None: none.
     step_log: str | None = None
-    # The smallest decode program: smaller batches pad to it. None: the model family's on a GPU
-    # (GPT-2 16, Llama-style 1), 1 on a CPU.
+    # The smallest decode program: smaller batches pad to it (but a lone row, with the one-kernel
+    # step on). None: the model family's on a GPU (GPT-2 16, Llama-style 1), 1 on a CPU.
     min_decode_batch: int | None = dataclasses.field(default_factory=_default_min_decode_batch)
     kernels: KernelConfig | None = None  # None: KernelConfig.for_backend(**kernel_overrides)
     # (field, value) pairs for `KernelConfig.for_backend` (the --kernel and --kernel-tile flags,

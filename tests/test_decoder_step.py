@@ -546,40 +546,58 @@ def test_one_kernel_step_programs_auto_and_set():
         programs(kernels=eight, dtype=jnp.float32)
     with pytest.raises(ValueError, match="models on one device"):
         programs(kernels=eight, device=None)
+    # Llama 3.1 8B: its attention's and the weights' SMEM exceed an SM's (Mosaic GPU's check).
+    assert programs(config=preset("llama-3.1-8b")) == 0
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        programs(kernels=eight, config=preset("llama-3.1-8b"))
 
 
 @(pytest.mark.slow if not GPU else (lambda test: test))  # interpreted, a step takes a second
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_engine_one_kernel_step_matches_hf(hf_checkpoint, mosaic_gpu_interpreter, dtype):
+def test_engine_one_kernel_step_matches_hf(
+    hf_checkpoint, mosaic_gpu_interpreter, monkeypatch, dtype
+):
     """The engine at one row with the one-kernel step (bf16 or fp16, a GPU's default) gives HF's
     greedy tokens (fp32) up to a near-tie at that precision: on a GPU compiled at 8 programs, on
-    the CPU in the interpreter at one (fewer tokens: a step there takes a second)."""
+    the CPU in the interpreter at one (fewer tokens: a step there takes a second). The step is
+    what runs: its program traces the kernel, and a lone row has a bucket of its own even where
+    the smallest decode program takes 2 rows."""
     path, hf = hf_checkpoint
     programs, extra = (8, ()) if GPU else (1, (("interpret", True),))
+    traced = []
+
+    def spy(*args, **kwargs):
+        traced.append(kwargs["programs"])
+        return decoder_step(*args, **kwargs)
+
+    monkeypatch.setattr(one_kernel_step_module, "decoder_step", spy)
     llm = LLM(
         path,
         tokenizer=packaged_gpt2_tokenizer_path(),
         dtype=dtype,
         block_size=16,
         max_batch_size=1,
+        min_decode_batch=2,  # GPT-2's default on a GPU is 16
         kernel_overrides=(("decoder_step_programs", programs), *extra),
         warmup=False,
     )
+    assert llm.engine.decode_buckets[0] == 1
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 300, n).tolist() for n in ((1, 7, 70) if GPU else (7, 70))]
     new = 12 if GPU else 4
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+    for prompt in prompts:  # one at a time: each decodes as a lone row
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
         assert_matches_hf_greedy(hf, prompt, out.token_ids, new, rtol=3e-2)
+    assert traced and set(traced) == {programs}
 
 
 @pytest.mark.parametrize("live", [True, False])
 def test_one_kernel_step_glue_matches_model(checkpoint, monkeypatch, live):
     """The engine's route into the kernel (`one_kernel_step`: embedding (and GPT-2's position),
-    RoPE angles, the dead
-    row's scratch slot, final norm and head) with the XLA reference in the kernel's place: a
-    live row's logits and caches are the model's; a dead row (length 0) writes nothing but the
-    scratch block."""
+    RoPE angles, the dead row's scratch slot, final norm and head) with the XLA reference in the
+    kernel's place: a live row's logits and caches are the model's; a dead row (length 0) writes
+    nothing but the scratch block."""
     config, params = checkpoint
     shape = shape_of(config)
 

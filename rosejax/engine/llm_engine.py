@@ -294,8 +294,6 @@ class LLMEngine:
             logits_chunk=PROMPT_LOGPROBS_CHUNK,
         )
         gpu_min_batch = family_of(self.config).gpu_min_decode_batch
-        if self.kernels.decoder_step_programs:  # a row alone runs the one-kernel step, unpadded
-            gpu_min_batch = 1
         min_batch = config.min_decode_batch or (1 if on_cpu else gpu_min_batch)
         num_slots = max(self.max_batch_size, min_batch)
         # A window may add ceil(2K / block_size) + 1 blocks per row: K in flight, K reserved.
@@ -315,6 +313,8 @@ class LLMEngine:
             self.devices[0] if mesh is None else mesh,
         )
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
+        if self.kernels.decoder_step_programs and self.decode_buckets[0] > 1:
+            self.decode_buckets.insert(0, 1)  # a row alone runs the one-kernel step, unpadded
         self.seed = config.seed
         # Seeds of requests that bring none; each replica draws its own stream.
         self._seeds = np.random.default_rng(config.seed if replica == 0 else [config.seed, replica])

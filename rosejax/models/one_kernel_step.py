@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from pallas_kernels.decoder_step import (
     DecoderShape,
     decoder_step,
+    decoder_step_lowering_problem,
     decoder_step_problems,
     pack_decoder_weights,
 )
@@ -32,14 +33,15 @@ def one_kernel_step_problems(
     shape: DecoderShape, dtype, block_size: int, kernels: KernelConfig
 ) -> list[str]:
     """Why the step cannot run a model of `shape` on `kernels.decoder_step_programs` programs
-    (empty: it can)."""
-    return decoder_step_problems(
-        shape,
-        dtype,
-        block_size,
-        programs=kernels.decoder_step_programs,
-        interpret=kernels.interpret,
+    (empty: it can); compiled, whether Mosaic GPU can build it (its shared memory)."""
+    programs = kernels.decoder_step_programs
+    problems = decoder_step_problems(
+        shape, dtype, block_size, programs=programs, interpret=kernels.interpret
     )
+    if not problems and not kernels.interpret:
+        lowering = decoder_step_lowering_problem(shape, dtype, block_size, programs=programs)
+        problems += [lowering] if lowering else []
+    return problems
 
 
 def takes_one_kernel_step(
