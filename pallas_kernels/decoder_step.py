@@ -422,7 +422,7 @@ def decoder_step_kernel(
     stages: int,
     interpret: bool,
 ):
-    """One program's share of the step. Refs: tiles, norms, qk_norms, rope [2, D/2],
+    """One program's share of the step. Refs: tiles, norms, qk_norms, (biases,) rope [2, D/2],
     block_table [pages], seq_len [1]; h [E] float32, the L K and L V caches [H, blocks,
     block_size, D] (all three updated in place); the buffers between phases (q/k/v and gate/up
     partials, attention partials); scratch."""
@@ -528,11 +528,11 @@ def decoder_step_kernel(
                 for i, p_s in enumerate(parts_s)
             ]
             _copy_in(boxes, bars)
-            g, *u = [bf16(sum(p_s[i] for i in range(kt_e))) for p_s in parts_s]
-            if shape.gelu:
-                x_smem[...] = bf16(_gelu_tanh(g))
-            else:
-                x_smem[...] = bf16(bf16(g / (1.0 + jnp.exp(-g))) * u[0])
+            first, *up = [bf16(sum(p_s[i] for i in range(kt_e))) for p_s in parts_s]
+            if shape.gelu:  # first: up
+                x_smem[...] = bf16(_gelu_tanh(first))
+            else:  # first: gate
+                x_smem[...] = bf16(bf16(first / (1.0 + jnp.exp(-first))) * up[0])
 
         pl.run_scoped(scoped, *[plgpu.SMEM((kt_e, TILE_K), FLOAT)] * (1 if shape.gelu else 2))
 
@@ -973,7 +973,7 @@ def check_decoder_step(
 def decoder_step(
     weights: dict,  # pack_decoder_weights
     h: jax.Array,  # float32 [E]: the token's embedding
-    rope: jax.Array,  # float32 [2, D/2]: cos, sin of the token's position
+    rope: jax.Array,  # float32 [2, D/2]: cos, sin of the token's position (unread without RoPE)
     block_table: jax.Array,  # int32 [pages]: the row's pages
     seq_len: jax.Array,  # int32 [1]: its length with the step's token
     k_caches: list,  # L x [H, blocks, block_size, D]
