@@ -1,8 +1,9 @@
 """The one-kernel decode step (`pallas_kernels.decoder_step`; Llama family, Qwen2, GPT-2): its XLA
 reference against the model's own decode step (CPU, fp32, checkpoints written by transformers),
-and the kernel against that reference (bf16, poisoned caches, every element compared): on the CPU in jax's
-Mosaic GPU interpreter at one program (which needs no grid waits; it ignores layouts, so the CPU
-also lowers the kernel for a GPU at several shapes), on a GPU compiled at many."""
+and the kernel against that reference (bf16, poisoned caches, every element compared): on the
+CPU in jax's Mosaic GPU interpreter at one program (which needs no grid waits; it ignores
+layouts, so the CPU also lowers the kernel for a GPU at several shapes), on a GPU compiled at
+many."""
 
 from __future__ import annotations
 
