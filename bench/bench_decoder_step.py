@@ -1,4 +1,5 @@
-"""A decode step at one row: the Llama family's whole decoder in one persistent Mosaic GPU kernel
+"""A decode step at one row: a model's whole decoder (a Llama-family or GPT-2 preset's shape) in one
+persistent Mosaic GPU kernel
 (`pallas_kernels.decoder_step`) against the model's own step (`forward` of one token with the
 engine's kernels: the small-batch Pallas linears, the decode attention with its fused q/k norm,
 RoPE and append), in one process.
@@ -59,7 +60,8 @@ from rosejax.layers.attention import ForwardMetadata  # noqa: E402
 from rosejax.layers.kv_cache import KVCache  # noqa: E402
 from rosejax.layers.rotary import rope_cos_sin  # noqa: E402
 from rosejax.models import family_of, preset  # noqa: E402
-from rosejax.models.llama.model import final_logits, inv_freq  # noqa: E402
+from rosejax.models.gpt2 import model as gpt2_model  # noqa: E402
+from rosejax.models.llama import model as llama_model  # noqa: E402
 from rosejax.settings import KernelConfig  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -74,9 +76,33 @@ def decode_meta(table, context) -> ForwardMetadata:
     )
 
 
+GPT2 = "gpt2"
+
+
 def rope_at(config, context) -> jax.Array:
-    """float32 [2, D/2]: cos, sin of position context - 1."""
-    return jnp.stack(rope_cos_sin(context - 1, inv_freq(config)))
+    """float32 [2, D/2]: cos, sin of position context - 1 (GPT-2: zeros, no RoPE)."""
+    if config.model_type == GPT2:
+        return jnp.zeros((2, config.head_dim // 2), jnp.float32)
+    return jnp.stack(rope_cos_sin(context - 1, llama_model.inv_freq(config)))
+
+
+def embedded(config, params, token, context) -> jax.Array:
+    """float32 [E]: the token's h before the layers (GPT-2: its position's embedding added)."""
+    if config.model_type == GPT2:
+        position = params["wpe"]["embedding"][context - 1]
+        return (params["wte"]["embedding"][token] + position).astype(jnp.float32)
+    return params["embed_tokens"]["embedding"][token].astype(jnp.float32)
+
+
+def final_logits(params, config, h) -> jax.Array:  # [1, V]: the final norm and head in XLA
+    model = gpt2_model if config.model_type == GPT2 else llama_model
+    return model.final_logits(params, config, h)
+
+
+def with_layers(config, layers: int):
+    return dataclasses.replace(
+        config, **{"n_layer" if config.model_type == GPT2 else "num_hidden_layers": layers}
+    )
 
 
 def model_step(config, kernels):
@@ -100,7 +126,7 @@ def kernel_step(config, run):
 
     def logits(carry, weights, params, table, context):
         token, ks, vs = carry
-        h = params["embed_tokens"]["embedding"][token[0, 0]].astype(jnp.float32)
+        h = embedded(config, params, token[0, 0], context)
         seq_len = jnp.full((1,), context, jnp.int32)
         h, ks, vs = run(weights, params, h, rope_at(config, context), table, seq_len, ks, vs)
         return final_logits(params, config, h)[0], ks, vs
@@ -111,6 +137,20 @@ def kernel_step(config, run):
 
     step.logits = logits
     return step
+
+
+def variant_shape(module, shape):
+    """`shape` as `module`'s own DecoderShape class; a field an older module lacks must hold its
+    default (a GPT-2 shape cannot run on a module from before GPT-2)."""
+    fields = {f.name for f in dataclasses.fields(module.DecoderShape)}
+    lacking = [
+        f.name
+        for f in dataclasses.fields(shape)
+        if f.name not in fields and getattr(shape, f.name) != f.default
+    ]
+    if lacking:
+        raise SystemExit(f"{module.__name__} has no DecoderShape field {', '.join(lacking)}")
+    return module.DecoderShape(**{k: getattr(shape, k) for k in fields})
 
 
 def kernel_module(spec: str) -> tuple[str, object]:
@@ -176,7 +216,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="qwen3-0.6b", help="a Llama-family preset's shape")
+    p.add_argument("--model", default="qwen3-0.6b", help="a Llama-family or GPT-2 preset's shape")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the preset's")
     p.add_argument("--context", type=ints, default=[16, 136, 1024], help="comma list of lengths")
     p.add_argument("--programs", type=int, default=None, help="kernel programs (default: SMs)")
@@ -212,18 +252,14 @@ def main() -> None:
             p.error("--profile: the profiler writes from a host callback: JAX_PLATFORMS=cuda,cpu")
     config = preset(args.model)
     if args.quick:  # the reference on the CPU, at widths the kernel's tiles take
-        config = dataclasses.replace(
-            config,
-            vocab_size=512,
-            hidden_size=256,
-            intermediate_size=512,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-        )
+        narrow = dict(vocab_size=512, n_embd=256, n_head=4, n_inner=512)
+        if config.model_type != GPT2:
+            narrow = dict(vocab_size=512, hidden_size=256, intermediate_size=512)
+            narrow |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+        config = dataclasses.replace(config, **narrow)
         args.layers, args.context, args.iters, args.repeats = 2, [20, 70], 2, 1
     if args.layers:
-        config = dataclasses.replace(config, num_hidden_layers=args.layers)
+        config = with_layers(config, args.layers)
     programs = args.programs or getattr(jax.devices()[0], "core_count", 128)
     kernels = KernelConfig.for_backend()
     params = family_of(config).random_params(config, seed=0, dtype=jnp.bfloat16)
@@ -232,7 +268,7 @@ def main() -> None:
     def kernel_run(module, profile_dir: str = ""):
         """(weights packed by `module`, its step's decoder) for `kernel_step`; with
         `profile_dir`, the decoder under the profiler (2 stages unless --stages)."""
-        shape = module.DecoderShape.of(config)
+        shape = variant_shape(module, family_of(config).decoder_shape(config))
 
         def run(weights, params, *inputs):
             if args.quick:
@@ -254,7 +290,7 @@ def main() -> None:
     pages = -(-max(args.context) // BLOCK_SIZE)
     table = jnp.asarray(1 + rng.permutation(pages), jnp.int32)
     cache_shape = (config.num_kv_heads, pages + 1, BLOCK_SIZE, config.head_dim)
-    layers = range(config.num_hidden_layers)
+    layers = range(config.num_layers)
     ks = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
     vs = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
     token = jnp.asarray([[int(rng.integers(config.vocab_size))]], jnp.int32)
