@@ -58,10 +58,7 @@ from bench.common import (  # noqa: E402
 )
 from rosejax.layers.attention import ForwardMetadata  # noqa: E402
 from rosejax.layers.kv_cache import KVCache  # noqa: E402
-from rosejax.layers.rotary import rope_cos_sin  # noqa: E402
 from rosejax.models import family_of, preset  # noqa: E402
-from rosejax.models.gpt2 import model as gpt2_model  # noqa: E402
-from rosejax.models.llama import model as llama_model  # noqa: E402
 from rosejax.settings import KernelConfig  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -77,26 +74,6 @@ def decode_meta(table, context) -> ForwardMetadata:
 
 
 GPT2 = "gpt2"
-
-
-def rope_at(config, context) -> jax.Array:
-    """float32 [2, D/2]: cos, sin of position context - 1 (GPT-2: zeros, no RoPE)."""
-    if config.model_type == GPT2:
-        return jnp.zeros((2, config.head_dim // 2), jnp.float32)
-    return jnp.stack(rope_cos_sin(context - 1, llama_model.inv_freq(config)))
-
-
-def embedded(config, params, token, context) -> jax.Array:
-    """float32 [E]: the token's h before the layers (GPT-2: its position's embedding added)."""
-    if config.model_type == GPT2:
-        position = params["wpe"]["embedding"][context - 1]
-        return (params["wte"]["embedding"][token] + position).astype(jnp.float32)
-    return params["embed_tokens"]["embedding"][token].astype(jnp.float32)
-
-
-def final_logits(params, config, h) -> jax.Array:  # [1, V]: the final norm and head in XLA
-    model = gpt2_model if config.model_type == GPT2 else llama_model
-    return model.final_logits(params, config, h)
 
 
 def with_layers(config, layers: int):
@@ -126,10 +103,11 @@ def kernel_step(config, run):
 
     def logits(carry, weights, params, table, context):
         token, ks, vs = carry
-        h = embedded(config, params, token[0, 0], context)
+        family = family_of(config)
+        h, rope = family.one_kernel_inputs(params, config, token[0, 0], context - 1)
         seq_len = jnp.full((1,), context, jnp.int32)
-        h, ks, vs = run(weights, params, h, rope_at(config, context), table, seq_len, ks, vs)
-        return final_logits(params, config, h)[0], ks, vs
+        h, ks, vs = run(weights, params, h, rope, table, seq_len, ks, vs)
+        return family.final_logits(params, config, h)[0], ks, vs
 
     def step(*args):
         out, ks, vs = logits(*args)

@@ -32,12 +32,8 @@ from pallas_kernels.decoder_step import (
 from rosejax import LLM, SamplingParams
 from rosejax.layers.attention import ForwardMetadata
 from rosejax.layers.kv_cache import init_kv_cache
-from rosejax.layers.rotary import rope_cos_sin
 from rosejax.models import family, family_of, one_kernel_step_programs, preset
 from rosejax.models import one_kernel_step as one_kernel_step_module
-from rosejax.models.gpt2 import model as gpt2_model
-from rosejax.models.llama import model as llama_model
-from rosejax.models.llama.model import inv_freq
 from rosejax.models.loader import load_checkpoint
 from rosejax.models.one_kernel_step import DECODER_STEP, with_decoder_step
 from rosejax.settings import XLA_KERNELS, KernelConfig
@@ -125,29 +121,9 @@ def step_inputs(config, params, cached: int, rng):
         _, cache = run(0, cached, cache)
     before = cache
     logits, after = run(cached, 1, cache)
-    inputs = (embedded(config, params, tokens[cached], cached), rope_of(config, cached))
+    inputs = family_of(config).one_kernel_inputs(params, config, tokens[cached], cached)
     inputs += (table, jnp.asarray([cached + 1], jnp.int32))
     return logits[0, 0], after, inputs, before
-
-
-def embedded(config, params, token: int, position: int) -> jax.Array:
-    """The token's h before the layers, float32 [E] (GPT-2: its position's embedding added)."""
-    if config.model_type == "gpt2":
-        h = params["wte"]["embedding"][token] + params["wpe"]["embedding"][position]
-    else:
-        h = params["embed_tokens"]["embedding"][token]
-    return h.astype(jnp.float32)
-
-
-def rope_of(config, position: int) -> jax.Array:
-    """cos, sin of the position [2, D/2] (GPT-2: zeros, no RoPE)."""
-    if config.model_type == "gpt2":
-        return jnp.zeros((2, shape_of(config).head_dim // 2), jnp.float32)
-    return jnp.stack(rope_cos_sin(jnp.asarray(position), inv_freq(config)))
-
-
-def final_logits(params, config, h) -> jax.Array:
-    return family_module(config).final_logits(params, config, h)
 
 
 @pytest.mark.parametrize("cached", [0, pytest.param(9, marks=pytest.mark.slow), 77, 150])
@@ -158,7 +134,7 @@ def test_reference_matches_model(checkpoint, cached):
     shape = shape_of(config)
     logits, after, inputs, before = step_inputs(config, params, cached, np.random.default_rng(7))
     h, ks, vs = decoder_step_reference(params, shape, *inputs, before.k, before.v)
-    assert rel_err(final_logits(params, config, h)[0], logits) <= 1e-5
+    assert rel_err(family_of(config).final_logits(params, config, h)[0], logits) <= 1e-5
     for got, want in zip(ks + vs, after.k + after.v, strict=True):
         assert rel_err(got, want) <= 1e-5
 
@@ -371,10 +347,6 @@ def shape_of(config) -> DecoderShape:
     return family_of(config).decoder_shape(config)
 
 
-def family_module(config):  # the model module: its final_logits
-    return gpt2_model if config.model_type == "gpt2" else llama_model
-
-
 def wide_params(config, seed: int, rng) -> dict:
     """bf16 random params whose every part moves h: weights 5x the init (std 0.1), norm scales
     random around 1."""
@@ -405,10 +377,7 @@ def check_kernel_against_reference(
     layers = range(shape.layers)
     ks = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
     vs = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
-    if shape.rope:
-        rope = jnp.stack(rope_cos_sin(jnp.asarray(cached), inv_freq(config)))
-    else:  # GPT-2: positions are in the embedding
-        rope = jnp.zeros((2, shape.head_dim // 2), jnp.float32)
+    _, rope = family_of(config).one_kernel_inputs(params, config, 0, cached)
     h0 = jnp.asarray(rng.normal(size=shape.hidden), jnp.float32)
     inputs = (h0, rope, table, jnp.asarray([cached + 1], jnp.int32))
     want = decoder_step_reference(params, shape, *inputs, ks, vs)

@@ -43,6 +43,10 @@ class ModelFamily:
     # config -> the sizes of its one-kernel decode step (`KernelConfig.decoder_step_programs`,
     # `rosejax.models.one_kernel_step`); None: the family has no such step.
     decoder_shape: Callable[[Any], DecoderShape] | None = None
+    # (params, config, token, position) -> that step's h before the layers and its RoPE angles;
+    # (params, config, h) -> the final norm and head's logits [1, V] (XLA).
+    one_kernel_inputs: Callable[..., tuple] | None = None
+    final_logits: Callable[..., Any] | None = None
     # Whether `decoder_step_programs`' auto turns that step on (its GPU speed measured).
     decoder_step_auto: bool = False
 
@@ -59,6 +63,8 @@ _LLAMA = ModelFamily(
     # program holds (one 32k-token row: 2.87 ms/step in a 1-row program, 13.6 padded to 16; H100).
     gpu_min_decode_batch=1,
     decoder_shape=DecoderShape.of,
+    one_kernel_inputs=llama_model.one_kernel_inputs,
+    final_logits=llama_model.final_logits,
     decoder_step_auto=True,
 )
 
@@ -73,6 +79,8 @@ FAMILIES: dict[str, ModelFamily] = {
         shard_layout=gpt2_model.shard_layout,
         gpu_min_decode_batch=DEFAULT_GPU_MIN_DECODE_BATCH,
         decoder_shape=gpt2_model.decoder_shape,
+        one_kernel_inputs=gpt2_model.one_kernel_inputs,
+        final_logits=gpt2_model.final_logits,
     ),
     **{model_type: _LLAMA for model_type in llama_config.MODEL_TYPES},
 }

@@ -220,13 +220,20 @@ def one_kernel_step(
 ) -> tuple[jax.Array, KVCache]:
     """A decode step of one row: every layer in `pallas_kernels.decoder_step` (the residual
     stream in float32), then ln_f and the tied head in XLA."""
-    shape = decoder_shape(config)
     seq_len, _ = row_of(meta)
-    position = jnp.clip(seq_len[0] - 1, 0, config.n_positions - 1)
-    h = params["wte"]["embedding"][tokens[0, 0]] + params["wpe"]["embedding"][position]
-    rope = jnp.zeros((2, shape.head_dim // 2), jnp.float32)  # positions came with h
-    h, cache = run_layers(params, shape, h.astype(jnp.float32), rope, meta, cache, kernels)
+    h, rope = one_kernel_inputs(params, config, tokens[0, 0], seq_len[0] - 1)
+    h, cache = run_layers(params, decoder_shape(config), h, rope, meta, cache, kernels)
     return final_logits(params, config, h)[:, None], cache
+
+
+def one_kernel_inputs(
+    params: dict, config: GPT2Config, token: jax.Array, position: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The step's h before the layers (float32 [E]: the token's and its position's embeddings,
+    summed in the params' dtype as the model does) and zeros for RoPE's cos, sin [2, D/2]."""
+    position = jnp.clip(position, 0, config.n_positions - 1)
+    h = params["wte"]["embedding"][token] + params["wpe"]["embedding"][position]
+    return h.astype(jnp.float32), jnp.zeros((2, config.head_dim // 2), jnp.float32)
 
 
 def final_logits(params: dict, config: GPT2Config, h: jax.Array) -> jax.Array:

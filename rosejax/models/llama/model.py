@@ -220,11 +220,18 @@ def one_kernel_step(
     """A decode step of one row: every layer in `pallas_kernels.decoder_step` (the residual
     stream in float32), then the final norm and LM head in XLA."""
     seq_len, _ = row_of(meta)
-    cos, sin = rope_cos_sin(seq_len - 1, inv_freq(config))  # [1, D/2] each
-    h = params["embed_tokens"]["embedding"][tokens[0, 0]].astype(jnp.float32)
-    rope = jnp.concatenate([cos, sin])
+    h, rope = one_kernel_inputs(params, config, tokens[0, 0], seq_len[0] - 1)
     h, cache = run_layers(params, DecoderShape.of(config), h, rope, meta, cache, kernels)
     return final_logits(params, config, h)[:, None], cache
+
+
+def one_kernel_inputs(
+    params: dict, config: LlamaConfig, token: jax.Array, position: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The step's h before the layers (float32 [E]) and the cos, sin of its position [2, D/2]."""
+    cos, sin = rope_cos_sin(jnp.reshape(position, (1,)), inv_freq(config))  # [1, D/2] each
+    h = params["embed_tokens"]["embedding"][token].astype(jnp.float32)
+    return h, jnp.concatenate([cos, sin])
 
 
 def final_logits(params: dict, config: LlamaConfig, h: jax.Array) -> jax.Array:
