@@ -95,21 +95,6 @@ class DecoderShape:
     gelu: bool = False
     rope: bool = True
 
-    @classmethod
-    def of(cls, config) -> DecoderShape:
-        """From a `rosejax.models.llama.config.LlamaConfig`."""
-        return cls(
-            layers=config.num_hidden_layers,
-            hidden=config.hidden_size,
-            heads=config.num_attention_heads,
-            kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            intermediate=config.intermediate_size,
-            eps=config.rms_norm_eps,
-            qk_norm=config.qk_norm,
-            biases=config.qkv_bias or config.o_bias or config.mlp_bias,
-        )
-
     @property
     def qkv_width(self) -> int:
         return (self.heads + 2 * self.kv_heads) * self.head_dim

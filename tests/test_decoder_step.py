@@ -207,7 +207,7 @@ def test_decoder_schedule_orders_every_phase(preset_name, programs):
     can move): none is left waiting, and each wait ends only once every producer of what
     follows has signalled (the previous layer for q/k/v, q/k/v for the attention items, the
     items for o_proj, then each phase for the next)."""
-    shape = DecoderShape.of(dataclasses.replace(preset(preset_name), num_hidden_layers=3))
+    shape = shape_of(dataclasses.replace(preset(preset_name), num_hidden_layers=3))
     schedule = decoder_schedule(shape, programs)
     taken = schedule.tiles[schedule.tiles >= 0]
     assert sorted(taken.tolist()) == list(range(sum(shape.phase_tiles())))

@@ -62,7 +62,7 @@ _LLAMA = ModelFamily(
     # Each batch its own bucket: the split-K decode attention sizes its splits from the rows a
     # program holds (one 32k-token row: 2.87 ms/step in a 1-row program, 13.6 padded to 16; H100).
     gpu_min_decode_batch=1,
-    decoder_shape=DecoderShape.of,
+    decoder_shape=llama_model.decoder_shape,
     one_kernel_inputs=llama_model.one_kernel_inputs,
     final_logits=llama_model.final_logits,
     decoder_step_auto=True,

@@ -209,6 +209,22 @@ class LlamaModel(nn.Module):
         return logits[..., : cfg.vocab_size], cache.replace(k=ks, v=vs)
 
 
+def decoder_shape(config: LlamaConfig) -> DecoderShape:
+    """The one-kernel decode step's sizes of a Llama-family model (`pallas_kernels.decoder_step`;
+    Qwen2's biases included)."""
+    return DecoderShape(
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        intermediate=config.intermediate_size,
+        eps=config.rms_norm_eps,
+        qk_norm=config.qk_norm,
+        biases=config.qkv_bias or config.o_bias or config.mlp_bias,
+    )
+
+
 def one_kernel_step(
     params: dict,
     config: LlamaConfig,
@@ -221,7 +237,7 @@ def one_kernel_step(
     stream in float32), then the final norm and LM head in XLA."""
     seq_len, _ = row_of(meta)
     h, rope = one_kernel_inputs(params, config, tokens[0, 0], seq_len[0] - 1)
-    h, cache = run_layers(params, DecoderShape.of(config), h, rope, meta, cache, kernels)
+    h, cache = run_layers(params, decoder_shape(config), h, rope, meta, cache, kernels)
     return final_logits(params, config, h)[:, None], cache
 
 
