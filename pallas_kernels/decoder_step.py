@@ -100,6 +100,10 @@ class DecoderShape:
         return (self.heads + 2 * self.kv_heads) * self.head_dim
 
     @property
+    def norm_rows(self) -> int:  # a norm's parameters: its scale, and LayerNorm's shift
+        return 2 if self.layer_norm else 1
+
+    @property
     def up_width(self) -> int:  # the MLP's first projection: gate and up, or up alone
         return self.intermediate * (1 if self.gelu else 2)
 
@@ -164,7 +168,7 @@ def _bias(dense: dict, shape: DecoderShape) -> jax.Array | None:
     o_proj and MLP), None without biases."""
     if not shape.biases:
         return None
-    return dense.get("bias", jnp.zeros(dense["kernel"].shape[1], FLOAT))
+    return dense["bias"] if "bias" in dense else jnp.zeros(dense["kernel"].shape[1], FLOAT)
 
 
 def _bias_tiles(bias: jax.Array, k_ranges: int) -> jax.Array:  # [N] -> [K/256 * N/64, 64]
@@ -462,7 +466,7 @@ def decoder_step_kernel(
 
     # 128 threads each 4 (2 where hidden is an odd multiple of 256) of h's elements a vector.
     h_layout = plgpu.Layout.WG_STRIDED((e,), math.gcd(4, e // 128))
-    norm_rows = 2 if shape.layer_norm else 1  # a norm's scale, and LayerNorm's shift
+    norm_rows = shape.norm_rows
 
     def normalize_h():
         """h normalized into SMEM once a run of a norm's tiles (its scale and shift's copy waited
@@ -1018,7 +1022,7 @@ def decoder_step(
         plgpu.SMEM((stages, TILE_N, TILE_K), dtype, transforms=RING_TRANSFORMS),
         plgpu.Barrier(num_barriers=stages),
         plgpu.SMEM((e,), FLOAT),
-        plgpu.SMEM((2 if shape.layer_norm else 1, e), FLOAT),  # a norm's scale (and shift)
+        plgpu.SMEM((shape.norm_rows, e), FLOAT),  # a norm's scale (and shift)
         plgpu.SMEM((TILE_K,), FLOAT),
         plgpu.SMEM((2, TILE_N), FLOAT),
         plgpu.SMEM((2, d // 2), FLOAT),
