@@ -11,9 +11,11 @@ the ratio, the weights' GB/s and the logits' relative difference (and whether th
 `--variant NAME=FILE` adds another version of the kernel's module (a copy of
 pallas_kernels/decoder_step.py, e.g. an older commit's or a change under trial) to the same
 process, timed and checked the same way: variants of one kernel differ by a few percent, less than
-separate processes do. `--quick` (CPU smoke): tiny sizes, the XLA reference
-(`decoder_step_reference`) in each kernel's place (the kernel runs in jax's Mosaic GPU interpreter
-only at one program, which times nothing; the tests run it there).
+separate processes do; `NAME=FILE,KEY=INT,...` calls it with those keyword arguments (the
+kernel's own module with other settings: `st3=pallas_kernels/decoder_step.py,stages=3`).
+`--quick` (CPU smoke): tiny sizes, the XLA reference (`decoder_step_reference`) in each kernel's
+place (the kernel runs in jax's Mosaic GPU interpreter only at one program, which times nothing;
+the tests run it there).
 
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/bench_decoder_step.py --context 16,136,1024
     git show REV:pallas_kernels/decoder_step.py > /tmp/ds_rev.py
@@ -131,16 +133,22 @@ def variant_shape(module, shape):
     return module.DecoderShape(**{k: getattr(shape, k) for k in fields})
 
 
-def kernel_module(spec: str) -> tuple[str, object]:
-    """`NAME=FILE` -> (NAME, FILE imported as a module of its own)."""
-    name, sep, path = spec.partition("=")
+def kernel_module(spec: str) -> tuple[str, object, dict]:
+    """`NAME=FILE[,KEY=INT...]` -> (NAME, FILE imported as a module of its own, the keyword
+    arguments its `decoder_step` takes beside the bench's)."""
+    name, sep, rest = spec.partition("=")
+    path, *options = rest.split(",")
     if not sep or not name or not os.path.isfile(path):
         raise argparse.ArgumentTypeError(f"expected NAME=FILE of an existing file, got {spec!r}")
+    try:
+        keywords = {k: int(v) for k, v in (option.split("=") for option in options)}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected KEY=INT options, got {spec!r}") from None
     module_spec = importlib.util.spec_from_file_location(f"decoder_step_{name}", path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_spec.name] = module  # dataclasses look their module up by name
     module_spec.loader.exec_module(module)
-    return name, module
+    return name, module, keywords
 
 
 def sm_clock_mhz() -> float:
@@ -210,8 +218,10 @@ def main() -> None:
         type=kernel_module,
         action="append",
         default=[],
-        metavar="NAME=FILE",
-        help="another version of pallas_kernels/decoder_step.py to time beside it (repeatable)",
+        metavar="NAME=FILE[,KEY=INT...]",
+        help="another version of pallas_kernels/decoder_step.py to time beside it, with keyword"
+        " arguments of its decoder_step, e.g. st3=pallas_kernels/decoder_step.py,stages=3"
+        " (repeatable)",
     )
     p.add_argument(
         "--profile",
@@ -241,9 +251,9 @@ def main() -> None:
     programs = args.programs or getattr(jax.devices()[0], "core_count", 128)
     kernels = KernelConfig.for_backend()
     params = family_of(config).random_params(config, seed=0, dtype=jnp.bfloat16)
-    modules = [("kernel", pallas_kernels.decoder_step), *args.variant]
+    modules = [("kernel", pallas_kernels.decoder_step, {}), *args.variant]
 
-    def kernel_run(module, profile_dir: str = ""):
+    def kernel_run(module, keywords: dict, profile_dir: str = ""):
         """(weights packed by `module`, its step's decoder) for `kernel_step`; with
         `profile_dir`, the decoder under the profiler (2 stages unless --stages)."""
         shape = variant_shape(module, family_of(config).decoder_shape(config))
@@ -251,15 +261,10 @@ def main() -> None:
         def run(weights, params, *inputs):
             if args.quick:
                 return module.decoder_step_reference(params, shape, *inputs)
-            return module.decoder_step(
-                weights,
-                *inputs,
-                shape=shape,
-                programs=programs,
-                splits=args.splits,
-                stages=args.stages or (2 if profile_dir else None),
-                **({"profile_dir": profile_dir} if profile_dir else {}),
-            )
+            settings = dict(programs=programs, splits=args.splits)
+            settings["stages"] = args.stages or (2 if profile_dir else None)
+            settings |= {"profile_dir": profile_dir} if profile_dir else {}
+            return module.decoder_step(weights, *inputs, shape=shape, **settings | keywords)
 
         return module.pack_decoder_weights(params, shape), run
 
@@ -273,8 +278,8 @@ def main() -> None:
     vs = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
     token = jnp.asarray([[int(rng.integers(config.vocab_size))]], jnp.int32)
     steps = {"model": (model_step(config, kernels), (params,))}
-    for name, module in modules:
-        weights, run = kernel_run(module)
+    for name, module, keywords in modules:
+        weights, run = kernel_run(module, keywords)
         steps[name] = (kernel_step(config, run), (weights, params))
     tiles = steps["kernel"][1][0]["tiles"]  # every version streams the same layers' weights
     weight_bytes = tiles.size * tiles.dtype.itemsize
@@ -332,7 +337,7 @@ def main() -> None:
     for context in args.context if args.profile else ():
         out_dir = os.path.join(args.profile, f"ctx{context}")
         print(f"profile at context {context} ({out_dir}):", flush=True)
-        weights, run = kernel_run(pallas_kernels.decoder_step, out_dir)
+        weights, run = kernel_run(pallas_kernels.decoder_step, {}, out_dir)
         operands = ((token, ks, vs), weights, params, table, jnp.int32(context))
         profile(kernel_step(config, run).logits, operands, out_dir)
 
