@@ -178,10 +178,9 @@ class KernelConfig:
     # Decode steps of one row run a GPT-2 or Llama-family decoder's every layer as one
     # persistent Mosaic GPU kernel of this many programs (`pallas_kernels.decoder_step`; at most
     # the GPU's SMs, with a second, tiled copy of the layers' weights); 0: off. None (auto): the
-    # GPU's SMs where every decode step is one row (max_batch_size 1), the family's step was
-    # measured on a GPU (Llama: 0.715x the per-op kernels' B=1 step, Qwen3-0.6B, H100; GPT-2's
-    # not yet) and the kernel runs the model on that GPU, else off; a forward takes None as off
-    # (the engine hands it the count it resolved).
+    # GPU's SMs where every decode step is one row (max_batch_size 1) and the kernel runs the
+    # model on that GPU (B=1 step against the per-op kernels', H100: Qwen3-0.6B 0.715x, GPT-2
+    # 0.66x), else off; a forward takes None as off (the engine hands it the count it resolved).
     decoder_step_programs: int | None = None
     # Tile overrides, ((op, parameter, value), ...): keyword arguments of that op's kernel,
     # e.g. ("linear", "num_warps", 2). Ops: kv_append, attention, prefill_attention, layer_norm,

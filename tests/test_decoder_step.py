@@ -505,7 +505,8 @@ def test_one_kernel_step_programs_auto_and_set():
     assert programs(max_batch_size=2) == 0  # rows a step: the per-op kernels' batch
     assert programs(device=types.SimpleNamespace(platform="cpu")) == 0
     assert programs(device=None) == 0  # tensor parallel
-    assert programs(config=preset("gpt2")) == 0  # not measured on a GPU yet: set it to run
+    assert programs(config=preset("gpt2")) == sms
+    assert programs(config=preset("gpt2-xl")) == 0  # hidden 1,600: not in 256-wide tiles
     assert programs(dtype=jnp.float32) == 0
     assert programs(block_size=128) == 0
     assert programs(config=dataclasses.replace(qwen, qkv_bias=True)) == sms  # Qwen2's biases

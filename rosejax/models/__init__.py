@@ -47,8 +47,6 @@ class ModelFamily:
     # (params, config, h) -> the final norm and head's logits [1, V] (XLA).
     one_kernel_inputs: Callable[..., tuple] | None = None
     final_logits: Callable[..., Any] | None = None
-    # Whether `decoder_step_programs`' auto turns that step on (its GPU speed measured).
-    decoder_step_auto: bool = False
 
 
 _LLAMA = ModelFamily(
@@ -65,7 +63,6 @@ _LLAMA = ModelFamily(
     decoder_shape=llama_model.decoder_shape,
     one_kernel_inputs=llama_model.one_kernel_inputs,
     final_logits=llama_model.final_logits,
-    decoder_step_auto=True,
 )
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -146,14 +143,13 @@ def one_kernel_step_programs(
     """`kernels.decoder_step_programs` resolved for an engine of this model on `device` (None:
     on several devices). Set, it must run (else a ValueError: what keeps it from running); 0:
     off; None (auto): the GPU's SMs where every decode step is one row (max_batch_size 1), the
-    family's step is measured on a GPU (`decoder_step_auto`) and the kernel runs the model
-    there, else 0."""
+    family has the step and the kernel runs the model there, else 0 (measured on an H100 for
+    Qwen3-0.6B and GPT-2: docs/performance-log.md)."""
     programs = kernels.decoder_step_programs
-    fam = family_of(config)
-    shape_of = fam.decoder_shape
+    shape_of = family_of(config).decoder_shape
     if programs is None:
         sms = getattr(device, "core_count", 0)  # a GPU's SMs; a CPU's device has none
-        if not sms or device.platform == "cpu" or max_batch_size != 1 or not fam.decoder_step_auto:
+        if not sms or device.platform == "cpu" or max_batch_size != 1 or shape_of is None:
             return 0
         auto = dataclasses.replace(kernels, decoder_step_programs=sms)
         return 0 if one_kernel_step_problems(shape_of(config), dtype, block_size, auto) else sms
