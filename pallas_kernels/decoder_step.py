@@ -856,9 +856,10 @@ def decoder_step_problems(
     stages: int = 4,
     interpret: bool = False,
     profile_dir: str = "",
+    device: jax.Device | None = None,
 ) -> list[str]:
     """Why the kernel cannot run a model of `shape` with `dtype` weights and caches of
-    `block_size` tokens a page on jax's first device (empty: it can)."""
+    `block_size` tokens a page on `device` (default: jax's first; empty: it can)."""
     d, e, f = shape.head_dim, shape.hidden, shape.intermediate
     splits = default_splits(shape, programs) if splits is None else splits
     problems = []
@@ -887,7 +888,7 @@ def decoder_step_problems(
         problems.append(f"the interpreter runs one program (programs=1), got {programs}")
     if interpret and profile_dir:
         problems.append("the interpreter has no profiler: profile_dir needs a GPU")
-    device = jax.devices()[0]
+    device = jax.devices()[0] if device is None else device
     capability = getattr(device, "compute_capability", None)
     if not interpret and capability is not None and not str(capability).startswith("9."):
         problems.append(f"a Hopper GPU (WGMMA: compute capability 9.x) is needed, got {capability}")

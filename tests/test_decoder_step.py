@@ -492,8 +492,8 @@ def test_one_kernel_step_programs_auto_and_set():
     """Auto (None): a Hopper GPU's SMs for a one-row engine of a model the kernel runs, else off;
     a count that is set runs or is a ValueError that says why."""
     qwen = preset("qwen3-0.6b")
-    sms = getattr(jax.devices()[0], "core_count", 132)  # the kernel's check reads this GPU's
-    gpu = types.SimpleNamespace(platform="gpu", core_count=sms)
+    sms = 132  # the engine's device's, which the kernel's checks read
+    gpu = types.SimpleNamespace(platform="gpu", core_count=sms, compute_capability="9.0")
     auto, eight = KernelConfig(), KernelConfig(decoder_step_programs=8)
 
     def programs(config=qwen, dtype=jnp.bfloat16, kernels=auto, **engine):
@@ -513,6 +513,14 @@ def test_one_kernel_step_programs_auto_and_set():
     assert programs(kernels=eight, max_batch_size=64) == 8
     assert programs(kernels=eight, config=preset("gpt2")) == 8
     assert programs(kernels=KernelConfig(decoder_step_programs=0)) == 0
+    small = types.SimpleNamespace(platform="gpu", core_count=6, compute_capability="9.0")
+    assert programs(device=small) == 6
+    with pytest.raises(ValueError, match="must not exceed the GPU's 6 SMs"):
+        programs(kernels=eight, device=small)
+    ampere = types.SimpleNamespace(platform="gpu", core_count=sms, compute_capability="8.0")
+    assert programs(device=ampere) == 0
+    with pytest.raises(ValueError, match="a Hopper GPU"):
+        programs(kernels=eight, device=ampere)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         programs(kernels=eight, dtype=jnp.float32)
     with pytest.raises(ValueError, match="models on one device"):

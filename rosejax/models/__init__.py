@@ -152,13 +152,14 @@ def one_kernel_step_programs(
         if not sms or device.platform == "cpu" or max_batch_size != 1 or shape_of is None:
             return 0
         auto = dataclasses.replace(kernels, decoder_step_programs=sms)
-        return 0 if one_kernel_step_problems(shape_of(config), dtype, block_size, auto) else sms
+        problems = one_kernel_step_problems(shape_of(config), dtype, block_size, auto, device)
+        return 0 if problems else sms
     if programs:
         if shape_of is None or device is None:
             raise ValueError(
                 "decoder_step_programs: the one-kernel decode step runs GPT-2 and Llama-family "
                 "models on one device"
             )
-        if found := one_kernel_step_problems(shape_of(config), dtype, block_size, kernels):
+        if found := one_kernel_step_problems(shape_of(config), dtype, block_size, kernels, device):
             raise ValueError("decoder_step_programs: " + "; ".join(found))
     return programs

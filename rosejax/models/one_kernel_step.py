@@ -30,13 +30,14 @@ def with_decoder_step(params: dict, shape: DecoderShape) -> dict:
 
 
 def one_kernel_step_problems(
-    shape: DecoderShape, dtype, block_size: int, kernels: KernelConfig
+    shape: DecoderShape, dtype, block_size: int, kernels: KernelConfig, device: jax.Device
 ) -> list[str]:
     """Why the step cannot run a model of `shape` on `kernels.decoder_step_programs` programs
-    (empty: it can); compiled, whether Mosaic GPU can build it (its shared memory)."""
+    of `device` (empty: it can); compiled, whether Mosaic GPU can build it (its shared
+    memory)."""
     programs = kernels.decoder_step_programs
     problems = decoder_step_problems(
-        shape, dtype, block_size, programs=programs, interpret=kernels.interpret
+        shape, dtype, block_size, programs=programs, interpret=kernels.interpret, device=device
     )
     if not problems and not kernels.interpret:
         lowering = decoder_step_lowering_problem(shape, dtype, block_size, programs=programs)
