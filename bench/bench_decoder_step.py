@@ -258,15 +258,21 @@ def main() -> None:
         `profile_dir`, the decoder under the profiler (2 stages unless --stages)."""
         shape = variant_shape(module, family_of(config).decoder_shape(config))
 
+        def layers(params):  # what the module's packing and reference take (modules from
+            # before `DecoderLayer` took the params themselves)
+            if not hasattr(module, "DecoderLayer"):
+                return params
+            return family_of(config).decoder_layers(params, config)
+
         def run(weights, params, *inputs):
             if args.quick:
-                return module.decoder_step_reference(params, shape, *inputs)
+                return module.decoder_step_reference(layers(params), shape, *inputs)
             settings = dict(programs=programs, splits=args.splits)
             settings["stages"] = args.stages or (2 if profile_dir else None)
             settings |= {"profile_dir": profile_dir} if profile_dir else {}
             return module.decoder_step(weights, *inputs, shape=shape, **settings | keywords)
 
-        return module.pack_decoder_weights(params, shape), run
+        return module.pack_decoder_weights(layers(params), shape), run
 
     # One cache and block table for the longest context: the lengths differ only in an operand.
     rng, rows = np.random.default_rng(0), []

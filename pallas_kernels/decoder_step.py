@@ -44,6 +44,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -130,45 +132,23 @@ def _w_tiles(kernel: jax.Array) -> jax.Array:  # [K, N] -> [K/256 * N/64, 64, 25
     return t.transpose(0, 2, 3, 1).reshape(-1, TILE_N, TILE_K)
 
 
-def _layers(params: dict, shape: DecoderShape) -> list[dict]:
-    """Each layer's parts under one set of names, from rosejax Llama-family params (layers_i) or
-    GPT-2's (h_i): "dense" (q/k/v, o_proj, gate/up or up, down) as (kernel [K, N], bias [N] or
-    None), "norms" [2 (input, post-attention), 2 (scale, shift), E], "qk_norms" [2, D]."""
-    layers = []
-    for i in range(shape.layers):
-        if "h_0" in params:  # GPT-2
-            layer = params[f"h_{i}"]
-            attn, mlp = layer["attn"], layer["mlp"]
-            dense = (attn["c_attn"], attn["c_proj"], mlp["c_fc"], mlp["c_proj"])
-            norms = [[layer[n]["scale"], layer[n]["bias"]] for n in ("ln_1", "ln_2")]
-            qk_norms = jnp.ones((2, shape.head_dim))
-        else:
-            layer = params[f"layers_{i}"]
-            attn, mlp = layer["self_attn"], layer["mlp"]
-            dense = (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"])
-            scales = [layer[n]["scale"] for n in ("input_layernorm", "post_attention_layernorm")]
-            norms = [[scale, jnp.zeros_like(scale)] for scale in scales]
-            qk_norms = (
-                jnp.stack([attn["q_norm"]["scale"], attn["k_norm"]["scale"]])
-                if shape.qk_norm
-                else jnp.ones((2, shape.head_dim))
-            )
-        layers.append(
-            {
-                "dense": [(x["kernel"], _bias(x, shape)) for x in dense],
-                "norms": jnp.asarray(norms, FLOAT),
-                "qk_norms": qk_norms.astype(FLOAT),
-            }
-        )
-    return layers
+class DecoderLayer(NamedTuple):
+    """A layer's parts as the kernel's packing and its reference take them (a model family maps
+    its params to these: `ModelFamily.decoder_layers`)."""
+
+    # q/k/v, o_proj, gate/up (or up alone), down: (kernel [K, N], bias [N] or None) each
+    dense: tuple
+    norms: jax.Array  # float32 [2 (input, post-attention), 2 (scale, shift), E]; RMSNorm: shift 0
+    qk_norms: jax.Array  # float32 [2, D]: q_norm's and k_norm's scales (ones without them)
 
 
-def _bias(dense: dict, shape: DecoderShape) -> jax.Array | None:
+def _bias(dense: tuple, shape: DecoderShape) -> jax.Array | None:
     """A projection's bias: its own, zeros where a model with biases has none there (Qwen2's
     o_proj and MLP), None without biases."""
+    kernel, bias = dense
     if not shape.biases:
         return None
-    return dense["bias"] if "bias" in dense else jnp.zeros(dense["kernel"].shape[1], FLOAT)
+    return jnp.zeros(kernel.shape[1], FLOAT) if bias is None else bias
 
 
 def _bias_tiles(bias: jax.Array, k_ranges: int) -> jax.Array:  # [N] -> [K/256 * N/64, 64]
@@ -179,22 +159,21 @@ def _bias_tiles(bias: jax.Array, k_ranges: int) -> jax.Array:  # [N] -> [K/256 *
     )
 
 
-def pack_decoder_weights(params: dict, shape: DecoderShape) -> dict:
-    """rosejax Llama-family or GPT-2 params -> the kernel's weights: "tiles" [L * T, 64, 256]
+def pack_decoder_weights(layers: Sequence[DecoderLayer], shape: DecoderShape) -> dict:
+    """A model's layers -> the kernel's weights: "tiles" [L * T, 64, 256]
     (each layer's q/k/v, o_proj, gate/up (or up) and down W^T tiles, in the params' dtype),
     "norms" float32 [L, 2, 2, E] (input and post-attention norms' scales and shifts, zeros for
     RMSNorm), "qk_norms" float32 [L, 2, D] (q_norm, k_norm; ones without them); with biases,
     "biases" float32 [L * T, 64] (each tile's bias for its columns, on its K range 0's tiles)."""
-    layers = _layers(params, shape)
-    dense = [d for layer in layers for d in layer["dense"]]
+    dense = [d for layer in layers for d in layer.dense]
     packed = {
         "tiles": jnp.concatenate([_w_tiles(kernel) for kernel, _ in dense]),
-        "norms": jnp.stack([layer["norms"] for layer in layers]),
-        "qk_norms": jnp.stack([layer["qk_norms"] for layer in layers]),
+        "norms": jnp.stack([layer.norms for layer in layers]),
+        "qk_norms": jnp.stack([layer.qk_norms for layer in layers]),
     }
     if shape.biases:
         packed["biases"] = jnp.concatenate(
-            [_bias_tiles(bias, kernel.shape[0] // TILE_K) for kernel, bias in dense]
+            [_bias_tiles(_bias(d, shape), d[0].shape[0] // TILE_K) for d in dense]
         )
     return packed
 
@@ -1059,7 +1038,7 @@ def decoder_step(
 
 
 def decoder_step_reference(
-    params: dict,
+    layers: Sequence[DecoderLayer],
     shape: DecoderShape,
     h: jax.Array,  # float32 [E]
     rope: jax.Array,  # float32 [2, D/2]
@@ -1068,9 +1047,8 @@ def decoder_step_reference(
     k_caches: list,
     v_caches: list,
 ) -> tuple[jax.Array, list, list]:
-    """Plain XLA over the model's own params (Llama-family or GPT-2), with the kernel's
-    rounding: the residual stream in float32, everything the model rounds rounded to the params'
-    dtype."""
+    """Plain XLA over the model's own weights (its `DecoderLayer`s), with the kernel's rounding:
+    the residual stream in float32, everything the model rounds rounded to the weights' dtype."""
     d, hq, h_kv = shape.head_dim, shape.heads, shape.kv_heads
     block_size = k_caches[0].shape[2]
     pos = seq_len[0] - 1
@@ -1078,8 +1056,7 @@ def decoder_step_reference(
     cos, sin = rope[:1], rope[1:]
     positions = jnp.arange(block_table.shape[0] * block_size)
     k_caches, v_caches = list(k_caches), list(v_caches)
-    layers = _layers(params, shape)
-    dtype = layers[0]["dense"][0][0].dtype
+    dtype = layers[0].dense[0][0].dtype
 
     def rms_norm(x, scale):  # normalized x rounded, then the scale
         x = (x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + shape.eps)).astype(dtype)
@@ -1097,12 +1074,12 @@ def decoder_step_reference(
         return y if bias is None else y + bias.astype(FLOAT)
 
     for i, layer in enumerate(layers):
-        qkv_p, o_p, up_p, down_p = layer["dense"]
-        (n1, s1), (n2, s2) = layer["norms"]
+        qkv_p, o_p, up_p, down_p = layer.dense
+        (n1, s1), (n2, s2) = layer.norms
         qkv = dense(input_norm(h, n1, s1), qkv_p).astype(dtype).reshape(hq + 2 * h_kv, d)
         q, k, v = qkv[:hq], qkv[hq : hq + h_kv], qkv[hq + h_kv :]
         if shape.qk_norm:
-            q, k = rms_norm(q, layer["qk_norms"][0]), rms_norm(k, layer["qk_norms"][1])
+            q, k = rms_norm(q, layer.qk_norms[0]), rms_norm(k, layer.qk_norms[1])
         if shape.rope:
             q, k = apply_rotary(q[None], cos, sin)[0], apply_rotary(k[None], cos, sin)[0]
         k_caches[i] = k_caches[i].at[:, page, offset].set(k)

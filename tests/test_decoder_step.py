@@ -133,7 +133,9 @@ def test_reference_matches_model(checkpoint, cached):
     config, params = checkpoint
     shape = shape_of(config)
     logits, after, inputs, before = step_inputs(config, params, cached, np.random.default_rng(7))
-    h, ks, vs = decoder_step_reference(params, shape, *inputs, before.k, before.v)
+    h, ks, vs = decoder_step_reference(
+        layers_of(config, params), shape, *inputs, before.k, before.v
+    )
     assert rel_err(family_of(config).final_logits(params, config, h)[0], logits) <= 1e-5
     for got, want in zip(ks + vs, after.k + after.v, strict=True):
         assert rel_err(got, want) <= 1e-5
@@ -144,7 +146,7 @@ def test_pack_decoder_weights_tiles(checkpoint):
     matmul is W[k*256 : (k+1)*256, b*64 : (b+1)*64] transposed."""
     config, params = checkpoint
     shape = shape_of(config)
-    packed = pack_decoder_weights(params, shape)
+    packed = pack_decoder_weights(layers_of(config, params), shape)
     tiles = np.asarray(packed["tiles"])
     per_layer, rng = sum(shape.phase_tiles()), np.random.default_rng(0)
     if config.model_type == "gpt2":
@@ -302,7 +304,7 @@ def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hi
 def test_decoder_step_rejects_what_it_cannot_run(checkpoint):
     config, params = checkpoint
     shape = shape_of(config)
-    weights = pack_decoder_weights(params, shape)
+    weights = pack_decoder_weights(layers_of(config, params), shape)
     cache = init_kv_cache(config, 4, BLOCK_SIZE, jnp.float32)
     args = (weights, jnp.zeros(shape.hidden), jnp.zeros((2, shape.head_dim // 2)))
     args += (jnp.zeros(2, jnp.int32), jnp.ones(1, jnp.int32), cache.k, cache.v)
@@ -347,6 +349,14 @@ def shape_of(config) -> DecoderShape:
     return family_of(config).decoder_shape(config)
 
 
+def layers_of(config, params) -> list:
+    return family_of(config).decoder_layers(params, config)
+
+
+def with_step_weights(config, params) -> dict:
+    return with_decoder_step(params, shape_of(config), lambda p: layers_of(config, p))
+
+
 def wide_params(config, seed: int, rng) -> dict:
     """bf16 random params whose every part moves h: weights 5x the init (std 0.1), norm scales
     random around 1."""
@@ -371,7 +381,7 @@ def check_kernel_against_reference(
     shape = shape_of(config)
     rng = np.random.default_rng(cached)
     params = wide_params(config, cached, rng)
-    weights = pack_decoder_weights(params, shape)
+    weights = pack_decoder_weights(layers_of(config, params), shape)
     table = jnp.asarray(1 + rng.permutation(pages), jnp.int32)
     cache_shape = (shape.kv_heads, pages + 1, block_size, shape.head_dim)
     layers = range(shape.layers)
@@ -380,7 +390,7 @@ def check_kernel_against_reference(
     _, rope = family_of(config).one_kernel_inputs(params, config, 0, cached)
     h0 = jnp.asarray(rng.normal(size=shape.hidden), jnp.float32)
     inputs = (h0, rope, table, jnp.asarray([cached + 1], jnp.int32))
-    want = decoder_step_reference(params, shape, *inputs, ks, vs)
+    want = decoder_step_reference(layers_of(config, params), shape, *inputs, ks, vs)
     got = decoder_step(
         weights,
         *inputs,
@@ -465,7 +475,7 @@ def test_forward_without_the_kernel_ignores_its_weights(checkpoint):
     """Params carrying the one-kernel step's weights run the layer path unchanged when
     `decoder_step_programs` is 0 (the CPU's default): the same logits and caches."""
     config, params = checkpoint
-    packed = with_decoder_step(params, shape_of(config))
+    packed = with_step_weights(config, params)
     assert DECODER_STEP in packed and DECODER_STEP not in params
     rng = np.random.default_rng(1)
     _, after, _, before = step_inputs(config, params, 12, rng)
@@ -582,7 +592,8 @@ def test_one_kernel_step_glue_matches_model(checkpoint, monkeypatch, live):
 
     def reference(weights, h, rope, table, seq_len, ks, vs, **tiles):
         assert tiles["shape"] == shape and tiles["programs"] == 8
-        return decoder_step_reference(params, shape, h, rope, table, seq_len, ks, vs)
+        layers = layers_of(config, params)
+        return decoder_step_reference(layers, shape, h, rope, table, seq_len, ks, vs)
 
     monkeypatch.setattr(one_kernel_step_module, "decoder_step", reference)
     _, _, (h0, rope, table, seq_len), before = step_inputs(
@@ -598,7 +609,7 @@ def test_one_kernel_step_glue_matches_model(checkpoint, monkeypatch, live):
     want, want_cache = forward(params, config, token, before, meta)
     kernels = dataclasses.replace(XLA_KERNELS, decoder_step_programs=8)
     got, got_cache = forward(
-        with_decoder_step(params, shape), config, token, before, meta, kernels=kernels
+        with_step_weights(config, params), config, token, before, meta, kernels=kernels
     )
     assert got.shape == want.shape
     pairs = zip(

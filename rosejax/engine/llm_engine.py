@@ -245,7 +245,10 @@ class LLMEngine:
         )
         if programs:  # its weights before the cache takes the memory
             self.kernels = dataclasses.replace(self.kernels, decoder_step_programs=programs)
-            params = with_decoder_step(params, family_of(self.config).decoder_shape(self.config))
+            fam, model = family_of(self.config), self.config
+            params = with_decoder_step(
+                params, fam.decoder_shape(model), lambda p: fam.decoder_layers(p, model)
+            )
         cache_sharding = None
         if mesh is not None:
             layout = family_of(self.config).shard_layout(self.config)

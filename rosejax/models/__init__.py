@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from pallas_kernels.decoder_step import DecoderShape
+from pallas_kernels.decoder_step import DecoderLayer, DecoderShape
 from rosejax.models.gpt2 import config as gpt2_config
 from rosejax.models.gpt2 import model as gpt2_model
 from rosejax.models.gpt2 import weights as gpt2_weights
@@ -41,8 +41,10 @@ class ModelFamily:
     # The smallest decode program on a GPU: smaller batches pad to it (`min_decode_batch`).
     gpu_min_decode_batch: int
     # config -> the sizes of its one-kernel decode step (`KernelConfig.decoder_step_programs`,
-    # `rosejax.models.one_kernel_step`); None: the family has no such step.
+    # `rosejax.models.one_kernel_step`); None: the family has no such step. (params, config) ->
+    # its layers as that step's kernel takes them (`pallas_kernels.decoder_step.DecoderLayer`).
     decoder_shape: Callable[[Any], DecoderShape] | None = None
+    decoder_layers: Callable[..., list[DecoderLayer]] | None = None
     # (params, config, token, position) -> that step's h before the layers and its RoPE angles;
     # (params, config, h) -> the final norm and head's logits [1, V] (XLA).
     one_kernel_inputs: Callable[..., tuple] | None = None
@@ -61,6 +63,7 @@ _LLAMA = ModelFamily(
     # program holds (one 32k-token row: 2.87 ms/step in a 1-row program, 13.6 padded to 16; H100).
     gpu_min_decode_batch=1,
     decoder_shape=llama_model.decoder_shape,
+    decoder_layers=llama_model.decoder_layers,
     one_kernel_inputs=llama_model.one_kernel_inputs,
     final_logits=llama_model.final_logits,
 )
@@ -76,6 +79,7 @@ FAMILIES: dict[str, ModelFamily] = {
         shard_layout=gpt2_model.shard_layout,
         gpu_min_decode_batch=DEFAULT_GPU_MIN_DECODE_BATCH,
         decoder_shape=gpt2_model.decoder_shape,
+        decoder_layers=gpt2_model.decoder_layers,
         one_kernel_inputs=gpt2_model.one_kernel_inputs,
         final_logits=gpt2_model.final_logits,
     ),

@@ -1,14 +1,18 @@
 """The one-kernel decode step (`pallas_kernels.decoder_step`) inside a model family's forward:
 the params' key of its weights, packing them, what keeps it from running, and one row's layers
-through it over the engine's paged cache. A family brings its `DecoderShape`, its embedding (and
-RoPE angles), and its final norm and head."""
+through it over the engine's paged cache. A family brings its `DecoderShape`, its layers as the
+kernel takes them (`DecoderLayer`s), its embedding (and RoPE angles), and its final norm and
+head."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decoder_step import (
+    DecoderLayer,
     DecoderShape,
     decoder_step,
     decoder_step_lowering_problem,
@@ -22,10 +26,12 @@ from rosejax.settings import KernelConfig
 DECODER_STEP = "decoder_step"  # the params' key of the one-kernel step's weights
 
 
-def with_decoder_step(params: dict, shape: DecoderShape) -> dict:
+def with_decoder_step(
+    params: dict, shape: DecoderShape, layers_of: Callable[[dict], list[DecoderLayer]]
+) -> dict:
     """params and, under DECODER_STEP, the one-kernel decode step's weights (a tiled copy of the
-    layers' matmuls: `pack_decoder_weights`)."""
-    weights = jax.jit(pack_decoder_weights, static_argnums=1)(params, shape)
+    layers' matmuls: `pack_decoder_weights` of `layers_of(params)`, the family's mapping)."""
+    weights = jax.jit(lambda p: pack_decoder_weights(layers_of(p), shape))(params)
     return {**params, DECODER_STEP: weights}
 
 

@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decoder_step import DecoderShape
+from pallas_kernels.decoder_step import DecoderLayer, DecoderShape
 from pallas_kernels.layer_norm import layer_norm_reference
 from rosejax.layers.attention import (
     ForwardMetadata,
@@ -208,6 +208,25 @@ def decoder_shape(config: GPT2Config) -> DecoderShape:
         gelu=True,
         rope=False,
     )
+
+
+def decoder_layers(params: dict, config: GPT2Config) -> list[DecoderLayer]:
+    """Each block's parts as the one-kernel step takes them: c_attn, c_proj, c_fc, mlp's c_proj
+    with their biases; ln_1's and ln_2's scales and shifts; no q/k norms."""
+    layers = []
+    for i in range(config.n_layer):
+        block = params[f"h_{i}"]
+        attn, mlp = block["attn"], block["mlp"]
+        dense = (attn["c_attn"], attn["c_proj"], mlp["c_fc"], mlp["c_proj"])
+        norms = [[block[n]["scale"], block[n]["bias"]] for n in ("ln_1", "ln_2")]
+        layers.append(
+            DecoderLayer(
+                dense=tuple((x["kernel"], x["bias"]) for x in dense),
+                norms=jnp.asarray(norms, jnp.float32),
+                qk_norms=jnp.ones((2, config.head_dim), jnp.float32),
+            )
+        )
+    return layers
 
 
 def one_kernel_step(

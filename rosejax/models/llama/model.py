@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decoder_step import DecoderShape
+from pallas_kernels.decoder_step import DecoderLayer, DecoderShape
 from pallas_kernels.qk_norm_rope import apply_rotary
 from pallas_kernels.rms_norm import rms_norm_reference
 from rosejax.layers.attention import (
@@ -223,6 +223,29 @@ def decoder_shape(config: LlamaConfig) -> DecoderShape:
         qk_norm=config.qk_norm,
         biases=config.qkv_bias or config.o_bias or config.mlp_bias,
     )
+
+
+def decoder_layers(params: dict, config: LlamaConfig) -> list[DecoderLayer]:
+    """Each layer's parts as the one-kernel step takes them: q/k/v, o_proj, gate/up and down
+    with their biases (Qwen2's q/k/v) or none; the two RMSNorms' scales (no shift); q_norm's and
+    k_norm's scales (Qwen3) or ones."""
+    layers = []
+    for i in range(config.num_hidden_layers):
+        layer = params[f"layers_{i}"]
+        attn, mlp = layer["self_attn"], layer["mlp"]
+        dense = (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"])
+        scales = [layer[n]["scale"] for n in ("input_layernorm", "post_attention_layernorm")]
+        qk_norms = jnp.ones((2, config.head_dim), jnp.float32)
+        if config.qk_norm:
+            qk_norms = jnp.stack([attn["q_norm"]["scale"], attn["k_norm"]["scale"]])
+        layers.append(
+            DecoderLayer(
+                dense=tuple((x["kernel"], x.get("bias")) for x in dense),
+                norms=jnp.asarray([[s, jnp.zeros_like(s)] for s in scales], jnp.float32),
+                qk_norms=qk_norms.astype(jnp.float32),
+            )
+        )
+    return layers
 
 
 def one_kernel_step(
