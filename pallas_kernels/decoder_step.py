@@ -161,7 +161,7 @@ def _bias_tiles(bias: jax.Array, k_ranges: int) -> jax.Array:  # [N] -> [K/256 *
 
 def pack_decoder_weights(layers: Sequence[DecoderLayer], shape: DecoderShape) -> dict:
     """A model's layers -> the kernel's weights: "tiles" [L * T, 64, 256]
-    (each layer's q/k/v, o_proj, gate/up (or up) and down W^T tiles, in the params' dtype),
+    (each layer's q/k/v, o_proj, gate/up (or up) and down W^T tiles, in the weights' dtype),
     "norms" float32 [L, 2, 2, E] (input and post-attention norms' scales and shifts, zeros for
     RMSNorm), "qk_norms" float32 [L, 2, D] (q_norm, k_norm; ones without them); with biases,
     "biases" float32 [L * T, 64] (each tile's bias for its columns, on its K range 0's tiles)."""
