@@ -448,15 +448,20 @@ def test_decoder_step_interpreted_matches_reference(
     )
 
 
+SETTINGS = [(128, 8, 4, 0), (128, 8, 4, 200), (132, 16, 3, 63), (37, 4, 2, 64), (96, 12, 4, 1000)]
+
+
 @pytest.mark.skipif(not GPU, reason="the persistent kernel's grid waits need a GPU")
 @pytest.mark.parametrize(
-    "programs,splits,stages,cached",
-    [(128, 8, 4, 0), (128, 8, 4, 200), (132, 16, 3, 63), (37, 4, 2, 64), (96, 12, 4, 1000)],
+    "model,programs,splits,stages,cached",
+    [(model, *settings) for model in ("qwen3-0.6b", "gpt2") for settings in SETTINGS]
+    + [(model, 132, None, None, 100) for model in ("gpt2-medium", "gpt2-large", "llama-3.2-1b")],
 )
-@pytest.mark.parametrize("model", ["qwen3-0.6b", "gpt2"])
 def test_decoder_step_matches_reference(model, programs, splits, stages, cached):
     """Qwen3-0.6B's widths (16 query / 8 KV heads of 128, 3,072 MLP units) and GPT-2's (12
-    heads of 64, biases, LayerNorm, GELU), 3 layers."""
+    heads of 64, biases, LayerNorm, GELU) under several settings, and at the engine's defaults
+    the other widths its auto runs the step for (GPT-2 medium and large: hidden 1,024 and 1,280;
+    Llama 3.2 1B: 32 / 8 heads of 64), 3 layers."""
     config = preset(model)
     config = dataclasses.replace(config, **{_layers_field(config): 3})
     programs = min(programs, getattr(jax.devices()[0], "core_count", 128))
