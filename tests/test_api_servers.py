@@ -237,3 +237,29 @@ def test_default_api_server_count_follows_replicas_and_cores(
 
     monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(cores)))
     assert cli.default_api_server_count(replicas, engine_process) == expected
+
+
+def test_api_servers_start_serving_together(caplog):
+    """`ReadyTogether`: a built API server waits until every one is built (no connection then
+    meets one still loading); a stop ends the wait, and a peer that never comes is waited for
+    only up to the timeout (logged), after which it serves alone."""
+    import multiprocessing
+
+    from rosejax.serve.api_servers import ReadyTogether
+
+    ctx = multiprocessing.get_context("spawn")
+    together = ReadyTogether(ctx, 3)
+    with ThreadPoolExecutor(2) as pool:
+        first = [pool.submit(together.arrive_and_wait, lambda: False) for _ in range(2)]
+        time.sleep(0.3)
+        assert not any(f.done() for f in first)  # two of three built: both still wait
+        assert together.arrive_and_wait(lambda: False)
+        assert all(f.result(timeout=5) for f in first)
+
+    alone = ReadyTogether(ctx, 2)
+    start = time.monotonic()
+    assert not alone.arrive_and_wait(lambda: time.monotonic() - start > 0.2)  # a stop came
+    assert time.monotonic() - start < 2
+    with caplog.at_level("WARNING", logger="rosejax.serve"):
+        assert not ReadyTogether(ctx, 2).arrive_and_wait(lambda: False, timeout=0.2)
+    assert "1 of 2 API servers ready" in caplog.text

@@ -7,8 +7,9 @@ checks) delays every first token; N event loops in N processes share that work.
   start method: jax must never be forked), handing each the socket and its pipe ends; it is API
   server 0 itself. The kernel gives each connection to whichever process accepts it first.
 - Each API server process loads the tokenizer, connects to the engine processes
-  (`EngineProcesses(links=...)`) and serves as the main process does (`cli.run_server`); its
-  /health answers 503 until its own app is ready.
+  (`EngineProcesses(links=...)`) and serves as the main process does (`cli.run_server`). All N
+  start serving together (`ReadyTogether`): until then each answers 503 (/health too), so once
+  any /health says 200 no connection lands on one still loading.
 - /metrics: every API server keeps its request counters and latency histograms in a directory
   the main process makes for the server (`ServerMetrics(shared_dir=...)`) and removes at its
   stop, so each scrape sums every API server's; the engine gauges come from the engine
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rosejax.engine.engine_process import EngineLink
@@ -47,6 +49,39 @@ log = logging.getLogger("rosejax.serve")
 
 # How long past the shutdown timeout an API server has to end before it is killed.
 _STOP_MARGIN_S = 10.0
+# How long a built API server waits for the others before it serves alone (one died or hangs).
+READY_TOGETHER_TIMEOUT_S = 120.0
+
+
+class ReadyTogether:
+    """A count the N API server processes share: each adds itself once its app is built, then
+    waits until all N have (see the module). Passed to the spawned processes."""
+
+    def __init__(self, ctx: Any, count: int):
+        self.count = count
+        self.built = ctx.Value("i", 0)
+
+    def arrive_and_wait(
+        self, stop: Callable[[], bool], timeout: float = READY_TOGETHER_TIMEOUT_S
+    ) -> bool:
+        """Count this process built, then wait for the rest; False if `stop()` turned true or
+        `timeout` passed first (logged: this one serves without them)."""
+        with self.built.get_lock():
+            self.built.value += 1
+        deadline = time.monotonic() + timeout
+        while self.built.value < self.count:
+            if stop():
+                return False
+            if time.monotonic() > deadline:
+                log.warning(
+                    "%d of %d API servers ready after %.0f s; serving without the rest",
+                    self.built.value,
+                    self.count,
+                    timeout,
+                )
+                return False
+            time.sleep(0.02)
+        return True
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -75,6 +110,7 @@ class ApiServers:
         self.stopping = False
         self.processes: list[Any] = []
         ctx = multiprocessing.get_context("spawn")  # jax must never be forked
+        self.ready_together = ReadyTogether(ctx, args.api_server_count)
         try:
             for index, links in enumerate(engines.api_server_links(), start=1):
                 process = ctx.Process(
@@ -89,6 +125,7 @@ class ApiServers:
                         template,
                         sampling_defaults,
                         self.metrics_dir,
+                        self.ready_together,
                     ),
                     name=f"rosejax-api-server-{index}",
                     daemon=True,  # multiprocessing terminates it if this process exits first
@@ -157,6 +194,7 @@ def _api_server_main(
     template: str | None,
     sampling_defaults: dict[str, Any],
     metrics_dir: str,
+    ready_together: ReadyTogether,
 ) -> None:
     configure_logging(args.log_level, f" [api server {index}]")
     threading.Thread(target=_exit_with_parent, name="rosejax-parent", daemon=True).start()
@@ -176,5 +214,6 @@ def _api_server_main(
             waiting,
             sock=sock,
             metrics_dir=metrics_dir,
+            ready_together=ready_together,
         )
     )

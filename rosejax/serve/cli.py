@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             sock=api_servers.sock,
             on_shutdown=api_servers.begin_shutdown,
             metrics_dir=api_servers.metrics_dir,
+            ready_together=api_servers.ready_together,
         )
     finally:
         api_servers.stop()
@@ -328,13 +329,15 @@ def run_server(
     sock: socket.socket | None = None,
     on_shutdown: Callable[[], None] | None = None,
     metrics_dir: str | None = None,
+    ready_together: Any = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM: at once a `LoadingApp` (503s) on `sock` (or on --host and
     --port), then the app over the engine that `build()` returns on a thread of its own (the
     engine, whether to compile the rest while idle, and how to close it if a stop comes first),
     with the chat `template` and the requests' sampling `defaults`.
     `metrics_dir`: this is one of several API server processes, which keep their metrics there
-    (`ServerMetrics(shared_dir=...)`). Returns the exit code."""
+    (`ServerMetrics(shared_dir=...)`); `ready_together` (`api_servers.ReadyTogether`): they all
+    start serving at once. Returns the exit code."""
     from rosejax.serve.app import create_app
     from rosejax.serve.loading import LoadingApp
     from rosejax.serve.metrics import ServerMetrics
@@ -370,6 +373,8 @@ def run_server(
                 warm_in_background=background,
                 sampling_defaults=defaults,
             )
+            if ready_together is not None:
+                ready_together.arrive_and_wait(lambda: server.should_exit)
             if not server.should_exit:  # a stop asked for while loading: nothing to serve
                 loading.ready(app)
                 warm_tokenizer(engine.tokenizer)
