@@ -588,7 +588,7 @@ def test_engine_one_kernel_step_matches_hf(
 
 @pytest.mark.parametrize("live", [True, False])
 def test_one_kernel_step_glue_matches_model(checkpoint, monkeypatch, live):
-    """The engine's route into the kernel (`one_kernel_step`: embedding (and GPT-2's position),
+    """The engine's route into the kernel (`one_row_step`: embedding (and GPT-2's position),
     RoPE angles, the dead row's scratch slot, final norm and head) with the XLA reference in the
     kernel's place: a live row's logits and caches are the model's; a dead row (length 0) writes
     nothing but the scratch block."""

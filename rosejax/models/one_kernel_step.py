@@ -1,5 +1,5 @@
 """The one-kernel decode step (`pallas_kernels.decoder_step`) inside a model family's forward:
-the params' key of its weights, packing them, what keeps it from running, and one row's layers
+the params' key of its weights, packing them, what keeps it from running, and one row's step
 through it over the engine's paged cache. A family brings its `DecoderShape`, its layers as the
 kernel takes them (`DecoderLayer`s), its embedding (and RoPE angles), and its final norm and
 head."""
@@ -7,6 +7,7 @@ head."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,24 +69,25 @@ def without_decoder_step(params: dict) -> dict:
     return {k: v for k, v in params.items() if k != DECODER_STEP}
 
 
-def row_of(meta: ForwardMetadata) -> tuple[jax.Array, jax.Array]:
-    """The row's length with the step's token [1] and its block table [MB]; a dead row (length
-    0) writes position 0 of the scratch block, as `cache_slots` sends it."""
-    live = meta.seq_lens > 0  # [1]
-    return jnp.where(live, meta.seq_lens, 1), jnp.where(live, meta.block_tables[0], 0)
-
-
-def run_layers(
+def one_row_step(
     params: dict,
-    shape: DecoderShape,
-    h: jax.Array,  # float32 [E]: the token's embedding
-    rope: jax.Array,  # float32 [2, D/2]: cos, sin of its position (zeros without RoPE)
-    meta: ForwardMetadata,
+    config: Any,
+    tokens: jax.Array,  # [1, 1] int32
     cache: KVCache,
+    meta: ForwardMetadata,
     kernels: KernelConfig,
+    shape: DecoderShape,
+    inputs: Callable[..., tuple[jax.Array, jax.Array]],
+    final_logits: Callable[..., jax.Array],
 ) -> tuple[jax.Array, KVCache]:
-    """h after every layer (float32 [E]) and the cache with the token's K/V appended."""
-    seq_len, table = row_of(meta)
+    """A decode step of one row: the family's `inputs` (h before the layers, float32 [E], and
+    RoPE's cos, sin [2, D/2]), every layer in `decoder_step` (the residual stream in float32),
+    then its `final_logits` (final norm and head, XLA) -> (logits [1, 1, V], cache). A dead row
+    (length 0) writes position 0 of the scratch block, as `cache_slots` sends it."""
+    live = meta.seq_lens > 0  # [1]
+    seq_len = jnp.where(live, meta.seq_lens, 1)
+    table = jnp.where(live, meta.block_tables[0], 0)  # [MB]
+    h, rope = inputs(params, config, tokens[0, 0], seq_len[0] - 1)
     h, k, v = decoder_step(
         params[DECODER_STEP],
         h,
@@ -98,4 +100,4 @@ def run_layers(
         programs=kernels.decoder_step_programs,
         interpret=kernels.interpret,
     )
-    return h, cache.replace(k=k, v=v)
+    return final_logits(params, config, h)[:, None], cache.replace(k=k, v=v)

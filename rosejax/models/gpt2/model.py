@@ -36,8 +36,7 @@ from rosejax.layers.linear import Linear, select_tokens
 from rosejax.layers.parallel import NO_TP, ShardLayout, TensorParallel, embed, gather_vocab
 from rosejax.models.gpt2.config import GPT2Config
 from rosejax.models.one_kernel_step import (
-    row_of,
-    run_layers,
+    one_row_step,
     takes_one_kernel_step,
     without_decoder_step,
 )
@@ -170,7 +169,8 @@ def forward(
     default); with `tp`, on one shard's params and cache (inside shard_map). Returns (logits,
     cache): logits are [B, T, V] in the params' dtype, or [B, V] when `logit_indices` is given."""
     if takes_one_kernel_step(params, kernels, tokens, logit_indices):
-        return one_kernel_step(params, config, tokens, cache, meta, kernels)
+        parts = (decoder_shape(config), one_kernel_inputs, final_logits)
+        return one_row_step(params, config, tokens, cache, meta, kernels, *parts)
     params = without_decoder_step(params)
     dtype = params["wte"]["embedding"].dtype
     return GPT2(config, dtype, kernels, tp).apply(
@@ -227,22 +227,6 @@ def decoder_layers(params: dict, config: GPT2Config) -> list[DecoderLayer]:
             )
         )
     return layers
-
-
-def one_kernel_step(
-    params: dict,
-    config: GPT2Config,
-    tokens: jax.Array,  # [1, 1] int32
-    cache: KVCache,
-    meta: ForwardMetadata,
-    kernels: KernelConfig,
-) -> tuple[jax.Array, KVCache]:
-    """A decode step of one row: every layer in `pallas_kernels.decoder_step` (the residual
-    stream in float32), then ln_f and the tied head in XLA."""
-    seq_len, _ = row_of(meta)
-    h, rope = one_kernel_inputs(params, config, tokens[0, 0], seq_len[0] - 1)
-    h, cache = run_layers(params, decoder_shape(config), h, rope, meta, cache, kernels)
-    return final_logits(params, config, h)[:, None], cache
 
 
 def one_kernel_inputs(

@@ -40,8 +40,7 @@ from rosejax.layers.rms_norm import RMSNorm
 from rosejax.layers.rotary import rope_cos_sin, rope_inv_freq
 from rosejax.models.llama.config import LlamaConfig
 from rosejax.models.one_kernel_step import (
-    row_of,
-    run_layers,
+    one_row_step,
     takes_one_kernel_step,
     without_decoder_step,
 )
@@ -248,22 +247,6 @@ def decoder_layers(params: dict, config: LlamaConfig) -> list[DecoderLayer]:
     return layers
 
 
-def one_kernel_step(
-    params: dict,
-    config: LlamaConfig,
-    tokens: jax.Array,  # [1, 1] int32
-    cache: KVCache,
-    meta: ForwardMetadata,
-    kernels: KernelConfig,
-) -> tuple[jax.Array, KVCache]:
-    """A decode step of one row: every layer in `pallas_kernels.decoder_step` (the residual
-    stream in float32), then the final norm and LM head in XLA."""
-    seq_len, _ = row_of(meta)
-    h, rope = one_kernel_inputs(params, config, tokens[0, 0], seq_len[0] - 1)
-    h, cache = run_layers(params, decoder_shape(config), h, rope, meta, cache, kernels)
-    return final_logits(params, config, h)[:, None], cache
-
-
 def one_kernel_inputs(
     params: dict, config: LlamaConfig, token: jax.Array, position: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -298,7 +281,8 @@ def forward(
     with `tp`, on one shard's params and cache (inside shard_map). Returns (logits [B, T, V] in
     the params' dtype, or [B, V] with `logit_indices`, cache)."""
     if takes_one_kernel_step(params, kernels, tokens, logit_indices):
-        return one_kernel_step(params, config, tokens, cache, meta, kernels)
+        parts = (decoder_shape(config), one_kernel_inputs, final_logits)
+        return one_row_step(params, config, tokens, cache, meta, kernels, *parts)
     params = without_decoder_step(params)
     dtype = params["embed_tokens"]["embedding"].dtype
     return LlamaModel(config, dtype, kernels, tp).apply(
