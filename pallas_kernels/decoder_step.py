@@ -877,6 +877,31 @@ def decoder_step_problems(
     return problems
 
 
+def decoder_step_arg_shapes(shape: DecoderShape, dtype, block_size: int, pages: int) -> tuple:
+    """`decoder_step`'s positional arguments as ShapeDtypeStructs (a row of `pages` pages, caches
+    of `pages` + 1 blocks): what lowering it for a GPU takes, with no GPU and no arrays."""
+    d, f32 = shape.head_dim, jnp.float32
+    tiles = shape.layers * sum(shape.phase_tiles())
+    weights = {
+        "tiles": jax.ShapeDtypeStruct((tiles, TILE_N, TILE_K), dtype),
+        "norms": jax.ShapeDtypeStruct((shape.layers, 2, 2, shape.hidden), f32),
+        "qk_norms": jax.ShapeDtypeStruct((shape.layers, 2, d), f32),
+    }
+    if shape.biases:
+        weights["biases"] = jax.ShapeDtypeStruct((tiles, TILE_N), f32)
+    caches = [jax.ShapeDtypeStruct((shape.kv_heads, pages + 1, block_size, d), dtype)]
+    caches *= shape.layers
+    return (
+        weights,
+        jax.ShapeDtypeStruct((shape.hidden,), f32),  # h
+        jax.ShapeDtypeStruct((2, d // 2), f32),  # rope
+        jax.ShapeDtypeStruct((pages,), jnp.int32),  # block_table
+        jax.ShapeDtypeStruct((1,), jnp.int32),  # seq_len
+        caches,
+        caches,
+    )
+
+
 @functools.cache
 def decoder_step_lowering_problem(
     shape: DecoderShape,
@@ -891,18 +916,7 @@ def decoder_step_lowering_problem(
     None: its own answer, from lowering one layer for a GPU, which needs none (a step's shared
     memory does not grow with its layers). Seconds: for an engine's start, not a step."""
     one = dataclasses.replace(shape, layers=1)
-    d, f32, tiles = shape.head_dim, jnp.float32, sum(one.phase_tiles())
-    weights = {
-        "tiles": jax.ShapeDtypeStruct((tiles, TILE_N, TILE_K), dtype),
-        "norms": jax.ShapeDtypeStruct((1, 2, 2, shape.hidden), f32),
-        "qk_norms": jax.ShapeDtypeStruct((1, 2, d), f32),
-    }
-    if shape.biases:
-        weights["biases"] = jax.ShapeDtypeStruct((tiles, TILE_N), f32)
-    cache = [jax.ShapeDtypeStruct((shape.kv_heads, 2, block_size, d), dtype)]
-    args = (weights, jax.ShapeDtypeStruct((shape.hidden,), f32))
-    args += (jax.ShapeDtypeStruct((2, d // 2), f32), jax.ShapeDtypeStruct((1,), jnp.int32))
-    args += (jax.ShapeDtypeStruct((1,), jnp.int32), cache, cache)
+    args = decoder_step_arg_shapes(one, dtype, block_size, pages=1)
     step = functools.partial(
         decoder_step, shape=one, programs=programs, splits=splits, stages=stages
     )

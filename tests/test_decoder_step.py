@@ -21,11 +21,10 @@ from pallas_kernels.decoder_step import (
     GATE_UP,
     O_PROJ,
     QKV,
-    TILE_K,
-    TILE_N,
     DecoderShape,
     decoder_schedule,
     decoder_step,
+    decoder_step_arg_shapes,
     decoder_step_reference,
     pack_decoder_weights,
 )
@@ -275,24 +274,7 @@ def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hi
         gelu=gpt2,
         rope=not gpt2,
     )
-    pages, f32 = 6, jnp.float32
-    weights = {
-        "tiles": jax.ShapeDtypeStruct((2 * sum(shape.phase_tiles()), TILE_N, TILE_K), dtype),
-        "norms": jax.ShapeDtypeStruct((2, 2, 2, shape.hidden), f32),
-        "qk_norms": jax.ShapeDtypeStruct((2, 2, head_dim), f32),
-    }
-    if gpt2:
-        weights["biases"] = jax.ShapeDtypeStruct((2 * sum(shape.phase_tiles()), TILE_N), f32)
-    cache = jax.ShapeDtypeStruct((kv_heads, pages + 1, block_size, head_dim), dtype)
-    args = (
-        weights,
-        jax.ShapeDtypeStruct((shape.hidden,), f32),
-        jax.ShapeDtypeStruct((2, head_dim // 2), f32),
-        jax.ShapeDtypeStruct((pages,), jnp.int32),
-        jax.ShapeDtypeStruct((1,), jnp.int32),
-        [cache] * 2,
-        [cache] * 2,
-    )
+    args = decoder_step_arg_shapes(shape, dtype, block_size, pages=6)
 
     def step(*args):
         return decoder_step(*args, shape=shape, programs=16, splits=3, stages=2)
