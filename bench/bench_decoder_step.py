@@ -75,15 +75,6 @@ def decode_meta(table, context) -> ForwardMetadata:
     )
 
 
-GPT2 = "gpt2"
-
-
-def with_layers(config, layers: int):
-    return dataclasses.replace(
-        config, **{"n_layer" if config.model_type == GPT2 else "num_hidden_layers": layers}
-    )
-
-
 def model_step(config, kernels):
     """The model's decode step: (token [1, 1], k caches, v caches), params, table, context ->
     the next carry. The context length is an operand: every length runs one program."""
@@ -241,13 +232,13 @@ def main() -> None:
     config = preset(args.model)
     if args.quick:  # the reference on the CPU, at widths the kernel's tiles take
         narrow = dict(vocab_size=512, n_embd=256, n_head=4, n_inner=512)
-        if config.model_type != GPT2:
+        if config.model_type != "gpt2":
             narrow = dict(vocab_size=512, hidden_size=256, intermediate_size=512)
             narrow |= dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64)
         config = dataclasses.replace(config, **narrow)
         args.layers, args.context, args.iters, args.repeats = 2, [20, 70], 2, 1
     if args.layers:
-        config = with_layers(config, args.layers)
+        config = config.with_num_layers(args.layers)
     programs = args.programs or getattr(jax.devices()[0], "core_count", 128)
     kernels = KernelConfig.for_backend()
     params = family_of(config).random_params(config, seed=0, dtype=jnp.bfloat16)

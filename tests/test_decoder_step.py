@@ -208,7 +208,7 @@ def test_decoder_schedule_orders_every_phase(preset_name, programs):
     can move): none is left waiting, and each wait ends only once every producer of what
     follows has signalled (the previous layer for q/k/v, q/k/v for the attention items, the
     items for o_proj, then each phase for the next)."""
-    shape = shape_of(dataclasses.replace(preset(preset_name), num_hidden_layers=3))
+    shape = shape_of(preset(preset_name).with_num_layers(3))
     schedule = decoder_schedule(shape, programs)
     taken = schedule.tiles[schedule.tiles >= 0]
     assert sorted(taken.tolist()) == list(range(sum(shape.phase_tiles())))
@@ -321,10 +321,6 @@ def mosaic_gpu_interpreter(monkeypatch):
         "is_gmem_memory_space",
         lambda space: space is None or space == gpu_core.MemorySpace.GMEM,
     )
-
-
-def _layers_field(config) -> str:
-    return "n_layer" if config.model_type == "gpt2" else "num_hidden_layers"
 
 
 def shape_of(config) -> DecoderShape:
@@ -445,7 +441,7 @@ def test_decoder_step_matches_reference(model, programs, splits, stages, cached)
     the other widths its auto runs the step for (GPT-2 medium and large: hidden 1,024 and 1,280;
     Llama 3.2 1B: 32 / 8 heads of 64), 3 layers."""
     config = preset(model)
-    config = dataclasses.replace(config, **{_layers_field(config): 3})
+    config = config.with_num_layers(3)
     programs = min(programs, getattr(jax.devices()[0], "core_count", 128))
     check_kernel_against_reference(
         config,

@@ -54,6 +54,10 @@ class GPT2Config:
     def num_layers(self) -> int:
         return self.n_layer
 
+    def with_num_layers(self, n: int) -> GPT2Config:
+        """This config's first `n` layers (benchmarks and tests of a model's widths)."""
+        return dataclasses.replace(self, n_layer=n)
+
     @property
     def num_heads(self) -> int:
         return self.n_head

@@ -106,6 +106,10 @@ class LlamaConfig:
     def num_layers(self) -> int:
         return self.num_hidden_layers
 
+    def with_num_layers(self, n: int) -> LlamaConfig:
+        """This config's first `n` layers (benchmarks and tests of a model's widths)."""
+        return dataclasses.replace(self, num_hidden_layers=n)
+
     @property
     def num_heads(self) -> int:
         return self.num_attention_heads
