@@ -58,6 +58,7 @@ from bench.common import (  # noqa: E402
     report_kernel_bench,
     time_in_loop,
 )
+from pallas_kernels.decoder_step import decoder_head_reference  # noqa: E402
 from rosejax.layers.attention import ForwardMetadata  # noqa: E402
 from rosejax.layers.kv_cache import KVCache  # noqa: E402
 from rosejax.models import family_of, preset  # noqa: E402
@@ -91,16 +92,15 @@ def model_step(config, kernels):
 
 def kernel_step(config, run):
     """The one-kernel step: `run(weights, params, h, rope, table, seq_len, ks, vs)` is the
-    decoder (the kernel, or its reference); the rest as `model_step`. `step.logits`: the same
-    step's logits [V] and caches."""
+    decoder and head (the kernel, or its reference) -> (logits [V_pad], ks, vs); the rest as
+    `model_step`. `step.logits`: the same step's logits [V] and caches."""
 
     def logits(carry, weights, params, table, context):
         token, ks, vs = carry
-        family = family_of(config)
-        h, rope = family.one_kernel_inputs(params, config, token[0, 0], context - 1)
+        h, rope = family_of(config).one_kernel_inputs(params, config, token[0, 0], context - 1)
         seq_len = jnp.full((1,), context, jnp.int32)
-        h, ks, vs = run(weights, params, h, rope, table, seq_len, ks, vs)
-        return family.final_logits(params, config, h)[0], ks, vs
+        out, ks, vs = run(weights, params, h, rope, table, seq_len, ks, vs)
+        return out[: config.vocab_size], ks, vs
 
     def step(*args):
         out, ks, vs = logits(*args)
@@ -112,12 +112,13 @@ def kernel_step(config, run):
 
 def variant_shape(module, shape):
     """`shape` as `module`'s own DecoderShape class; a field an older module lacks must hold its
-    default (a GPT-2 shape cannot run on a module from before GPT-2)."""
+    default (a GPT-2 shape cannot run on a module from before GPT-2), but for `vocab` (a module
+    from before the head was in the kernel: the bench runs its head in XLA)."""
     fields = {f.name for f in dataclasses.fields(module.DecoderShape)}
     lacking = [
         f.name
         for f in dataclasses.fields(shape)
-        if f.name not in fields and getattr(shape, f.name) != f.default
+        if f.name not in fields and f.name != "vocab" and getattr(shape, f.name) != f.default
     ]
     if lacking:
         raise SystemExit(f"{module.__name__} has no DecoderShape field {', '.join(lacking)}")
@@ -245,25 +246,36 @@ def main() -> None:
     modules = [("kernel", pallas_kernels.decoder_step, {}), *args.variant]
 
     def kernel_run(module, keywords: dict, profile_dir: str = ""):
-        """(weights packed by `module`, its step's decoder) for `kernel_step`; with
+        """(weights packed by `module`, its step's decoder and head) for `kernel_step`; with
         `profile_dir`, the decoder under the profiler (2 stages unless --stages)."""
-        shape = variant_shape(module, family_of(config).decoder_shape(config))
+        family, full_shape = family_of(config), family_of(config).decoder_shape(config)
+        shape = variant_shape(module, full_shape)
+        # Modules from before the head was in the kernel return h; from before `DecoderLayer`,
+        # their packing and reference took the params themselves.
+        has_head, has_layers = hasattr(module, "DecoderHead"), hasattr(module, "DecoderLayer")
 
-        def layers(params):  # what the module's packing and reference take (modules from
-            # before `DecoderLayer` took the params themselves)
-            if not hasattr(module, "DecoderLayer"):
-                return params
-            return family_of(config).decoder_layers(params, config)
+        def layers(params):
+            return family.decoder_layers(params, config) if has_layers else params
+
+        def head(params):
+            return family.decoder_head(params, config)
 
         def run(weights, params, *inputs):
             if args.quick:
-                return module.decoder_step_reference(layers(params), shape, *inputs)
-            settings = dict(programs=programs, splits=args.splits)
-            settings["stages"] = args.stages or (2 if profile_dir else None)
-            settings |= {"profile_dir": profile_dir} if profile_dir else {}
-            return module.decoder_step(weights, *inputs, shape=shape, **settings | keywords)
+                parts = (layers(params), head(params)) if has_head else (layers(params),)
+                out = module.decoder_step_reference(*parts, shape, *inputs)
+            else:
+                settings = dict(programs=programs, splits=args.splits)
+                settings["stages"] = args.stages or (2 if profile_dir else None)
+                settings |= {"profile_dir": profile_dir} if profile_dir else {}
+                out = module.decoder_step(weights, *inputs, shape=shape, **settings | keywords)
+            if has_head:
+                return out[0], *out[2:]
+            h, ks, vs = out
+            return decoder_head_reference(head(params), full_shape, h), ks, vs
 
-        return module.pack_decoder_weights(layers(params), shape), run
+        weights = module.pack_decoder_weights(layers(params), shape)
+        return (weights | module.head_weights(head(params)) if has_head else weights), run
 
     # One cache and block table for the longest context: the lengths differ only in an operand.
     rng, rows = np.random.default_rng(0), []
@@ -278,8 +290,8 @@ def main() -> None:
     for name, module, keywords in modules:
         weights, run = kernel_run(module, keywords)
         steps[name] = (kernel_step(config, run), (weights, params))
-    tiles = steps["kernel"][1][0]["tiles"]  # every version streams the same layers' weights
-    weight_bytes = tiles.size * tiles.dtype.itemsize
+    packed = steps["kernel"][1][0]  # every version streams the same weights: layers and head
+    weight_bytes = sum(packed[k].size * packed[k].dtype.itemsize for k in ("tiles", "head"))
 
     # One step's logits of each, from the same cache: the model's forward, each kernel's head.
     @jax.jit
@@ -326,7 +338,7 @@ def main() -> None:
             rows.append(row)
             print(
                 f"context {context:6d} {name:10s} {us / 1e3:7.4f} ms/step {us / base:6.3f}x model "
-                f"layers' weights {row['weights_gbs']:7.1f} GB/s  logits rel diff {diff:.2e} "
+                f"weights {row['weights_gbs']:7.1f} GB/s  logits rel diff {diff:.2e} "
                 f"argmax {'same' if same else 'DIFFERS'}",
                 flush=True,
             )

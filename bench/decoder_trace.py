@@ -41,7 +41,8 @@ if __package__ in (None, ""):  # run as a file: make `bench` importable (for its
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CHAIN = ("qkv", "attention", "o_proj", "gate_up", "down")  # each waits for the one before
-INPUTS = {"merge_inputs": "o_proj", "mlp_inputs": "down"}  # norm_inputs: by order
+# norm_inputs: by order; head_inputs: the final norm and LM head's tiles after the last layer
+INPUTS = {"merge_inputs": "o_proj", "mlp_inputs": "down", "head_inputs": "head"}
 
 
 EXIT = 1 << 31  # the profiler's tag bit of a range's end
@@ -148,7 +149,7 @@ def summarize(trace: dict, clock_mhz: float) -> dict:
     us = 1e3 / clock_mhz  # the file's unit (1,000 cycles) in µs
     by_program = ranges(trace)
     runs = aligned_runs(by_program)
-    totals = collections.Counter()
+    totals, head_totals = collections.Counter(), collections.Counter()
     spans = collections.defaultdict(lambda: [float("inf"), float("-inf")])  # (layer, phase)
     waits_end = collections.defaultdict(lambda: float("inf"))
     layers = 0
@@ -163,6 +164,10 @@ def summarize(trace: dict, clock_mhz: float) -> dict:
             layers = max(layers, lay + 1)
             key = (lay, phase)
             for name, start, end, depth in body:
+                if phase == "head":  # its own totals, its span to its last range's end
+                    head_totals[name] += end - start
+                    totals[name] -= end - start
+                    spans[key][1] = max(spans[key][1], end)
                 if name in ("phase_wait", "attention_wait"):
                     link = (lay, "attention") if name == "attention_wait" else key
                     waits_end[link] = min(waits_end[link], end)
@@ -187,6 +192,14 @@ def summarize(trace: dict, clock_mhz: float) -> dict:
             wake.append((waits_end[(lay, phase)] - spans[before][1]) * us)
         if span:
             phases[phase] = {"span_us": statistics.mean(span), "wake_us": statistics.mean(wake)}
+    head = spans[(layers - 1, "head")]
+    if head[1] > head[0]:  # from the last layer's down to the head's last range
+        down_end = spans[(layers - 1, "down")][1]
+        phases["head"] = {
+            "span_us": (head[1] - head[0]) * us,
+            "wake_us": (waits_end[(layers - 1, "head")] - down_end) * us,
+            "after_down_us": (head[1] - down_end) * us,
+        }
     firsts = [spans[(lay, "qkv")][0] for lay in range(layers)]
     period = (firsts[-1] - firsts[0]) * us / (layers - 1) if layers > 1 else float("nan")
     return {
@@ -196,6 +209,7 @@ def summarize(trace: dict, clock_mhz: float) -> dict:
         "layer_period_us": period,
         "phases": phases,
         "us_a_program_a_layer": per_layer,
+        "us_a_program_head": {name: t * us / programs for name, t in sorted(head_totals.items())},
     }
 
 
@@ -207,9 +221,12 @@ def print_summary(summary: dict) -> None:
     print(f"{'link':10s} {'span µs':>9s} {'wake-up µs':>11s}")
     for phase, row in summary["phases"].items():
         print(f"{phase:10s} {row['span_us']:9.2f} {row['wake_us']:11.2f}")
-    print(f"{'range':18s} {'µs a program a layer':>21s}")
+    if "head" in summary["phases"]:
+        print(f"the head ends {summary['phases']['head']['after_down_us']:.2f} µs after down")
+    head = summary["us_a_program_head"]
+    print(f"{'range':18s} {'µs a program a layer':>21s} {'in the head':>12s}")
     for name, t in summary["us_a_program_a_layer"].items():
-        print(f"{name:18s} {t:21.2f}")
+        print(f"{name:18s} {t:21.2f} {head.get(name, 0.0):12.2f}")
 
 
 def plot_layer(trace: dict, layer: int, path: str, clock_mhz: float) -> None:

@@ -2,7 +2,8 @@
 Mosaic GPU kernel: every layer's RMSNorms (GPT-2: LayerNorms), q/k/v, q/k norm and RoPE, the K/V
 append, paged attention, output projection, gate/up, SwiGLU (GPT-2: up and GELU) and down
 projection, with the residual stream in float32; a projection's bias, where it has one, is added
-by the tiles of its first K range (each column block's, once).
+by the tiles of its first K range (each column block's, once); then the final norm and the LM
+head's logits.
 
 Why: at one row a step is ~7 small kernels a layer, each paying a launch, ramp and drain on top of
 its bytes; the Triton matmuls reach 25-50% of copy bandwidth (docs/performance-log.md). Here one
@@ -22,6 +23,9 @@ with the KV head's query heads as the rows of a 64-row operand. So a layer has f
 phases (q/k/v, attention, o_proj, gate/up, down), each spread over every program. (Slices of the MLP
 taken whole by one program, gate/up summed in its SMEM, saved the wait before down but left the
 MLP's weights to the 48 programs of Qwen3-0.6B's 48 slices: slower on an H100.)
+The head's tiles are boxes of its rows [V, E] as they are (a tied head is the embedding: no
+copy), its column blocks dealt round-robin, each with its K ranges in turn, so a program sums
+its own logits; their weights stream through the same ring behind the last layer's.
 
 Order: one global semaphore counts signals; a phase's tiles wait until every tile of the phases
 before it in the layer (and all earlier layers) is stored: a program signals once it has stored
@@ -90,6 +94,7 @@ class DecoderShape:
     intermediate: int
     eps: float
     qk_norm: bool
+    vocab: int  # the LM head's rows (the vocabulary, padded to a multiple of 64)
     # GPT-2's decoder: LayerNorm (centred, with a shift) for RMSNorm, a bias on every projection,
     # down(gelu_tanh(up x)) for down(silu(gate x) * up x), learned positions for RoPE.
     layer_norm: bool = False
@@ -119,6 +124,10 @@ class DecoderShape:
         ks = (self.hidden, self.heads * self.head_dim, self.hidden, self.intermediate)
         return tuple(k // TILE_K * n for k, n in zip(ks, self.phase_blocks(), strict=True))
 
+    @property
+    def head_blocks(self) -> int:  # column blocks (of TILE_N) of the LM head's logits
+        return self.vocab // TILE_N
+
 
 def _gelu_tanh(x: jax.Array) -> jax.Array:
     """GPT-2's gelu_new (the tanh approximation), in float32."""
@@ -130,6 +139,14 @@ def _w_tiles(kernel: jax.Array) -> jax.Array:  # [K, N] -> [K/256 * N/64, 64, 25
     k, n = kernel.shape
     t = kernel.reshape(k // TILE_K, TILE_K, n // TILE_N, TILE_N)
     return t.transpose(0, 2, 3, 1).reshape(-1, TILE_N, TILE_K)
+
+
+class DecoderHead(NamedTuple):
+    """A model's final norm and LM head as the kernel and its reference take them (a model family
+    maps its params to these: `ModelFamily.decoder_head`)."""
+
+    norm: jax.Array  # float32 [2 (scale, shift), E]; RMSNorm: shift 0
+    rows: jax.Array  # [V, E]: logit v is row v's dot with the normed h (a tied head: the embedding)
 
 
 class DecoderLayer(NamedTuple):
@@ -176,6 +193,12 @@ def pack_decoder_weights(layers: Sequence[DecoderLayer], shape: DecoderShape) ->
             [_bias_tiles(_bias(d, shape), d[0].shape[0] // TILE_K) for d in dense]
         )
     return packed
+
+
+def head_weights(head: DecoderHead) -> dict:
+    """The kernel's weights of the final norm and LM head: "final_norm" float32 [2, E], "head"
+    [V, E] (the rows as given: a tied head stays the embedding, no copy outside a jit)."""
+    return {"final_norm": head.norm, "head": head.rows}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,10 +413,10 @@ def decoder_step_kernel(
     stages: int,
     interpret: bool,
 ):
-    """One program's share of the step. Refs: tiles, norms, qk_norms, (biases,) rope [2, D/2],
-    block_table [pages], seq_len [1]; h [E] float32, the L K and L V caches [H, blocks,
-    block_size, D] (all three updated in place); the buffers between phases (q/k/v and gate/up
-    partials, attention partials); scratch."""
+    """One program's share of the step. Refs: tiles, norms, qk_norms, (biases,) final_norm, head,
+    rope [2, D/2], block_table [pages], seq_len [1]; h [E] float32, the L K and L V caches [H,
+    blocks, block_size, D] (all three updated in place); the buffers between phases (q/k/v and
+    gate/up partials, attention partials) and the logits [V]; scratch."""
     lay, e, hq, h_kv, d = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
     f, group, half = shape.intermediate, shape.heads // shape.kv_heads, shape.head_dim // 2
     starts, blocks = [0], shape.phase_blocks()
@@ -409,25 +432,39 @@ def decoder_step_kernel(
 
     tiles_ref, norms_ref, qk_norms_ref, *refs = refs
     biases_ref = refs.pop(0) if shape.biases else None
-    rope_ref, table_ref, seq_len_ref, h_ref = refs[:4]
-    k_refs, v_refs, rest = refs[4 : 4 + lay], refs[4 + lay : 4 + 2 * lay], refs[4 + 2 * lay :]
-    qkv_ref, gu_ref, acc_ref, m_ref, l_ref = rest[:5]
-    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars, *bias_ring = rest[5:]
+    final_norm_ref, head_ref, rope_ref, table_ref, seq_len_ref, h_ref = refs[:6]
+    k_refs, v_refs, rest = refs[6 : 6 + lay], refs[6 + lay : 6 + 2 * lay], refs[6 + 2 * lay :]
+    qkv_ref, gu_ref, acc_ref, m_ref, l_ref, logits_ref = rest[:6]
+    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars, *bias_ring = rest[6:]
 
     c = lax.axis_index("program")
     ops = _KernelOps(interpret)
     sem = ops.semaphore()
     own = _taken(c, programs, per_layer_tiles)  # this program's tiles a layer
-    total = lay * own
+    layer_tiles = lay * own
+    # The head's column blocks are dealt round-robin too, each taken with all its K ranges in
+    # turn: the program sums its logits itself, no partials.
+    total = layer_tiles + _taken(c, programs, shape.head_blocks) * kt_e
     pos = seq_len_ref[0] - 1  # the step's token: its position; the cache holds [0, pos)
 
+    def head_tile(j):  # the program's j-th tile of the head: (its column block, its K range)
+        return _dealt(j // kt_e, c, programs), j % kt_e
+
     def fetch(t, slot):
-        layer, s = t // own, t % own
-        tile = layer * per_layer_tiles + _dealt(s, c, programs)
-        plgpu.copy_gmem_to_smem(tiles_ref.at[tile], ring.at[slot], ring_bar.at[slot])
-        if shape.biases:  # the tile's bias beside it, on a barrier of its own
-            bias_s, bias_bar = bias_ring
-            plgpu.copy_gmem_to_smem(biases_ref.at[tile], bias_s.at[slot], bias_bar.at[slot])
+        @pl.when(t < layer_tiles)
+        def _():
+            layer, s = t // own, t % own
+            tile = layer * per_layer_tiles + _dealt(s, c, programs)
+            plgpu.copy_gmem_to_smem(tiles_ref.at[tile], ring.at[slot], ring_bar.at[slot])
+            if shape.biases:  # the tile's bias beside it, on a barrier of its own
+                bias_s, bias_bar = bias_ring
+                plgpu.copy_gmem_to_smem(biases_ref.at[tile], bias_s.at[slot], bias_bar.at[slot])
+
+        @pl.when(t >= layer_tiles)
+        def _():  # a box of the head's rows as they are: [64 of V, 256 of E], W^T's tile
+            b, k = head_tile(t - layer_tiles)
+            box = head_ref.at[pl.ds(b * TILE_N, TILE_N), pl.ds(k * TILE_K, TILE_K)]
+            plgpu.copy_gmem_to_smem(box, ring.at[slot], ring_bar.at[slot])
 
     _copy_in([(rope_ref, rope_smem)], bars)
     for i in range(stages):
@@ -460,6 +497,9 @@ def decoder_step_kernel(
         else:
             h_smem[...] = bf16(hh * lax.rsqrt(jnp.sum(hh * hh) / e + shape.eps))
         plgpu.commit_smem()  # written by every thread before any reads another's part
+
+    def start_norm(norm):  # a norm's scale (and shift) [2, E] copied into norm_smem
+        _start_copies([(norm.at[i], norm_smem.at[i]) for i in range(norm_rows)], bars)
 
     def norm_input(k):
         """The tile's 256 inputs of the norm of h (h normalized, the layer's scale and shift in
@@ -709,6 +749,18 @@ def decoder_step_kernel(
             plgpu.Barrier(num_barriers=2 * pages_per_tile),
         )
 
+    def wait_weights(slot):
+        with jax.named_scope("weights_wait"):
+            plgpu.barrier_wait(ring_bar.at[slot])
+
+    def tile_product(slot):
+        """The ring slot's weight tile times x_smem, float32 [64]; first, the store 2 tiles
+        back has read `out` (whatever the caller writes next)."""
+        x = ops.load(x_smem)
+        w = ops.load(ring.at[slot], WGMMA, optimized=True).astype(FLOAT)
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        return (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
+
     def step(t, prev_phase):
         layer, s = t // own, t % own
         r = _dealt(s, c, programs)
@@ -731,8 +783,7 @@ def decoder_step_kernel(
             # The norm's scale does not depend on other programs: its copy starts before the wait.
             @pl.when(norm_phase)
             def _():
-                norm = norms_ref.at[layer, phase // 2]
-                _start_copies([(norm.at[i], norm_smem.at[i]) for i in range(norm_rows)], bars)
+                start_norm(norms_ref.at[layer, phase // 2])
 
             with jax.named_scope("phase_wait"):
                 ops.wait_count(sem, base + _select(phase, targets))
@@ -765,14 +816,10 @@ def decoder_step_kernel(
 
         plgpu.commit_smem()  # a tile's inputs written by every thread before any reads them
         slot = t % stages
-        with jax.named_scope("weights_wait"):
-            plgpu.barrier_wait(ring_bar.at[slot])
         out = o_smem.at[t % 2]  # double-buffered: a store in flight while the next tile runs
+        wait_weights(slot)
         with jax.named_scope("tile"):
-            x = ops.load(x_smem)
-            w = ops.load(ring.at[slot], WGMMA, optimized=True).astype(FLOAT)
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store 2 tiles back read `out`
-            y = (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)  # [64]
+            y = tile_product(slot)
             if shape.biases:
                 bias_s, bias_bar = bias_ring
                 plgpu.barrier_wait(bias_bar.at[slot])
@@ -805,7 +852,47 @@ def decoder_step_kernel(
 
         return phase
 
-    lax.fori_loop(0, total, step, jnp.int32(-1))
+    def head_step(j, acc):
+        """The head's j-th tile of this program: once every layer's last signal is counted, h
+        under the final norm (as a layer's norm), its K range's 256 inputs times the tile,
+        summed over the column block's K ranges in `acc` [64] and stored after the last."""
+        t = layer_tiles + j
+        b, k = head_tile(j)
+
+        @pl.when(j == 0)
+        def _():
+            start_norm(final_norm_ref)
+            with jax.named_scope("phase_wait"):
+                ops.wait_count(sem, lay * per_layer)
+            with jax.named_scope("rms_norm"):
+                normalize_h()
+
+        with jax.named_scope("head_inputs"):
+            norm_input(k)
+        plgpu.commit_smem()
+        slot = t % stages
+        wait_weights(slot)
+        with jax.named_scope("tile"):
+            rest = (ops.iota((TILE_N,)) >= 0) & (k > 0)  # [64]: a select's operands alike
+            y = tile_product(slot) + jnp.where(rest, acc, 0.0)
+            plgpu.commit_smem()  # the slot read by every thread
+
+        @pl.when(k == kt_e - 1)
+        def _():
+            out = o_smem.at[(j // kt_e) % 2]
+            out[...] = y
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out, logits_ref.at[pl.ds(b * TILE_N, TILE_N)])
+
+        @pl.when(t + stages < total)
+        def _():
+            fetch(t + stages, slot)
+
+        return y
+
+    lax.fori_loop(0, layer_tiles, step, jnp.int32(-1))
+    lax.fori_loop(0, total - layer_tiles, head_step, ops.full((TILE_N,), 0.0))
+    plgpu.wait_smem_to_gmem(0)
 
 
 _STATIC = ("shape", "programs", "splits", "stages", "interpret", "profile_dir")
@@ -814,10 +901,12 @@ _STATIC = ("shape", "programs", "splits", "stages", "interpret", "profile_dir")
 def profile_ranges(shape: DecoderShape, programs: int, splits: int) -> int:
     """The most named ranges a program records in a step (its profile's size): a layer's tiles
     (their inputs, weights' wait, the tile), its phases (wait, norm, stores and signal, the signal)
-    and its attention items (the item, its eight parts and its signal)."""
+    and its attention items (the item, its eight parts and its signal); the head's tiles, its
+    wait and norm."""
     tiles = int(decoder_schedule(shape, programs).counts.max())
     items = -(-shape.kv_heads * splits // programs)
-    return shape.layers * (3 * tiles + 4 * 4 + 10 * items)
+    head_tiles = _taken(0, programs, shape.head_blocks) * (shape.hidden // TILE_K)
+    return shape.layers * (3 * tiles + 4 * 4 + 10 * items) + 3 * head_tiles + 2
 
 
 def default_splits(shape: DecoderShape, programs: int) -> int:
@@ -847,6 +936,8 @@ def decoder_step_problems(
             f"hidden, intermediate and heads x head_dim must be multiples of {TILE_K}"
             f" (got {e}, {f}, {shape.heads * d})"
         )
+    if shape.vocab % TILE_N or shape.vocab < TILE_N:
+        problems.append(f"the LM head's rows must be a multiple of {TILE_N}, got {shape.vocab}")
     if d % 64 or TILE_K % d or shape.heads % shape.kv_heads:  # 64: a WGMMA operand's tile
         problems.append("head_dim must be 64, 128 or 256, heads a multiple of kv_heads")
     if TOKENS % block_size or block_size % 8:
@@ -889,6 +980,8 @@ def decoder_step_arg_shapes(shape: DecoderShape, dtype, block_size: int, pages: 
     }
     if shape.biases:
         weights["biases"] = jax.ShapeDtypeStruct((tiles, TILE_N), f32)
+    weights["final_norm"] = jax.ShapeDtypeStruct((2, shape.hidden), f32)
+    weights["head"] = jax.ShapeDtypeStruct((shape.vocab, shape.hidden), dtype)
     caches = [jax.ShapeDtypeStruct((shape.kv_heads, pages + 1, block_size, d), dtype)]
     caches *= shape.layers
     return (
@@ -928,9 +1021,18 @@ def decoder_step_lowering_problem(
 
 
 def check_decoder_step(
-    shape: DecoderShape, tiles, k_caches, *, programs, splits, stages, interpret, profile_dir
+    shape: DecoderShape,
+    weights: dict,
+    k_caches,
+    *,
+    programs,
+    splits,
+    stages,
+    interpret,
+    profile_dir,
 ) -> None:
     """ValueError unless the kernel can run these sizes."""
+    tiles, head = weights["tiles"], weights["head"]
     problems = decoder_step_problems(
         shape,
         tiles.dtype,
@@ -944,6 +1046,8 @@ def check_decoder_step(
     per_layer = sum(shape.phase_tiles())
     if tiles.shape != (shape.layers * per_layer, TILE_N, TILE_K):
         problems.append(f"tiles must be {(shape.layers * per_layer, TILE_N, TILE_K)}")
+    if head.shape != (shape.vocab, shape.hidden) or head.dtype != tiles.dtype:
+        problems.append(f"head must be {tiles.dtype} {(shape.vocab, shape.hidden)}")
     if k_caches[0].dtype != tiles.dtype:
         problems.append(f"caches must be of the weights' dtype {tiles.dtype}")
     if len(k_caches) != shape.layers:
@@ -968,8 +1072,9 @@ def decoder_step(
     stages: int | None = None,
     interpret: bool = False,
     profile_dir: str = "",
-) -> tuple[jax.Array, list, list]:
-    """h after every layer (float32 [E]) and the caches with the token's K/V appended.
+) -> tuple[jax.Array, jax.Array, list, list]:
+    """The token's logits (float32 [V]: the final norm and LM head after every layer), h after
+    every layer (float32 [E]) and the caches with the token's K/V appended.
     `programs` must not exceed the GPU's SMs (all must be resident: they wait for each other).
     `splits` (attention items a KV head, dealt round-robin to the programs) defaults to what
     fits the programs, at most 8; `stages` (weight tiles in flight a program, 32 KiB of SMEM
@@ -984,7 +1089,7 @@ def decoder_step(
     stages = stages or 4
     check_decoder_step(
         shape,
-        tiles,
+        weights,
         k_caches,
         programs=programs,
         splits=splits,
@@ -999,6 +1104,7 @@ def decoder_step(
         jax.ShapeDtypeStruct((kt_e, shape.qkv_width), FLOAT),
         jax.ShapeDtypeStruct((kt_e, shape.up_width), FLOAT),
         *[jax.ShapeDtypeStruct((splits, q), FLOAT)] * 3,
+        jax.ShapeDtypeStruct((shape.vocab,), FLOAT),  # the logits
     ]
     body = functools.partial(
         decoder_step_kernel,
@@ -1041,18 +1147,42 @@ def decoder_step(
     )
     inputs = (tiles, weights["norms"], weights["qk_norms"])
     inputs += (weights["biases"],) if shape.biases else ()
-    inputs += (rope, block_table, seq_len)
+    inputs += (weights["final_norm"], weights["head"], rope, block_table, seq_len)
 
     def in_place(refs):  # the kernel writes h and the caches where they are
-        h_ref, caches = refs
-        kernel(*inputs, h_ref, *caches)
+        h_ref, caches, logits_ref = refs
+        logits_ref[...] = kernel(*inputs, h_ref, *caches)[-1]  # (XLA drops the zeros' fill)
 
-    h, caches = pl.run_state(in_place)((h, caches))
-    return h, caches[:lay], caches[lay:]
+    logits = jnp.zeros((shape.vocab,), FLOAT)
+    h, caches, logits = pl.run_state(in_place)((h, caches, logits))
+    return logits, h, caches[:lay], caches[lay:]
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype) -> jax.Array:
+    """x / rms(x) along the last axis rounded to `dtype`, then times the scale, rounded."""
+    x = (x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)).astype(dtype)
+    return (x * scale).astype(dtype)
+
+
+def _stream_norm(shape: DecoderShape, x: jax.Array, norm: jax.Array, dtype) -> jax.Array:
+    """A norm of the float32 residual stream [E] (norm: float32 [2 (scale, shift), E]) in
+    `dtype`, as the kernel rounds it."""
+    scale, shift = norm
+    if not shape.layer_norm:
+        return _rms_norm(x, scale, shape.eps, dtype)  # its shift is zero
+    x = x - jnp.mean(x)
+    return (x * lax.rsqrt(jnp.mean(x * x) + shape.eps) * scale + shift).astype(dtype)
+
+
+def decoder_head_reference(head: DecoderHead, shape: DecoderShape, h: jax.Array) -> jax.Array:
+    """The logits (float32 [V]) of the residual stream h (float32 [E]) under the final norm."""
+    x = _stream_norm(shape, h, head.norm, head.rows.dtype)
+    return jnp.dot(head.rows, x, preferred_element_type=FLOAT)
 
 
 def decoder_step_reference(
     layers: Sequence[DecoderLayer],
+    head: DecoderHead,
     shape: DecoderShape,
     h: jax.Array,  # float32 [E]
     rope: jax.Array,  # float32 [2, D/2]
@@ -1060,9 +1190,10 @@ def decoder_step_reference(
     seq_len: jax.Array,  # int32 [1]
     k_caches: list,
     v_caches: list,
-) -> tuple[jax.Array, list, list]:
-    """Plain XLA over the model's own weights (its `DecoderLayer`s), with the kernel's rounding:
-    the residual stream in float32, everything the model rounds rounded to the weights' dtype."""
+) -> tuple[jax.Array, jax.Array, list, list]:
+    """Plain XLA over the model's own weights (its `DecoderLayer`s and `DecoderHead`), with the
+    kernel's rounding: the residual stream in float32, everything the model rounds rounded to the
+    weights' dtype. (logits [V], h [E], k_caches, v_caches) as `decoder_step`."""
     d, hq, h_kv = shape.head_dim, shape.heads, shape.kv_heads
     block_size = k_caches[0].shape[2]
     pos = seq_len[0] - 1
@@ -1072,15 +1203,11 @@ def decoder_step_reference(
     k_caches, v_caches = list(k_caches), list(v_caches)
     dtype = layers[0].dense[0][0].dtype
 
-    def rms_norm(x, scale):  # normalized x rounded, then the scale
-        x = (x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + shape.eps)).astype(dtype)
-        return (x * scale).astype(dtype)
+    def rms_norm(x, scale):
+        return _rms_norm(x, scale, shape.eps, dtype)
 
-    def input_norm(x, scale, shift):  # a layer's norm of the residual stream
-        if not shape.layer_norm:
-            return rms_norm(x, scale)  # its shift is zero
-        x = x - jnp.mean(x)
-        return (x * lax.rsqrt(jnp.mean(x * x) + shape.eps) * scale + shift).astype(dtype)
+    def input_norm(x, norm):  # a layer's norm of the residual stream
+        return _stream_norm(shape, x, norm, dtype)
 
     def dense(x, part):  # float32 x @ W (+ b)
         kernel, bias = part
@@ -1089,8 +1216,7 @@ def decoder_step_reference(
 
     for i, layer in enumerate(layers):
         qkv_p, o_p, up_p, down_p = layer.dense
-        (n1, s1), (n2, s2) = layer.norms
-        qkv = dense(input_norm(h, n1, s1), qkv_p).astype(dtype).reshape(hq + 2 * h_kv, d)
+        qkv = dense(input_norm(h, layer.norms[0]), qkv_p).astype(dtype).reshape(hq + 2 * h_kv, d)
         q, k, v = qkv[:hq], qkv[hq : hq + h_kv], qkv[hq + h_kv :]
         if shape.qk_norm:
             q, k = rms_norm(q, layer.qk_norms[0]), rms_norm(k, layer.qk_norms[1])
@@ -1105,11 +1231,11 @@ def decoder_step_reference(
         scores = jnp.where(positions <= pos, scores, NEG_INF)
         out = jnp.einsum("hgt,htd->hgd", jax.nn.softmax(scores, axis=-1), vals)
         h = h + dense(out.reshape(-1), o_p)
-        up = dense(input_norm(h, n2, s2), up_p).astype(dtype).astype(FLOAT)
+        up = dense(input_norm(h, layer.norms[1]), up_p).astype(dtype).astype(FLOAT)
         if shape.gelu:
             x = _gelu_tanh(up)
         else:
             g, u = jnp.split(up, 2)
             x = jax.nn.silu(g).astype(dtype) * u
         h = h + dense(x, down_p)
-    return h, k_caches, v_caches
+    return decoder_head_reference(head, shape, h), h, k_caches, v_caches

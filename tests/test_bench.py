@@ -1054,7 +1054,8 @@ def _decoder_trace(layers: int, programs: int, no_o_proj: int) -> dict:
     """A profile as Mosaic GPU's profiler writes one (`ts` in thousands of cycles), built by hand:
     layer l from 100 l; program c's ranges of each link one unit each, c units late (its waits
     but the q/k/v one too, which every program ends at once); program `no_o_proj` takes no o_proj
-    tile, the last program no attention item."""
+    tile, the last program no attention item; then the head: a wait c units late, its norm and
+    two tiles a program."""
     events = []
 
     def span(c, name, start, end, inner=()):
@@ -1084,6 +1085,12 @@ def _decoder_trace(layers: int, programs: int, no_o_proj: int) -> dict:
                 run(c, b + 20, "merge_inputs")
             run(c, b + 30, "norm_inputs", norm=True)
             run(c, b + 40, "mlp_inputs")
+    for c in range(programs):
+        at = 100 * layers
+        span(c, "phase_wait", at, at + 1 + c)
+        span(c, "rms_norm", at + 1 + c, at + 2 + c)
+        for i, name in enumerate(("head_inputs", "weights_wait", "tile") * 2):
+            span(c, name, at + 2 + c + i, at + 3 + c + i)
     return {"displayTimeUnit": "ns", "traceEvents": events}
 
 
@@ -1101,15 +1108,25 @@ def test_decoder_trace_spans_wake_ups_and_time_a_program(tmp_path):
     # from 21 to 25 + 1; gate/up from 32 to 36 + 2; down from 41 to 45 + 2.
     spans = {k: v["span_us"] for k, v in s["phases"].items()}
     wakes = {k: v["wake_us"] for k, v in s["phases"].items()}
-    assert spans == {"qkv": 6, "attention": 6, "o_proj": 5, "gate_up": 6, "down": 6}
+    # The head: its first tile at 302, its last range's end 308 + 2; the last down ends at 247.
+    assert spans == {"qkv": 6, "attention": 6, "o_proj": 5, "gate_up": 6, "down": 6, "head": 8}
     assert wakes == {
         "qkv": 1 + 100 - 47,
         "attention": 11 - 8,
         "o_proj": 21 - 16,
         "gate_up": 31 - 26,
         "down": 41 - 38,
+        "head": 301 - 247,
     }
-    per = s["us_a_program_a_layer"]
+    assert s["phases"]["head"]["after_down_us"] == 310 - 247
+    assert s["us_a_program_head"] == {
+        "phase_wait": 2,
+        "rms_norm": 1,
+        "head_inputs": 2,
+        "weights_wait": 2,
+        "tile": 2,
+    }
+    per = s["us_a_program_a_layer"]  # the head's ranges apart
     assert per["tile"] == pytest.approx(11 / 3) and per["rms_norm"] == 2
     # Each run's signal fills its store_signal range: nothing of that left as its own.
     assert per["signal"] == pytest.approx(11 / 3) and per["store_signal"] == 0

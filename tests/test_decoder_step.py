@@ -26,6 +26,7 @@ from pallas_kernels.decoder_step import (
     decoder_step,
     decoder_step_arg_shapes,
     decoder_step_reference,
+    head_weights,
     pack_decoder_weights,
 )
 from rosejax import LLM, SamplingParams
@@ -132,10 +133,10 @@ def test_reference_matches_model(checkpoint, cached):
     config, params = checkpoint
     shape = shape_of(config)
     logits, after, inputs, before = step_inputs(config, params, cached, np.random.default_rng(7))
-    h, ks, vs = decoder_step_reference(
-        layers_of(config, params), shape, *inputs, before.k, before.v
-    )
-    assert rel_err(family_of(config).final_logits(params, config, h)[0], logits) <= 1e-5
+    parts = (layers_of(config, params), head_of(config, params), shape)
+    got, _, ks, vs = decoder_step_reference(*parts, *inputs, before.k, before.v)
+    assert got.shape == (shape.vocab,) and shape.vocab % 64 == 0
+    assert rel_err(got[: config.vocab_size], logits) <= 1e-5
     for got, want in zip(ks + vs, after.k + after.v, strict=True):
         assert rel_err(got, want) <= 1e-5
 
@@ -273,6 +274,7 @@ def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hi
         biases=gpt2,
         gelu=gpt2,
         rope=not gpt2,
+        vocab=384,
     )
     args = decoder_step_arg_shapes(shape, dtype, block_size, pages=6)
 
@@ -286,7 +288,7 @@ def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hi
 def test_decoder_step_rejects_what_it_cannot_run(checkpoint):
     config, params = checkpoint
     shape = shape_of(config)
-    weights = pack_decoder_weights(layers_of(config, params), shape)
+    weights = step_weights(config, params)
     cache = init_kv_cache(config, 4, BLOCK_SIZE, jnp.float32)
     args = (weights, jnp.zeros(shape.hidden), jnp.zeros((2, shape.head_dim // 2)))
     args += (jnp.zeros(2, jnp.int32), jnp.ones(1, jnp.int32), cache.k, cache.v)
@@ -303,6 +305,9 @@ def test_decoder_step_rejects_what_it_cannot_run(checkpoint):
     narrow = dataclasses.replace(shape, head_dim=32)  # narrower than a WGMMA operand's tile
     with pytest.raises(ValueError, match="head_dim must be 64, 128 or 256"):
         decoder_step(*args, shape=narrow, programs=1, splits=1, stages=2, interpret=True)
+    unpadded = dataclasses.replace(shape, vocab=config.vocab_size)  # 300 rows: no 64-row blocks
+    with pytest.raises(ValueError, match="head's rows must be a multiple of 64"):
+        decoder_step(*args, shape=unpadded, programs=1, splits=1, stages=2, interpret=True)
 
 
 GPU = jax.default_backend() == "gpu"
@@ -331,8 +336,20 @@ def layers_of(config, params) -> list:
     return family_of(config).decoder_layers(params, config)
 
 
+def head_of(config, params):
+    return family_of(config).decoder_head(params, config)
+
+
+def step_weights(config, params) -> dict:
+    """The kernel's weights: the layers packed, the final norm and the head."""
+    packed = pack_decoder_weights(layers_of(config, params), shape_of(config))
+    return packed | head_weights(head_of(config, params))
+
+
 def with_step_weights(config, params) -> dict:
-    return with_decoder_step(params, shape_of(config), lambda p: layers_of(config, p))
+    return with_decoder_step(
+        params, shape_of(config), lambda p: layers_of(config, p), lambda p: head_of(config, p)
+    )
 
 
 def wide_params(config, seed: int, rng) -> dict:
@@ -354,12 +371,12 @@ def check_kernel_against_reference(
     config, *, programs, splits, stages, cached, block_size, pages, interpret=False
 ):
     """The kernel against `decoder_step_reference` (bf16 random params) on caches poisoned with
-    random values: what the layers add to h, the step's K/V slot of every layer, and every other
-    cache element kept."""
+    random values: what the layers add to h, every 64-logit block of the head's, the step's K/V
+    slot of every layer, and every other cache element kept."""
     shape = shape_of(config)
     rng = np.random.default_rng(cached)
     params = wide_params(config, cached, rng)
-    weights = pack_decoder_weights(layers_of(config, params), shape)
+    weights = step_weights(config, params)
     table = jnp.asarray(1 + rng.permutation(pages), jnp.int32)
     cache_shape = (shape.kv_heads, pages + 1, block_size, shape.head_dim)
     layers = range(shape.layers)
@@ -368,7 +385,8 @@ def check_kernel_against_reference(
     _, rope = family_of(config).one_kernel_inputs(params, config, 0, cached)
     h0 = jnp.asarray(rng.normal(size=shape.hidden), jnp.float32)
     inputs = (h0, rope, table, jnp.asarray([cached + 1], jnp.int32))
-    want = decoder_step_reference(layers_of(config, params), shape, *inputs, ks, vs)
+    parts = (layers_of(config, params), head_of(config, params), shape)
+    want = decoder_step_reference(*parts, *inputs, ks, vs)
     got = decoder_step(
         weights,
         *inputs,
@@ -380,9 +398,15 @@ def check_kernel_against_reference(
         stages=stages,
         interpret=interpret,
     )
-    assert rel_err(got[0] - h0, want[0] - h0) <= 2e-2
+    assert rel_err(got[1] - h0, want[1] - h0) <= 2e-2
+    # Block by block (a block the head's tiles missed holds whatever the buffer held), against
+    # the blocks' RMS norm where a block is small (the padded rows' logits are zeros).
+    blocks = [np.asarray(x, np.float32).reshape(-1, 64) for x in (got[0], want[0])]
+    typical = np.linalg.norm(blocks[1]) / np.sqrt(len(blocks[1]))
+    for g, w in zip(*blocks, strict=True):
+        assert np.linalg.norm(g - w) <= 2e-2 * max(np.linalg.norm(w), typical)
     page, offset = int(table[cached // block_size]), cached % block_size
-    for g, w, before in zip(got[1] + got[2], want[1] + want[2], ks + vs, strict=True):
+    for g, w, before in zip(got[2] + got[3], want[2] + want[3], ks + vs, strict=True):
         g, w, before = (np.asarray(a, np.float32) for a in (g, w, before))
         written = np.zeros(g.shape, bool)
         written[:, page, offset] = True
@@ -567,16 +591,16 @@ def test_engine_one_kernel_step_matches_hf(
 @pytest.mark.parametrize("live", [True, False])
 def test_one_kernel_step_glue_matches_model(checkpoint, monkeypatch, live):
     """The engine's route into the kernel (`one_row_step`: embedding (and GPT-2's position),
-    RoPE angles, the dead row's scratch slot, final norm and head) with the XLA reference in the
-    kernel's place: a live row's logits and caches are the model's; a dead row (length 0) writes
+    RoPE angles, the dead row's scratch slot, the logits' vocabulary and dtype) with the XLA
+    reference (layers, final norm and head) in the kernel's place: a live row's logits and caches are the model's; a dead row (length 0) writes
     nothing but the scratch block."""
     config, params = checkpoint
     shape = shape_of(config)
 
     def reference(weights, h, rope, table, seq_len, ks, vs, **tiles):
         assert tiles["shape"] == shape and tiles["programs"] == 8
-        layers = layers_of(config, params)
-        return decoder_step_reference(layers, shape, h, rope, table, seq_len, ks, vs)
+        parts = (layers_of(config, params), head_of(config, params), shape)
+        return decoder_step_reference(*parts, h, rope, table, seq_len, ks, vs)
 
     monkeypatch.setattr(one_kernel_step_module, "decoder_step", reference)
     _, _, (h0, rope, table, seq_len), before = step_inputs(

@@ -247,7 +247,10 @@ class LLMEngine:
             self.kernels = dataclasses.replace(self.kernels, decoder_step_programs=programs)
             fam, model = family_of(self.config), self.config
             params = with_decoder_step(
-                params, fam.decoder_shape(model), lambda p: fam.decoder_layers(p, model)
+                params,
+                fam.decoder_shape(model),
+                lambda p: fam.decoder_layers(p, model),
+                lambda p: fam.decoder_head(p, model),
             )
         cache_sharding = None
         if mesh is not None:

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from pallas_kernels.decoder_step import DecoderLayer, DecoderShape
+from pallas_kernels.decoder_step import DecoderHead, DecoderLayer, DecoderShape
 from rosejax.models.gpt2 import config as gpt2_config
 from rosejax.models.gpt2 import model as gpt2_model
 from rosejax.models.gpt2 import weights as gpt2_weights
@@ -42,13 +42,13 @@ class ModelFamily:
     gpu_min_decode_batch: int
     # config -> the sizes of its one-kernel decode step (`KernelConfig.decoder_step_programs`,
     # `rosejax.models.one_kernel_step`); None: the family has no such step. (params, config) ->
-    # its layers as that step's kernel takes them (`pallas_kernels.decoder_step.DecoderLayer`).
+    # its layers, and its final norm and head, as that step's kernel takes them
+    # (`pallas_kernels.decoder_step.DecoderLayer`, `DecoderHead`).
     decoder_shape: Callable[[Any], DecoderShape] | None = None
     decoder_layers: Callable[..., list[DecoderLayer]] | None = None
-    # (params, config, token, position) -> that step's h before the layers and its RoPE angles;
-    # (params, config, h) -> the final norm and head's logits [1, V] (XLA).
+    decoder_head: Callable[..., DecoderHead] | None = None
+    # (params, config, token, position) -> that step's h before the layers and its RoPE angles.
     one_kernel_inputs: Callable[..., tuple] | None = None
-    final_logits: Callable[..., Any] | None = None
 
 
 _LLAMA = ModelFamily(
@@ -64,8 +64,8 @@ _LLAMA = ModelFamily(
     gpu_min_decode_batch=1,
     decoder_shape=llama_model.decoder_shape,
     decoder_layers=llama_model.decoder_layers,
+    decoder_head=llama_model.decoder_head,
     one_kernel_inputs=llama_model.one_kernel_inputs,
-    final_logits=llama_model.final_logits,
 )
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -80,8 +80,8 @@ FAMILIES: dict[str, ModelFamily] = {
         gpu_min_decode_batch=DEFAULT_GPU_MIN_DECODE_BATCH,
         decoder_shape=gpt2_model.decoder_shape,
         decoder_layers=gpt2_model.decoder_layers,
+        decoder_head=gpt2_model.decoder_head,
         one_kernel_inputs=gpt2_model.one_kernel_inputs,
-        final_logits=gpt2_model.final_logits,
     ),
     **{model_type: _LLAMA for model_type in llama_config.MODEL_TYPES},
 }

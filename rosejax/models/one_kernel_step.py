@@ -1,8 +1,8 @@
 """The one-kernel decode step (`pallas_kernels.decoder_step`) inside a model family's forward:
 the params' key of its weights, packing them, what keeps it from running, and one row's step
-through it over the engine's paged cache. A family brings its `DecoderShape`, its layers as the
-kernel takes them (`DecoderLayer`s), its embedding (and RoPE angles), and its final norm and
-head."""
+through it over the engine's paged cache. A family brings its `DecoderShape`, its layers, final
+norm and head as the kernel takes them (`DecoderLayer`s, `DecoderHead`), and its embedding (and
+RoPE angles)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.decoder_step import (
+    DecoderHead,
     DecoderLayer,
     DecoderShape,
     decoder_step,
     decoder_step_lowering_problem,
     decoder_step_problems,
+    head_weights,
     pack_decoder_weights,
 )
 from rosejax.layers.attention import ForwardMetadata
@@ -28,12 +30,17 @@ DECODER_STEP = "decoder_step"  # the params' key of the one-kernel step's weight
 
 
 def with_decoder_step(
-    params: dict, shape: DecoderShape, layers_of: Callable[[dict], list[DecoderLayer]]
+    params: dict,
+    shape: DecoderShape,
+    layers_of: Callable[[dict], list[DecoderLayer]],
+    head_of: Callable[[dict], DecoderHead],
 ) -> dict:
-    """params and, under DECODER_STEP, the one-kernel decode step's weights (a tiled copy of the
-    layers' matmuls: `pack_decoder_weights` of `layers_of(params)`, the family's mapping)."""
+    """params and, under DECODER_STEP, the one-kernel decode step's weights: a tiled copy of the
+    layers' matmuls (`pack_decoder_weights` of `layers_of(params)`, the family's mapping), the
+    final norm and the head's rows (`head_of(params)`, outside a jit: a tied head is the
+    embedding itself, not a copy)."""
     weights = jax.jit(lambda p: pack_decoder_weights(layers_of(p), shape))(params)
-    return {**params, DECODER_STEP: weights}
+    return {**params, DECODER_STEP: weights | head_weights(head_of(params))}
 
 
 def one_kernel_step_problems(
@@ -78,18 +85,18 @@ def one_row_step(
     kernels: KernelConfig,
     shape: DecoderShape,
     inputs: Callable[..., tuple[jax.Array, jax.Array]],
-    final_logits: Callable[..., jax.Array],
 ) -> tuple[jax.Array, KVCache]:
     """A decode step of one row: the family's `inputs` (h before the layers, float32 [E], and
-    RoPE's cos, sin [2, D/2]), every layer in `decoder_step` (the residual stream in float32),
-    then its `final_logits` (final norm and head, XLA) -> (logits [1, 1, V], cache). A dead row
+    RoPE's cos, sin [2, D/2]), then every layer, the final norm and the head in `decoder_step`
+    (the residual stream in float32) -> (logits [1, 1, V] in the head's dtype, cache). A dead row
     (length 0) writes position 0 of the scratch block, as `cache_slots` sends it."""
     live = meta.seq_lens > 0  # [1]
     seq_len = jnp.where(live, meta.seq_lens, 1)
     table = jnp.where(live, meta.block_tables[0], 0)  # [MB]
     h, rope = inputs(params, config, tokens[0, 0], seq_len[0] - 1)
-    h, k, v = decoder_step(
-        params[DECODER_STEP],
+    weights = params[DECODER_STEP]
+    logits, _, k, v = decoder_step(
+        weights,
         h,
         rope,
         table,
@@ -100,4 +107,5 @@ def one_row_step(
         programs=kernels.decoder_step_programs,
         interpret=kernels.interpret,
     )
-    return final_logits(params, config, h)[:, None], cache.replace(k=k, v=v)
+    logits = logits[: config.vocab_size].astype(weights["head"].dtype)
+    return logits[None, None], cache.replace(k=k, v=v)

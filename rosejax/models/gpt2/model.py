@@ -21,8 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decoder_step import DecoderLayer, DecoderShape
-from pallas_kernels.layer_norm import layer_norm_reference
+from pallas_kernels.decoder_step import DecoderHead, DecoderLayer, DecoderShape
 from rosejax.layers.attention import (
     ForwardMetadata,
     append_kv,
@@ -169,7 +168,7 @@ def forward(
     default); with `tp`, on one shard's params and cache (inside shard_map). Returns (logits,
     cache): logits are [B, T, V] in the params' dtype, or [B, V] when `logit_indices` is given."""
     if takes_one_kernel_step(params, kernels, tokens, logit_indices):
-        parts = (decoder_shape(config), one_kernel_inputs, final_logits)
+        parts = (decoder_shape(config), one_kernel_inputs)
         return one_row_step(params, config, tokens, cache, meta, kernels, *parts)
     params = without_decoder_step(params)
     dtype = params["wte"]["embedding"].dtype
@@ -203,6 +202,7 @@ def decoder_shape(config: GPT2Config) -> DecoderShape:
         intermediate=config.mlp_dim,
         eps=config.layer_norm_epsilon,
         qk_norm=False,
+        vocab=config.padded_vocab_size,
         layer_norm=True,
         biases=True,
         gelu=True,
@@ -239,9 +239,8 @@ def one_kernel_inputs(
     return h.astype(jnp.float32), jnp.zeros((2, config.head_dim // 2), jnp.float32)
 
 
-def final_logits(params: dict, config: GPT2Config, h: jax.Array) -> jax.Array:
-    """ln_f and the tied head in XLA over one row's float32 stream h [E] -> [1, V]."""
-    embedding = params["wte"]["embedding"]
+def decoder_head(params: dict, config: GPT2Config) -> DecoderHead:
+    """ln_f's scale and shift, and the tied head's rows (wte's embedding itself)."""
     ln_f = params["ln_f"]
-    x = layer_norm_reference(h[None], ln_f["scale"], ln_f["bias"], eps=config.layer_norm_epsilon)
-    return (x.astype(embedding.dtype) @ embedding.T)[:, : config.vocab_size]
+    norm = jnp.stack([ln_f["scale"], ln_f["bias"]]).astype(jnp.float32)
+    return DecoderHead(norm=norm, rows=params["wte"]["embedding"])

@@ -22,9 +22,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decoder_step import DecoderLayer, DecoderShape
+from pallas_kernels.decoder_step import DecoderHead, DecoderLayer, DecoderShape
 from pallas_kernels.qk_norm_rope import apply_rotary
-from pallas_kernels.rms_norm import rms_norm_reference
 from rosejax.layers.attention import (
     ForwardMetadata,
     append_kv,
@@ -220,6 +219,7 @@ def decoder_shape(config: LlamaConfig) -> DecoderShape:
         intermediate=config.intermediate_size,
         eps=config.rms_norm_eps,
         qk_norm=config.qk_norm,
+        vocab=config.padded_vocab_size,
         biases=config.qkv_bias or config.o_bias or config.mlp_bias,
     )
 
@@ -256,14 +256,14 @@ def one_kernel_inputs(
     return h, jnp.concatenate([cos, sin])
 
 
-def final_logits(params: dict, config: LlamaConfig, h: jax.Array) -> jax.Array:
-    """The final RMSNorm and LM head in XLA over one row's float32 stream h [E] -> [1, V]."""
-    embedding = params["embed_tokens"]["embedding"]
-    x = rms_norm_reference(
-        h.astype(embedding.dtype)[None], params["norm"]["scale"], eps=config.rms_norm_eps
-    )
-    head = embedding.T if config.tie_word_embeddings else params["lm_head"]["kernel"]
-    return (x @ head)[:, : config.vocab_size]
+def decoder_head(params: dict, config: LlamaConfig) -> DecoderHead:
+    """The final RMSNorm's scale (no shift) and the head's rows: the embedding itself where
+    tied, else lm_head's kernel transposed (a copy)."""
+    scale = params["norm"]["scale"]
+    norm = jnp.stack([scale, jnp.zeros_like(scale)]).astype(jnp.float32)
+    if config.tie_word_embeddings:
+        return DecoderHead(norm=norm, rows=params["embed_tokens"]["embedding"])
+    return DecoderHead(norm=norm, rows=params["lm_head"]["kernel"].T)
 
 
 def forward(
@@ -281,7 +281,7 @@ def forward(
     with `tp`, on one shard's params and cache (inside shard_map). Returns (logits [B, T, V] in
     the params' dtype, or [B, V] with `logit_indices`, cache)."""
     if takes_one_kernel_step(params, kernels, tokens, logit_indices):
-        parts = (decoder_shape(config), one_kernel_inputs, final_logits)
+        parts = (decoder_shape(config), one_kernel_inputs)
         return one_row_step(params, config, tokens, cache, meta, kernels, *parts)
     params = without_decoder_step(params)
     dtype = params["embed_tokens"]["embedding"].dtype
