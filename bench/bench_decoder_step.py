@@ -250,9 +250,10 @@ def main() -> None:
         `profile_dir`, the decoder under the profiler (2 stages unless --stages)."""
         family, full_shape = family_of(config), family_of(config).decoder_shape(config)
         shape = variant_shape(module, full_shape)
-        # Modules from before the head was in the kernel return h; from before `DecoderLayer`,
-        # their packing and reference took the params themselves.
+        # Modules from before rows took one row's inputs; from before the head was in the kernel
+        # they return h; from before `DecoderLayer`, their packing and reference took the params.
         has_head, has_layers = hasattr(module, "DecoderHead"), hasattr(module, "DecoderLayer")
+        has_rows = hasattr(module, "MAX_ROWS")
 
         def layers(params):
             return family.decoder_layers(params, config) if has_layers else params
@@ -260,7 +261,13 @@ def main() -> None:
         def head(params):
             return family.decoder_head(params, config)
 
-        def run(weights, params, *inputs):
+        def run(weights, params, h, rope, table, seq_len, ks, vs):
+            inputs = (
+                (h[None], rope[None], table[None], seq_len)
+                if has_rows
+                else (h, rope, table, seq_len)
+            )
+            inputs += (ks, vs)
             if args.quick:
                 parts = (layers(params), head(params)) if has_head else (layers(params),)
                 out = module.decoder_step_reference(*parts, shape, *inputs)
@@ -270,7 +277,7 @@ def main() -> None:
                 settings |= {"profile_dir": profile_dir} if profile_dir else {}
                 out = module.decoder_step(weights, *inputs, shape=shape, **settings | keywords)
             if has_head:
-                return out[0], *out[2:]
+                return out[0][0] if has_rows else out[0], *out[2:]
             h, ks, vs = out
             return decoder_head_reference(head(params), full_shape, h), ks, vs
 

@@ -411,18 +411,19 @@ def decoder_step_kernel(
     programs: int,
     splits: int,
     stages: int,
+    rows: int,
     interpret: bool,
 ):
     """One program's share of the step. Refs: tiles, norms, qk_norms, (biases,) final_norm, head,
-    rope [2, D/2], block_table [pages], seq_len [1]; h [E] float32, the L K and L V caches [H,
-    blocks, block_size, D] (all three updated in place); the buffers between phases (q/k/v and
-    gate/up partials, attention partials) and the logits [V]; scratch."""
+    rope [R, 2, D/2], block_tables [R, pages], seq_lens [R]; h [R, E] float32, the L K and L V
+    caches [H, blocks, block_size, D] (all three updated in place); the buffers between phases
+    (q/k/v and gate/up partials, attention partials) and the logits [R, V]; scratch."""
     lay, e, hq, h_kv, d = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
     f, group, half = shape.intermediate, shape.heads // shape.kv_heads, shape.head_dim // 2
     starts, blocks = [0], shape.phase_blocks()
     for n in shape.phase_tiles():
         starts.append(starts[-1] + n)
-    per_layer_tiles, items = starts[-1], h_kv * splits
+    per_layer_tiles, items = starts[-1], rows * h_kv * splits
     schedule = decoder_schedule(shape, programs)
     targets, per_layer = schedule.targets(items), schedule.signals_a_layer(items)
     kt_e = e // TILE_K
@@ -445,7 +446,6 @@ def decoder_step_kernel(
     # The head's column blocks are dealt round-robin too, each taken with all its K ranges in
     # turn: the program sums its logits itself, no partials.
     total = layer_tiles + _taken(c, programs, shape.head_blocks) * kt_e
-    pos = seq_len_ref[0] - 1  # the step's token: its position; the cache holds [0, pos)
 
     def head_tile(j):  # the program's j-th tile of the head: (its column block, its K range)
         return _dealt(j // kt_e, c, programs), j % kt_e
@@ -489,13 +489,15 @@ def decoder_step_kernel(
         for too): h / rms(h), rounded as the model does, or LayerNorm's (h - mean) / std, whose
         one rounding comes with the scale and shift. The threads load h themselves: no TMA copy
         and barrier on the critical path."""
-        hh = ops.load(h_ref, h_layout)  # [E]
-        _wait_copies(bars, 0, norm_rows * kt_e)
-        if shape.layer_norm:
-            hh = hh - jnp.sum(hh) / e
-            h_smem[...] = hh * lax.rsqrt(jnp.sum(hh * hh) / e + shape.eps)
-        else:
-            h_smem[...] = bf16(hh * lax.rsqrt(jnp.sum(hh * hh) / e + shape.eps))
+        for row in range(rows):
+            hh = ops.load(h_ref.at[row], h_layout)  # [E]
+            if row == 0:
+                _wait_copies(bars, 0, norm_rows * kt_e)
+            if shape.layer_norm:
+                hh = hh - jnp.sum(hh) / e
+                h_smem[row] = hh * lax.rsqrt(jnp.sum(hh * hh) / e + shape.eps)
+            else:
+                h_smem[row] = bf16(hh * lax.rsqrt(jnp.sum(hh * hh) / e + shape.eps))
         plgpu.commit_smem()  # written by every thread before any reads another's part
 
     def start_norm(norm):  # a norm's scale (and shift) [2, E] copied into norm_smem
@@ -506,25 +508,25 @@ def decoder_step_kernel(
         SMEM)."""
         cols = pl.ds(k * TILE_K, TILE_K)
         shift = norm_smem[1, cols] if shape.layer_norm else 0.0
-        x_smem[...] = bf16(h_smem[cols] * norm_smem[0, cols] + shift)
+        for row in range(rows):
+            x_smem[row] = bf16(h_smem[row, cols] * norm_smem[0, cols] + shift)
 
     def merged_attention(k):
         """The tile's 256 attention outputs (of 256 / D query heads), merged over the splits."""
 
         def scoped(acc_s, m_s, l_s):
             cols = pl.ds(k * TILE_K, TILE_K)
-            _copy_in(
-                [(acc_ref.at[:, cols], acc_s), (m_ref.at[:, cols], m_s), (l_ref.at[:, cols], l_s)],
-                bars,
-            )
-            ms = [m_s[i] for i in range(splits)]
-            top = functools.reduce(jnp.maximum, ms)
-            ws = [jnp.exp(m - top) for m in ms]
-            total_l = sum(l_s[i] * w for i, w in enumerate(ws))
-            o = sum(acc_s[i] * w for i, w in enumerate(ws))
-            x_smem[...] = bf16(o / total_l)
+            pairs = [(ref.at[:, :, cols], s) for ref, s in ((acc_ref, acc_s), (m_ref, m_s))]
+            _copy_in([*pairs, (l_ref.at[:, :, cols], l_s)], bars)
+            for row in range(rows):
+                ms = [m_s[i, row] for i in range(splits)]
+                top = functools.reduce(jnp.maximum, ms)
+                ws = [jnp.exp(m - top) for m in ms]
+                total_l = sum(l_s[i, row] * w for i, w in enumerate(ws))
+                o = sum(acc_s[i, row] * w for i, w in enumerate(ws))
+                x_smem[row] = bf16(o / total_l)
 
-        pl.run_scoped(scoped, *[plgpu.SMEM((splits, TILE_K), FLOAT)] * 3)
+        pl.run_scoped(scoped, *[plgpu.SMEM((splits, rows, TILE_K), FLOAT)] * 3)
 
     def mlp_input(k):
         """The tile's 256 inputs of silu(gate) * up, or of gelu_tanh(up), summed from the first
@@ -532,22 +534,26 @@ def decoder_step_kernel(
 
         def scoped(*parts_s):
             boxes = [
-                (gu_ref.at[:, pl.ds(i * f + k * TILE_K, TILE_K)], p_s)
+                (gu_ref.at[:, :, pl.ds(i * f + k * TILE_K, TILE_K)], p_s)
                 for i, p_s in enumerate(parts_s)
             ]
             _copy_in(boxes, bars)
-            first, *up = [bf16(sum(p_s[i] for i in range(kt_e))) for p_s in parts_s]
-            if shape.gelu:  # first: up
-                x_smem[...] = bf16(_gelu_tanh(first))
-            else:  # first: gate
-                x_smem[...] = bf16(bf16(first / (1.0 + jnp.exp(-first))) * up[0])
+            for row in range(rows):
+                first, *up = [bf16(sum(p_s[i, row] for i in range(kt_e))) for p_s in parts_s]
+                if shape.gelu:  # first: up
+                    x_smem[row] = bf16(_gelu_tanh(first))
+                else:  # first: gate
+                    x_smem[row] = bf16(bf16(first / (1.0 + jnp.exp(-first))) * up[0])
 
-        pl.run_scoped(scoped, *[plgpu.SMEM((kt_e, TILE_K), FLOAT)] * (1 if shape.gelu else 2))
+        parts = 1 if shape.gelu else 2
+        pl.run_scoped(scoped, *[plgpu.SMEM((kt_e, rows, TILE_K), FLOAT)] * parts)
 
-    def attention(layer, head, split, ready):
-        """Item (head, split) of the layer, once `sem` counts `ready` (q/k/v stored): its query
-        heads over its range of 64-token tiles (the last split also the step's own token, which it
-        appends to the cache)."""
+    def attention(layer, row, head, split, ready):
+        """Item (row, head, split) of the layer, once `sem` counts `ready` (q/k/v stored): the
+        row's query heads of the KV head over its range of 64-token tiles (the last split also the
+        step's own token, which it appends to the cache)."""
+        pos = seq_len_ref[row] - 1  # the row's token: its position; the cache holds [0, pos)
+        table = table_ref.at[row]
 
         def on_layer(copy):  # copy(k_ref, v_ref) with this layer's caches (a Ref pair a layer)
             _on_index(layer, lay, lambda i: copy(k_refs[i], v_refs[i]))
@@ -561,7 +567,7 @@ def decoder_step_kernel(
             def copy(k_ref, v_ref):
                 @pl.loop(0, cached_pages(i))  # a loop, not unrolled: one copy site a layer
                 def _(j):
-                    page = table_ref[i * pages_per_tile + j]
+                    page = table[i * pages_per_tile + j]
                     rows = pl.ds(j * block_size, block_size)
                     for ref, dst, bar in ((k_ref, k_s, 2 * j), (v_ref, v_s, 2 * j + 1)):
                         plgpu.copy_gmem_to_smem(ref.at[head, page], dst.at[rows], page_bars.at[bar])
@@ -585,8 +591,8 @@ def decoder_step_kernel(
             # The cached pages depend on no phase of this step: their copies start before the wait.
             pl.when(first < last)(lambda: start_tile(first, k_s, v_s, page_bars))
             q0, k0, v0 = head * group * d, hq * d + head * d, (hq + h_kv) * d + head * d
-            srcs = [qkv_ref.at[:, pl.ds(q0 + g * d, d)] for g in range(group)]
-            srcs += [qkv_ref.at[:, pl.ds(k0, d)], qkv_ref.at[:, pl.ds(v0, d)]]
+            srcs = [qkv_ref.at[:, row, pl.ds(q0 + g * d, d)] for g in range(group)]
+            srcs += [qkv_ref.at[:, row, pl.ds(k0, d)], qkv_ref.at[:, row, pl.ds(v0, d)]]
             scales = _start_copies([(qk_norms_ref.at[layer], qkn_s)], copy_bars)
             with jax.named_scope("attention_wait"):
                 ops.wait_count(sem, ready)
@@ -613,7 +619,7 @@ def decoder_step_kernel(
                     )
                     for p in (0, 1)
                 ]
-                row, xs = ops.iota((head_rows, half), heads_layout), sums
+                kind, xs = ops.iota((head_rows, half), heads_layout), sums  # q heads, k, v
                 if shape.qk_norm:
                     sq = sum(jnp.sum(x * x, axis=1) for x in xs)
                     inv = lax.rsqrt(sq / d + shape.eps)
@@ -622,7 +628,7 @@ def decoder_step_kernel(
                         bf16(
                             bf16(x * inv)
                             * jnp.where(
-                                row < group,
+                                kind < group,
                                 by_row(ops.load(qkn_s.at[0, pl.ds(p * half, half)], heads_col)),
                                 by_row(ops.load(qkn_s.at[1, pl.ds(p * half, half)], heads_col)),
                             )
@@ -631,12 +637,12 @@ def decoder_step_kernel(
                     ]
                 roped = xs
                 if shape.rope:
-                    cos = by_row(ops.load(rope_smem.at[0], heads_col))
-                    sin = by_row(ops.load(rope_smem.at[1], heads_col))
+                    cos = by_row(ops.load(rope_smem.at[row, 0], heads_col))
+                    sin = by_row(ops.load(rope_smem.at[row, 1], heads_col))
                     x1, x2 = xs
                     roped = (bf16(x1 * cos - x2 * sin), bf16(x2 * cos + x1 * sin))
                 for p, (x, y) in enumerate(zip(sums, roped, strict=True)):
-                    y = jnp.where(row == group + 1, x, y)  # v: neither normed nor rotated
+                    y = jnp.where(kind == group + 1, x, y)  # v: neither normed nor rotated
                     rows_s[:, pl.ds(p * half, half)] = y
                 plgpu.commit_smem()
             scale = 1.0 / math.sqrt(d)
@@ -709,13 +715,13 @@ def decoder_step_kernel(
                 plgpu.commit_smem()
             for g in range(group):
                 cols = pl.ds((head * group + g) * d, d)
-                plgpu.copy_smem_to_gmem(tile_s.at[g], acc_ref.at[split, cols])
+                plgpu.copy_smem_to_gmem(tile_s.at[g], acc_ref.at[split, row, cols])
                 for i, dst in enumerate((m_ref, l_ref)):
-                    plgpu.copy_smem_to_gmem(out_s.at[i, g], dst.at[split, cols])
+                    plgpu.copy_smem_to_gmem(out_s.at[i, g], dst.at[split, row, cols])
 
             @pl.when(split == splits - 1)
             def _():
-                at = (head, table_ref[pos // block_size], pos % block_size)
+                at = (head, table[pos // block_size], pos % block_size)
                 cur = rows_s.at[pl.ds(group, 2)]  # the step's K and V rows
                 cur_s[...] = ops.load(cur, plgpu.Layout.WG_STRIDED((2, d), 1)).astype(dtype)
                 plgpu.commit_smem()
@@ -754,12 +760,16 @@ def decoder_step_kernel(
             plgpu.barrier_wait(ring_bar.at[slot])
 
     def tile_product(slot):
-        """The ring slot's weight tile times x_smem, float32 [64]; first, the store 2 tiles
-        back has read `out` (whatever the caller writes next)."""
-        x = ops.load(x_smem)
+        """The ring slot's weight tile times each row of x_smem: R float32 [64]; first, the
+        store 2 tiles back has read `out` (whatever the caller writes next)."""
+        x = ops.load(x_smem.at[0])
         w = ops.load(ring.at[slot], WGMMA, optimized=True).astype(FLOAT)
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        return (w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1)
+        ys = []
+        for row in range(rows):  # one row's inputs in registers at a time (64 a thread)
+            x = ops.load(x_smem.at[row]) if row else x
+            ys.append((w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1))
+        return ys
 
     def step(t, prev_phase):
         layer, s = t // own, t % own
@@ -772,8 +782,10 @@ def decoder_step_kernel(
         def _():
             @pl.loop(c, items, step=programs)
             def _(item):
+                row, head_split = item // (h_kv * splits), item % (h_kv * splits)
+                ready = base + schedule.runs[QKV]
                 with jax.named_scope("attention"):
-                    attention(layer, item // splits, item % splits, base + schedule.runs[QKV])
+                    attention(layer, row, head_split // splits, head_split % splits, ready)
                     ops.signal(sem)
 
         @pl.when((s == 0) | (phase != prev_phase))
@@ -819,25 +831,27 @@ def decoder_step_kernel(
         out = o_smem.at[t % 2]  # double-buffered: a store in flight while the next tile runs
         wait_weights(slot)
         with jax.named_scope("tile"):
-            y = tile_product(slot)
+            ys = tile_product(slot)
             if shape.biases:
                 bias_s, bias_bar = bias_ring
                 plgpu.barrier_wait(bias_bar.at[slot])
-                y = y + ops.load(bias_s.at[slot], ROW)
-            out[...] = y
+                bias = ops.load(bias_s.at[slot], ROW)
+                ys = [y + bias for y in ys]
+            for row, y in enumerate(ys):
+                out[row] = y
             plgpu.commit_smem()  # the slot read and `out` written by every thread
 
         @pl.when(phase == QKV)
         def _():
-            plgpu.copy_smem_to_gmem(out, qkv_ref.at[k, cols])
+            plgpu.copy_smem_to_gmem(out, qkv_ref.at[k, :, cols])
 
         @pl.when(phase == GATE_UP)
         def _():
-            plgpu.copy_smem_to_gmem(out, gu_ref.at[k, cols])
+            plgpu.copy_smem_to_gmem(out, gu_ref.at[k, :, cols])
 
         @pl.when((phase == O_PROJ) | (phase == DOWN))
         def _():
-            ops.add_to_gmem(out, h_ref.at[cols])
+            ops.add_to_gmem(out, h_ref.at[:, cols])
 
         @pl.when((s == own - 1) | (phase_of(_dealt(s + 1, c, programs)) != phase))
         def _():  # the end of this program's run of the phase: its stores done, then counted
@@ -852,10 +866,10 @@ def decoder_step_kernel(
 
         return phase
 
-    def head_step(j, acc):
+    def head_step(j, accs):
         """The head's j-th tile of this program: once every layer's last signal is counted, h
         under the final norm (as a layer's norm), its K range's 256 inputs times the tile,
-        summed over the column block's K ranges in `acc` [64] and stored after the last."""
+        summed over the column block's K ranges in `accs` (R [64]) and stored after the last."""
         t = layer_tiles + j
         b, k = head_tile(j)
 
@@ -874,44 +888,50 @@ def decoder_step_kernel(
         wait_weights(slot)
         with jax.named_scope("tile"):
             rest = (ops.iota((TILE_N,)) >= 0) & (k > 0)  # [64]: a select's operands alike
-            y = tile_product(slot) + jnp.where(rest, acc, 0.0)
+            ys = tile_product(slot)
+            ys = [y + jnp.where(rest, acc, 0.0) for y, acc in zip(ys, accs, strict=True)]
             plgpu.commit_smem()  # the slot read by every thread
 
         @pl.when(k == kt_e - 1)
         def _():
             out = o_smem.at[(j // kt_e) % 2]
-            out[...] = y
+            for row, y in enumerate(ys):
+                out[row] = y
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out, logits_ref.at[pl.ds(b * TILE_N, TILE_N)])
+            plgpu.copy_smem_to_gmem(out, logits_ref.at[:, pl.ds(b * TILE_N, TILE_N)])
 
         @pl.when(t + stages < total)
         def _():
             fetch(t + stages, slot)
 
-        return y
+        return ys
 
     lax.fori_loop(0, layer_tiles, step, jnp.int32(-1))
-    lax.fori_loop(0, total - layer_tiles, head_step, ops.full((TILE_N,), 0.0))
+    zeros = [ops.full((TILE_N,), 0.0) for _ in range(rows)]
+    lax.fori_loop(0, total - layer_tiles, head_step, zeros)
     plgpu.wait_smem_to_gmem(0)
 
 
 _STATIC = ("shape", "programs", "splits", "stages", "interpret", "profile_dir")
 
 
-def profile_ranges(shape: DecoderShape, programs: int, splits: int) -> int:
+def profile_ranges(shape: DecoderShape, programs: int, splits: int, rows: int) -> int:
     """The most named ranges a program records in a step (its profile's size): a layer's tiles
     (their inputs, weights' wait, the tile), its phases (wait, norm, stores and signal, the signal)
     and its attention items (the item, its eight parts and its signal); the head's tiles, its
     wait and norm."""
     tiles = int(decoder_schedule(shape, programs).counts.max())
-    items = -(-shape.kv_heads * splits // programs)
+    items = -(-rows * shape.kv_heads * splits // programs)
     head_tiles = _taken(0, programs, shape.head_blocks) * (shape.hidden // TILE_K)
     return shape.layers * (3 * tiles + 4 * 4 + 10 * items) + 3 * head_tiles + 2
 
 
-def default_splits(shape: DecoderShape, programs: int) -> int:
-    """Attention items a KV head: what fits the programs, at most 8."""
-    return max(1, min(8, programs // shape.kv_heads))
+MAX_ROWS = 16  # rows a step: each tile's product, inputs and buffers grow with them
+
+
+def default_splits(shape: DecoderShape, programs: int, rows: int = 1) -> int:
+    """Attention items a row and KV head: what fits the programs, at most 8."""
+    return max(1, min(8, programs // (rows * shape.kv_heads)))
 
 
 def decoder_step_problems(
@@ -922,15 +942,18 @@ def decoder_step_problems(
     programs: int,
     splits: int | None = None,
     stages: int = 4,
+    rows: int = 1,
     interpret: bool = False,
     profile_dir: str = "",
     device: jax.Device | None = None,
 ) -> list[str]:
-    """Why the kernel cannot run a model of `shape` with `dtype` weights and caches of
-    `block_size` tokens a page on `device` (default: jax's first; empty: it can)."""
+    """Why the kernel cannot run `rows` rows of a model of `shape` with `dtype` weights and caches
+    of `block_size` tokens a page on `device` (default: jax's first; empty: it can)."""
     d, e, f = shape.head_dim, shape.hidden, shape.intermediate
-    splits = default_splits(shape, programs) if splits is None else splits
+    splits = default_splits(shape, programs, rows) if splits is None else splits
     problems = []
+    if not 1 <= rows <= MAX_ROWS:
+        problems.append(f"rows must be 1 to {MAX_ROWS}, got {rows}")
     if e % TILE_K or f % TILE_K or (shape.heads * d) % TILE_K or shape.qkv_width % TILE_N:
         problems.append(
             f"hidden, intermediate and heads x head_dim must be multiples of {TILE_K}"
@@ -949,9 +972,9 @@ def decoder_step_problems(
     elif not problems:
         # A program's attention items run before its first tile past q/k/v: it must have one.
         past_qkv = decoder_schedule(shape, programs).tiles >= shape.phase_tiles()[0]
-        if not past_qkv[: shape.kv_heads * splits].any(axis=1).all():
+        if not past_qkv[: rows * shape.kv_heads * splits].any(axis=1).all():
             problems.append(
-                f"each of the first kv_heads x splits of {programs} programs takes"
+                f"each of the first rows x kv_heads x splits of {programs} programs takes"
                 " attention items and must take a tile past q/k/v"
             )
     if interpret and programs != 1:  # the interpreter runs programs one after another
@@ -968,9 +991,12 @@ def decoder_step_problems(
     return problems
 
 
-def decoder_step_arg_shapes(shape: DecoderShape, dtype, block_size: int, pages: int) -> tuple:
-    """`decoder_step`'s positional arguments as ShapeDtypeStructs (a row of `pages` pages, caches
-    of `pages` + 1 blocks): what lowering it for a GPU takes, with no GPU and no arrays."""
+def decoder_step_arg_shapes(
+    shape: DecoderShape, dtype, block_size: int, pages: int, rows: int = 1
+) -> tuple:
+    """`decoder_step`'s positional arguments as ShapeDtypeStructs (`rows` rows of `pages` pages,
+    caches of `rows` x `pages` + 1 blocks): what lowering it for a GPU takes, with no GPU and no
+    arrays."""
     d, f32 = shape.head_dim, jnp.float32
     tiles = shape.layers * sum(shape.phase_tiles())
     weights = {
@@ -982,14 +1008,14 @@ def decoder_step_arg_shapes(shape: DecoderShape, dtype, block_size: int, pages: 
         weights["biases"] = jax.ShapeDtypeStruct((tiles, TILE_N), f32)
     weights["final_norm"] = jax.ShapeDtypeStruct((2, shape.hidden), f32)
     weights["head"] = jax.ShapeDtypeStruct((shape.vocab, shape.hidden), dtype)
-    caches = [jax.ShapeDtypeStruct((shape.kv_heads, pages + 1, block_size, d), dtype)]
+    caches = [jax.ShapeDtypeStruct((shape.kv_heads, rows * pages + 1, block_size, d), dtype)]
     caches *= shape.layers
     return (
         weights,
-        jax.ShapeDtypeStruct((shape.hidden,), f32),  # h
-        jax.ShapeDtypeStruct((2, d // 2), f32),  # rope
-        jax.ShapeDtypeStruct((pages,), jnp.int32),  # block_table
-        jax.ShapeDtypeStruct((1,), jnp.int32),  # seq_len
+        jax.ShapeDtypeStruct((rows, shape.hidden), f32),  # h
+        jax.ShapeDtypeStruct((rows, 2, d // 2), f32),  # rope
+        jax.ShapeDtypeStruct((rows, pages), jnp.int32),  # block_tables
+        jax.ShapeDtypeStruct((rows,), jnp.int32),  # seq_lens
         caches,
         caches,
     )
@@ -1004,12 +1030,13 @@ def decoder_step_lowering_problem(
     programs: int,
     splits: int | None = None,
     stages: int | None = None,
+    rows: int = 1,
 ) -> str | None:
     """Why Mosaic GPU cannot build the kernel for these sizes (shared memory most often), or
     None: its own answer, from lowering one layer for a GPU, which needs none (a step's shared
     memory does not grow with its layers). Seconds: for an engine's start, not a step."""
     one = dataclasses.replace(shape, layers=1)
-    args = decoder_step_arg_shapes(one, dtype, block_size, pages=1)
+    args = decoder_step_arg_shapes(one, dtype, block_size, pages=1, rows=rows)
     step = functools.partial(
         decoder_step, shape=one, programs=programs, splits=splits, stages=stages
     )
@@ -1023,11 +1050,13 @@ def decoder_step_lowering_problem(
 def check_decoder_step(
     shape: DecoderShape,
     weights: dict,
+    row_inputs: tuple,
     k_caches,
     *,
     programs,
     splits,
     stages,
+    rows,
     interpret,
     profile_dir,
 ) -> None:
@@ -1040,6 +1069,7 @@ def check_decoder_step(
         programs=programs,
         splits=splits,
         stages=stages,
+        rows=rows,
         interpret=interpret,
         profile_dir=profile_dir,
     )
@@ -1050,6 +1080,17 @@ def check_decoder_step(
         problems.append(f"head must be {tiles.dtype} {(shape.vocab, shape.hidden)}")
     if k_caches[0].dtype != tiles.dtype:
         problems.append(f"caches must be of the weights' dtype {tiles.dtype}")
+    h, rope, block_tables, seq_lens = (x.shape for x in row_inputs)
+    if (h, rope, block_tables[:1], seq_lens) != (
+        (rows, shape.hidden),
+        (rows, 2, shape.head_dim // 2),
+        (rows,),
+        (rows,),
+    ) or len(block_tables) != 2:
+        problems.append(
+            f"h, rope, block_tables, seq_lens must be [R, {shape.hidden}], [R, 2,"
+            f" {shape.head_dim // 2}], [R, pages], [R], got {h, rope, block_tables, seq_lens}"
+        )
     if len(k_caches) != shape.layers:
         problems.append(f"{shape.layers} layers of caches expected, got {len(k_caches)}")
     if problems:
@@ -1058,11 +1099,11 @@ def check_decoder_step(
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decoder_step(
-    weights: dict,  # pack_decoder_weights
-    h: jax.Array,  # float32 [E]: the token's embedding
-    rope: jax.Array,  # float32 [2, D/2]: cos, sin of the token's position (unread without RoPE)
-    block_table: jax.Array,  # int32 [pages]: the row's pages
-    seq_len: jax.Array,  # int32 [1]: its length with the step's token
+    weights: dict,  # pack_decoder_weights | head_weights
+    h: jax.Array,  # float32 [R, E]: each row's token's embedding
+    rope: jax.Array,  # float32 [R, 2, D/2]: cos, sin of its position (unread without RoPE)
+    block_tables: jax.Array,  # int32 [R, pages]: each row's pages
+    seq_lens: jax.Array,  # int32 [R]: each row's length with the step's token
     k_caches: list,  # L x [H, blocks, block_size, D]
     v_caches: list,  # L x [H, blocks, block_size, D]
     *,
@@ -1073,27 +1114,30 @@ def decoder_step(
     interpret: bool = False,
     profile_dir: str = "",
 ) -> tuple[jax.Array, jax.Array, list, list]:
-    """The token's logits (float32 [V]: the final norm and LM head after every layer), h after
-    every layer (float32 [E]) and the caches with the token's K/V appended.
+    """R rows' decode step (R <= MAX_ROWS): their tokens' logits (float32 [R, V]: the final norm
+    and LM head after every layer), h after every layer (float32 [R, E]) and the caches with
+    the tokens' K/V appended (each row's slot its own).
     `programs` must not exceed the GPU's SMs (all must be resident: they wait for each other).
-    `splits` (attention items a KV head, dealt round-robin to the programs) defaults to what
-    fits the programs, at most 8; `stages` (weight tiles in flight a program, 32 KiB of SMEM
+    `splits` (attention items a row and KV head, dealt round-robin to the programs) defaults to
+    what fits the programs, at most 8; `stages` (weight tiles in flight a program, 32 KiB of SMEM
     each) to 4, the most that fits beside the attention's SMEM at head_dim 128 (5 exceeds an
     H100's 227 KiB: Mosaic GPU's ValueError).
     `interpret=True` runs jax's Mosaic GPU interpreter, programs=1.
     `profile_dir`: Mosaic GPU's profiler writes there a trace of each program's named ranges (a
     JSON file a compiled call; `bench/decoder_trace.py` reads it); it takes
     4 x `profile_ranges` words of SMEM a program, which 2 stages leave room for."""
-    tiles = weights["tiles"]
-    splits = default_splits(shape, programs) if splits is None else splits
+    tiles, rows = weights["tiles"], h.shape[0]
+    splits = default_splits(shape, programs, rows) if splits is None else splits
     stages = stages or 4
     check_decoder_step(
         shape,
         weights,
+        (h, rope, block_tables, seq_lens),
         k_caches,
         programs=programs,
         splits=splits,
         stages=stages,
+        rows=rows,
         interpret=interpret,
         profile_dir=profile_dir,
     )
@@ -1101,10 +1145,10 @@ def decoder_step(
     dtype, caches = tiles.dtype, [*k_caches, *v_caches]
     kt_e, q = e // TILE_K, shape.heads * d
     buffers = [
-        jax.ShapeDtypeStruct((kt_e, shape.qkv_width), FLOAT),
-        jax.ShapeDtypeStruct((kt_e, shape.up_width), FLOAT),
-        *[jax.ShapeDtypeStruct((splits, q), FLOAT)] * 3,
-        jax.ShapeDtypeStruct((shape.vocab,), FLOAT),  # the logits
+        jax.ShapeDtypeStruct((kt_e, rows, shape.qkv_width), FLOAT),
+        jax.ShapeDtypeStruct((kt_e, rows, shape.up_width), FLOAT),
+        *[jax.ShapeDtypeStruct((splits, rows, q), FLOAT)] * 3,
+        jax.ShapeDtypeStruct((rows, shape.vocab), FLOAT),  # the logits
     ]
     body = functools.partial(
         decoder_step_kernel,
@@ -1114,6 +1158,7 @@ def decoder_step(
         programs=programs,
         splits=splits,
         stages=stages,
+        rows=rows,
         interpret=interpret,
     )
     scratch = [
@@ -1121,11 +1166,11 @@ def decoder_step(
         # do not collide in SMEM banks (unswizzled rows 512 bytes apart all hit one bank).
         plgpu.SMEM((stages, TILE_N, TILE_K), dtype, transforms=RING_TRANSFORMS),
         plgpu.Barrier(num_barriers=stages),
-        plgpu.SMEM((e,), FLOAT),
+        plgpu.SMEM((rows, e), FLOAT),  # h_smem
         plgpu.SMEM((shape.norm_rows, e), FLOAT),  # a norm's scale (and shift)
-        plgpu.SMEM((TILE_K,), FLOAT),
-        plgpu.SMEM((2, TILE_N), FLOAT),
-        plgpu.SMEM((2, d // 2), FLOAT),
+        plgpu.SMEM((rows, TILE_K), FLOAT),  # x_smem: a tile's inputs
+        plgpu.SMEM((2, rows, TILE_N), FLOAT),  # o_smem: its outputs, double-buffered
+        plgpu.SMEM((rows, 2, d // 2), FLOAT),  # rope_smem
         plgpu.Barrier(num_barriers=max(3, 2 * kt_e)),
     ]
     if shape.biases:  # bias_ring: each weight tile's bias, on its own barriers
@@ -1140,20 +1185,20 @@ def decoder_step(
             # Each array's layout as written here (what the CPU's lowering checks), on every jax.
             lowering_semantics=plgpu.LoweringSemantics.Lane,
             # Its size in ranges; one more for the trace's header (3 words).
-            profile_space=profile_ranges(shape, programs, splits) + 1 if profile_dir else 0,
+            profile_space=profile_ranges(shape, programs, splits, rows) + 1 if profile_dir else 0,
             profile_dir=profile_dir,
         ),
         interpret=_InterpretGPUParams() if interpret else False,
     )
     inputs = (tiles, weights["norms"], weights["qk_norms"])
     inputs += (weights["biases"],) if shape.biases else ()
-    inputs += (weights["final_norm"], weights["head"], rope, block_table, seq_len)
+    inputs += (weights["final_norm"], weights["head"], rope, block_tables, seq_lens)
 
     def in_place(refs):  # the kernel writes h and the caches where they are
         h_ref, caches, logits_ref = refs
         logits_ref[...] = kernel(*inputs, h_ref, *caches)[-1]  # (XLA drops the zeros' fill)
 
-    logits = jnp.zeros((shape.vocab,), FLOAT)
+    logits = jnp.zeros((rows, shape.vocab), FLOAT)
     h, caches, logits = pl.run_state(in_place)((h, caches, logits))
     return logits, h, caches[:lay], caches[lay:]
 
@@ -1184,19 +1229,43 @@ def decoder_step_reference(
     layers: Sequence[DecoderLayer],
     head: DecoderHead,
     shape: DecoderShape,
-    h: jax.Array,  # float32 [E]
-    rope: jax.Array,  # float32 [2, D/2]
-    block_table: jax.Array,  # int32 [pages]
-    seq_len: jax.Array,  # int32 [1]
+    h: jax.Array,  # float32 [R, E]
+    rope: jax.Array,  # float32 [R, 2, D/2]
+    block_tables: jax.Array,  # int32 [R, pages]
+    seq_lens: jax.Array,  # int32 [R]
     k_caches: list,
     v_caches: list,
 ) -> tuple[jax.Array, jax.Array, list, list]:
     """Plain XLA over the model's own weights (its `DecoderLayer`s and `DecoderHead`), with the
     kernel's rounding: the residual stream in float32, everything the model rounds rounded to the
-    weights' dtype. (logits [V], h [E], k_caches, v_caches) as `decoder_step`."""
+    weights' dtype. (logits [R, V], h [R, E], k_caches, v_caches) as `decoder_step`: row after
+    row (each reads and writes only its own pages)."""
+    logits, hs = [], []
+    for row in range(h.shape[0]):
+        row_inputs = (h[row], rope[row], block_tables[row], seq_lens[row])
+        out, h_row, k_caches, v_caches = _row_reference(
+            layers, head, shape, *row_inputs, k_caches, v_caches
+        )
+        logits.append(out)
+        hs.append(h_row)
+    return jnp.stack(logits), jnp.stack(hs), k_caches, v_caches
+
+
+def _row_reference(
+    layers: Sequence[DecoderLayer],
+    head: DecoderHead,
+    shape: DecoderShape,
+    h: jax.Array,  # float32 [E]
+    rope: jax.Array,  # float32 [2, D/2]
+    block_table: jax.Array,  # int32 [pages]
+    seq_len: jax.Array,  # int32 []
+    k_caches: list,
+    v_caches: list,
+) -> tuple[jax.Array, jax.Array, list, list]:
+    """One row of `decoder_step_reference`: (logits [V], h [E], k_caches, v_caches)."""
     d, hq, h_kv = shape.head_dim, shape.heads, shape.kv_heads
     block_size = k_caches[0].shape[2]
-    pos = seq_len[0] - 1
+    pos = seq_len - 1
     page, offset = block_table[pos // block_size], pos % block_size
     cos, sin = rope[:1], rope[1:]
     positions = jnp.arange(block_table.shape[0] * block_size)

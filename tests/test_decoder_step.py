@@ -121,8 +121,8 @@ def step_inputs(config, params, cached: int, rng):
         _, cache = run(0, cached, cache)
     before = cache
     logits, after = run(cached, 1, cache)
-    inputs = family_of(config).one_kernel_inputs(params, config, tokens[cached], cached)
-    inputs += (table, jnp.asarray([cached + 1], jnp.int32))
+    h, rope = family_of(config).one_kernel_inputs(params, config, tokens[cached], cached)
+    inputs = (h[None], rope[None], table[None], jnp.asarray([cached + 1], jnp.int32))  # 1 row
     return logits[0, 0], after, inputs, before
 
 
@@ -135,8 +135,8 @@ def test_reference_matches_model(checkpoint, cached):
     logits, after, inputs, before = step_inputs(config, params, cached, np.random.default_rng(7))
     parts = (layers_of(config, params), head_of(config, params), shape)
     got, _, ks, vs = decoder_step_reference(*parts, *inputs, before.k, before.v)
-    assert got.shape == (shape.vocab,) and shape.vocab % 64 == 0
-    assert rel_err(got[: config.vocab_size], logits) <= 1e-5
+    assert got.shape == (1, shape.vocab) and shape.vocab % 64 == 0
+    assert rel_err(got[0, : config.vocab_size], logits) <= 1e-5
     for got, want in zip(ks + vs, after.k + after.v, strict=True):
         assert rel_err(got, want) <= 1e-5
 
@@ -246,21 +246,26 @@ def test_decoder_schedule_orders_every_phase(preset_name, programs):
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,block_size,hidden,dtype,gpt2",
+    "heads,kv_heads,head_dim,block_size,hidden,dtype,gpt2,rows",
     [
-        (4, 2, 64, 16, 256, jnp.bfloat16, False),
-        (8, 2, 128, 8, 512, jnp.float16, False),
-        (12, 2, 64, 32, 768, jnp.bfloat16, False),
-        (8, 1, 128, 64, 512, jnp.bfloat16, False),
-        (2, 2, 256, 16, 256, jnp.float16, False),
-        (12, 12, 64, 16, 768, jnp.float16, True),  # GPT-2 small's layer
+        (4, 2, 64, 16, 256, jnp.bfloat16, False, 1),
+        (8, 2, 128, 8, 512, jnp.float16, False, 1),
+        (12, 2, 64, 32, 768, jnp.bfloat16, False, 1),
+        (8, 1, 128, 64, 512, jnp.bfloat16, False, 1),
+        (2, 2, 256, 16, 256, jnp.float16, False, 1),
+        (12, 12, 64, 16, 768, jnp.float16, True, 1),  # GPT-2 small's layer
+        (8, 2, 128, 16, 512, jnp.bfloat16, False, 4),
+        (12, 12, 64, 16, 768, jnp.float16, True, 8),
     ],
 )
-def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hidden, dtype, gpt2):
+def test_decoder_step_lowers_for_a_gpu(
+    heads, kv_heads, head_dim, block_size, hidden, dtype, gpt2, rows
+):
     """The compiled kernel's every array layout, shared-memory alias and copy is checked as jax
     lowers it for a GPU, which needs none: head_dim 64, 128 and 256, groups of 1 to 8 query
     heads (4 or 8 rows a head layout), pages of 8 to 64 tokens, hidden 256 to 768 (h's layout
-    takes 2 or 4 elements a vector), and GPT-2's LayerNorm, biases and GELU without RoPE."""
+    takes 2 or 4 elements a vector), GPT-2's LayerNorm, biases and GELU without RoPE, and 4 or 8
+    rows a step."""
     shape = DecoderShape(
         layers=2,
         hidden=hidden,
@@ -276,7 +281,7 @@ def test_decoder_step_lowers_for_a_gpu(heads, kv_heads, head_dim, block_size, hi
         rope=not gpt2,
         vocab=384,
     )
-    args = decoder_step_arg_shapes(shape, dtype, block_size, pages=6)
+    args = decoder_step_arg_shapes(shape, dtype, block_size, pages=6, rows=rows)
 
     def step(*args):
         return decoder_step(*args, shape=shape, programs=16, splits=3, stages=2)
@@ -290,8 +295,8 @@ def test_decoder_step_rejects_what_it_cannot_run(checkpoint):
     shape = shape_of(config)
     weights = step_weights(config, params)
     cache = init_kv_cache(config, 4, BLOCK_SIZE, jnp.float32)
-    args = (weights, jnp.zeros(shape.hidden), jnp.zeros((2, shape.head_dim // 2)))
-    args += (jnp.zeros(2, jnp.int32), jnp.ones(1, jnp.int32), cache.k, cache.v)
+    args = (weights, jnp.zeros((1, shape.hidden)), jnp.zeros((1, 2, shape.head_dim // 2)))
+    args += (jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32), cache.k, cache.v)
     with pytest.raises(ValueError, match="bf16 or fp16"):  # fp32 weights
         decoder_step(*args, shape=shape, programs=2, splits=1, stages=2)
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), (weights, cache.k, cache.v))
@@ -308,6 +313,12 @@ def test_decoder_step_rejects_what_it_cannot_run(checkpoint):
     unpadded = dataclasses.replace(shape, vocab=config.vocab_size)  # 300 rows: no 64-row blocks
     with pytest.raises(ValueError, match="head's rows must be a multiple of 64"):
         decoder_step(*args, shape=unpadded, programs=1, splits=1, stages=2, interpret=True)
+    two_h = (args[0], jnp.zeros((2, shape.hidden)), *args[2:])  # 2 rows of h, 1 of the rest
+    with pytest.raises(ValueError, match="h, rope, block_tables, seq_lens must be"):
+        decoder_step(*two_h, shape=shape, programs=1, splits=1, stages=2, interpret=True)
+    many = [jnp.repeat(x, 17, axis=0) for x in args[1:5]]
+    with pytest.raises(ValueError, match="rows must be 1 to 16"):
+        decoder_step(args[0], *many, *args[5:], shape=shape, programs=1, splits=1, interpret=True)
 
 
 GPU = jax.default_backend() == "gpu"
@@ -371,20 +382,22 @@ def check_kernel_against_reference(
     config, *, programs, splits, stages, cached, block_size, pages, interpret=False
 ):
     """The kernel against `decoder_step_reference` (bf16 random params) on caches poisoned with
-    random values: what the layers add to h, every 64-logit block of the head's, the step's K/V
-    slot of every layer, and every other cache element kept."""
-    shape = shape_of(config)
-    rng = np.random.default_rng(cached)
-    params = wide_params(config, cached, rng)
+    random values, for a row of each length in `cached` (its tokens in the cache; each row's
+    pages its own, out of order): what the layers add to each row's h, every 64-logit block of
+    the head's, each row's K/V slot of every layer, and every other cache element kept."""
+    shape, rows = shape_of(config), len(cached)
+    rng = np.random.default_rng(sum(cached))
+    params = wide_params(config, sum(cached), rng)
     weights = step_weights(config, params)
-    table = jnp.asarray(1 + rng.permutation(pages), jnp.int32)
-    cache_shape = (shape.kv_heads, pages + 1, block_size, shape.head_dim)
+    tables = jnp.asarray(1 + rng.permutation(rows * pages).reshape(rows, pages), jnp.int32)
+    cache_shape = (shape.kv_heads, rows * pages + 1, block_size, shape.head_dim)
     layers = range(shape.layers)
     ks = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
     vs = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
-    _, rope = family_of(config).one_kernel_inputs(params, config, 0, cached)
-    h0 = jnp.asarray(rng.normal(size=shape.hidden), jnp.float32)
-    inputs = (h0, rope, table, jnp.asarray([cached + 1], jnp.int32))
+    inputs = family_of(config).one_kernel_inputs
+    rope = jnp.stack([inputs(params, config, 0, n)[1] for n in cached])
+    h0 = jnp.asarray(rng.normal(size=(rows, shape.hidden)), jnp.float32)
+    inputs = (h0, rope, tables, jnp.asarray(cached, jnp.int32) + 1)
     parts = (layers_of(config, params), head_of(config, params), shape)
     want = decoder_step_reference(*parts, *inputs, ks, vs)
     got = decoder_step(
@@ -398,18 +411,19 @@ def check_kernel_against_reference(
         stages=stages,
         interpret=interpret,
     )
-    assert rel_err(got[1] - h0, want[1] - h0) <= 2e-2
+    for row in range(rows):
+        assert rel_err(got[1][row] - h0[row], want[1][row] - h0[row]) <= 2e-2
     # Block by block (a block the head's tiles missed holds whatever the buffer held), against
     # the blocks' RMS norm where a block is small (the padded rows' logits are zeros).
     blocks = [np.asarray(x, np.float32).reshape(-1, 64) for x in (got[0], want[0])]
     typical = np.linalg.norm(blocks[1]) / np.sqrt(len(blocks[1]))
     for g, w in zip(*blocks, strict=True):
         assert np.linalg.norm(g - w) <= 2e-2 * max(np.linalg.norm(w), typical)
-    page, offset = int(table[cached // block_size]), cached % block_size
     for g, w, before in zip(got[2] + got[3], want[2] + want[3], ks + vs, strict=True):
         g, w, before = (np.asarray(a, np.float32) for a in (g, w, before))
         written = np.zeros(g.shape, bool)
-        written[:, page, offset] = True
+        for table, n in zip(np.asarray(tables), cached, strict=True):
+            written[:, table[n // block_size], n % block_size] = True
         np.testing.assert_array_equal(g[~written], before[~written])
         assert rel_err(g[written], w[written]) <= 2e-2
 
@@ -418,14 +432,16 @@ def check_kernel_against_reference(
 @pytest.mark.parametrize(
     "name,splits,stages,cached",
     [
-        ("qwen3-g2-hd64-tied", 1, 1, 0),
-        pytest.param("qwen3-g2-hd64-tied", 3, 3, 77, marks=pytest.mark.slow),
-        ("llama-g4-hd128-untied", 2, 2, 150),
-        pytest.param("llama-g4-hd128-untied", 1, 4, 9, marks=pytest.mark.slow),
-        ("llama-g2-hd128-e512", 2, 3, 70),
-        ("gpt2-hd64-e512", 2, 2, 70),
-        ("qwen2-g2-hd64-bias", 2, 1, 33),
-        pytest.param("gpt2-hd64-e512", 1, 3, 5, marks=pytest.mark.slow),
+        ("qwen3-g2-hd64-tied", 1, 1, (0,)),
+        pytest.param("qwen3-g2-hd64-tied", 3, 3, (77,), marks=pytest.mark.slow),
+        ("llama-g4-hd128-untied", 2, 2, (150,)),
+        pytest.param("llama-g4-hd128-untied", 1, 4, (9,), marks=pytest.mark.slow),
+        ("llama-g2-hd128-e512", 2, 3, (70,)),
+        ("gpt2-hd64-e512", 2, 2, (70,)),
+        ("qwen2-g2-hd64-bias", 2, 1, (33,)),
+        pytest.param("gpt2-hd64-e512", 1, 3, (5,), marks=pytest.mark.slow),
+        ("qwen3-g2-hd64-tied", 2, 2, (70, 3, 130)),  # rows of other lengths in one step
+        ("gpt2-hd64-e512", 1, 3, (20, 90)),
     ],
 )
 def test_decoder_step_interpreted_matches_reference(
@@ -433,7 +449,7 @@ def test_decoder_step_interpreted_matches_reference(
 ):
     """One program does every tile and attention item in turn (2 layers; splits that leave
     items empty, a ring of 1-4 tiles, contexts across 64-token tiles and 8-token pages; hidden
-    512: two K ranges and two ranges of down's outputs)."""
+    512: two K ranges and two ranges of down's outputs; 2 and 3 rows a step)."""
     extra = {"llama-g2-hd128-e512": E512, "gpt2-hd64-e512": GPT2_E512}
     model_type, kwargs = {**SHAPES, **extra}[name]
     hf = dict(model_type=model_type, num_hidden_layers=2, vocab_size=300, **kwargs)
@@ -450,20 +466,29 @@ def test_decoder_step_interpreted_matches_reference(
     )
 
 
-SETTINGS = [(128, 8, 4, 0), (128, 8, 4, 200), (132, 16, 3, 63), (37, 4, 2, 64), (96, 12, 4, 1000)]
+SETTINGS = [
+    (128, 8, 4, (0,)),
+    (128, 8, 4, (200,)),
+    (132, 16, 3, (63,)),
+    (37, 4, 2, (64,)),
+    (96, 12, 4, (1000,)),
+    (132, None, 3, (100, 7, 300, 40)),
+    (132, None, 2, (5, 64, 65, 1, 900, 17, 128, 33)),
+]
 
 
 @pytest.mark.skipif(not GPU, reason="the persistent kernel's grid waits need a GPU")
 @pytest.mark.parametrize(
     "model,programs,splits,stages,cached",
     [(model, *settings) for model in ("qwen3-0.6b", "gpt2") for settings in SETTINGS]
-    + [(model, 132, None, None, 100) for model in ("gpt2-medium", "gpt2-large", "llama-3.2-1b")],
+    + [(m, 132, None, None, (100,)) for m in ("gpt2-medium", "gpt2-large", "llama-3.2-1b")],
 )
 def test_decoder_step_matches_reference(model, programs, splits, stages, cached):
     """Qwen3-0.6B's widths (16 query / 8 KV heads of 128, 3,072 MLP units) and GPT-2's (12
-    heads of 64, biases, LayerNorm, GELU) under several settings, and at the engine's defaults
-    the other widths its auto runs the step for (GPT-2 medium and large: hidden 1,024 and 1,280;
-    Llama 3.2 1B: 32 / 8 heads of 64), 3 layers."""
+    heads of 64, biases, LayerNorm, GELU) under several settings, one row and 4 or 8 rows of
+    other lengths, and at the engine's defaults the other widths its auto runs the step for
+    (GPT-2 medium and large: hidden 1,024 and 1,280; Llama 3.2 1B: 32 / 8 heads of 64), 3
+    layers."""
     config = preset(model)
     config = config.with_num_layers(3)
     programs = min(programs, getattr(jax.devices()[0], "core_count", 128))
@@ -590,7 +615,7 @@ def test_engine_one_kernel_step_matches_hf(
 
 @pytest.mark.parametrize("live", [True, False])
 def test_one_kernel_step_glue_matches_model(checkpoint, monkeypatch, live):
-    """The engine's route into the kernel (`one_row_step`: embedding (and GPT-2's position),
+    """The engine's route into the kernel (`kernel_decode_step`: embedding (and GPT-2's position),
     RoPE angles, the dead row's scratch slot, the logits' vocabulary and dtype) with the XLA
     reference (layers, final norm and head) in the kernel's place: a live row's logits and caches are the model's; a dead row (length 0) writes
     nothing but the scratch block."""
@@ -603,13 +628,11 @@ def test_one_kernel_step_glue_matches_model(checkpoint, monkeypatch, live):
         return decoder_step_reference(*parts, h, rope, table, seq_len, ks, vs)
 
     monkeypatch.setattr(one_kernel_step_module, "decoder_step", reference)
-    _, _, (h0, rope, table, seq_len), before = step_inputs(
-        config, params, 20, np.random.default_rng(4)
-    )
+    _, _, (_, _, tables, _), before = step_inputs(config, params, 20, np.random.default_rng(4))
     meta = ForwardMetadata(
         positions=jnp.asarray([[20]], jnp.int32),
         seq_lens=jnp.asarray([21 if live else 0], jnp.int32),
-        block_tables=table[None],
+        block_tables=tables,
     )
     token = jnp.asarray([[11]], jnp.int32)
     forward = jax.jit(family_of(config).forward, static_argnums=1, static_argnames="kernels")

@@ -76,36 +76,39 @@ def without_decoder_step(params: dict) -> dict:
     return {k: v for k, v in params.items() if k != DECODER_STEP}
 
 
-def one_row_step(
+def kernel_decode_step(
     params: dict,
     config: Any,
-    tokens: jax.Array,  # [1, 1] int32
+    tokens: jax.Array,  # [R, 1] int32
     cache: KVCache,
     meta: ForwardMetadata,
     kernels: KernelConfig,
     shape: DecoderShape,
     inputs: Callable[..., tuple[jax.Array, jax.Array]],
 ) -> tuple[jax.Array, KVCache]:
-    """A decode step of one row: the family's `inputs` (h before the layers, float32 [E], and
-    RoPE's cos, sin [2, D/2]), then every layer, the final norm and the head in `decoder_step`
-    (the residual stream in float32) -> (logits [1, 1, V] in the head's dtype, cache). A dead row
-    (length 0) writes position 0 of the scratch block, as `cache_slots` sends it."""
-    live = meta.seq_lens > 0  # [1]
-    seq_len = jnp.where(live, meta.seq_lens, 1)
-    table = jnp.where(live, meta.block_tables[0], 0)  # [MB]
-    h, rope = inputs(params, config, tokens[0, 0], seq_len[0] - 1)
+    """A decode step of R rows: the family's `inputs` of each (h before the layers, float32 [E],
+    and RoPE's cos, sin [2, D/2]), then every layer, the final norm and the head in
+    `decoder_step` (the residual stream in float32) -> (logits [R, 1, V] in the head's dtype,
+    cache). A dead row (length 0) writes position 0 of the scratch block, as `cache_slots` sends
+    it."""
+    live = meta.seq_lens > 0  # [R]
+    seq_lens = jnp.where(live, meta.seq_lens, 1)
+    tables = jnp.where(live[:, None], meta.block_tables, 0)  # [R, MB]
+    h, rope = jax.vmap(lambda token, position: inputs(params, config, token, position))(
+        tokens[:, 0], seq_lens - 1
+    )
     weights = params[DECODER_STEP]
     logits, _, k, v = decoder_step(
         weights,
         h,
         rope,
-        table,
-        seq_len,
+        tables,
+        seq_lens,
         cache.k,
         cache.v,
         shape=shape,
         programs=kernels.decoder_step_programs,
         interpret=kernels.interpret,
     )
-    logits = logits[: config.vocab_size].astype(weights["head"].dtype)
-    return logits[None, None], cache.replace(k=k, v=v)
+    logits = logits[:, : config.vocab_size].astype(weights["head"].dtype)
+    return logits[:, None], cache.replace(k=k, v=v)

@@ -35,7 +35,7 @@ from rosejax.layers.linear import Linear, select_tokens
 from rosejax.layers.parallel import NO_TP, ShardLayout, TensorParallel, embed, gather_vocab
 from rosejax.models.gpt2.config import GPT2Config
 from rosejax.models.one_kernel_step import (
-    one_row_step,
+    kernel_decode_step,
     takes_one_kernel_step,
     without_decoder_step,
 )
@@ -169,7 +169,7 @@ def forward(
     cache): logits are [B, T, V] in the params' dtype, or [B, V] when `logit_indices` is given."""
     if takes_one_kernel_step(params, kernels, tokens, logit_indices):
         parts = (decoder_shape(config), one_kernel_inputs)
-        return one_row_step(params, config, tokens, cache, meta, kernels, *parts)
+        return kernel_decode_step(params, config, tokens, cache, meta, kernels, *parts)
     params = without_decoder_step(params)
     dtype = params["wte"]["embedding"].dtype
     return GPT2(config, dtype, kernels, tp).apply(

@@ -39,7 +39,7 @@ from rosejax.layers.rms_norm import RMSNorm
 from rosejax.layers.rotary import rope_cos_sin, rope_inv_freq
 from rosejax.models.llama.config import LlamaConfig
 from rosejax.models.one_kernel_step import (
-    one_row_step,
+    kernel_decode_step,
     takes_one_kernel_step,
     without_decoder_step,
 )
@@ -282,7 +282,7 @@ def forward(
     the params' dtype, or [B, V] with `logit_indices`, cache)."""
     if takes_one_kernel_step(params, kernels, tokens, logit_indices):
         parts = (decoder_shape(config), one_kernel_inputs)
-        return one_row_step(params, config, tokens, cache, meta, kernels, *parts)
+        return kernel_decode_step(params, config, tokens, cache, meta, kernels, *parts)
     params = without_decoder_step(params)
     dtype = params["embed_tokens"]["embedding"].dtype
     return LlamaModel(config, dtype, kernels, tp).apply(
