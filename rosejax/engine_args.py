@@ -258,7 +258,9 @@ def add_kernel_args(p: argparse.ArgumentParser) -> None:
         "kv_append_min_batch, linear_max_rows, cublas_min_batch, xla_split_k_min_rows = an int "
         "(the last two also none); decoder_step_programs = the programs of the one-kernel decode "
         "step at one row (GPT-2 and Llama family on one Hopper GPU; at most its SMs; 0: off; "
-        "auto, the default: its SMs where --max-batch-size is 1 and the kernel runs the model). "
+        "auto, the default: its SMs where --max-batch-size is 1 and the kernel runs the model); "
+        "decoder_step_rows = the most rows a decode program runs that step for (1-16, default "
+        "1; its shared memory bounds them). "
         "Default: every Pallas "
         "kernel on a GPU, XLA on a CPU, then $ROSEJAX_* switches",
     )

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import jax
 
+from pallas_kernels.decoder_step import MAX_ROWS as MAX_DECODER_STEP_ROWS
 from rosejax.compilation_cache import write_entries_whole
 
 Impl = Literal["pallas", "xla"]
@@ -182,6 +183,9 @@ class KernelConfig:
     # model on that GPU (B=1 step against the per-op kernels', H100: Qwen3-0.6B 0.715x, GPT-2
     # 0.66x), else off; a forward takes None as off (the engine hands it the count it resolved).
     decoder_step_programs: int | None = None
+    # ... and decode programs of up to this many rows (1-16) take it too: its shared memory
+    # holds 8 rows of GPT-2 small, 4 of Qwen3-0.6B at 4 weight stages. Timed at one row only.
+    decoder_step_rows: int = 1
     # Tile overrides, ((op, parameter, value), ...): keyword arguments of that op's kernel,
     # e.g. ("linear", "num_warps", 2). Ops: kv_append, attention, prefill_attention, layer_norm,
     # rms_norm, linear.
@@ -205,6 +209,11 @@ class KernelConfig:
                 continue
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"kernels.{name} must be an int >= 0, got {value!r}")
+        if not 1 <= self.decoder_step_rows <= MAX_DECODER_STEP_ROWS:
+            raise ValueError(
+                f"kernels.decoder_step_rows must be 1 to {MAX_DECODER_STEP_ROWS}, "
+                f"got {self.decoder_step_rows!r}"
+            )
         if self.xla_split_k_min_rows is not None and self.xla_split_k_min_rows < 1:
             raise ValueError(
                 f"kernels.xla_split_k_min_rows must be >= 1 or None, got {self.xla_split_k_min_rows}"

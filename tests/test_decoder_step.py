@@ -571,6 +571,12 @@ def test_one_kernel_step_programs_auto_and_set():
     assert programs(config=preset("llama-3.1-8b")) == 0
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         programs(kernels=eight, config=preset("llama-3.1-8b"))
+    # Rows a step: 8 of GPT-2 small fit an SM's shared memory beside 4 weight stages, 16 of
+    # Qwen3-0.6B do not.
+    rows = dataclasses.replace(eight, decoder_step_rows=8)
+    assert programs(kernels=rows, config=preset("gpt2"), max_batch_size=8) == 8
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        programs(kernels=dataclasses.replace(eight, decoder_step_rows=16))
 
 
 @(pytest.mark.slow if not GPU else (lambda test: test))  # interpreted, a step takes a second
@@ -613,42 +619,90 @@ def test_engine_one_kernel_step_matches_hf(
     assert traced and set(traced) == {programs}
 
 
-@pytest.mark.parametrize("live", [True, False])
+@(pytest.mark.slow if not GPU else (lambda test: test))  # interpreted, a step takes seconds
+def test_engine_one_kernel_step_rows_match_hf(hf_checkpoint, mosaic_gpu_interpreter, monkeypatch):
+    """Three prompts of other lengths decoded together by the one-kernel step at up to 4 rows
+    (their program 4 rows wide, one row dead) give HF's greedy tokens each."""
+    path, hf = hf_checkpoint
+    programs, extra = (8, ()) if GPU else (1, (("interpret", True),))
+    rows = []
+
+    def spy(*args, **kwargs):
+        rows.append(args[1].shape[0])
+        return decoder_step(*args, **kwargs)
+
+    monkeypatch.setattr(one_kernel_step_module, "decoder_step", spy)
+    llm = LLM(
+        path,
+        tokenizer=packaged_gpt2_tokenizer_path(),
+        dtype="bfloat16",
+        block_size=16,
+        max_batch_size=4,
+        min_decode_batch=4,
+        kernel_overrides=(("decoder_step_programs", programs), ("decoder_step_rows", 4), *extra),
+        warmup=False,
+    )
+    assert llm.engine.decode_buckets[:3] == [1, 2, 4]
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 300, n).tolist() for n in (9, 70, 30)]
+    new = 8 if GPU else 3
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_matches_hf_greedy(hf, prompt, out.token_ids, new, rtol=3e-2)
+    assert 4 in rows
+
+
+@pytest.mark.parametrize("live", [(True,), (False,), (True, False, True)])
 def test_one_kernel_step_glue_matches_model(checkpoint, monkeypatch, live):
-    """The engine's route into the kernel (`kernel_decode_step`: embedding (and GPT-2's position),
-    RoPE angles, the dead row's scratch slot, the logits' vocabulary and dtype) with the XLA
-    reference (layers, final norm and head) in the kernel's place: a live row's logits and caches are the model's; a dead row (length 0) writes
-    nothing but the scratch block."""
+    """The engine's route into the kernel (`kernel_decode_step`: each row's embedding (and
+    GPT-2's position), RoPE angles, a dead row's scratch slot, the logits' vocabulary and dtype)
+    with the XLA reference (layers, final norm and head) in the kernel's place, one row or three
+    of other lengths: the live rows' logits and the caches are the model's; a dead row (length
+    0) writes nothing but the scratch block."""
     config, params = checkpoint
     shape = shape_of(config)
 
-    def reference(weights, h, rope, table, seq_len, ks, vs, **tiles):
+    def reference(weights, h, rope, tables, seq_lens, ks, vs, **tiles):
         assert tiles["shape"] == shape and tiles["programs"] == 8
         parts = (layers_of(config, params), head_of(config, params), shape)
-        return decoder_step_reference(*parts, h, rope, table, seq_len, ks, vs)
+        return decoder_step_reference(*parts, h, rope, tables, seq_lens, ks, vs)
 
     monkeypatch.setattr(one_kernel_step_module, "decoder_step", reference)
-    _, _, (_, _, tables, _), before = step_inputs(config, params, 20, np.random.default_rng(4))
+    rng, rows, pages = np.random.default_rng(4), len(live), 6
+    lengths = np.asarray([20, 13, 37][:rows], np.int32)
+    tables = jnp.asarray(1 + rng.permutation(rows * pages).reshape(rows, pages), jnp.int32)
+    forward = jax.jit(family_of(config).forward, static_argnums=1, static_argnames="kernels")
+    before = init_kv_cache(config, rows * pages + 1, BLOCK_SIZE, jnp.float32)
+    for row, n in enumerate(lengths):  # each row's prompt prefilled into its own pages
+        meta = ForwardMetadata(
+            positions=jnp.arange(n, dtype=jnp.int32)[None],
+            seq_lens=jnp.asarray([n], jnp.int32),
+            block_tables=tables[row][None],
+        )
+        prompt = jnp.asarray(rng.integers(0, config.vocab_size, (1, n)), jnp.int32)
+        _, before = forward(params, config, prompt, before, meta)
     meta = ForwardMetadata(
-        positions=jnp.asarray([[20]], jnp.int32),
-        seq_lens=jnp.asarray([21 if live else 0], jnp.int32),
+        positions=jnp.asarray(lengths)[:, None],
+        seq_lens=jnp.asarray(np.where(live, lengths + 1, 0), jnp.int32),
         block_tables=tables,
     )
-    token = jnp.asarray([[11]], jnp.int32)
-    forward = jax.jit(family_of(config).forward, static_argnums=1, static_argnames="kernels")
-    want, want_cache = forward(params, config, token, before, meta)
-    kernels = dataclasses.replace(XLA_KERNELS, decoder_step_programs=8)
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (rows, 1)), jnp.int32)
+    want, want_cache = forward(params, config, tokens, before, meta)
+    kernels = dataclasses.replace(XLA_KERNELS, decoder_step_programs=8, decoder_step_rows=4)
     got, got_cache = forward(
-        with_step_weights(config, params), config, token, before, meta, kernels=kernels
+        with_step_weights(config, params), config, tokens, before, meta, kernels=kernels
     )
     assert got.shape == want.shape
-    pairs = zip(
-        got_cache.k + got_cache.v, want_cache.k + want_cache.v, before.k + before.v, strict=True
-    )
-    if live:
-        assert rel_err(got, want) <= 1e-5
-        for g, w, _ in pairs:
-            assert rel_err(g, w) <= 1e-5
-    else:
-        for g, _, b in pairs:  # block 0 is the scratch block
-            np.testing.assert_array_equal(np.asarray(g)[:, 1:], np.asarray(b)[:, 1:])
+    for row in np.flatnonzero(live):
+        assert rel_err(got[row], want[row]) <= 1e-5
+    written = np.zeros(before.k[0].shape, bool)  # the live rows' slots, past the scratch block
+    for table, n in zip(np.asarray(tables)[list(live)], lengths[list(live)], strict=True):
+        written[:, table[n // BLOCK_SIZE], n % BLOCK_SIZE] = True
+    written = written[:, 1:]
+    caches = (got_cache.k + got_cache.v, want_cache.k + want_cache.v, before.k + before.v)
+    for g, w, b in zip(*caches, strict=True):
+        g, w, b = (np.asarray(x)[:, 1:] for x in (g, w, b))  # block 0 is the scratch block
+        np.testing.assert_array_equal(g[~written], b[~written])
+        if written.any():
+            assert rel_err(g[written], w[written]) <= 1e-5

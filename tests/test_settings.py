@@ -73,6 +73,9 @@ def test_configs_are_hashable_values_and_check_their_fields():
         KernelConfig(attention="triton")
     with pytest.raises(ValueError, match="tile override"):
         KernelConfig(tiles=(("matmul", "num_warps", 2),))
+    for rows in (0, 17):  # the one-kernel step's rows a step
+        with pytest.raises(ValueError, match="decoder_step_rows must be 1 to 16"):
+            KernelConfig(decoder_step_rows=rows)
     with pytest.raises(ValueError, match="decode_steps"):
         EngineConfig(model="random:tiny", decode_steps=0)
     with pytest.raises(ValueError, match="open_decode_steps"):

@@ -61,7 +61,7 @@ from rosejax.models import (
     with_context_len,
 )
 from rosejax.models.loader import load_model, resolve_dtype
-from rosejax.models.one_kernel_step import with_decoder_step
+from rosejax.models.one_kernel_step import decoder_step_buckets, with_decoder_step
 from rosejax.sampling import (
     COUNT_MASK,
     PROMPT_BIT,
@@ -319,8 +319,9 @@ class LLMEngine:
             self.devices[0] if mesh is None else mesh,
         )
         self.decode_buckets = _buckets(num_slots, start=min(min_batch, num_slots))
-        if self.kernels.decoder_step_programs and self.decode_buckets[0] > 1:
-            self.decode_buckets.insert(0, 1)  # a row alone runs the one-kernel step, unpadded
+        if self.kernels.decoder_step_programs:  # the one-kernel step's widths, unpadded
+            kernel_rows = [r for r in decoder_step_buckets(self.kernels) if r <= num_slots]
+            self.decode_buckets = sorted({*self.decode_buckets, *kernel_rows})
         self.seed = config.seed
         # Seeds of requests that bring none; each replica draws its own stream.
         self._seeds = np.random.default_rng(config.seed if replica == 0 else [config.seed, replica])

@@ -47,26 +47,43 @@ def one_kernel_step_problems(
     shape: DecoderShape, dtype, block_size: int, kernels: KernelConfig, device: jax.Device
 ) -> list[str]:
     """Why the step cannot run a model of `shape` on `kernels.decoder_step_programs` programs
-    of `device` (empty: it can); compiled, whether Mosaic GPU can build it (its shared
-    memory)."""
-    programs = kernels.decoder_step_programs
+    of `device` at up to `kernels.decoder_step_rows` rows (empty: it can); compiled, whether
+    Mosaic GPU can build it (its shared memory)."""
+    programs, rows = kernels.decoder_step_programs, kernels.decoder_step_rows
     problems = decoder_step_problems(
-        shape, dtype, block_size, programs=programs, interpret=kernels.interpret, device=device
+        shape,
+        dtype,
+        block_size,
+        programs=programs,
+        rows=rows,
+        interpret=kernels.interpret,
+        device=device,
     )
     if not problems and not kernels.interpret:
-        lowering = decoder_step_lowering_problem(shape, dtype, block_size, programs=programs)
+        lowering = decoder_step_lowering_problem(
+            shape, dtype, block_size, programs=programs, rows=rows
+        )
         problems += [lowering] if lowering else []
     return problems
+
+
+def decoder_step_buckets(kernels: KernelConfig) -> list[int]:
+    """The decode widths that take the one-kernel step unpadded: 1, 2, 4, ... up to
+    `kernels.decoder_step_rows`, and that."""
+    rows = kernels.decoder_step_rows
+    return sorted({2**i for i in range(rows.bit_length()) if 2**i < rows} | {rows})
 
 
 def takes_one_kernel_step(
     params: dict, kernels: KernelConfig, tokens: jax.Array, logit_indices
 ) -> bool:
-    """Whether a forward runs the step: its weights packed, its programs set, one row's decode."""
+    """Whether a forward runs the step: its weights packed, its programs set, a decode of at
+    most `kernels.decoder_step_rows` rows."""
     return (
         DECODER_STEP in params
         and bool(kernels.decoder_step_programs)
-        and tokens.shape == (1, 1)
+        and tokens.shape[1] == 1
+        and tokens.shape[0] <= kernels.decoder_step_rows
         and logit_indices is None
     )
 
