@@ -927,6 +927,7 @@ def profile_ranges(shape: DecoderShape, programs: int, splits: int, rows: int) -
 
 
 MAX_ROWS = 16  # rows a step: each tile's product, inputs and buffers grow with them
+STAGES = (4, 3, 2)  # weight tiles in flight a program that `decoder_step` tries, the most first
 
 
 def default_splits(shape: DecoderShape, programs: int, rows: int = 1) -> int:
@@ -1034,7 +1035,9 @@ def decoder_step_lowering_problem(
 ) -> str | None:
     """Why Mosaic GPU cannot build the kernel for these sizes (shared memory most often), or
     None: its own answer, from lowering one layer for a GPU, which needs none (a step's shared
-    memory does not grow with its layers). Seconds: for an engine's start, not a step."""
+    memory does not grow with its layers); `stages` None: at the fewest of STAGES, what
+    `decoder_step`'s default then picks from. Seconds: for an engine's start, not a step."""
+    stages = STAGES[-1] if stages is None else stages
     one = dataclasses.replace(shape, layers=1)
     args = decoder_step_arg_shapes(one, dtype, block_size, pages=1, rows=rows)
     step = functools.partial(
@@ -1045,6 +1048,27 @@ def decoder_step_lowering_problem(
     except (ValueError, NotImplementedError) as e:
         return f"Mosaic GPU cannot build it: {str(e).splitlines()[-1]}"
     return None
+
+
+def default_stages(
+    shape: DecoderShape,
+    dtype,
+    block_size: int,
+    *,
+    programs: int,
+    splits: int | None = None,
+    rows: int = 1,
+) -> int:
+    """The most weight stages of STAGES that Mosaic GPU builds the kernel with at these sizes
+    (rows, hidden and head_dim take shared memory beside the ring); the fewest where none does
+    (its error then says why)."""
+    for stages in STAGES:
+        problem = decoder_step_lowering_problem(
+            shape, dtype, block_size, programs=programs, splits=splits, stages=stages, rows=rows
+        )
+        if problem is None:
+            return stages
+    return STAGES[-1]
 
 
 def check_decoder_step(
@@ -1120,15 +1144,27 @@ def decoder_step(
     `programs` must not exceed the GPU's SMs (all must be resident: they wait for each other).
     `splits` (attention items a row and KV head, dealt round-robin to the programs) defaults to
     what fits the programs, at most 8; `stages` (weight tiles in flight a program, 32 KiB of SMEM
-    each) to 4, the most that fits beside the attention's SMEM at head_dim 128 (5 exceeds an
-    H100's 227 KiB: Mosaic GPU's ValueError).
+    each) to the most of 4, 3, 2 that fits beside the rest (`default_stages`: 5 exceeds an
+    H100's 227 KiB at Qwen3-0.6B's sizes; more rows, hidden or head_dim take more).
     `interpret=True` runs jax's Mosaic GPU interpreter, programs=1.
     `profile_dir`: Mosaic GPU's profiler writes there a trace of each program's named ranges (a
     JSON file a compiled call; `bench/decoder_trace.py` reads it); it takes
     4 x `profile_ranges` words of SMEM a program, which 2 stages leave room for."""
     tiles, rows = weights["tiles"], h.shape[0]
     splits = default_splits(shape, programs, rows) if splits is None else splits
-    stages = stages or 4
+    if stages is None:
+        stages = (
+            STAGES[0]
+            if interpret
+            else default_stages(
+                shape,
+                tiles.dtype,
+                k_caches[0].shape[2],
+                programs=programs,
+                splits=splits,
+                rows=rows,
+            )
+        )
     check_decoder_step(
         shape,
         weights,

@@ -25,7 +25,9 @@ from pallas_kernels.decoder_step import (
     decoder_schedule,
     decoder_step,
     decoder_step_arg_shapes,
+    decoder_step_lowering_problem,
     decoder_step_reference,
+    default_stages,
     head_weights,
     pack_decoder_weights,
 )
@@ -567,16 +569,31 @@ def test_one_kernel_step_programs_auto_and_set():
         programs(kernels=eight, dtype=jnp.float32)
     with pytest.raises(ValueError, match="models on one device"):
         programs(kernels=eight, device=None)
-    # Llama 3.1 8B: its attention's and the weights' SMEM exceed an SM's (Mosaic GPU's check).
+    # Llama 3.1 8B: 4 weight stages beside its attention exceed an SM's SMEM (Mosaic GPU's
+    # check): not auto; set, it runs at 2 (`default_stages`).
     assert programs(config=preset("llama-3.1-8b")) == 0
-    with pytest.raises(ValueError, match="exceeds available shared memory"):
-        programs(kernels=eight, config=preset("llama-3.1-8b"))
+    assert programs(kernels=eight, config=preset("llama-3.1-8b")) == 8
     # Rows a step: 8 of GPT-2 small fit an SM's shared memory beside 4 weight stages, 16 of
     # Qwen3-0.6B do not.
     rows = dataclasses.replace(eight, decoder_step_rows=8)
     assert programs(kernels=rows, config=preset("gpt2"), max_batch_size=8) == 8
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         programs(kernels=dataclasses.replace(eight, decoder_step_rows=16))
+
+
+@pytest.mark.parametrize(
+    "preset_name,rows,stages", [("qwen3-0.6b", 1, 4), ("qwen3-0.6b", 8, 3), ("llama-3.1-8b", 1, 2)]
+)
+def test_default_stages_are_the_most_that_build(preset_name, rows, stages):
+    """The kernel's default weight stages: the most that Mosaic GPU builds (lowered for a GPU on
+    the CPU), one more does not."""
+    config = preset(preset_name)
+    shape = shape_of(config)
+    assert default_stages(shape, jnp.bfloat16, 16, programs=132, rows=rows) == stages
+    more = dict(programs=132, stages=stages + 1, rows=rows)
+    assert decoder_step_lowering_problem(shape, jnp.bfloat16, 16, **more) is not None
+    fit = dict(programs=132, stages=stages, rows=rows)
+    assert decoder_step_lowering_problem(shape, jnp.bfloat16, 16, **fit) is None
 
 
 @(pytest.mark.slow if not GPU else (lambda test: test))  # interpreted, a step takes a second

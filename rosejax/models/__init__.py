@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from pallas_kernels.decoder_step import DecoderHead, DecoderLayer, DecoderShape
+from pallas_kernels.decoder_step import STAGES, DecoderHead, DecoderLayer, DecoderShape
 from rosejax.models.gpt2 import config as gpt2_config
 from rosejax.models.gpt2 import model as gpt2_model
 from rosejax.models.gpt2 import weights as gpt2_weights
@@ -147,8 +147,8 @@ def one_kernel_step_programs(
     """`kernels.decoder_step_programs` resolved for an engine of this model on `device` (None:
     on several devices). Set, it must run (else a ValueError: what keeps it from running); 0:
     off; None (auto): the GPU's SMs where every decode step is one row (max_batch_size 1), the
-    family has the step and the kernel runs the model there, else 0 (measured on an H100 for
-    Qwen3-0.6B and GPT-2: docs/performance-log.md)."""
+    family has the step and the kernel runs the model there with 4 weight stages, else 0
+    (measured on an H100 for Qwen3-0.6B and GPT-2: docs/performance-log.md)."""
     programs = kernels.decoder_step_programs
     shape_of = family_of(config).decoder_shape
     if programs is None:
@@ -156,7 +156,9 @@ def one_kernel_step_programs(
         if not sms or device.platform == "cpu" or max_batch_size != 1 or shape_of is None:
             return 0
         auto = dataclasses.replace(kernels, decoder_step_programs=sms)
-        problems = one_kernel_step_problems(shape_of(config), dtype, block_size, auto, device)
+        shape = shape_of(config)
+        # Auto where 4 weight stages fit: the models timed (fewer stages are not timed).
+        problems = one_kernel_step_problems(shape, dtype, block_size, auto, device, STAGES[0])
         return 0 if problems else sms
     if programs:
         if shape_of is None or device is None:

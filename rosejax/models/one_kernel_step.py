@@ -44,11 +44,16 @@ def with_decoder_step(
 
 
 def one_kernel_step_problems(
-    shape: DecoderShape, dtype, block_size: int, kernels: KernelConfig, device: jax.Device
+    shape: DecoderShape,
+    dtype,
+    block_size: int,
+    kernels: KernelConfig,
+    device: jax.Device,
+    stages: int | None = None,
 ) -> list[str]:
     """Why the step cannot run a model of `shape` on `kernels.decoder_step_programs` programs
     of `device` at up to `kernels.decoder_step_rows` rows (empty: it can); compiled, whether
-    Mosaic GPU can build it (its shared memory)."""
+    Mosaic GPU can build it (its shared memory) with `stages` weight stages (None: any)."""
     programs, rows = kernels.decoder_step_programs, kernels.decoder_step_rows
     problems = decoder_step_problems(
         shape,
@@ -61,7 +66,7 @@ def one_kernel_step_problems(
     )
     if not problems and not kernels.interpret:
         lowering = decoder_step_lowering_problem(
-            shape, dtype, block_size, programs=programs, rows=rows
+            shape, dtype, block_size, programs=programs, stages=stages, rows=rows
         )
         problems += [lowering] if lowering else []
     return problems
