@@ -13,7 +13,8 @@ pallas_kernels/decoder_step.py, e.g. an older commit's or a change under trial) 
 process, timed and checked the same way: variants of one kernel differ by a few percent, less than
 separate processes do; `NAME=FILE,KEY=INT,...` calls it with those keyword arguments (the
 kernel's own module with other settings: `st3=pallas_kernels/decoder_step.py,stages=3`).
-`--quick` (CPU smoke): tiny sizes, the XLA reference (`decoder_step_reference`) in each kernel's
+`--rows R` decodes R rows a step (each its own pages, all at the context length), the kernel
+against the model's step of R rows. `--quick` (CPU smoke): tiny sizes, the XLA reference (`decoder_step_reference`) in each kernel's
 place (the kernel runs in jax's Mosaic GPU interpreter only at one program, which times nothing;
 the tests run it there).
 
@@ -67,23 +68,25 @@ from rosejax.settings import KernelConfig  # noqa: E402
 BLOCK_SIZE = 16
 
 
-def decode_meta(table, context) -> ForwardMetadata:
-    """One row's decode step at length `context` (an int32 scalar; its last token the one fed)."""
+def decode_meta(tables, context) -> ForwardMetadata:
+    """The rows' decode step (tables [R, pages]), each at length `context` (an int32 scalar; its
+    last token the one fed)."""
+    rows = tables.shape[0]
     return ForwardMetadata(
-        positions=jnp.full((1, 1), context - 1, jnp.int32),
-        seq_lens=jnp.full((1,), context, jnp.int32),
-        block_tables=table[None],
+        positions=jnp.full((rows, 1), context - 1, jnp.int32),
+        seq_lens=jnp.full((rows,), context, jnp.int32),
+        block_tables=tables,
     )
 
 
 def model_step(config, kernels):
-    """The model's decode step: (token [1, 1], k caches, v caches), params, table, context ->
+    """The model's decode step: (tokens [R, 1], k caches, v caches), params, tables, context ->
     the next carry. The context length is an operand: every length runs one program."""
     forward = family_of(config).forward
 
-    def step(carry, params, table, context):
+    def step(carry, params, tables, context):
         token, ks, vs = carry
-        meta = decode_meta(table, context)
+        meta = decode_meta(tables, context)
         logits, cache = forward(params, config, token, KVCache(k=ks, v=vs), meta, kernels=kernels)
         return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache.k, cache.v
 
@@ -91,20 +94,21 @@ def model_step(config, kernels):
 
 
 def kernel_step(config, run):
-    """The one-kernel step: `run(weights, params, h, rope, table, seq_len, ks, vs)` is the
-    decoder and head (the kernel, or its reference) -> (logits [V_pad], ks, vs); the rest as
-    `model_step`. `step.logits`: the same step's logits [V] and caches."""
+    """The one-kernel step: `run(weights, params, h, rope, tables, seq_lens, ks, vs)` is the
+    decoder and head (the kernel, or its reference) -> (logits [R, V_pad], ks, vs); the rest as
+    `model_step`. `step.logits`: the same step's logits [R, V] and caches."""
 
-    def logits(carry, weights, params, table, context):
+    def logits(carry, weights, params, tables, context):
         token, ks, vs = carry
-        h, rope = family_of(config).one_kernel_inputs(params, config, token[0, 0], context - 1)
-        seq_len = jnp.full((1,), context, jnp.int32)
-        out, ks, vs = run(weights, params, h, rope, table, seq_len, ks, vs)
-        return out[: config.vocab_size], ks, vs
+        inputs = family_of(config).one_kernel_inputs
+        h, rope = jax.vmap(lambda t: inputs(params, config, t, context - 1))(token[:, 0])
+        seq_lens = jnp.full((tables.shape[0],), context, jnp.int32)
+        out, ks, vs = run(weights, params, h, rope, tables, seq_lens, ks, vs)
+        return out[:, : config.vocab_size], ks, vs
 
     def step(*args):
         out, ks, vs = logits(*args)
-        return jnp.argmax(out).astype(jnp.int32).reshape(1, 1), ks, vs
+        return jnp.argmax(out, axis=-1).astype(jnp.int32)[:, None], ks, vs
 
     step.logits = logits
     return step
@@ -196,6 +200,9 @@ def main() -> None:
     )
     p.add_argument("--model", default="qwen3-0.6b", help="a Llama-family or GPT-2 preset's shape")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the preset's")
+    p.add_argument(
+        "--rows", type=int, default=1, help="rows a step, each at the context length (1-16)"
+    )
     p.add_argument("--context", type=ints, default=[16, 136, 1024], help="comma list of lengths")
     p.add_argument("--programs", type=int, default=None, help="kernel programs (default: SMs)")
     p.add_argument(
@@ -250,10 +257,12 @@ def main() -> None:
         `profile_dir`, the decoder under the profiler (2 stages unless --stages)."""
         family, full_shape = family_of(config), family_of(config).decoder_shape(config)
         shape = variant_shape(module, full_shape)
-        # Modules from before rows took one row's inputs; from before the head was in the kernel
+        # Modules from before rows take one row's inputs; from before the head was in the kernel
         # they return h; from before `DecoderLayer`, their packing and reference took the params.
         has_head, has_layers = hasattr(module, "DecoderHead"), hasattr(module, "DecoderLayer")
         has_rows = hasattr(module, "MAX_ROWS")
+        if not has_rows and args.rows > 1:
+            raise SystemExit(f"{module.__name__} runs one row a step, not --rows {args.rows}")
 
         def layers(params):
             return family.decoder_layers(params, config) if has_layers else params
@@ -261,13 +270,9 @@ def main() -> None:
         def head(params):
             return family.decoder_head(params, config)
 
-        def run(weights, params, h, rope, table, seq_len, ks, vs):
-            inputs = (
-                (h[None], rope[None], table[None], seq_len)
-                if has_rows
-                else (h, rope, table, seq_len)
-            )
-            inputs += (ks, vs)
+        def run(weights, params, h, rope, tables, seq_lens, ks, vs):
+            rows = (h, rope, tables, seq_lens) if has_rows else (h[0], rope[0], tables[0], seq_lens)
+            inputs = (*rows, ks, vs)
             if args.quick:
                 parts = (layers(params), head(params)) if has_head else (layers(params),)
                 out = module.decoder_step_reference(*parts, shape, *inputs)
@@ -277,22 +282,23 @@ def main() -> None:
                 settings |= {"profile_dir": profile_dir} if profile_dir else {}
                 out = module.decoder_step(weights, *inputs, shape=shape, **settings | keywords)
             if has_head:
-                return out[0][0] if has_rows else out[0], *out[2:]
+                return out[0] if has_rows else out[0][None], *out[2:]
             h, ks, vs = out
-            return decoder_head_reference(head(params), full_shape, h), ks, vs
+            return decoder_head_reference(head(params), full_shape, h)[None], ks, vs
 
         weights = module.pack_decoder_weights(layers(params), shape)
         return (weights | module.head_weights(head(params)) if has_head else weights), run
 
-    # One cache and block table for the longest context: the lengths differ only in an operand.
+    # One cache and a block table a row for the longest context (each row's pages its own): the
+    # lengths differ only in an operand.
     rng, rows = np.random.default_rng(0), []
     pages = -(-max(args.context) // BLOCK_SIZE)
-    table = jnp.asarray(1 + rng.permutation(pages), jnp.int32)
-    cache_shape = (config.num_kv_heads, pages + 1, BLOCK_SIZE, config.head_dim)
+    table = jnp.asarray(1 + rng.permutation(args.rows * pages).reshape(args.rows, pages), jnp.int32)
+    cache_shape = (config.num_kv_heads, args.rows * pages + 1, BLOCK_SIZE, config.head_dim)
     layers = range(config.num_layers)
     ks = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
     vs = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
-    token = jnp.asarray([[int(rng.integers(config.vocab_size))]], jnp.int32)
+    token = jnp.asarray(rng.integers(config.vocab_size, size=(args.rows, 1)), jnp.int32)
     steps = {"model": (model_step(config, kernels), (params,))}
     for name, module, keywords in modules:
         weights, run = kernel_run(module, keywords)
@@ -306,7 +312,7 @@ def main() -> None:
         meta = decode_meta(table, context)
         cache = KVCache(k=ks, v=vs)
         logits, _ = family_of(config).forward(params, config, token, cache, meta, kernels=kernels)
-        return logits[0, -1]
+        return logits[:, -1]
 
     def logits_of(step):  # jitted once a step: the context is an operand
         return jax.jit(lambda ops, ks, vs, ctx: step.logits((token, ks, vs), *ops, table, ctx)[0])
@@ -321,7 +327,7 @@ def main() -> None:
             got = want if name == "model" else kernel_logits[name](operands, ks, vs, ctx)
             got = np.asarray(got, np.float32)
             diff = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-            same = bool(np.argmax(got) == np.argmax(want))
+            same = bool(np.array_equal(np.argmax(got, axis=-1), np.argmax(want, axis=-1)))
             us = time_in_loop(
                 step,
                 (token, ks, vs),

@@ -964,16 +964,16 @@ def test_persistent_probe_quick(tmp_path):
 
 
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
-@pytest.mark.parametrize("model", ["qwen3-0.6b", "gpt2"])
-def test_decoder_step_bench_quick(tmp_path, model):
+@pytest.mark.parametrize("model,rows", [("qwen3-0.6b", 1), ("gpt2", 3)])
+def test_decoder_step_bench_quick(tmp_path, model, rows):
     """The one-kernel step's bench harness on the CPU, its XLA reference in the kernel's place:
     every step timed (the kernel's module and a copy of it loaded from a file as a variant, with
     a keyword argument), and
     the reference's logits near the bf16 model's (float32 residual against the model's bf16 one)
-    with the same argmax; a Llama-family and a GPT-2 preset."""
+    with the same argmax in every row; a Llama-family preset at one row, GPT-2 at three."""
     variant = tmp_path / "decoder_step_copy.py"
     variant.write_text((_repo() / "pallas_kernels/decoder_step.py").read_text())
-    args = ("--model", model, "--variant", f"copy={variant},stages=3")
+    args = ("--model", model, "--rows", str(rows), "--variant", f"copy={variant},stages=3")
     rows = _quick_rows(tmp_path, "bench_decoder_step", *args)
     assert [(r["context"], r["variant"]) for r in rows] == [
         (c, v) for c in (20, 70) for v in ("model", "kernel", "copy")
