@@ -1,8 +1,8 @@
-"""A decoder's whole decode step at one row (Qwen3, Llama 3, Qwen2, GPT-2) in one persistent
-Mosaic GPU kernel: every layer's RMSNorms (GPT-2: LayerNorms), q/k/v, q/k norm and RoPE, the K/V
-append, paged attention, output projection, gate/up, SwiGLU (GPT-2: up and GELU) and down
-projection, with the residual stream in float32; a projection's bias, where it has one, is added
-by the tiles of its first K range (each column block's, once); then the final norm and the LM
+"""A decoder's whole decode step at one row or a few (up to MAX_ROWS; Qwen3, Llama 3, Qwen2, GPT-2)
+in one persistent Mosaic GPU kernel: every layer's RMSNorms (GPT-2: LayerNorms), q/k/v, q/k norm and
+RoPE, the K/V append, paged attention, output projection, gate/up, SwiGLU (GPT-2: up and GELU) and
+down projection, with the residual stream in float32; a projection's bias, where it has one, is
+added by the tiles of its first K range (each column block's, once); then the final norm and the LM
 head's logits.
 
 Why: at one row a step is ~7 small kernels a layer, each paying a launch, ramp and drain on top of
@@ -11,18 +11,19 @@ program a SM stays for the whole step. Every program streams its share of all la
 through one ring of TMA copies that never waits for activations (weights do not depend on them),
 so the next phase's weights arrive while the programs wait for the previous phase's outputs.
 
-Work: a layer's four matmuls (q/k/v, o_proj, gate/up, down) are cut into tiles of W^T, 64
-output columns x 256 of K (packed once, `pack_decoder_weights`), dealt round-robin to the
-programs (`decoder_schedule`: tile r of a layer to program r mod P). A tile's program multiplies
-it by its 256 inputs on the CUDA cores: q/k/v and gate/up partials go to buffers that the
-attention and the down tiles' MLP input sum, o_proj and down partials are added into the residual
-stream by TMA reduce-adds. Attention is H x `splits` items (a KV head, a range of 64-token tiles
-of the pages; the current token and its append go to the last split), each storing its unnormalised
-output and softmax max/sum for the o_proj tiles to merge; a tile's scores and P x V are WGMMAs
-with the KV head's query heads as the rows of a 64-row operand. So a layer has five dependent
-phases (q/k/v, attention, o_proj, gate/up, down), each spread over every program. (Slices of the MLP
-taken whole by one program, gate/up summed in its SMEM, saved the wait before down but left the
-MLP's weights to the 48 programs of Qwen3-0.6B's 48 slices: slower on an H100.)
+Work: a layer's four matmuls (q/k/v, o_proj, gate/up, down) are cut into tiles of W^T, 64 output
+columns x 256 of K (packed once, `pack_decoder_weights`), dealt round-robin to the programs
+(`decoder_schedule`: tile r of a layer to program r mod P). A tile's program multiplies it by each
+row's 256 inputs on the CUDA cores (its bytes read once, its work once a row): q/k/v and gate/up
+partials go to buffers that the attention and the down tiles' MLP input sum, o_proj and down
+partials are added into the residual stream by TMA reduce-adds. Attention is R x H x `splits` items
+(a row, a KV head, a range of 64-token tiles of the row's pages; the current token and its append go
+to the last split), each storing its unnormalised output and softmax max/sum for the o_proj tiles to
+merge; a tile's scores and P x V are WGMMAs with the KV head's query heads as the rows of a 64-row
+operand. So a layer has five dependent phases (q/k/v, attention, o_proj, gate/up, down), each spread
+over every program. (Slices of the MLP taken whole by one program, gate/up summed in its SMEM, saved
+the wait before down but left the MLP's weights to the 48 programs of Qwen3-0.6B's 48 slices: slower
+on an H100.)
 The head's tiles are boxes of its rows [V, E] as they are (a tied head is the embedding: no
 copy), its column blocks dealt round-robin, each with its K ranges in turn, so a program sums
 its own logits; their weights stream through the same ring behind the last layer's.
