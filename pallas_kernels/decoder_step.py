@@ -1152,8 +1152,7 @@ def decoder_step(
     JSON file a compiled call; `bench/decoder_trace.py` reads it); it takes
     4 x `profile_ranges` words of SMEM a program, which 2 stages leave room for."""
     tiles, rows = weights["tiles"], h.shape[0]
-    splits = default_splits(shape, programs, rows) if splits is None else splits
-    if stages is None:
+    if stages is None:  # (before splits resolve: the lowering the engine's check cached)
         stages = (
             STAGES[0]
             if interpret
@@ -1166,6 +1165,7 @@ def decoder_step(
                 rows=rows,
             )
         )
+    splits = default_splits(shape, programs, rows) if splits is None else splits
     check_decoder_step(
         shape,
         weights,
