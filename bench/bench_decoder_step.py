@@ -13,10 +13,10 @@ pallas_kernels/decoder_step.py, e.g. an older commit's or a change under trial) 
 process, timed and checked the same way: variants of one kernel differ by a few percent, less than
 separate processes do; `NAME=FILE,KEY=INT,...` calls it with those keyword arguments (the
 kernel's own module with other settings: `st3=pallas_kernels/decoder_step.py,stages=3`).
-`--rows R` decodes R rows a step (each its own pages, all at the context length), the kernel
-against the model's step of R rows. `--quick` (CPU smoke): tiny sizes, the XLA reference (`decoder_step_reference`) in each kernel's
-place (the kernel runs in jax's Mosaic GPU interpreter only at one program, which times nothing;
-the tests run it there).
+`--rows R` decodes R rows a step (each its own pages, all at the context length), the kernel against
+the model's step of R rows. `--quick` (CPU smoke): tiny sizes, the XLA reference
+(`decoder_step_reference`) in each kernel's place (the kernel runs in jax's Mosaic GPU interpreter
+only at one program, which times nothing; the tests run it there).
 
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/bench_decoder_step.py --context 16,136,1024
     git show REV:pallas_kernels/decoder_step.py > /tmp/ds_rev.py
@@ -271,8 +271,10 @@ def main() -> None:
             return family.decoder_head(params, config)
 
         def run(weights, params, h, rope, tables, seq_lens, ks, vs):
-            rows = (h, rope, tables, seq_lens) if has_rows else (h[0], rope[0], tables[0], seq_lens)
-            inputs = (*rows, ks, vs)
+            row_inputs = (h, rope, tables, seq_lens)
+            if not has_rows:
+                row_inputs = (h[0], rope[0], tables[0], seq_lens)
+            inputs = (*row_inputs, ks, vs)
             if args.quick:
                 parts = (layers(params), head(params)) if has_head else (layers(params),)
                 out = module.decoder_step_reference(*parts, shape, *inputs)
@@ -293,7 +295,9 @@ def main() -> None:
     # lengths differ only in an operand.
     rng, rows = np.random.default_rng(0), []
     pages = -(-max(args.context) // BLOCK_SIZE)
-    table = jnp.asarray(1 + rng.permutation(args.rows * pages).reshape(args.rows, pages), jnp.int32)
+    tables = jnp.asarray(
+        1 + rng.permutation(args.rows * pages).reshape(args.rows, pages), jnp.int32
+    )
     cache_shape = (config.num_kv_heads, args.rows * pages + 1, BLOCK_SIZE, config.head_dim)
     layers = range(config.num_layers)
     ks = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
@@ -309,13 +313,13 @@ def main() -> None:
     # One step's logits of each, from the same cache: the model's forward, each kernel's head.
     @jax.jit
     def model_logits(params, ks, vs, context):
-        meta = decode_meta(table, context)
+        meta = decode_meta(tables, context)
         cache = KVCache(k=ks, v=vs)
         logits, _ = family_of(config).forward(params, config, token, cache, meta, kernels=kernels)
         return logits[:, -1]
 
     def logits_of(step):  # jitted once a step: the context is an operand
-        return jax.jit(lambda ops, ks, vs, ctx: step.logits((token, ks, vs), *ops, table, ctx)[0])
+        return jax.jit(lambda ops, ks, vs, ctx: step.logits((token, ks, vs), *ops, tables, ctx)[0])
 
     kernel_logits = {name: logits_of(step) for name, (step, _) in steps.items() if name != "model"}
 
@@ -332,7 +336,7 @@ def main() -> None:
                 step,
                 (token, ks, vs),
                 *operands,
-                table,
+                tables,
                 ctx,
                 iters=args.iters,
                 repeats=args.repeats,
@@ -360,7 +364,7 @@ def main() -> None:
         out_dir = os.path.join(args.profile, f"ctx{context}")
         print(f"profile at context {context} ({out_dir}):", flush=True)
         weights, run = kernel_run(pallas_kernels.decoder_step, {}, out_dir)
-        operands = ((token, ks, vs), weights, params, table, jnp.int32(context))
+        operands = ((token, ks, vs), weights, params, tables, jnp.int32(context))
         profile(kernel_step(config, run).logits, operands, out_dir)
 
 

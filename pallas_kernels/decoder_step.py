@@ -569,9 +569,11 @@ def decoder_step_kernel(
                 @pl.loop(0, cached_pages(i))  # a loop, not unrolled: one copy site a layer
                 def _(j):
                     page = table[i * pages_per_tile + j]
-                    rows = pl.ds(j * block_size, block_size)
+                    slots = pl.ds(j * block_size, block_size)
                     for ref, dst, bar in ((k_ref, k_s, 2 * j), (v_ref, v_s, 2 * j + 1)):
-                        plgpu.copy_gmem_to_smem(ref.at[head, page], dst.at[rows], page_bars.at[bar])
+                        plgpu.copy_gmem_to_smem(
+                            ref.at[head, page], dst.at[slots], page_bars.at[bar]
+                        )
 
             on_layer(copy)
 
@@ -943,7 +945,7 @@ def decoder_step_problems(
     *,
     programs: int,
     splits: int | None = None,
-    stages: int = 4,
+    stages: int = STAGES[0],
     rows: int = 1,
     interpret: bool = False,
     profile_dir: str = "",
@@ -1036,9 +1038,13 @@ def decoder_step_lowering_problem(
 ) -> str | None:
     """Why Mosaic GPU cannot build the kernel for these sizes (shared memory most often), or
     None: its own answer, from lowering one layer for a GPU, which needs none (a step's shared
-    memory does not grow with its layers); `stages` None: at the fewest of STAGES, what
-    `decoder_step`'s default then picks from. Seconds: for an engine's start, not a step."""
-    stages = STAGES[-1] if stages is None else stages
+    memory does not grow with its layers); `stages` None: at `default_stages`, as
+    `decoder_step`'s default (the same cached lowerings). Seconds: for an engine's start, not a
+    step."""
+    if stages is None:
+        stages = default_stages(
+            shape, dtype, block_size, programs=programs, splits=splits, rows=rows
+        )
     one = dataclasses.replace(shape, layers=1)
     args = decoder_step_arg_shapes(one, dtype, block_size, pages=1, rows=rows)
     step = functools.partial(
@@ -1062,7 +1068,7 @@ def default_stages(
 ) -> int:
     """The most weight stages of STAGES that Mosaic GPU builds the kernel with at these sizes
     (rows, hidden and head_dim take shared memory beside the ring); the fewest where none does
-    (its error then says why)."""
+    (its lowering's error then says why)."""
     for stages in STAGES:
         problem = decoder_step_lowering_problem(
             shape, dtype, block_size, programs=programs, splits=splits, stages=stages, rows=rows
@@ -1081,12 +1087,12 @@ def check_decoder_step(
     programs,
     splits,
     stages,
-    rows,
     interpret,
     profile_dir,
 ) -> None:
-    """ValueError unless the kernel can run these sizes."""
-    tiles, head = weights["tiles"], weights["head"]
+    """ValueError unless the kernel can run these sizes (`row_inputs`: h, rope, block_tables,
+    seq_lens, their rows h's)."""
+    tiles, head, rows = weights["tiles"], weights["head"], row_inputs[0].shape[0]
     problems = decoder_step_problems(
         shape,
         tiles.dtype,
@@ -1174,7 +1180,6 @@ def decoder_step(
         programs=programs,
         splits=splits,
         stages=stages,
-        rows=rows,
         interpret=interpret,
         profile_dir=profile_dir,
     )

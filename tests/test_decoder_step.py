@@ -28,7 +28,6 @@ from pallas_kernels.decoder_step import (
     decoder_step_lowering_problem,
     decoder_step_reference,
     default_stages,
-    head_weights,
     pack_decoder_weights,
 )
 from rosejax import LLM, SamplingParams
@@ -353,16 +352,15 @@ def head_of(config, params):
     return family_of(config).decoder_head(params, config)
 
 
-def step_weights(config, params) -> dict:
-    """The kernel's weights: the layers packed, the final norm and the head."""
-    packed = pack_decoder_weights(layers_of(config, params), shape_of(config))
-    return packed | head_weights(head_of(config, params))
-
-
 def with_step_weights(config, params) -> dict:
     return with_decoder_step(
         params, shape_of(config), lambda p: layers_of(config, p), lambda p: head_of(config, p)
     )
+
+
+def step_weights(config, params) -> dict:
+    """The kernel's weights: the layers packed, the final norm and the head."""
+    return with_step_weights(config, params)[DECODER_STEP]
 
 
 def wide_params(config, seed: int, rng) -> dict:
