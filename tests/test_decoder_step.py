@@ -414,11 +414,13 @@ def check_kernel_against_reference(
     for row in range(rows):
         assert rel_err(got[1][row] - h0[row], want[1][row] - h0[row]) <= 2e-2
     # Block by block (a block the head's tiles missed holds whatever the buffer held), against
-    # the blocks' RMS norm where a block is small (the padded rows' logits are zeros).
+    # the blocks' RMS norm where a block is small (the padded rows' logits are zeros). 3%: the
+    # bf16 roundings of three layers reach 2.2% in a block of Qwen3-0.6B's 2,374 a row (on an
+    # H100, the kernel at one row as at four); a missed or misplaced block is off by ~100%.
     blocks = [np.asarray(x, np.float32).reshape(-1, 64) for x in (got[0], want[0])]
     typical = np.linalg.norm(blocks[1]) / np.sqrt(len(blocks[1]))
     for g, w in zip(*blocks, strict=True):
-        assert np.linalg.norm(g - w) <= 2e-2 * max(np.linalg.norm(w), typical)
+        assert np.linalg.norm(g - w) <= 3e-2 * max(np.linalg.norm(w), typical)
     for g, w, before in zip(got[2] + got[3], want[2] + want[3], ks + vs, strict=True):
         g, w, before = (np.asarray(a, np.float32) for a in (g, w, before))
         written = np.zeros(g.shape, bool)
