@@ -490,10 +490,11 @@ def decoder_step_kernel(
         for too): h / rms(h), rounded as the model does, or LayerNorm's (h - mean) / std, whose
         one rounding comes with the scale and shift. The threads load h themselves: no TMA copy
         and barrier on the critical path."""
-        for row in range(rows):
-            hh = ops.load(h_ref.at[row], h_layout)  # [E]
-            if row == 0:
-                _wait_copies(bars, 0, norm_rows * kt_e)
+        # Every row's load issued before the first reduction: their latencies overlap (a
+        # reduction's barrier kept each later row's load behind it).
+        hs = [ops.load(h_ref.at[row], h_layout) for row in range(rows)]  # R x [E]
+        _wait_copies(bars, 0, norm_rows * kt_e)
+        for row, hh in enumerate(hs):
             if shape.layer_norm:
                 hh = hh - jnp.sum(hh) / e
                 h_smem[row] = hh * lax.rsqrt(jnp.sum(hh * hh) / e + shape.eps)
