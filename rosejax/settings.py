@@ -184,7 +184,8 @@ class KernelConfig:
     # 0.66x), else off; a forward takes None as off (the engine hands it the count it resolved).
     decoder_step_programs: int | None = None
     # ... and decode programs of up to this many rows (1-16) take it too: its shared memory
-    # holds 8 rows of GPT-2 small, 4 of Qwen3-0.6B at 4 weight stages. Timed at one row only.
+    # holds 8 rows of GPT-2 small, 4 of Qwen3-0.6B at 4 weight stages. 1: each row adds ~40 µs
+    # to GPT-2's step (H100: batch 4 ties the per-op kernels, batch 8 is 1.5x slower).
     decoder_step_rows: int = 1
     # Tile overrides, ((op, parameter, value), ...): keyword arguments of that op's kernel,
     # e.g. ("linear", "num_warps", 2). Ops: kv_append, attention, prefill_attention, layer_norm,
