@@ -23,7 +23,13 @@ first tile's start on any program to its last `store_signal`'s end (attention's:
 first start to last end); its wake-up is from the end of the phase before it (in the chain q/k/v,
 attention, o_proj, gate/up, down) to the first end of a wait for it.
 
+The summary also has the time between a program's consecutive ranges (what no range names: the
+loop's own work and the copies it issues, e.g. from one tile's end to the next one's inputs), and
+`--critical` prints, for one layer, each link's last program and its ranges: the chain's critical
+path, as far as the programs' lined-up clocks tell it (a wake-up's spread, ~0.5 µs, is in them).
+
     python bench/decoder_trace.py TRACE.json [--clock-mhz 1980] [--plot timeline.png]
+    python bench/decoder_trace.py TRACE.json --critical --layer 6
 """
 
 from __future__ import annotations
@@ -210,7 +216,59 @@ def summarize(trace: dict, clock_mhz: float) -> dict:
         "phases": phases,
         "us_a_program_a_layer": per_layer,
         "us_a_program_head": {name: t * us / programs for name, t in sorted(head_totals.items())},
+        "gaps_us": gaps(by_program, us),
     }
+
+
+def gaps(by_program: dict, us: float) -> dict[str, float]:
+    """The time between a program's consecutive outermost ranges, by the pair of names (median
+    µs, pairs seen at least once a program): what no range names, such as the loop's own work
+    and the copies it issues between one tile and the next."""
+    seen = collections.defaultdict(list)
+    for rs in by_program.values():
+        outer = [r for r in rs if r[3] == 0]
+        for before, after in zip(outer, outer[1:], strict=False):
+            seen[f"{before[0]} -> {after[0]}"].append((after[1] - before[2]) * us)
+    return {
+        pair: statistics.median(ts)
+        for pair, ts in sorted(seen.items())
+        if len(ts) >= len(by_program)
+    }
+
+
+def critical_path(trace: dict, layer: int, clock_mhz: float) -> list[dict]:
+    """Each link of `layer` (in the chain's order): the program whose run of it signals last (an
+    attention item's end for attention), when, and that run's ranges (name, start, end, depth), in
+    µs from the median end of the layer's q/k/v waits."""
+    us = 1e3 / clock_mhz
+    runs = aligned_runs(ranges(trace))
+    waits = [
+        body[0][2] for rs in runs.values() for lay, ph, body in rs if (lay, ph) == (layer, "qkv")
+    ]
+    zero = statistics.median(waits)
+    last = {}  # link -> (end, program, ranges)
+    for tid, rs in runs.items():
+        for lay, phase, body in rs:
+            if lay != layer:
+                continue
+            items = [(a, b) for n, a, b, _ in body if n == "attention"]
+            inside = [any(a <= r[1] and r[2] <= b for a, b in items) for r in body]
+            item = [r for r, i in zip(body, inside, strict=True) if i]  # with their signals
+            own = [r for r, i in zip(body, inside, strict=True) if not i]
+            for link, part in ((phase, own), ("attention", item)):
+                end = max((r[2] for r in part), default=float("-inf"))
+                if end > last.get(link, (float("-inf"),))[0]:
+                    last[link] = (end, tid, part)
+    return [
+        {
+            "link": link,
+            "program": last[link][1],
+            "end_us": (last[link][0] - zero) * us,
+            "ranges": [(n, (a - zero) * us, (b - zero) * us, d) for n, a, b, d in last[link][2]],
+        }
+        for link in CHAIN
+        if link in last
+    ]
 
 
 def print_summary(summary: dict) -> None:
@@ -227,6 +285,16 @@ def print_summary(summary: dict) -> None:
     print(f"{'range':18s} {'µs a program a layer':>21s} {'in the head':>12s}")
     for name, t in summary["us_a_program_a_layer"].items():
         print(f"{name:18s} {t:21.2f} {head.get(name, 0.0):12.2f}")
+    print(f"{'between ranges':36s} {'median µs':>9s}")
+    for pair, t in sorted(summary["gaps_us"].items(), key=lambda kv: -kv[1]):
+        print(f"{pair:36s} {t:9.2f}")
+
+
+def print_critical_path(links: list[dict]) -> None:
+    for link in links:
+        print(f"{link['link']}: program {link['program']} ends at {link['end_us']:.2f} µs")
+        for name, start, end, depth in link["ranges"]:
+            print(f"  {'  ' * depth}{name:20s} {start:8.2f} -> {end:8.2f} ({end - start:5.2f})")
 
 
 def plot_layer(trace: dict, layer: int, path: str, clock_mhz: float) -> None:
@@ -270,7 +338,17 @@ def main() -> None:
     p.add_argument("--clock-mhz", type=float, default=1980.0, help="the SM clock the run held")
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--plot", default=None, help="a PNG of one layer's ranges, a row a program")
-    p.add_argument("--layer", type=int, default=None, help="the plotted layer (default: middle)")
+    p.add_argument(
+        "--layer",
+        type=int,
+        default=None,
+        help="the plotted layer (default: middle), and --critical's",
+    )
+    p.add_argument(
+        "--critical",
+        action="store_true",
+        help="each link's last program in that layer and its ranges (the chain's critical path)",
+    )
     args = p.parse_args()
     with open(args.trace) as f:
         trace = json.load(f)
@@ -279,8 +357,10 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
+    layer = summary["layers"] // 2 if args.layer is None else args.layer
+    if args.critical:
+        print_critical_path(critical_path(trace, layer, args.clock_mhz))
     if args.plot:
-        layer = summary["layers"] // 2 if args.layer is None else args.layer
         plot_layer(trace, layer, args.plot, args.clock_mhz)
 
 

@@ -1162,6 +1162,34 @@ def test_decoder_trace_spans_wake_ups_and_time_a_program(tmp_path):
     assert "a layer every 100.00 µs" in out and png.stat().st_size > 0
 
 
+def test_decoder_trace_gaps_and_critical_path():
+    """Between ranges: a q/k/v run's signal to its program's attention item, 4 units every time;
+    the item to its o_proj wait, 5 - c for programs 0 and 1 (median 4.5). Each link's last
+    program in layer 1, from the layer's q/k/v wait end (101): program 2's q/k/v ends at 108,
+    program 1's item at 116 and o_proj at 126, program 2's gate/up at 138 and down at 147; an
+    item's ranges kept apart from its program's q/k/v run."""
+    from bench import decoder_trace
+
+    trace = _decoder_trace(layers=3, programs=3, no_o_proj=2)
+    s = decoder_trace.summarize(trace, clock_mhz=1000.0)
+    assert s["gaps_us"]["store_signal -> attention"] == 4
+    assert s["gaps_us"]["attention -> phase_wait"] == 4.5
+    assert s["gaps_us"]["tile -> store_signal"] == 0
+    links = decoder_trace.critical_path(trace, 1, clock_mhz=1000.0)
+    ends = {x["link"]: (x["program"], x["end_us"]) for x in links}
+    assert ends == {
+        "qkv": (2, 7),
+        "attention": (1, 15),
+        "o_proj": (1, 25),
+        "gate_up": (2, 37),
+        "down": (2, 46),
+    }
+    item = next(x for x in links if x["link"] == "attention")["ranges"]
+    assert [r[0] for r in item] == ["attention", "attention_wait", "attention_inputs"]
+    qkv = next(x for x in links if x["link"] == "qkv")["ranges"]
+    assert not any(r[0].startswith("attention") for r in qkv)
+
+
 def test_decoder_trace_reads_the_kernels_range_names():
     """Each range name the trace reader keys on is a named range of the kernel (a range renamed
     on one side alone would drop its phase from every profile without an error)."""
