@@ -97,6 +97,19 @@ def record_steps(engine, requests: dict) -> list[list]:
     return steps
 
 
+def stop_id_ending_one_sequence(requests: list[list[list[int]]]) -> int:
+    """A token id that, as a stop id, ends a request's first sequence at its first token (the
+    prefill's step) while a sibling goes on, and no request at its first token: from each
+    request's sequences' tokens generated without it (seeded: they come again up to a stop)."""
+    for first, *siblings in requests:
+        t = first[0]
+        if any(ts[0] != t for ts in siblings) and all(
+            any(ts[0] != t for ts in seqs) for seqs in requests
+        ):
+            return t
+    raise AssertionError(f"seed {SEED}: every request's sequences begin alike: {requests}")
+
+
 @pytest.fixture(scope="module")
 def served():
     """The engine-process server (url, replicas) and the engine-thread server (thread_url) on
@@ -110,8 +123,9 @@ def served():
     # RECORDED's SamplingParams (echo: the prompt's logprobs too); prompt i as request "p{i}".
     kw = {k: v for k, v in RECORDED.items() if k not in ("prompt", "echo")}
     params = SamplingParams(**kw, prompt_logprobs=RECORDED["logprobs"])
-    first = llm.generate(RECORDED["prompt"], params, use_tqdm=False)[0].outputs[0].token_ids[0]
-    params = dataclasses.replace(params, stop_token_ids=[first])
+    generated = llm.generate(RECORDED["prompt"], params, use_tqdm=False)
+    stop = stop_id_ending_one_sequence([[c.token_ids for c in o.outputs] for o in generated])
+    params = dataclasses.replace(params, stop_token_ids=[stop])
     requests = {f"p{i}": (p, params) for i, p in enumerate(RECORDED["prompt"])}
     steps = record_steps(llm.engine, requests)
     prompt_ids = {rid: llm.engine.prompt_ids(p) for rid, (p, _) in requests.items()}
@@ -141,7 +155,7 @@ def served():
             thread_url=thread_server.url,
             steps=steps,
             requests=requests,
-            recorded={**RECORDED, "stop_token_ids": [first]},
+            recorded={**RECORDED, "stop_token_ids": [stop]},
             prompt_ids=prompt_ids,
             token_texts=llm.engine.token_texts,
         )
