@@ -237,38 +237,29 @@ def gaps(by_program: dict, us: float) -> dict[str, float]:
 
 
 def critical_path(trace: dict, layer: int, clock_mhz: float) -> list[dict]:
-    """Each link of `layer` (in the chain's order): the program whose run of it signals last (an
-    attention item's end for attention), when, and that run's ranges (name, start, end, depth), in
-    µs from the median end of the layer's q/k/v waits."""
+    """Each link of `layer` (in the chain's order): the program whose run of it ends last (for
+    attention, its item with the item's signal), when, and that run's ranges (name, start, end,
+    depth), in µs from the end of the layer's q/k/v waits (where `aligned_runs` lines them up)."""
     us = 1e3 / clock_mhz
     runs = aligned_runs(ranges(trace))
-    waits = [
-        body[0][2] for rs in runs.values() for lay, ph, body in rs if (lay, ph) == (layer, "qkv")
-    ]
-    zero = statistics.median(waits)
-    last = {}  # link -> (end, program, ranges)
+    zero = next(body[0][2] for rs in runs.values() for lay, ph, body in rs if lay == layer)
+    ends = collections.defaultdict(list)  # link -> [(end, program, ranges)]
     for tid, rs in runs.items():
         for lay, phase, body in rs:
             if lay != layer:
                 continue
             items = [(a, b) for n, a, b, _ in body if n == "attention"]
             inside = [any(a <= r[1] and r[2] <= b for a, b in items) for r in body]
-            item = [r for r, i in zip(body, inside, strict=True) if i]  # with their signals
-            own = [r for r, i in zip(body, inside, strict=True) if not i]
-            for link, part in ((phase, own), ("attention", item)):
-                end = max((r[2] for r in part), default=float("-inf"))
-                if end > last.get(link, (float("-inf"),))[0]:
-                    last[link] = (end, tid, part)
-    return [
-        {
-            "link": link,
-            "program": last[link][1],
-            "end_us": (last[link][0] - zero) * us,
-            "ranges": [(n, (a - zero) * us, (b - zero) * us, d) for n, a, b, d in last[link][2]],
-        }
-        for link in CHAIN
-        if link in last
-    ]
+            for link, in_item in ((phase, False), ("attention", True)):
+                part = [r for r, i in zip(body, inside, strict=True) if i == in_item]
+                if part:
+                    ends[link].append((max(r[2] for r in part), tid, part))
+    out = []
+    for link in (link for link in CHAIN if ends[link]):
+        end, tid, part = max(ends[link], key=lambda x: x[0])
+        shifted = [(n, (a - zero) * us, (b - zero) * us, d) for n, a, b, d in part]
+        out.append({"link": link, "program": tid, "end_us": (end - zero) * us, "ranges": shifted})
+    return out
 
 
 def print_summary(summary: dict) -> None:
