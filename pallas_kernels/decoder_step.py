@@ -267,14 +267,6 @@ def _on_index(i, count: int, fn, first: int = 0) -> None:
     )
 
 
-def _select(i, values):
-    """values[i] for a traced scalar i and static ints (a chain of selects)."""
-    out = jnp.int32(values[-1])
-    for j in range(len(values) - 2, -1, -1):
-        out = jnp.where(i == j, jnp.int32(values[j]), out)
-    return out
-
-
 def _heads_layouts(half: int):
     """The layout of [rows, half] arrays (a half of D of some heads' vectors) that puts each row on
     a warp (rows 4 apart on the same one) and its columns over the warp's lanes, half / 32 a lane,
@@ -442,37 +434,45 @@ def decoder_step_kernel(
     c = lax.axis_index("program")
     ops = _KernelOps(interpret)
     sem = ops.semaphore()
-    own = _taken(c, programs, per_layer_tiles)  # this program's tiles a layer
-    layer_tiles = lay * own
+    # Program c's tiles of phase p in a layer are its s-th for s in [first[p], first[p + 1]).
+    first = [_taken(c, programs, start) for start in starts]
+    own = first[-1]  # its tiles a layer
     # The head's column blocks are dealt round-robin too, each taken with all its K ranges in
     # turn: the program sums its logits itself, no partials.
-    total = layer_tiles + _taken(c, programs, shape.head_blocks) * kt_e
+    head_tiles = _taken(c, programs, shape.head_blocks) * kt_e
 
     def head_tile(j):  # the program's j-th tile of the head: (its column block, its K range)
         return _dealt(j // kt_e, c, programs), j % kt_e
 
-    def fetch(t, slot):
-        @pl.when(t < layer_tiles)
+    # The ring's next fetch: (layer, s) of a layer's tile, (L, j) of the head's j-th; carried,
+    # so no tile divides by the program's tile count.
+    def fetch(at, slot):
+        layer, s = at
+
+        @pl.when(layer < lay)
         def _():
-            layer, s = t // own, t % own
             tile = layer * per_layer_tiles + _dealt(s, c, programs)
             plgpu.copy_gmem_to_smem(tiles_ref.at[tile], ring.at[slot], ring_bar.at[slot])
             if shape.biases:  # the tile's bias beside it, on a barrier of its own
                 bias_s, bias_bar = bias_ring
                 plgpu.copy_gmem_to_smem(biases_ref.at[tile], bias_s.at[slot], bias_bar.at[slot])
 
-        @pl.when(t >= layer_tiles)
+        @pl.when((layer >= lay) & (s < head_tiles))
         def _():  # a box of the head's rows as they are: [64 of V, 256 of E], W^T's tile
-            b, k = head_tile(t - layer_tiles)
+            b, k = head_tile(s)
             box = head_ref.at[pl.ds(b * TILE_N, TILE_N), pl.ds(k * TILE_K, TILE_K)]
             plgpu.copy_gmem_to_smem(box, ring.at[slot], ring_bar.at[slot])
 
-    _copy_in([(rope_ref, rope_smem)], bars)
-    for i in range(stages):
-        pl.when(i < total)(functools.partial(fetch, i, i))
+    def advance(at):
+        layer, s = at
+        wrap = (layer < lay) & (s + 1 >= own)
+        return jnp.where(wrap, layer + 1, layer), jnp.where(wrap, 0, s + 1)
 
-    def phase_of(r):
-        return sum((r >= starts[p]).astype(jnp.int32) for p in (O_PROJ, GATE_UP, DOWN))
+    _copy_in([(rope_ref, rope_smem)], bars)
+    fetch_at = (jnp.where(own == 0, lay, 0), jnp.int32(0))
+    for i in range(stages):
+        fetch(fetch_at, i)
+        fetch_at = advance(fetch_at)
 
     def bf16(x):  # the weights' dtype's rounding, in float32
         return x.astype(dtype).astype(FLOAT)
@@ -775,61 +775,23 @@ def decoder_step_kernel(
             ys.append((w * lax.broadcast_in_dim(x, (TILE_N, TILE_K), [1])).sum(axis=1))
         return ys
 
-    def step(t, prev_phase):
-        layer, s = t // own, t % own
-        r = _dealt(s, c, programs)
-        phase = phase_of(r)
-        base = layer * per_layer
-
-        # This program's attention items (c, c + P, ...): before its first tile past q/k/v.
-        @pl.when((phase != QKV) & ((s == 0) | (prev_phase == QKV)))
-        def _():
-            @pl.loop(c, items, step=programs)
-            def _(item):
-                row, head_split = item // (h_kv * splits), item % (h_kv * splits)
-                ready = base + schedule.runs[QKV]
-                with jax.named_scope("attention"):
-                    attention(layer, row, head_split // splits, head_split % splits, ready)
-                    ops.signal(sem)
-
-        @pl.when((s == 0) | (phase != prev_phase))
-        def _():
-            norm_phase = (phase == QKV) | (phase == GATE_UP)
-
-            # The norm's scale does not depend on other programs: its copy starts before the wait.
-            @pl.when(norm_phase)
-            def _():
-                start_norm(norms_ref.at[layer, phase // 2])
-
-            with jax.named_scope("phase_wait"):
-                ops.wait_count(sem, base + _select(phase, targets))
-
-            @pl.when(norm_phase)
-            def _():
-                with jax.named_scope("rms_norm"):
-                    normalize_h()
-
-        q = r - _select(phase, starts[:4])
-        nb = _select(phase, blocks)
-        k, b = q // nb, q % nb  # the tile's K range and column block
+    def weight_tile(phase, layer, s, carry):
+        """This program's s-th tile of the layer (of `phase`): its inputs times the ring's
+        slot, stored; the next fetch started. carry: (tiles taken, the next fetch)."""
+        t, fetch_at = carry
+        q = _dealt(s, c, programs) - starts[phase]
+        k, b = q // blocks[phase], q % blocks[phase]  # the tile's K range and column block
         cols = pl.ds(b * TILE_N, TILE_N)
-
         # Each kind of input under a name of its own: what tells a profile's tiles apart.
-        @pl.when((phase == QKV) | (phase == GATE_UP))
-        def _():
+        if phase in (QKV, GATE_UP):
             with jax.named_scope("norm_inputs"):
                 norm_input(k)
-
-        @pl.when(phase == O_PROJ)
-        def _():
+        elif phase == O_PROJ:
             with jax.named_scope("merge_inputs"):
                 merged_attention(k)
-
-        @pl.when(phase == DOWN)
-        def _():
+        else:
             with jax.named_scope("mlp_inputs"):
                 mlp_input(k)
-
         plgpu.commit_smem()  # a tile's inputs written by every thread before any reads them
         slot = t % stages
         out = o_smem.at[t % 2]  # double-buffered: a store in flight while the next tile runs
@@ -844,37 +806,60 @@ def decoder_step_kernel(
             for row, y in enumerate(ys):
                 out[row] = y
             plgpu.commit_smem()  # the slot read and `out` written by every thread
-
-        @pl.when(phase == QKV)
-        def _():
+        if phase == QKV:
             plgpu.copy_smem_to_gmem(out, qkv_ref.at[k, :, cols])
-
-        @pl.when(phase == GATE_UP)
-        def _():
+        elif phase == GATE_UP:
             plgpu.copy_smem_to_gmem(out, gu_ref.at[k, :, cols])
-
-        @pl.when((phase == O_PROJ) | (phase == DOWN))
-        def _():
+        else:
             ops.add_to_gmem(out, h_ref.at[:, cols])
 
-        @pl.when((s == own - 1) | (phase_of(_dealt(s + 1, c, programs)) != phase))
+        @pl.when(s == first[phase + 1] - 1)
         def _():  # the end of this program's run of the phase: its stores done, then counted
             with jax.named_scope("store_signal"):
                 plgpu.wait_smem_to_gmem(0)
                 ops.signal(sem)
 
         # After the signal: a release waits for this thread's TMA loads in flight, too.
-        @pl.when(t + stages < total)
-        def _():
-            fetch(t + stages, slot)
+        fetch(fetch_at, slot)
+        return t + 1, advance(fetch_at)
 
-        return phase
+    def phase_start(phase, layer, base):
+        """Before a run of the phase's tiles: its wait, and a norm phase's norm of h."""
+        norm = phase in (QKV, GATE_UP)
+        if norm:  # the norm's scale does not depend on other programs: its copy starts first
+            start_norm(norms_ref.at[layer, phase // 2])
+        with jax.named_scope("phase_wait"):
+            ops.wait_count(sem, base + targets[phase])
+        if norm:
+            with jax.named_scope("rms_norm"):
+                normalize_h()
 
-    def head_step(j, accs):
+    def layer_step(layer, carry):
+        """The layer's four phases, each this program's run of its tiles after its wait; its
+        attention items between q/k/v and o_proj."""
+        base = layer * per_layer
+        for phase in range(4):
+            if phase == O_PROJ:  # this program's attention items (c, c + P, ...)
+
+                @pl.loop(c, items, step=programs)
+                def _(item):
+                    row, head_split = item // (h_kv * splits), item % (h_kv * splits)
+                    ready = base + schedule.runs[QKV]
+                    with jax.named_scope("attention"):
+                        attention(layer, row, head_split // splits, head_split % splits, ready)
+                        ops.signal(sem)
+
+            start = functools.partial(phase_start, phase, layer, base)
+            pl.when(first[phase] < first[phase + 1])(start)
+            tile = functools.partial(weight_tile, phase, layer)
+            carry = lax.fori_loop(first[phase], first[phase + 1], tile, carry)
+        return carry
+
+    def head_step(j, carry):
         """The head's j-th tile of this program: once every layer's last signal is counted, h
         under the final norm (as a layer's norm), its K range's 256 inputs times the tile,
         summed over the column block's K ranges in `accs` (R [64]) and stored after the last."""
-        t = layer_tiles + j
+        accs, t, fetch_at = carry
         b, k = head_tile(j)
 
         @pl.when(j == 0)
@@ -904,15 +889,12 @@ def decoder_step_kernel(
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out, logits_ref.at[:, pl.ds(b * TILE_N, TILE_N)])
 
-        @pl.when(t + stages < total)
-        def _():
-            fetch(t + stages, slot)
+        fetch(fetch_at, slot)
+        return ys, t + 1, advance(fetch_at)
 
-        return ys
-
-    lax.fori_loop(0, layer_tiles, step, jnp.int32(-1))
+    t, fetch_at = lax.fori_loop(0, lay, layer_step, (jnp.int32(0), fetch_at))
     zeros = [ops.full((TILE_N,), 0.0) for _ in range(rows)]
-    lax.fori_loop(0, total - layer_tiles, head_step, zeros)
+    lax.fori_loop(0, head_tiles, head_step, (zeros, t, fetch_at))
     plgpu.wait_smem_to_gmem(0)
 
 
