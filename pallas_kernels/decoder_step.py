@@ -956,14 +956,6 @@ def decoder_step_problems(
         problems.append(f"weights and caches must be bf16 or fp16, got {jnp.dtype(dtype).name}")
     if min(programs, splits, stages) < 1:
         problems.append(f"programs, splits, stages must be >= 1, got {programs, splits, stages}")
-    elif not problems:
-        # A program's attention items run before its first tile past q/k/v: it must have one.
-        past_qkv = decoder_schedule(shape, programs).tiles >= shape.phase_tiles()[0]
-        if not past_qkv[: rows * shape.kv_heads * splits].any(axis=1).all():
-            problems.append(
-                f"each of the first rows x kv_heads x splits of {programs} programs takes"
-                " attention items and must take a tile past q/k/v"
-            )
     if interpret and programs != 1:  # the interpreter runs programs one after another
         problems.append(f"the interpreter runs one program (programs=1), got {programs}")
     if interpret and profile_dir:
