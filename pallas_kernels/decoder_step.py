@@ -513,42 +513,40 @@ def decoder_step_kernel(
         for row in range(rows):
             x_smem[row] = bf16(h_smem[row, cols] * norm_smem[0, cols] + shift)
 
+    # The threads load the other programs' partials themselves, a row's loads all issued before
+    # its sums: no TMA copy and barrier on the critical path, as normalize_h's h.
+    part_layout = plgpu.Layout.WG_STRIDED((TILE_K,), 2)
+
     def merged_attention(k):
         """The tile's 256 attention outputs (of 256 / D query heads), merged over the splits."""
-
-        def scoped(acc_s, m_s, l_s):
-            cols = pl.ds(k * TILE_K, TILE_K)
-            pairs = [(ref.at[:, :, cols], s) for ref, s in ((acc_ref, acc_s), (m_ref, m_s))]
-            _copy_in([*pairs, (l_ref.at[:, :, cols], l_s)], bars)
-            for row in range(rows):
-                ms = [m_s[i, row] for i in range(splits)]
-                top = functools.reduce(jnp.maximum, ms)
-                ws = [jnp.exp(m - top) for m in ms]
-                total_l = sum(l_s[i, row] * w for i, w in enumerate(ws))
-                o = sum(acc_s[i, row] * w for i, w in enumerate(ws))
-                x_smem[row] = bf16(o / total_l)
-
-        pl.run_scoped(scoped, *[plgpu.SMEM((splits, rows, TILE_K), FLOAT)] * 3)
+        cols = pl.ds(k * TILE_K, TILE_K)
+        for row in range(rows):
+            accs, ms, sums = (
+                [ops.load(ref.at[i, row, cols], part_layout) for i in range(splits)]
+                for ref in (acc_ref, m_ref, l_ref)
+            )
+            top = functools.reduce(jnp.maximum, ms)
+            ws = [jnp.exp(m - top) for m in ms]
+            total = sum(x * w for x, w in zip(sums, ws, strict=True))
+            o = sum(acc * w for acc, w in zip(accs, ws, strict=True))
+            x_smem[row] = bf16(o / total)
 
     def mlp_input(k):
         """The tile's 256 inputs of silu(gate) * up, or of gelu_tanh(up), summed from the first
         projection's partials."""
-
-        def scoped(*parts_s):
-            boxes = [
-                (gu_ref.at[:, :, pl.ds(i * f + k * TILE_K, TILE_K)], p_s)
-                for i, p_s in enumerate(parts_s)
+        for row in range(rows):
+            first, *up = [
+                [
+                    ops.load(gu_ref.at[j, row, pl.ds(i * f + k * TILE_K, TILE_K)], part_layout)
+                    for j in range(kt_e)
+                ]
+                for i in range(1 if shape.gelu else 2)
             ]
-            _copy_in(boxes, bars)
-            for row in range(rows):
-                first, *up = [bf16(sum(p_s[i, row] for i in range(kt_e))) for p_s in parts_s]
-                if shape.gelu:  # first: up
-                    x_smem[row] = bf16(_gelu_tanh(first))
-                else:  # first: gate
-                    x_smem[row] = bf16(bf16(first / (1.0 + jnp.exp(-first))) * up[0])
-
-        parts = 1 if shape.gelu else 2
-        pl.run_scoped(scoped, *[plgpu.SMEM((kt_e, rows, TILE_K), FLOAT)] * parts)
+            first, up = bf16(sum(first)), [bf16(sum(u)) for u in up]
+            if shape.gelu:  # first: up
+                x_smem[row] = bf16(_gelu_tanh(first))
+            else:  # first: gate
+                x_smem[row] = bf16(bf16(first / (1.0 + jnp.exp(-first))) * up[0])
 
     def attention(layer, row, head, split, ready):
         """Item (row, head, split) of the layer, once `sem` counts `ready` (q/k/v stored): the
