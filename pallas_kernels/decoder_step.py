@@ -21,7 +21,10 @@ partials are added into the residual stream by TMA reduce-adds. Attention is R x
 to the last split), each storing its unnormalised output and softmax max/sum for the o_proj tiles to
 merge; a tile's scores and P x V are WGMMAs with the KV head's query heads as the rows of a 64-row
 operand. So a layer has five dependent phases (q/k/v, attention, o_proj, gate/up, down), each spread
-over every program. (Slices of the MLP taken whole by one program, gate/up summed in its SMEM, saved
+over every program; a program runs a layer as four loops over its own tiles of each phase
+(`phase_bounds`: code of one kind a loop, no phase tests a tile), its attention items between
+q/k/v and o_proj. A tile's inputs from other programs (attention partials, gate/up partials, h)
+are loaded by the threads themselves once the wait ends. (Slices of the MLP taken whole by one program, gate/up summed in its SMEM, saved
 the wait before down but left the MLP's weights to the 48 programs of Qwen3-0.6B's 48 slices: slower
 on an H100.)
 The head's tiles are boxes of its rows [V, E] as they are (a tied head is the embedding: no
@@ -237,6 +240,12 @@ def _taken(c, programs: int, per_layer: int):
     return (per_layer - c + programs - 1) // programs
 
 
+def phase_bounds(shape: DecoderShape, c, programs: int) -> list:
+    """Program c's tiles of phase p in a layer are its s-th (`_dealt`) for s in [bounds[p],
+    bounds[p + 1]); bounds[4] is its tiles a layer (ints, or traced in the kernel)."""
+    return [_taken(c, programs, int(start)) for start in np.cumsum((0, *shape.phase_tiles()))]
+
+
 @functools.cache
 def decoder_schedule(shape: DecoderShape, programs: int) -> Schedule:
     """A layer's tiles round-robin (`_dealt`: tile r to program r mod P, as the kernel takes
@@ -434,9 +443,8 @@ def decoder_step_kernel(
     c = lax.axis_index("program")
     ops = _KernelOps(interpret)
     sem = ops.semaphore()
-    # Program c's tiles of phase p in a layer are its s-th for s in [first[p], first[p + 1]).
-    first = [_taken(c, programs, start) for start in starts]
-    own = first[-1]  # its tiles a layer
+    bounds = phase_bounds(shape, c, programs)  # its tiles of each phase of a layer
+    own = bounds[-1]  # its tiles a layer
     # The head's column blocks are dealt round-robin too, each taken with all its K ranges in
     # turn: the program sums its logits itself, no partials.
     head_tiles = _taken(c, programs, shape.head_blocks) * kt_e
@@ -811,7 +819,7 @@ def decoder_step_kernel(
         else:
             ops.add_to_gmem(out, h_ref.at[:, cols])
 
-        @pl.when(s == first[phase + 1] - 1)
+        @pl.when(s == bounds[phase + 1] - 1)
         def _():  # the end of this program's run of the phase: its stores done, then counted
             with jax.named_scope("store_signal"):
                 plgpu.wait_smem_to_gmem(0)
@@ -848,9 +856,9 @@ def decoder_step_kernel(
                         ops.signal(sem)
 
             start = functools.partial(phase_start, phase, layer, base)
-            pl.when(first[phase] < first[phase + 1])(start)
+            pl.when(bounds[phase] < bounds[phase + 1])(start)
             tile = functools.partial(weight_tile, phase, layer)
-            carry = lax.fori_loop(first[phase], first[phase + 1], tile, carry)
+            carry = lax.fori_loop(bounds[phase], bounds[phase + 1], tile, carry)
         return carry
 
     def head_step(j, carry):
@@ -1186,7 +1194,7 @@ def decoder_step(
         plgpu.SMEM((rows, TILE_K), FLOAT),  # x_smem: a tile's inputs
         plgpu.SMEM((2, rows, TILE_N), FLOAT),  # o_smem: its outputs, double-buffered
         plgpu.SMEM((rows, 2, d // 2), FLOAT),  # rope_smem
-        plgpu.Barrier(num_barriers=max(3, 2 * kt_e)),
+        plgpu.Barrier(num_barriers=shape.norm_rows * kt_e),  # a norm's boxes (rope's: 1)
     ]
     if shape.biases:  # bias_ring: each weight tile's bias, on its own barriers
         scratch += [plgpu.SMEM((stages, TILE_N), FLOAT), plgpu.Barrier(num_barriers=stages)]

@@ -29,6 +29,7 @@ from pallas_kernels.decoder_step import (
     decoder_step_reference,
     default_stages,
     pack_decoder_weights,
+    phase_bounds,
 )
 from rosejax import LLM, SamplingParams
 from rosejax.layers.attention import ForwardMetadata
@@ -175,26 +176,24 @@ def test_pack_decoder_weights_tiles(checkpoint):
 
 def schedule_events(shape, programs: int, splits: int, layers: int) -> list[list[tuple]]:
     """Each program's waits and signals over `layers` layers, as the kernel makes them from
-    `decoder_schedule`: ("wait", count, what it then reads), ("signal", what it stored)."""
+    `decoder_schedule` and `phase_bounds`: ("wait", count, what it then reads), ("signal", what
+    it stored)."""
     schedule = decoder_schedule(shape, programs)
-    starts = np.cumsum(shape.phase_tiles())
     items = shape.kv_heads * splits
     targets, per_layer = schedule.targets(items), schedule.signals_a_layer(items)
     events = []
     for c in range(programs):
-        tiles = schedule.tiles[c, : schedule.counts[c]].tolist()
-        phases = [int(np.searchsorted(starts, r, side="right")) for r in tiles]
+        bounds = phase_bounds(shape, c, programs)
         mine = []
         for layer in range(layers):
             base = layer * per_layer
-            for s, phase in enumerate(phases):
-                if phase != QKV and (s == 0 or phases[s - 1] == QKV):
+            for phase in range(4):
+                if phase == O_PROJ:  # the program's attention items, after its q/k/v run
                     for _ in range(c, items, programs):
                         mine += [("wait", base + schedule.runs[QKV], (layer, "items"))]
                         mine += [("signal", (layer, "items"))]
-                if s == 0 or phase != phases[s - 1]:
+                if bounds[phase] < bounds[phase + 1]:
                     mine.append(("wait", base + targets[phase], (layer, phase)))
-                if s == len(phases) - 1 or phases[s + 1] != phase:
                     mine.append(("signal", (layer, phase)))
         events.append(mine)
     return events
@@ -215,6 +214,15 @@ def test_decoder_schedule_orders_every_phase(preset_name, programs):
     taken = schedule.tiles[schedule.tiles >= 0]
     assert sorted(taken.tolist()) == list(range(sum(shape.phase_tiles())))
     assert schedule.runs == tuple(min(programs, n) for n in shape.phase_tiles())
+    starts = np.cumsum((0, *shape.phase_tiles()))
+    for c in range(programs):  # the kernel's runs of a phase: exactly its tiles of the phase
+        bounds = phase_bounds(shape, c, programs)
+        mine = schedule.tiles[c, : schedule.counts[c]]
+        assert bounds[-1] == schedule.counts[c]
+        for p in range(4):
+            run = mine[bounds[p] : bounds[p + 1]]
+            assert ((starts[p] <= run) & (run < starts[p + 1])).all()
+            assert len(run) == ((starts[p] <= mine) & (mine < starts[p + 1])).sum()
     splits = min(8, programs // shape.kv_heads)
     items = shape.kv_heads * splits
     events = schedule_events(shape, programs, splits, layers=3)
