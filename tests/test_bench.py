@@ -968,12 +968,19 @@ def test_persistent_probe_quick(tmp_path):
 def test_decoder_step_bench_quick(tmp_path, model, rows):
     """The one-kernel step's bench harness on the CPU, its XLA reference in the kernel's place:
     every step timed (the kernel's module and a copy of it loaded from a file as a variant, with
-    a keyword argument), and
+    a keyword argument; a broken copy, whose step raises, dropped while the others run), and
     the reference's logits near the bf16 model's (float32 residual against the model's bf16 one)
     with the same argmax in every row; a Llama-family preset at one row, GPT-2 at three."""
-    variant = tmp_path / "decoder_step_copy.py"
-    variant.write_text((_repo() / "pallas_kernels/decoder_step.py").read_text())
+    source = (_repo() / "pallas_kernels/decoder_step.py").read_text()
+    variant, broken = tmp_path / "decoder_step_copy.py", tmp_path / "decoder_step_broken.py"
+    variant.write_text(source)
+    reference = "def decoder_step_reference("
+    broken.write_text(
+        source.replace(reference, "def _unused(", 1)
+        + (f"\n\n{reference}*args, **kwargs):\n    raise ValueError('broken')\n")
+    )
     args = ("--model", model, "--rows", str(rows), "--variant", f"copy={variant},stages=3")
+    args += ("--variant", f"broken={broken}")
     rows = _quick_rows(tmp_path, "bench_decoder_step", *args)
     assert [(r["context"], r["variant"]) for r in rows] == [
         (c, v) for c in (20, 70) for v in ("model", "kernel", "copy")
