@@ -24,6 +24,12 @@ only at one program, which times nothing; the tests run it there).
     PYTHONPATH=. JAX_PLATFORMS=cuda python bench/bench_decoder_step.py --context 16,1024 \\
         --variant rev=/tmp/ds_rev.py --layers 8
 
+`--lower` only builds each version for sm90 (Mosaic GPU's lowering runs on the CPU: a variant's
+layouts, shared memory and shapes are checked before device time is spent) and reports what fails:
+
+    PYTHONPATH=. python bench/bench_decoder_step.py --lower --layers 2 --rows 4 --programs 132 \\
+        --variant rev=/tmp/ds_rev.py
+
 `--profile DIR` then runs the kernel (pallas_kernels', not the variants') once more per context
 under Mosaic GPU's profiler (2 weight stages, to leave its SMEM room) and reads its trace
 (`bench/decoder_trace.py`): where each program's time goes and how long each phase of a layer
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -195,6 +202,29 @@ def profile(step, operands: tuple, out_dir: str) -> None:
     decoder_trace.plot_layer(trace, summary["layers"] // 2, plot, clock)
 
 
+def lower_for_gpu(modules: list, config, programs: int, args) -> None:
+    """Each version of the kernel built for sm90 by Mosaic GPU's lowering (no GPU needed: a
+    variant's layouts, shared memory and shapes checked before device time is spent), at the
+    bench's rows, longest context and settings; a version that fails says why."""
+    full_shape, pages = family_of(config).decoder_shape(config), -(-max(args.context) // BLOCK_SIZE)
+    rows = []
+    for name, module, keywords in modules:
+        shape = variant_shape(module, full_shape)
+        operands = module.decoder_step_arg_shapes(
+            shape, jnp.bfloat16, BLOCK_SIZE, pages, rows=args.rows
+        )
+        settings = dict(programs=programs, splits=args.splits, stages=args.stages)
+        step = functools.partial(module.decoder_step, shape=shape, **settings | keywords)
+        try:
+            jax.jit(step).trace(*operands).lower(lowering_platforms=("cuda",))
+            error = ""
+        except Exception as e:  # what the variant's author needs to read: its last line
+            error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[-1]}"
+        rows.append(dict(variant=name, rows=args.rows, lowered=not error, error=error))
+        print(f"{name:10s} rows {args.rows:2d} {'lowered' if not error else error}", flush=True)
+    report_kernel_bench(args.json, rows, args=vars(args), programs=programs)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -229,6 +259,12 @@ def main() -> None:
         metavar="DIR",
         help="then profile the kernel once a context into DIR (see above; needs a GPU)",
     )
+    p.add_argument(
+        "--lower",
+        action="store_true",
+        help="only build each version of the kernel for sm90 (no GPU needed) at these sizes and"
+        " report what fails to build",
+    )
     add_kernel_bench_args(p)
     args = parse_kernel_bench_args(p)
     if args.profile:
@@ -249,9 +285,12 @@ def main() -> None:
     if args.layers:
         config = config.with_num_layers(args.layers)
     programs = args.programs or getattr(jax.devices()[0], "core_count", 128)
+    modules = [("kernel", pallas_kernels.decoder_step, {}), *args.variant]
+    if args.lower:
+        lower_for_gpu(modules, config, programs, args)
+        return
     kernels = KernelConfig.for_backend()
     params = family_of(config).random_params(config, seed=0, dtype=jnp.bfloat16)
-    modules = [("kernel", pallas_kernels.decoder_step, {}), *args.variant]
 
     def kernel_run(module, keywords: dict, profile_dir: str = ""):
         """(weights packed by `module`, its step's decoder and head) for `kernel_step`; with

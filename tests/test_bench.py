@@ -993,6 +993,27 @@ def test_decoder_step_bench_quick(tmp_path, model, rows):
 
 
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
+def test_decoder_step_bench_lowers_each_version(tmp_path):
+    """`--lower` builds the kernel and each variant for sm90 on the CPU (Mosaic GPU's own
+    lowering, not the interpreter): a copy builds, a copy with a layout Mosaic GPU cannot make
+    fails with its reason, and neither stops the other."""
+    source = (_repo() / "pallas_kernels/decoder_step.py").read_text()
+    layout = "WG_STRIDED((TILE_K,), 2)"
+    assert layout in source
+    copy, bad = tmp_path / "ds_copy.py", tmp_path / "ds_bad.py"
+    copy.write_text(source)
+    bad.write_text(source.replace(layout, "WG_STRIDED((TILE_K,), 3)"))
+    args = ("--lower", "--rows", "2", "--variant", f"bad={bad}", "--variant", f"copy={copy}")
+    rows = _quick_rows(tmp_path, "bench_decoder_step", *args)
+    assert [(r["variant"], r["rows"], r["lowered"]) for r in rows] == [
+        ("kernel", 2, True),
+        ("bad", 2, False),
+        ("copy", 2, True),
+    ]
+    assert "WGStridedFragLayout" in rows[1]["error"] and not rows[0]["error"]
+
+
+@pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_all_reduce_probe_psum_on_two_host_devices(tmp_path):
     """The all-reduce probe's harness (mesh, chained loop, check against the host's sum) on two
     CPU devices, through `psum` (its one-shot kernel needs GPUs)."""
