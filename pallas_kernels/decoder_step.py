@@ -128,6 +128,11 @@ class DecoderShape:
         ks = (self.hidden, self.heads * self.head_dim, self.hidden, self.intermediate)
         return tuple(k // TILE_K * n for k, n in zip(ks, self.phase_blocks(), strict=True))
 
+    def phase_starts(self) -> tuple[int, ...]:
+        """Where each phase's tiles start in a layer's, then the layer's count (`phase_tiles`
+        summed in order)."""
+        return tuple(int(x) for x in np.cumsum((0, *self.phase_tiles())))
+
     @property
     def head_blocks(self) -> int:  # column blocks (of TILE_N) of the LM head's logits
         return self.vocab // TILE_N
@@ -243,7 +248,7 @@ def _taken(c, programs: int, per_layer: int):
 def phase_bounds(shape: DecoderShape, c, programs: int) -> list:
     """Program c's tiles of phase p in a layer are its s-th (`_dealt`) for s in [bounds[p],
     bounds[p + 1]); bounds[4] is its tiles a layer (ints, or traced in the kernel)."""
-    return [_taken(c, programs, int(start)) for start in np.cumsum((0, *shape.phase_tiles()))]
+    return [_taken(c, programs, start) for start in shape.phase_starts()]
 
 
 @functools.cache
@@ -251,8 +256,8 @@ def decoder_schedule(shape: DecoderShape, programs: int) -> Schedule:
     """A layer's tiles round-robin (`_dealt`: tile r to program r mod P, as the kernel takes
     them), so a program's tiles of a phase are consecutive and every phase is spread over all
     the programs it has tiles for."""
-    starts = np.cumsum((0, *shape.phase_tiles()))
-    counts = [_taken(c, programs, int(starts[-1])) for c in range(programs)]
+    starts = shape.phase_starts()
+    counts = [_taken(c, programs, starts[-1]) for c in range(programs)]
     tiles = np.full((programs, max(counts)), -1, np.int32)
     for c, count in enumerate(counts):
         tiles[c, :count] = [_dealt(s, c, programs) for s in range(count)]
@@ -422,9 +427,7 @@ def decoder_step_kernel(
     (q/k/v and gate/up partials, attention partials) and the logits [R, V]; scratch."""
     lay, e, hq, h_kv, d = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
     f, group, half = shape.intermediate, shape.heads // shape.kv_heads, shape.head_dim // 2
-    starts, blocks = [0], shape.phase_blocks()
-    for n in shape.phase_tiles():
-        starts.append(starts[-1] + n)
+    starts, blocks = shape.phase_starts(), shape.phase_blocks()
     per_layer_tiles, items = starts[-1], rows * h_kv * splits
     schedule = decoder_schedule(shape, programs)
     targets, per_layer = schedule.targets(items), schedule.signals_a_layer(items)
