@@ -6,8 +6,10 @@ RoPE and append), in one process.
 
 Both steps embed the token, run every layer over the same paged cache (random contents: the
 work per token is the same), apply the final norm and LM head and take the argmax, which feeds
-the next call (bench.common.time_in_loop, the caches carried). Per context length: ms a step,
-the ratio, the weights' GB/s and the logits' relative difference (and whether the argmax agrees).
+the next call (bench.common.loop_times, the caches carried). Per context length: ms a step (the
+median of `--repeats` loops, taken in rounds that time every version once in turn, so a drift of
+the GPU's clock or heat reaches them alike; the runs' range beside it), the ratio, the weights' GB/s
+and the logits' relative difference (and whether the argmax agrees).
 `--variant NAME=FILE` adds another version of the kernel's module (a copy of
 pallas_kernels/decoder_step.py, e.g. an older commit's or a change under trial) to the same
 process, timed and checked the same way: variants of one kernel differ by a few percent, less than
@@ -63,9 +65,9 @@ from bench import decoder_trace  # noqa: E402
 from bench.common import (  # noqa: E402
     add_kernel_bench_args,
     ints,
+    loop_times,
     parse_kernel_bench_args,
     report_kernel_bench,
-    time_in_loop,
 )
 from pallas_kernels.decoder_step import decoder_head_reference  # noqa: E402
 from rosejax.layers.attention import ForwardMetadata  # noqa: E402
@@ -366,10 +368,10 @@ def main() -> None:
     for context in args.context:
         ctx = jnp.int32(context)
         want = np.asarray(model_logits(params, ks, vs, ctx), np.float32)
-        base = None
-        for name, (step, operands) in list(steps.items()):
+        checks = {}  # each version's logits against the model's: (relative difference, argmax same)
+        for name in list(steps):
             try:
-                got = want if name == "model" else kernel_logits[name](operands, ks, vs, ctx)
+                got = want if name == "model" else kernel_logits[name](steps[name][1], ks, vs, ctx)
                 got = np.asarray(got, np.float32)
             except Exception as e:  # a variant under trial that does not build: the rest run
                 if name in ("model", "kernel"):
@@ -379,21 +381,19 @@ def main() -> None:
                 continue
             diff = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             same = bool(np.array_equal(np.argmax(got, axis=-1), np.argmax(want, axis=-1)))
-            us = time_in_loop(
-                step,
-                (token, ks, vs),
-                *operands,
-                tables,
-                ctx,
-                iters=args.iters,
-                repeats=args.repeats,
-                unroll=args.unroll,
-            )
+            checks[name] = diff, same
+        calls = [(step, (token, ks, vs), (*ops, tables, ctx)) for step, ops in steps.values()]
+        times = loop_times(calls, iters=args.iters, repeats=args.repeats, unroll=args.unroll)
+        base = None
+        for name, runs in zip(steps, times, strict=True):
+            us, (diff, same) = float(np.median(runs)), checks[name]
             base = base or us
             row = dict(
                 context=context,
                 variant=name,
                 ms=us / 1e3,
+                runs_ms=[t / 1e3 for t in runs],
+                spread=(max(runs) - min(runs)) / us,
                 vs_model=us / base,
                 weights_gbs=weight_bytes / us / 1e3,
                 logits_rel_diff=diff,
@@ -401,7 +401,8 @@ def main() -> None:
             )
             rows.append(row)
             print(
-                f"context {context:6d} {name:10s} {us / 1e3:7.4f} ms/step {us / base:6.3f}x model "
+                f"context {context:6d} {name:10s} {us / 1e3:7.4f} ms/step "
+                f"(range {row['spread']:5.1%}) {us / base:6.3f}x model "
                 f"weights {row['weights_gbs']:7.1f} GB/s  logits rel diff {diff:.2e} "
                 f"argmax {'same' if same else 'DIFFERS'}",
                 flush=True,

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import heapq
 import json
@@ -233,7 +234,7 @@ def parse_kernel_bench_args(
     p: argparse.ArgumentParser, argv: list[str] | None = None
 ) -> argparse.Namespace:
     """p's arguments, with rosejax's process XLA flags set before jax starts its backend, so a
-    timed loop (`time_in_loop`) runs as one CUDA graph as the engine's decode windows do, not as
+    timed loop (`loop_times`) runs as one CUDA graph as the engine's decode windows do, not as
     a launch from the host per call (which a call of a few microseconds would wait on)."""
     from rosejax.settings import set_xla_flags
 
@@ -242,41 +243,60 @@ def parse_kernel_bench_args(
     return args
 
 
-# Calls per trip of time_in_loop's loop: a trip of a `while` loop in a CUDA graph costs ~9 µs of
+# Calls per trip of loop_times' loops: a trip of a `while` loop in a CUDA graph costs ~9 µs of
 # its own on an H200 (an x + 1 loop: 9.8 µs a call, 1.3 unrolled 10 times, 1.0 unrolled 50).
 LOOP_UNROLL = 20
 
 
-_LOOPS: dict = {}  # time_in_loop's jitted loops
+_LOOPS: dict = {}  # loop_times' jitted loops
+
+
+def loop_times(
+    calls: Sequence[tuple[Callable, Any, tuple]],
+    *,
+    iters: int,
+    repeats: int,
+    unroll: int = LOOP_UNROLL,
+) -> list[list[float]]:
+    """Microseconds per call of each `(fn, x, operands)`: `fn(x, *operands) -> array (or pytree)
+    shaped like x`, called `iters` times inside one jitted fori_loop unrolled `unroll` calls a
+    trip (each output feeds the next call, so Python dispatch stays out; a CUDA graph under
+    `parse_kernel_bench_args`' flags). Every loop runs once untimed, then `repeats` rounds time
+    each loop once in turn: a drift of the GPU's clock or heat reaches every call alike, where
+    timed one after another each would get a stretch of its own. Each call's `repeats` times.
+    The operands (caches, weights) are arguments of the loop, as the engine's are of its
+    windows: closed over, they would be constants of the program. A loop is made once for each
+    (fn, iters, unroll): operands of the same shapes reuse its compiled program."""
+    import jax
+
+    loops = []
+    for fn, x, operands in calls:
+        key = (fn, iters, unroll)
+        if key not in _LOOPS:
+            _LOOPS[key] = jax.jit(
+                lambda x, *ops, fn=fn: jax.lax.fori_loop(
+                    0, iters, lambda _, y: fn(y, *ops), x, unroll=min(iters, unroll)
+                )
+            )
+        loops.append(functools.partial(_LOOPS[key], x, *operands))
+    for loop in loops:
+        jax.block_until_ready(loop())
+    times: list[list[float]] = [[] for _ in loops]
+    for _ in range(repeats):
+        for loop, out in zip(loops, times, strict=True):
+            t = time.perf_counter()
+            jax.block_until_ready(loop())
+            out.append((time.perf_counter() - t) / iters * 1e6)
+    return times
 
 
 def time_in_loop(
     fn: Callable, x, *operands, iters: int, repeats: int, unroll: int = LOOP_UNROLL
 ) -> float:
-    """Microseconds per call of `fn(x, *operands) -> array (or pytree) shaped like x`, called
-    `iters` times inside one jitted fori_loop unrolled `unroll` calls a trip (each output feeds
-    the next call, so Python dispatch stays out; a CUDA graph under `parse_kernel_bench_args`'
-    flags); median of `repeats` loops. The operands (caches, weights) are arguments of the loop,
-    as the engine's are of its windows: closed over, they would be constants of the program.
-    The loop is made once for each (fn, iters, unroll): operands of the same shapes reuse its
-    compiled program."""
-    import jax
-
-    key = (fn, iters, unroll)
-    if key not in _LOOPS:
-        _LOOPS[key] = jax.jit(
-            lambda x, *ops: jax.lax.fori_loop(
-                0, iters, lambda _, y: fn(y, *ops), x, unroll=min(iters, unroll)
-            )
-        )
-    loop = _LOOPS[key]
-    jax.block_until_ready(loop(x, *operands))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(loop(x, *operands))
-        times.append((time.perf_counter() - t) / iters)
-    return float(np.median(times)) * 1e6
+    """Microseconds per call of `fn(x, *operands)` (`loop_times` of it alone): the median of
+    `repeats` loops."""
+    (times,) = loop_times([(fn, x, operands)], iters=iters, repeats=repeats, unroll=unroll)
+    return float(np.median(times))
 
 
 def resolve_bandwidth(args: argparse.Namespace) -> float | None:

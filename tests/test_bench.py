@@ -918,6 +918,32 @@ def test_time_in_loop_calls_fn_iters_times_on_its_operands(iters):
     assert traced and all(traced)
 
 
+
+def test_loop_times_times_every_call_once_a_round():
+    """loop_times runs each call's loop once untimed, then times them in rounds, every call once
+    a round in the order given (not each call's repeats in a row), each on its own operands; a
+    time a loop a round."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.common import loop_times
+
+    order = []
+
+    def tagged(tag):
+        def fn(y, a):
+            jax.debug.callback(lambda: order.append(tag), ordered=True)
+            return y + a
+
+        return fn
+
+    x = jnp.zeros(2)
+    calls = [(tagged(t), x, (jnp.full(2, float(t)),)) for t in (1, 2, 3)]
+    times = loop_times(calls, iters=2, repeats=4)
+    jax.effects_barrier()
+    assert len(times) == 3 and all(len(t) == 4 and all(map(_positive, t)) for t in times)
+    assert order == [t for _ in range(5) for t in (1, 2, 3) for _ in range(2)]
+
 def _quick_rows(tmp_path, script: str, *extra: str) -> list[dict]:
     """bench/{script}.py --quick (interpret mode) with `extra` flags, its JSON's rows."""
     path = tmp_path / "k.json"
@@ -986,6 +1012,7 @@ def test_decoder_step_bench_quick(tmp_path, model, rows):
         (c, v) for c in (20, 70) for v in ("model", "kernel", "copy")
     ]
     assert all(_positive(r["ms"]) for r in rows)
+    assert all(r["ms"] == r["runs_ms"][0] and r["spread"] == 0 for r in rows)  # --quick: 1 run
     assert all(r["logits_rel_diff"] < 3e-2 and r["argmax_same"] for r in rows)
     for model, kernel, copy in zip(rows[::3], rows[1::3], rows[2::3], strict=True):
         assert model["logits_rel_diff"] == 0 and 0 < kernel["logits_rel_diff"]
