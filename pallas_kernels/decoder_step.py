@@ -531,11 +531,20 @@ def decoder_step_kernel(
     def merged_attention(k):
         """The tile's 256 attention outputs (of 256 / D query heads), merged over the splits."""
         cols = pl.ds(k * TILE_K, TILE_K)
+        spanned = max(1, TILE_K // d)  # the query heads of the tile's columns
+        head_of = ops.iota((TILE_K,), part_layout) // d  # [256]: a column's head among them
+
+        def by_column(ref, i, row):  # [256]: split i's statistic of each column's query head
+            heads = [k * spanned + j for j in range(spanned)]
+            stats = [ref[i, row, qh // group, qh % group] for qh in heads]
+            by_col = ops.full((TILE_K,), 0.0, part_layout) + stats[0]
+            for j in range(1, spanned):
+                by_col = jnp.where(head_of == j, stats[j], by_col)
+            return by_col
+
         for row in range(rows):
-            accs, ms, sums = (
-                [ops.load(ref.at[i, row, cols], part_layout) for i in range(splits)]
-                for ref in (acc_ref, m_ref, l_ref)
-            )
+            accs = [ops.load(acc_ref.at[i, row, cols], part_layout) for i in range(splits)]
+            ms, sums = ([by_column(ref, i, row) for i in range(splits)] for ref in (m_ref, l_ref))
             top = functools.reduce(jnp.maximum, ms)
             ws = [jnp.exp(m - top) for m in ms]
             total = sum(x * w for x, w in zip(sums, ws, strict=True))
@@ -593,9 +602,7 @@ def decoder_step_kernel(
                 plgpu.barrier_wait(page_bars.at[2 * j])
                 plgpu.barrier_wait(page_bars.at[2 * j + 1])
 
-        def scoped(
-            heads_s, qkn_s, kv_out_s, q_s, rows_s, stats_s, out_s, cur_s, copy_bars, page_bars
-        ):
+        def scoped(heads_s, qkn_s, kv_out_s, q_s, rows_s, stats_s, cur_s, copy_bars, page_bars):
             (k_s, v_s), tile_s = kv_out_s  # the pages' tiles, then the output tile in their place
             tiles = (pos + TOKENS - 1) // TOKENS
             per_split = (tiles + splits - 1) // splits
@@ -713,24 +720,20 @@ def decoder_step_kernel(
                 alpha = jnp.where(owner, jnp.exp(m - m_new), 1.0)
                 p = jnp.where(owner, jnp.exp(s_cur - m_new), 0.0)
                 v_cur = lax.broadcast_in_dim(ops.load(rows_s.at[group + 1]), (TOKENS, d), [1])
-                tile_s[...] = (
+                tile_s[:, :d] = (
                     acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     + lax.broadcast_in_dim(p, acc.shape, [0]) * v_cur
                 )
                 stats_s[0] = m_new
                 stats_s[1] = l_sum * alpha + p
                 plgpu.commit_smem()
-            # What o_proj's merge reads: each head's P x V row, and its max and sum along D.
-            with jax.named_scope("attention_rows"):
-                for g in range(group):
-                    for i in (0, 1):
-                        out_s[i, g] = ops.full((d,), 0.0, COL) + stats_s[i, g]
-                plgpu.commit_smem()
+            # What o_proj's merge reads: each head's P x V row, and its max and sum.
             for g in range(group):
                 cols = pl.ds((head * group + g) * d, d)
-                plgpu.copy_smem_to_gmem(tile_s.at[g], acc_ref.at[split, row, cols])
-                for i, dst in enumerate((m_ref, l_ref)):
-                    plgpu.copy_smem_to_gmem(out_s.at[i, g], dst.at[split, row, cols])
+                plgpu.copy_smem_to_gmem(tile_s.at[g, :d], acc_ref.at[split, row, cols])
+            for i, dst in enumerate((m_ref, l_ref)):
+                stats = stats_s.at[i, pl.ds(0, dst.shape[-1])]  # the group's, then padding
+                plgpu.copy_smem_to_gmem(stats, dst.at[split, row, head])
 
             @pl.when(split == splits - 1)
             def _():
@@ -757,12 +760,13 @@ def decoder_step_kernel(
                     plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
                     plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
                 ),
-                plgpu.SMEM((TOKENS, d), FLOAT),  # tile_s: then the output tile
+                # tile_s: then the output tile, its rows 8 floats apart past D: a WGMMA row
+                # store 512 bytes a row apart hits 8 rows on the same banks
+                plgpu.SMEM((TOKENS, d + 8), FLOAT),
             ),
             plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),  # q_s: the query tile
             plgpu.SMEM((head_rows, d), FLOAT),  # rows_s: q heads, k, v normed and rotated
             plgpu.SMEM((2, TOKENS), FLOAT),  # stats_s: each row's max and sum
-            plgpu.SMEM((2, group, d), FLOAT),  # out_s: each head's max and sum along D
             plgpu.SMEM((2, d), dtype),  # cur_s: the step's K and V rows, to append
             plgpu.Barrier(num_barriers=group + 3),
             plgpu.Barrier(num_barriers=2 * pages_per_tile),
@@ -1169,11 +1173,13 @@ def decoder_step(
     )
     lay, e, d = shape.layers, shape.hidden, shape.head_dim
     dtype, caches = tiles.dtype, [*k_caches, *v_caches]
-    kt_e, q = e // TILE_K, shape.heads * d
+    kt_e, q, group = e // TILE_K, shape.heads * d, shape.heads // shape.kv_heads
     buffers = [
         jax.ShapeDtypeStruct((kt_e, rows, shape.qkv_width), FLOAT),
         jax.ShapeDtypeStruct((kt_e, rows, shape.up_width), FLOAT),
-        *[jax.ShapeDtypeStruct((splits, rows, q), FLOAT)] * 3,
+        jax.ShapeDtypeStruct((splits, rows, q), FLOAT),  # attention's P x V rows
+        # and each query head's max and sum, a KV head's group padded to a 16-byte TMA box
+        *[jax.ShapeDtypeStruct((splits, rows, shape.kv_heads, -(-group // 4) * 4), FLOAT)] * 2,
         jax.ShapeDtypeStruct((rows, shape.vocab), FLOAT),  # the logits
     ]
     body = functools.partial(
