@@ -917,12 +917,12 @@ _STATIC = ("shape", "programs", "splits", "stages", "interpret", "profile_dir")
 def profile_ranges(shape: DecoderShape, programs: int, splits: int, rows: int) -> int:
     """The most named ranges a program records in a step (its profile's size): a layer's tiles
     (their inputs, weights' wait, the tile), its phases (wait, norm, stores and signal, the signal)
-    and its attention items (the item, its eight parts and its signal); the head's tiles, its
+    and its attention items (the item, its seven parts and its signal); the head's tiles, its
     wait and norm."""
     tiles = int(decoder_schedule(shape, programs).counts.max())
     items = -(-rows * shape.kv_heads * splits // programs)
     head_tiles = _taken(0, programs, shape.head_blocks) * (shape.hidden // TILE_K)
-    return shape.layers * (3 * tiles + 4 * 4 + 10 * items) + 3 * head_tiles + 2
+    return shape.layers * (3 * tiles + 4 * 4 + 9 * items) + 3 * head_tiles + 2
 
 
 MAX_ROWS = 16  # rows a step: each tile's product, inputs and buffers grow with them
