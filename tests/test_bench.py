@@ -918,7 +918,6 @@ def test_time_in_loop_calls_fn_iters_times_on_its_operands(iters):
     assert traced and all(traced)
 
 
-
 def test_loop_times_times_every_call_once_a_round():
     """loop_times runs each call's loop once untimed, then times them in rounds, every call once
     a round in the order given (not each call's repeats in a row), each on its own operands; a
@@ -943,6 +942,7 @@ def test_loop_times_times_every_call_once_a_round():
     jax.effects_barrier()
     assert len(times) == 3 and all(len(t) == 4 and all(map(_positive, t)) for t in times)
     assert order == [t for _ in range(5) for t in (1, 2, 3) for _ in range(2)]
+
 
 def _quick_rows(tmp_path, script: str, *extra: str) -> list[dict]:
     """bench/{script}.py --quick (interpret mode) with `extra` flags, its JSON's rows."""
