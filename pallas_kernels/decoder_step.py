@@ -1327,6 +1327,8 @@ def _row_reference(
         v_caches[i] = v_caches[i].at[:, page, offset].set(v)
         keys = k_caches[i][:, block_table].reshape(h_kv, -1, d).astype(FLOAT)  # [H, P*bs, D]
         vals = v_caches[i][:, block_table].reshape(h_kv, -1, d).astype(FLOAT)
+        # Slots past the row's token hold anything (another sequence's, or NaN): not read.
+        vals = jnp.where((positions <= pos)[:, None], vals, 0.0)
         qg = q.reshape(h_kv, hq // h_kv, d).astype(FLOAT)
         scores = jnp.einsum("hgd,htd->hgt", qg, keys) / math.sqrt(d)
         scores = jnp.where(positions <= pos, scores, NEG_INF)

@@ -390,9 +390,10 @@ def check_kernel_against_reference(
     config, *, programs, splits, stages, cached, block_size, pages, interpret=False
 ):
     """The kernel against `decoder_step_reference` (bf16 random params) on caches poisoned with
-    random values, for a row of each length in `cached` (its tokens in the cache; each row's
-    pages its own, out of order): what the layers add to each row's h, every 64-logit block of
-    the head's, each row's K/V slot of every layer, and every other cache element kept."""
+    random values (NaN past each row's token, in its pages: slots the step must not read), for a
+    row of each length in `cached` (its tokens in the cache; each row's pages its own, out of
+    order): what the layers add to each row's h, every 64-logit block of the head's, each row's
+    K/V slot of every layer, and every other cache element kept."""
     shape, rows = shape_of(config), len(cached)
     rng = np.random.default_rng(sum(cached))
     params = wide_params(config, sum(cached), rng)
@@ -400,8 +401,12 @@ def check_kernel_against_reference(
     tables = jnp.asarray(1 + rng.permutation(rows * pages).reshape(rows, pages), jnp.int32)
     cache_shape = (shape.kv_heads, rows * pages + 1, block_size, shape.head_dim)
     layers = range(shape.layers)
-    ks = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
-    vs = [jnp.asarray(rng.normal(size=cache_shape), jnp.bfloat16) for _ in layers]
+    ks, vs = ([rng.normal(size=cache_shape) for _ in layers] for _ in "kv")
+    for table, n in zip(np.asarray(tables), cached, strict=True):
+        stale = np.arange(n + 1, pages * block_size)  # past the row's token: NaN, never read
+        for cache in ks + vs:
+            cache[:, table[stale // block_size], stale % block_size] = np.nan
+    ks, vs = ([jnp.asarray(c, jnp.bfloat16) for c in caches] for caches in (ks, vs))
     inputs = family_of(config).one_kernel_inputs
     rope = jnp.stack([inputs(params, config, 0, n)[1] for n in cached])
     h0 = jnp.asarray(rng.normal(size=(rows, shape.hidden)), jnp.float32)
