@@ -18,15 +18,15 @@ row's 256 inputs on the CUDA cores (its bytes read once, its work once a row): q
 partials go to buffers that the attention and the down tiles' MLP input sum, o_proj and down
 partials are added into the residual stream by TMA reduce-adds. Attention is R x H x `splits` items
 (a row, a KV head, a range of 64-token tiles of the row's pages; the current token and its append go
-to the last split), each storing its unnormalised output and softmax max/sum for the o_proj tiles to
-merge; a tile's scores and P x V are WGMMAs with the KV head's query heads as the rows of a 64-row
-operand. So a layer has five dependent phases (q/k/v, attention, o_proj, gate/up, down), each spread
-over every program; a program runs a layer as four loops over its own tiles of each phase
-(`phase_bounds`: code of one kind a loop, no phase tests a tile), its attention items between
-q/k/v and o_proj. A tile's inputs from other programs (attention partials, gate/up partials, h)
-are loaded by the threads themselves once the wait ends. (Slices of the MLP taken whole by one program, gate/up summed in its SMEM, saved
-the wait before down but left the MLP's weights to the 48 programs of Qwen3-0.6B's 48 slices: slower
-on an H100.)
+to the last split), each storing its unnormalised output and each query head's softmax max and sum
+for the o_proj tiles to merge; a tile's scores and P x V are WGMMAs with the KV head's query heads
+as the rows of a 64-row operand. So a layer has five dependent phases (q/k/v, attention, o_proj,
+gate/up, down), each spread over every program; a program runs a layer as four loops over its own
+tiles of each phase (`phase_bounds`: code of one kind a loop, no phase tests a tile), its attention
+items between q/k/v and o_proj. A tile's inputs from other programs (attention partials, gate/up
+partials, h) are loaded by the threads themselves once the wait ends. (Slices of the MLP taken
+whole by one program, gate/up summed in its SMEM, saved the wait before down but left the MLP's
+weights to the 48 programs of Qwen3-0.6B's 48 slices: slower on an H100.)
 The head's tiles are boxes of its rows [V, E] as they are (a tied head is the embedding: no
 copy), its column blocks dealt round-robin, each with its K ranges in turn, so a program sums
 its own logits; their weights stream through the same ring behind the last layer's.
@@ -109,6 +109,10 @@ class DecoderShape:
     @property
     def qkv_width(self) -> int:
         return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def group(self) -> int:  # the query heads of a KV head
+        return self.heads // self.kv_heads
 
     @property
     def norm_rows(self) -> int:  # a norm's parameters: its scale, and LayerNorm's shift
@@ -426,7 +430,7 @@ def decoder_step_kernel(
     caches [H, blocks, block_size, D] (all three updated in place); the buffers between phases
     (q/k/v and gate/up partials, attention partials) and the logits [R, V]; scratch."""
     lay, e, hq, h_kv, d = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
-    f, group, half = shape.intermediate, shape.heads // shape.kv_heads, shape.head_dim // 2
+    f, group, half = shape.intermediate, shape.group, shape.head_dim // 2
     starts, blocks = shape.phase_starts(), shape.phase_blocks()
     per_layer_tiles, items = starts[-1], rows * h_kv * splits
     schedule = decoder_schedule(shape, programs)
@@ -1173,13 +1177,16 @@ def decoder_step(
     )
     lay, e, d = shape.layers, shape.hidden, shape.head_dim
     dtype, caches = tiles.dtype, [*k_caches, *v_caches]
-    kt_e, q, group = e // TILE_K, shape.heads * d, shape.heads // shape.kv_heads
+    kt_e, q = e // TILE_K, shape.heads * d
+    # Attention's softmax max (and sum) of each query head, a KV head's group padded to a 16-byte
+    # TMA box.
+    stats = jax.ShapeDtypeStruct((splits, rows, shape.kv_heads, -(-shape.group // 4) * 4), FLOAT)
     buffers = [
         jax.ShapeDtypeStruct((kt_e, rows, shape.qkv_width), FLOAT),
         jax.ShapeDtypeStruct((kt_e, rows, shape.up_width), FLOAT),
         jax.ShapeDtypeStruct((splits, rows, q), FLOAT),  # attention's P x V rows
-        # and each query head's max and sum, a KV head's group padded to a 16-byte TMA box
-        *[jax.ShapeDtypeStruct((splits, rows, shape.kv_heads, -(-group // 4) * 4), FLOAT)] * 2,
+        stats,
+        stats,
         jax.ShapeDtypeStruct((rows, shape.vocab), FLOAT),  # the logits
     ]
     body = functools.partial(
