@@ -23,10 +23,10 @@ for the o_proj tiles to merge; a tile's scores and P x V are WGMMAs with the KV 
 as the rows of a 64-row operand. So a layer has five dependent phases (q/k/v, attention, o_proj,
 gate/up, down), each spread over every program; a program runs a layer as four loops over its own
 tiles of each phase (`phase_bounds`: code of one kind a loop, no phase tests a tile), its attention
-items between q/k/v and o_proj. A tile's inputs from other programs (attention partials, gate/up
-partials, h) are loaded by the threads themselves once the wait ends. (Slices of the MLP taken
-whole by one program, gate/up summed in its SMEM, saved the wait before down but left the MLP's
-weights to the 48 programs of Qwen3-0.6B's 48 slices: slower on an H100.)
+items between q/k/v and o_proj. The inputs of a tile or item from other programs (q/k/v, attention
+and gate/up partials, h) are loaded by the threads themselves once the wait ends. (Slices of the
+MLP taken whole by one program, gate/up summed in its SMEM, saved the wait before down but left the
+MLP's weights to the 48 programs of Qwen3-0.6B's 48 slices: slower on an H100.)
 The head's tiles are boxes of its rows [V, E] as they are (a tied head is the embedding: no
 copy), its column blocks dealt round-robin, each with its K ranges in turn, so a program sums
 its own logits; their weights stream through the same ring behind the last layer's.
@@ -606,7 +606,7 @@ def decoder_step_kernel(
                 plgpu.barrier_wait(page_bars.at[2 * j])
                 plgpu.barrier_wait(page_bars.at[2 * j + 1])
 
-        def scoped(heads_s, qkn_s, kv_out_s, q_s, rows_s, stats_s, cur_s, copy_bars, page_bars):
+        def scoped(qkn_s, kv_out_s, q_s, rows_s, stats_s, cur_s, copy_bars, page_bars):
             (k_s, v_s), tile_s = kv_out_s  # the pages' tiles, then the output tile in their place
             tiles = (pos + TOKENS - 1) // TOKENS
             per_split = (tiles + splits - 1) // splits
@@ -614,36 +614,42 @@ def decoder_step_kernel(
             last = jnp.minimum(first + per_split, tiles)
             # The cached pages depend on no phase of this step: their copies start before the wait.
             pl.when(first < last)(lambda: start_tile(first, k_s, v_s, page_bars))
-            q0, k0, v0 = head * group * d, hq * d + head * d, (hq + h_kv) * d + head * d
-            srcs = [qkv_ref.at[:, row, pl.ds(q0 + g * d, d)] for g in range(group)]
-            srcs += [qkv_ref.at[:, row, pl.ds(k0, d)], qkv_ref.at[:, row, pl.ds(v0, d)]]
+            # Where the item's vectors start in q/k/v's partials: its query heads, k and v.
+            starts = [(head * group + g) * d for g in range(group)]
+            starts += [(hq + head) * d, (hq + h_kv + head) * d]
             scales = _start_copies([(qk_norms_ref.at[layer], qkn_s)], copy_bars)
             with jax.named_scope("attention_wait"):
                 ops.wait_count(sem, ready)
+            # The threads load the partials themselves (every load issued before the sums), a
+            # half of each vector in every warp: no TMA copy and barrier on the critical path.
             with jax.named_scope("attention_inputs"):
-                boxes = [(src, heads_s.at[i]) for i, src in enumerate(srcs)]
-                _copy_in(boxes, copy_bars, first=scales)
+                parts = [
+                    [
+                        [
+                            ops.load(qkv_ref.at[j, row, pl.ds(start + p * half, half)], heads_col)
+                            for j in range(kt_e)
+                        ]
+                        for start in starts
+                    ]
+                    for p in (0, 1)
+                ]
                 _wait_copies(copy_bars, 0, scales)
 
             # Rows q_0..q_{G-1}, k, v (then padding) in halves of D, a row a warp: the partials'
             # sums, the norms' sums and RoPE's pairs (column j of both halves) stay in a thread
             # or its warp.
-            def halves(ref, p):  # [head_rows, D] ref -> its p-th half of columns
-                return ref.at[:, pl.ds(p * half, half)]
-
             def by_row(vec):  # [half] -> [head_rows, half], the same in every row
                 return ops.cast(lax.broadcast_in_dim(vec, (head_rows, half), [1]), heads_layout)
 
             with jax.named_scope("attention_rope"):
-                sums = [
-                    bf16(
-                        sum(
-                            ops.load(halves(heads_s.at[:, j], p), heads_layout) for j in range(kt_e)
-                        )
-                    )
-                    for p in (0, 1)
-                ]
-                kind, xs = ops.iota((head_rows, half), heads_layout), sums  # q heads, k, v
+                kind = ops.iota((head_rows, half), heads_layout)  # q heads, k, v (then v again)
+                sums = []
+                for vectors in parts:  # a half: [head_rows, half], vector r's sum in row r
+                    x = by_row(sum(vectors[0]))
+                    for r, partials in enumerate(vectors[1:], 1):
+                        x = jnp.where(kind >= r, by_row(sum(partials)), x)
+                    sums.append(bf16(x))
+                xs = sums
                 if shape.qk_norm:
                     sq = sum(jnp.sum(x * x, axis=1) for x in xs)
                     inv = lax.rsqrt(sq / d + shape.eps)
@@ -757,7 +763,6 @@ def decoder_step_kernel(
 
         pl.run_scoped(
             scoped,
-            plgpu.SMEM((head_rows, kt_e, d), FLOAT),  # heads_s: q/k/v's partials, a head a row
             plgpu.SMEM((2, d), FLOAT),  # qkn_s: q_norm, k_norm
             ops.union(
                 (  # k_s, v_s: a 64-token tile's pages
@@ -772,7 +777,7 @@ def decoder_step_kernel(
             plgpu.SMEM((head_rows, d), FLOAT),  # rows_s: q heads, k, v normed and rotated
             plgpu.SMEM((2, TOKENS), FLOAT),  # stats_s: each row's max and sum
             plgpu.SMEM((2, d), dtype),  # cur_s: the step's K and V rows, to append
-            plgpu.Barrier(num_barriers=group + 3),
+            plgpu.Barrier(num_barriers=1),  # the q/k norms' scales
             plgpu.Barrier(num_barriers=2 * pages_per_tile),
         )
 
