@@ -455,12 +455,12 @@ def check_kernel_against_reference(
         pytest.param("qwen3-g2-hd64-tied", 3, 3, (77,), marks=pytest.mark.slow),
         ("llama-g4-hd128-untied", 2, 2, (150,)),
         pytest.param("llama-g4-hd128-untied", 1, 4, (9,), marks=pytest.mark.slow),
-        ("llama-g2-hd128-e512", 2, 3, (70,)),
+        pytest.param("llama-g2-hd128-e512", 2, 3, (70,), marks=pytest.mark.slow),
         ("gpt2-hd64-e512", 2, 2, (70,)),
         ("qwen2-g2-hd64-bias", 2, 1, (33,)),
         pytest.param("gpt2-hd64-e512", 1, 3, (5,), marks=pytest.mark.slow),
         ("qwen3-g2-hd64-tied", 2, 2, (70, 3, 130)),  # rows of other lengths in one step
-        ("gpt2-hd64-e512", 1, 3, (20, 90)),
+        pytest.param("gpt2-hd64-e512", 1, 3, (20, 90), marks=pytest.mark.slow),
     ],
 )
 def test_decoder_step_interpreted_matches_reference(
@@ -552,36 +552,36 @@ def test_one_kernel_step_refused_where_it_cannot_run():
         LLM("random:tiny", kernel_overrides=(("decoder_step_programs", 8),), warmup=False)
 
 
+def one_kernel_programs(config, dtype, kernels, **engine):
+    """`one_kernel_step_programs` for a one-row engine on an H100-like device (132 SMs, sm90)
+    unless `engine` says otherwise."""
+    gpu = types.SimpleNamespace(platform="gpu", core_count=132, compute_capability="9.0")
+    engine = {"block_size": 16, "max_batch_size": 1, "device": gpu} | engine
+    return one_kernel_step_programs(config, dtype, kernels, **engine)
+
+
 def test_one_kernel_step_programs_auto_and_set():
     """Auto (None): a Hopper GPU's SMs for a one-row engine of a model the kernel runs, else off;
-    a count that is set runs or is a ValueError that says why."""
-    qwen = preset("qwen3-0.6b")
-    sms = 132  # the engine's device's, which the kernel's checks read
-    gpu = types.SimpleNamespace(platform="gpu", core_count=sms, compute_capability="9.0")
-    auto, eight = KernelConfig(), KernelConfig(decoder_step_programs=8)
+    a count that is set runs or is a ValueError that says why (checks that need no lowering
+    but Qwen3-0.6B's one)."""
+    qwen, auto, eight = preset("qwen3-0.6b"), KernelConfig(), KernelConfig(decoder_step_programs=8)
 
     def programs(config=qwen, dtype=jnp.bfloat16, kernels=auto, **engine):
-        engine = {"block_size": 16, "max_batch_size": 1, "device": gpu} | engine
-        return one_kernel_step_programs(config, dtype, kernels, **engine)
+        return one_kernel_programs(config, dtype, kernels, **engine)
 
     assert auto.decoder_step_programs is None
-    assert programs() == sms and programs(dtype=jnp.float16) == sms
+    assert programs() == 132
     assert programs(max_batch_size=2) == 0  # rows a step: the per-op kernels' batch
     assert programs(device=types.SimpleNamespace(platform="cpu")) == 0
     assert programs(device=None) == 0  # tensor parallel
-    assert programs(config=preset("gpt2")) == sms
     assert programs(config=preset("gpt2-xl")) == 0  # hidden 1,600: not in 256-wide tiles
     assert programs(dtype=jnp.float32) == 0
     assert programs(block_size=128) == 0
-    assert programs(config=dataclasses.replace(qwen, qkv_bias=True)) == sms  # Qwen2's biases
-    assert programs(kernels=eight, max_batch_size=64) == 8
-    assert programs(kernels=eight, config=preset("gpt2")) == 8
     assert programs(kernels=KernelConfig(decoder_step_programs=0)) == 0
     small = types.SimpleNamespace(platform="gpu", core_count=6, compute_capability="9.0")
-    assert programs(device=small) == 6
     with pytest.raises(ValueError, match="must not exceed the GPU's 6 SMs"):
         programs(kernels=eight, device=small)
-    ampere = types.SimpleNamespace(platform="gpu", core_count=sms, compute_capability="8.0")
+    ampere = types.SimpleNamespace(platform="gpu", core_count=132, compute_capability="8.0")
     assert programs(device=ampere) == 0
     with pytest.raises(ValueError, match="a Hopper GPU"):
         programs(kernels=eight, device=ampere)
@@ -589,6 +589,24 @@ def test_one_kernel_step_programs_auto_and_set():
         programs(kernels=eight, dtype=jnp.float32)
     with pytest.raises(ValueError, match="models on one device"):
         programs(kernels=eight, device=None)
+
+
+@pytest.mark.slow  # a lowering for a GPU each, seconds apiece on the CPU
+def test_one_kernel_step_programs_follow_what_builds():
+    """Auto runs the kernel for every family and width it builds at 4 weight stages, a set count
+    wherever it builds at all; rows a step take shared memory beside the stages."""
+    qwen, auto, eight = preset("qwen3-0.6b"), KernelConfig(), KernelConfig(decoder_step_programs=8)
+
+    def programs(config=qwen, dtype=jnp.bfloat16, kernels=auto, **engine):
+        return one_kernel_programs(config, dtype, kernels, **engine)
+
+    assert programs(dtype=jnp.float16) == 132
+    assert programs(config=preset("gpt2")) == 132
+    assert programs(config=dataclasses.replace(qwen, qkv_bias=True)) == 132  # Qwen2's biases
+    assert programs(kernels=eight, max_batch_size=64) == 8
+    assert programs(kernels=eight, config=preset("gpt2")) == 8
+    small = types.SimpleNamespace(platform="gpu", core_count=6, compute_capability="9.0")
+    assert programs(device=small) == 6
     # Llama 3.1 70B's widths: 4 weight stages beside its norms exceed an SM's SMEM (Mosaic GPU's
     # check): not auto; set, it runs at 3 (`default_stages`).
     assert programs(config=LLAMA_70B_WIDTHS) == 0
@@ -604,7 +622,12 @@ def test_one_kernel_step_programs_auto_and_set():
 
 @pytest.mark.parametrize(
     "name,rows,stages",
-    [("qwen3-0.6b", 1, 4), ("qwen3-0.6b", 8, 3), ("llama-3.1-8b", 1, 4), ("llama-70b", 1, 3)],
+    [
+        ("qwen3-0.6b", 1, 4),
+        pytest.param("qwen3-0.6b", 8, 3, marks=pytest.mark.slow),
+        ("llama-3.1-8b", 1, 4),
+        pytest.param("llama-70b", 1, 3, marks=pytest.mark.slow),
+    ],
 )
 def test_default_stages_are_the_most_that_build(name, rows, stages):
     """The kernel's default weight stages: the most that Mosaic GPU builds (lowered for a GPU on

@@ -30,6 +30,8 @@ SEED = int(os.environ.get("ROSEJAX_TEST_SEED", random.randrange(2**31)))
 ENGINE = engine_args(SEED)
 WORDS = "the a of cat dog runs quickly over lazy river mountain blue green light time".split()
 TWO_DEVICES = "--xla_force_host_platform_device_count=2"
+# The module's engines (two child processes and one in-process) built once, on one xdist worker.
+pytestmark = pytest.mark.xdist_group("process_engine")
 
 
 def ids(rng: random.Random, n: int) -> list[int]:
