@@ -135,6 +135,11 @@ def with_context_len(config: Any, n: int) -> Any:
     return config.with_context_len(n)
 
 
+# The widest model the one-kernel step has run and matched its reference on a GPU (Llama 3.2 1B's
+# 2,048). Llama 3.1 8B's 4,096 builds at 4 weight stages too but has not run there: set only.
+AUTO_MAX_HIDDEN = 2048
+
+
 def one_kernel_step_programs(
     config: Any,
     dtype: Any,
@@ -148,7 +153,8 @@ def one_kernel_step_programs(
     on several devices). Set, it must run (else a ValueError: what keeps it from running); 0:
     off; None (auto): the GPU's SMs where every decode step is one row (max_batch_size 1), the
     family has the step and the kernel runs the model there with 4 weight stages, else 0
-    (measured on an H100 for Qwen3-0.6B and GPT-2: docs/performance-log.md)."""
+    (measured on an H100 for Qwen3-0.6B and GPT-2: docs/performance-log.md) and the hidden
+    width is one the kernel has run on a GPU (AUTO_MAX_HIDDEN)."""
     programs = kernels.decoder_step_programs
     shape_of = family_of(config).decoder_shape
     if programs is None:
@@ -157,6 +163,8 @@ def one_kernel_step_programs(
             return 0
         auto = dataclasses.replace(kernels, decoder_step_programs=sms)
         shape = shape_of(config)
+        if shape.hidden > AUTO_MAX_HIDDEN:
+            return 0
         # Auto where 4 weight stages fit: the models timed (fewer stages are not timed).
         problems = one_kernel_step_problems(shape, dtype, block_size, auto, device, STAGES[0])
         return 0 if problems else sms
