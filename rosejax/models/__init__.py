@@ -152,9 +152,9 @@ def one_kernel_step_programs(
     """`kernels.decoder_step_programs` resolved for an engine of this model on `device` (None:
     on several devices). Set, it must run (else a ValueError: what keeps it from running); 0:
     off; None (auto): the GPU's SMs where every decode step is one row (max_batch_size 1), the
-    family has the step and the kernel runs the model there with 4 weight stages, else 0
-    (measured on an H100 for Qwen3-0.6B and GPT-2: docs/performance-log.md) and the hidden
-    width is one the kernel has run on a GPU (AUTO_MAX_HIDDEN)."""
+    family has the step, its hidden width is one the kernel has run on a GPU (AUTO_MAX_HIDDEN)
+    and the kernel runs the model there with 4 weight stages, else 0 (measured on an H100 for
+    Qwen3-0.6B and GPT-2: docs/performance-log.md)."""
     programs = kernels.decoder_step_programs
     shape_of = family_of(config).decoder_shape
     if programs is None:
