@@ -553,11 +553,16 @@ def test_one_kernel_step_refused_where_it_cannot_run():
         LLM("random:tiny", kernel_overrides=(("decoder_step_programs", 8),), warmup=False)
 
 
-def one_kernel_programs(config, dtype, kernels, **engine):
-    """`one_kernel_step_programs` for a one-row engine on an H100-like device (132 SMs, sm90)
-    unless `engine` says otherwise."""
-    gpu = types.SimpleNamespace(platform="gpu", core_count=132, compute_capability="9.0")
-    engine = {"block_size": 16, "max_batch_size": 1, "device": gpu} | engine
+H100_LIKE = types.SimpleNamespace(platform="gpu", core_count=132, compute_capability="9.0")
+SIX_SMS = types.SimpleNamespace(platform="gpu", core_count=6, compute_capability="9.0")
+AUTO, EIGHT = KernelConfig(), KernelConfig(decoder_step_programs=8)
+
+
+def step_programs(config=None, dtype=jnp.bfloat16, kernels=AUTO, **engine) -> int:
+    """`one_kernel_step_programs` for a one-row engine of Qwen3-0.6B (or `config`) on an
+    H100-like device (132 SMs, sm90), auto, unless the arguments say otherwise."""
+    engine = {"block_size": 16, "max_batch_size": 1, "device": H100_LIKE} | engine
+    config = config or preset("qwen3-0.6b")
     return one_kernel_step_programs(config, dtype, kernels, **engine)
 
 
@@ -565,32 +570,26 @@ def test_one_kernel_step_programs_auto_and_set():
     """Auto (None): a Hopper GPU's SMs for a one-row engine of a model the kernel runs, else off;
     a count that is set runs or is a ValueError that says why (checks that need no lowering
     but Qwen3-0.6B's one)."""
-    qwen, auto, eight = preset("qwen3-0.6b"), KernelConfig(), KernelConfig(decoder_step_programs=8)
-
-    def programs(config=qwen, dtype=jnp.bfloat16, kernels=auto, **engine):
-        return one_kernel_programs(config, dtype, kernels, **engine)
-
-    assert auto.decoder_step_programs is None
-    assert programs() == 132
-    assert programs(max_batch_size=2) == 0  # rows a step: the per-op kernels' batch
-    assert programs(device=types.SimpleNamespace(platform="cpu")) == 0
-    assert programs(device=None) == 0  # tensor parallel
-    assert programs(config=preset("gpt2-xl")) == 0  # hidden 1,600: not in 256-wide tiles
-    assert programs(config=preset("llama-3.1-8b")) == 0  # builds, not yet run on a GPU
-    assert programs(dtype=jnp.float32) == 0
-    assert programs(block_size=128) == 0
-    assert programs(kernels=KernelConfig(decoder_step_programs=0)) == 0
-    small = types.SimpleNamespace(platform="gpu", core_count=6, compute_capability="9.0")
+    assert AUTO.decoder_step_programs is None
+    assert step_programs() == 132
+    assert step_programs(max_batch_size=2) == 0  # rows a step: the per-op kernels' batch
+    assert step_programs(device=types.SimpleNamespace(platform="cpu")) == 0
+    assert step_programs(device=None) == 0  # tensor parallel
+    assert step_programs(config=preset("gpt2-xl")) == 0  # hidden 1,600: not in 256-wide tiles
+    assert step_programs(config=preset("llama-3.1-8b")) == 0  # builds, not yet run on a GPU
+    assert step_programs(dtype=jnp.float32) == 0
+    assert step_programs(block_size=128) == 0
+    assert step_programs(kernels=KernelConfig(decoder_step_programs=0)) == 0
     with pytest.raises(ValueError, match="must not exceed the GPU's 6 SMs"):
-        programs(kernels=eight, device=small)
+        step_programs(kernels=EIGHT, device=SIX_SMS)
     ampere = types.SimpleNamespace(platform="gpu", core_count=132, compute_capability="8.0")
-    assert programs(device=ampere) == 0
+    assert step_programs(device=ampere) == 0
     with pytest.raises(ValueError, match="a Hopper GPU"):
-        programs(kernels=eight, device=ampere)
+        step_programs(kernels=EIGHT, device=ampere)
     with pytest.raises(ValueError, match="bf16 or fp16"):
-        programs(kernels=eight, dtype=jnp.float32)
+        step_programs(kernels=EIGHT, dtype=jnp.float32)
     with pytest.raises(ValueError, match="models on one device"):
-        programs(kernels=eight, device=None)
+        step_programs(kernels=EIGHT, device=None)
 
 
 @pytest.mark.slow  # a lowering for a GPU each, seconds apiece on the CPU
@@ -598,30 +597,25 @@ def test_one_kernel_step_programs_follow_what_builds():
     """Auto runs the kernel for every family and width (up to AUTO_MAX_HIDDEN) it builds at 4
     weight stages, a set count wherever it builds at all; rows a step take shared memory beside
     the stages."""
-    qwen, auto, eight = preset("qwen3-0.6b"), KernelConfig(), KernelConfig(decoder_step_programs=8)
-
-    def programs(config=qwen, dtype=jnp.bfloat16, kernels=auto, **engine):
-        return one_kernel_programs(config, dtype, kernels, **engine)
-
-    assert programs(dtype=jnp.float16) == 132
-    assert programs(config=preset("gpt2")) == 132
-    assert programs(config=dataclasses.replace(qwen, qkv_bias=True)) == 132  # Qwen2's biases
-    assert programs(kernels=eight, max_batch_size=64) == 8
-    assert programs(kernels=eight, config=preset("gpt2")) == 8
-    small = types.SimpleNamespace(platform="gpu", core_count=6, compute_capability="9.0")
-    assert programs(device=small) == 6
-    assert programs(kernels=eight, config=preset("llama-3.1-8b")) == 8  # set: it builds
+    assert step_programs(dtype=jnp.float16) == 132
+    assert step_programs(config=preset("gpt2")) == 132
+    qwen2 = dataclasses.replace(preset("qwen3-0.6b"), qkv_bias=True)  # Qwen2's biases
+    assert step_programs(config=qwen2) == 132
+    assert step_programs(kernels=EIGHT, max_batch_size=64) == 8
+    assert step_programs(kernels=EIGHT, config=preset("gpt2")) == 8
+    assert step_programs(device=SIX_SMS) == 6
+    assert step_programs(kernels=EIGHT, config=preset("llama-3.1-8b")) == 8  # set: it builds
     # Heads of 256: 4 weight stages beside their attention exceed an SM's SMEM (Mosaic GPU's
     # check): not auto; set, it runs at 2 (`default_stages`).
-    assert programs(config=LLAMA_HD256) == 0
-    assert programs(kernels=eight, config=LLAMA_HD256) == 8
+    assert step_programs(config=LLAMA_HD256) == 0
+    assert step_programs(kernels=EIGHT, config=LLAMA_HD256) == 8
     # Rows a step: 8 of GPT-2 small fit an SM's shared memory beside 4 weight stages, 16 of
     # Llama 3.1 8B do not beside any.
-    rows = dataclasses.replace(eight, decoder_step_rows=8)
-    assert programs(kernels=rows, config=preset("gpt2"), max_batch_size=8) == 8
+    rows = dataclasses.replace(EIGHT, decoder_step_rows=8)
+    assert step_programs(kernels=rows, config=preset("gpt2"), max_batch_size=8) == 8
     with pytest.raises(ValueError, match="exceeds available shared memory"):
-        sixteen = dataclasses.replace(eight, decoder_step_rows=16)
-        programs(kernels=sixteen, config=preset("llama-3.1-8b"))
+        sixteen = dataclasses.replace(EIGHT, decoder_step_rows=16)
+        step_programs(kernels=sixteen, config=preset("llama-3.1-8b"))
 
 
 @pytest.mark.parametrize(
