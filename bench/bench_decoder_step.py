@@ -32,6 +32,11 @@ layouts, shared memory and shapes are checked before device time is spent) and r
     PYTHONPATH=. python bench/bench_decoder_step.py --lower --layers 2 --rows 4 --programs 132 \\
         --variant rev=/tmp/ds_rev.py
 
+`--ptxas` reports each version's registers a thread and spilled bytes (ptxas's report, which
+Mosaic GPU prints while it compiles, with MOSAIC_GPU_DUMP_PTXAS set): the kernel runs 128 threads
+a program near the 255-register cap, and a change that lengthens what a thread holds can spill
+into the weight tiles' loop and lose more than it saves.
+
 `--profile DIR` then runs the kernel (pallas_kernels', not the variants') once more per context
 under Mosaic GPU's profiler (2 weight stages, to leave its SMEM room) and reads its trace
 (`bench/decoder_trace.py`): where each program's time goes and how long each phase of a layer
@@ -45,13 +50,16 @@ a host callback, so JAX_PLATFORMS must list cpu beside cuda):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 
 if __package__ in (None, ""):  # run as a file: make `bench` and `pallas_kernels` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -155,6 +163,43 @@ def kernel_module(spec: str) -> tuple[str, object, dict]:
     sys.modules[module_spec.name] = module  # dataclasses look their module up by name
     module_spec.loader.exec_module(module)
     return name, module, keywords
+
+
+@contextlib.contextmanager
+def native_output():
+    """What native code writes to fds 1 and 2 inside the block (ptxas's report from Mosaic GPU's
+    compiler), as a list holding its text once the block ends."""
+    text = []
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile("w+") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield text
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved, strict=True):
+                os.dup2(copy, fd)
+                os.close(copy)
+            f.seek(0)
+            text.append(f.read())
+
+
+def ptxas_usage(report: str) -> dict:
+    """Registers a thread and spilled bytes from ptxas's report (the most of any kernel in it);
+    empty if it has none."""
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    if not registers:
+        return {}
+    return dict(
+        registers=max(registers),
+        spill_stores=max((int(a) for a, _ in spills), default=0),
+        spill_loads=max((int(b) for _, b in spills), default=0),
+    )
 
 
 def sm_clock_mhz() -> float:
@@ -262,6 +307,12 @@ def main() -> None:
         help="then profile the kernel once a context into DIR (see above; needs a GPU)",
     )
     p.add_argument(
+        "--ptxas",
+        action="store_true",
+        help="report each version's registers a thread and spilled bytes (ptxas's report, as it"
+        " compiles; needs a GPU)",
+    )
+    p.add_argument(
         "--lower",
         action="store_true",
         help="only build each version of the kernel for sm90 (no GPU needed) at these sizes and"
@@ -276,6 +327,10 @@ def main() -> None:
             jax.devices("cpu")
         except RuntimeError:
             p.error("--profile: the profiler writes from a host callback: JAX_PLATFORMS=cuda,cpu")
+    if args.ptxas:
+        if args.quick or args.lower:
+            p.error("--ptxas reads the GPU compiler's report: not with --quick or --lower")
+        os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"  # read by Mosaic GPU's compiler, in C++
     config = preset(args.model)
     if args.quick:  # the reference on the CPU, at widths the kernel's tiles take
         narrow = dict(vocab_size=512, n_embd=256, n_head=4, n_inner=512)
@@ -364,6 +419,7 @@ def main() -> None:
         return jax.jit(lambda ops, ks, vs, ctx: step.logits((token, ks, vs), *ops, tables, ctx)[0])
 
     kernel_logits = {name: logits_of(step) for name, (step, _) in steps.items() if name != "model"}
+    usage = {}  # each version's ptxas report, from its first compile (--ptxas)
 
     for context in args.context:
         ctx = jnp.int32(context)
@@ -371,8 +427,16 @@ def main() -> None:
         checks = {}  # each version's logits against the model's: (relative difference, argmax same)
         for name in list(steps):
             try:
-                got = want if name == "model" else kernel_logits[name](steps[name][1], ks, vs, ctx)
-                got = np.asarray(got, np.float32)
+                if name == "model":
+                    got = want
+                else:  # its first call compiles it: ptxas's report, with --ptxas
+                    report = args.ptxas and name not in usage
+                    with native_output() if report else contextlib.nullcontext([""]) as text:
+                        got = kernel_logits[name](steps[name][1], ks, vs, ctx)
+                        got = np.asarray(got, np.float32)
+                    if report:
+                        usage[name] = ptxas_usage(text[0])
+                        print(f"ptxas {name:10s} {usage[name] or 'no report'}", flush=True)
             except Exception as e:  # a variant under trial that does not build: the rest run
                 if name in ("model", "kernel"):
                     raise
@@ -382,6 +446,7 @@ def main() -> None:
             diff = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             same = bool(np.array_equal(np.argmax(got, axis=-1), np.argmax(want, axis=-1)))
             checks[name] = diff, same
+        os.environ.pop("MOSAIC_GPU_DUMP_PTXAS", None)  # reported: the timed loops' compiles quiet
         calls = [(step, (token, ks, vs), (*ops, tables, ctx)) for step, ops in steps.values()]
         times = loop_times(calls, iters=args.iters, repeats=args.repeats, unroll=args.unroll)
         base = None
@@ -398,6 +463,7 @@ def main() -> None:
                 weights_gbs=weight_bytes / us / 1e3,
                 logits_rel_diff=diff,
                 argmax_same=same,
+                **usage.get(name, {}),
             )
             rows.append(row)
             print(

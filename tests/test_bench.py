@@ -1019,6 +1019,28 @@ def test_decoder_step_bench_quick(tmp_path, model, rows):
         assert copy["logits_rel_diff"] == kernel["logits_rel_diff"]
 
 
+def test_decoder_step_bench_reads_ptxas_report_from_native_output():
+    """`--ptxas`: what native code writes to fds 1 and 2 inside the block is captured (and no
+    longer printed after it), and the report's registers and spills are the most of its kernels."""
+    from bench.bench_decoder_step import native_output, ptxas_usage
+
+    rng = np.random.default_rng()
+    regs, stores, loads = (int(n) for n in rng.integers(1, 256, size=3))
+    kernels = [
+        "ptxas info    : Compiling entry function 'a_kernel' for 'sm_90a'",
+        f"    {stores} bytes stack frame, {stores} bytes spill stores, {loads} bytes spill loads",
+        f"ptxas info    : Used {regs} registers, used 2 barriers, 1 bytes smem",
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+        f"ptxas info    : Used {regs - 1} registers, used 1 barriers",
+    ]
+    with native_output() as text:
+        os.write(1, ("\n".join(kernels[:3]) + "\n").encode())
+        os.write(2, ("\n".join(kernels[3:]) + "\n").encode())
+    assert all(line in text[0] for line in kernels)
+    assert ptxas_usage(text[0]) == dict(registers=regs, spill_stores=stores, spill_loads=loads)
+    assert ptxas_usage("ptxas info    : 0 bytes gmem") == {}
+
+
 @pytest.mark.slow  # in `.ci/run`'s second pytest call: keeps `pytest -q` short
 def test_decoder_step_bench_lowers_each_version(tmp_path):
     """`--lower` builds the kernel and each variant for sm90 on the CPU (Mosaic GPU's own
