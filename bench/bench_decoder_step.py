@@ -35,7 +35,14 @@ layouts, shared memory and shapes are checked before device time is spent) and r
 `--ptxas` reports each version's registers a thread and spilled bytes (ptxas's report, which
 Mosaic GPU prints while it compiles, with MOSAIC_GPU_DUMP_PTXAS set): the kernel runs 128 threads
 a program near the 255-register cap, and a change that lengthens what a thread holds can spill
-into the weight tiles' loop and lose more than it saves.
+into the weight tiles' loop and lose more than it saves. With `--lower` it needs no GPU: each
+version is compiled for a compile-only H100 (jax's CUDA plugin installed, as for
+`bench/step_kernels.py`: `pip install "jax[cuda12]"` in a virtual environment made with
+`--system-site-packages`, run under JAX_PLATFORMS=cpu; this jax's Mosaic GPU and ptxas, not the
+device image's):
+
+    JAX_PLATFORMS=cpu VENV/bin/python bench/bench_decoder_step.py --lower --ptxas --layers 2 \\
+        --programs 132 --variant rev=/tmp/ds_rev.py
 
 `--profile DIR` then runs the kernel (pallas_kernels', not the variants') once more per context
 under Mosaic GPU's profiler (2 weight stages, to leave its SMEM room) and reads its trace
@@ -252,8 +259,20 @@ def profile(step, operands: tuple, out_dir: str) -> None:
 def lower_for_gpu(modules: list, config, programs: int, args) -> None:
     """Each version of the kernel built for sm90 by Mosaic GPU's lowering (no GPU needed: a
     variant's layouts, shared memory and shapes checked before device time is spent), at the
-    bench's rows, longest context and settings; a version that fails says why."""
+    bench's rows, longest context and settings; a version that fails says why. With --ptxas,
+    compiled for a compile-only H100 too (jax's CUDA plugin, no GPU): its registers and spills."""
     full_shape, pages = family_of(config).decoder_shape(config), -(-max(args.context) // BLOCK_SIZE)
+    place = None  # --ptxas: the operands' shapes on a compile-only H100
+    if args.ptxas:
+        from bench.step_kernels import compile_only_device
+
+        sharding = jax.sharding.SingleDeviceSharding(compile_only_device("h100"))
+
+        def place(tree):
+            return jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
+            )
+
     rows = []
     for name, module, keywords in modules:
         shape = variant_shape(module, full_shape)
@@ -262,13 +281,20 @@ def lower_for_gpu(modules: list, config, programs: int, args) -> None:
         )
         settings = dict(programs=programs, splits=args.splits, stages=args.stages)
         step = functools.partial(module.decoder_step, shape=shape, **settings | keywords)
+        usage = {}
         try:
-            jax.jit(step).trace(*operands).lower(lowering_platforms=("cuda",))
+            if place is None:
+                jax.jit(step).trace(*operands).lower(lowering_platforms=("cuda",))
+            else:
+                with native_output() as text:
+                    jax.jit(step).lower(*place(operands)).compile()
+                usage = ptxas_usage(text[0])
             error = ""
         except Exception as e:  # what the variant's author needs to read: its last line
             error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[-1]}"
-        rows.append(dict(variant=name, rows=args.rows, lowered=not error, error=error))
-        print(f"{name:10s} rows {args.rows:2d} {'lowered' if not error else error}", flush=True)
+        rows.append(dict(variant=name, rows=args.rows, lowered=not error, error=error, **usage))
+        built = f"lowered {usage}" if usage else "lowered"
+        print(f"{name:10s} rows {args.rows:2d} {built if not error else error}", flush=True)
     report_kernel_bench(args.json, rows, args=vars(args), programs=programs)
 
 
@@ -310,7 +336,7 @@ def main() -> None:
         "--ptxas",
         action="store_true",
         help="report each version's registers a thread and spilled bytes (ptxas's report, as it"
-        " compiles; needs a GPU)",
+        " compiles; with --lower, compiled for a compile-only H100: jax's CUDA plugin, no GPU)",
     )
     p.add_argument(
         "--lower",
@@ -328,8 +354,8 @@ def main() -> None:
         except RuntimeError:
             p.error("--profile: the profiler writes from a host callback: JAX_PLATFORMS=cuda,cpu")
     if args.ptxas:
-        if args.quick or args.lower:
-            p.error("--ptxas reads the GPU compiler's report: not with --quick or --lower")
+        if args.quick:
+            p.error("--ptxas reads the GPU compiler's report: not with --quick")
         os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"  # read by Mosaic GPU's compiler, in C++
     config = preset(args.model)
     if args.quick:  # the reference on the CPU, at widths the kernel's tiles take
