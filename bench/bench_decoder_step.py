@@ -262,17 +262,11 @@ def lower_for_gpu(modules: list, config, programs: int, args) -> None:
     bench's rows, longest context and settings; a version that fails says why. With --ptxas,
     compiled for a compile-only H100 too (jax's CUDA plugin, no GPU): its registers and spills."""
     full_shape, pages = family_of(config).decoder_shape(config), -(-max(args.context) // BLOCK_SIZE)
-    place = None  # --ptxas: the operands' shapes on a compile-only H100
+    device = None  # --ptxas: a compile-only H100
     if args.ptxas:
         from bench.step_kernels import compile_only_device
 
-        sharding = jax.sharding.SingleDeviceSharding(compile_only_device("h100"))
-
-        def place(tree):
-            return jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
-            )
-
+        device = compile_only_device("h100")
     rows = []
     for name, module, keywords in modules:
         shape = variant_shape(module, full_shape)
@@ -283,11 +277,13 @@ def lower_for_gpu(modules: list, config, programs: int, args) -> None:
         step = functools.partial(module.decoder_step, shape=shape, **settings | keywords)
         usage = {}
         try:
-            if place is None:
+            if device is None:
                 jax.jit(step).trace(*operands).lower(lowering_platforms=("cuda",))
             else:
+                from bench.step_kernels import placed
+
                 with native_output() as text:
-                    jax.jit(step).lower(*place(operands)).compile()
+                    jax.jit(step).lower(*placed(operands, device)).compile()
                 usage = ptxas_usage(text[0])
             error = ""
         except Exception as e:  # what the variant's author needs to read: its last line

@@ -159,11 +159,17 @@ def decode_hlo(engine, batch: int, greedy: bool, extras: bool, device=None) -> s
     (a compile-only device; None: jax's default) from its arguments' shapes."""
     _, program, args, static = engine.runner.idle_decode_call(batch, greedy, extras)
     if device is not None:
-        sharding = jax.sharding.SingleDeviceSharding(device)
-        args = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding), args
-        )
+        args = placed(args, device)
     return program.lower(*args, **static).compile().as_text()
+
+
+def placed(tree, device):
+    """tree's arrays (or ShapeDtypeStructs) as ShapeDtypeStructs on `device` (a compile-only
+    one): what `lower(...).compile()` builds for it."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding), tree
+    )
 
 
 def compile_only_device(target: str):
