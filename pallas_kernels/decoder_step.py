@@ -384,6 +384,43 @@ class _KernelOps:
             plgpu.copy_smem_to_gmem(src, dst, reduction_op="add")
 
 
+def item_table(
+    block_tables: jax.Array,  # int32 [R, pages]
+    seq_lens: jax.Array,  # int32 [R]
+    *,
+    block_size: int,
+    kv_heads: int,
+    splits: int,
+    programs: int,
+) -> jax.Array:
+    """int32 [P, ceil(items / P), C]: attention item j * P + c's scalars at [c, j] (program c's
+    j-th item): its row's position (the cache holds [0, pos)), its 64-token tiles [first, last),
+    the page of the step's slot, then its first tile's pages (clamped past the table); C padded
+    to 32 (Mosaic GPU's TMA copies move a multiple of 128 bytes, a byte a thread). Built once a
+    step before the kernel: an item reads them from SMEM, not through a chain of GMEM reads (the
+    row's length, then its pages) before its wait in every layer."""
+    rows, width = block_tables.shape
+    items = rows * kv_heads * splits
+    row, split = jnp.arange(items) // (kv_heads * splits), jnp.arange(items) % splits
+    pos = seq_lens[row] - 1
+    tiles = (pos + TOKENS - 1) // TOKENS
+    per_split = (tiles + splits - 1) // splits
+    first = jnp.minimum(split * per_split, tiles)
+    last = jnp.minimum(first + per_split, tiles)
+    table = block_tables[row]  # [items, pages]
+    at = jnp.clip(
+        first[:, None] * (TOKENS // block_size) + jnp.arange(TOKENS // block_size), 0, width - 1
+    )
+    slot_page = table[jnp.arange(items), jnp.maximum(pos, 0) // block_size]
+    cols = jnp.concatenate(
+        [jnp.stack([pos, first, last, slot_page], axis=1), jnp.take_along_axis(table, at, axis=1)],
+        axis=1,
+    )
+    own = -(-items // programs)
+    cols = jnp.pad(cols, ((0, own * programs - items), (0, -cols.shape[1] % 32)))
+    return cols.reshape(own, programs, -1).transpose(1, 0, 2)
+
+
 def _chunks(src, dst):
     """(src, dst) cut along the last dim into TMA boxes of at most TILE_K."""
     n = src.shape[-1]
@@ -409,11 +446,6 @@ def _wait_copies(barriers, first: int, count: int) -> None:
         plgpu.barrier_wait(barriers.at[i])
 
 
-def _copy_in(srcs_and_dsts, barriers, first: int = 0) -> None:
-    """`_start_copies`, then all of them waited for."""
-    _wait_copies(barriers, first, _start_copies(srcs_and_dsts, barriers, first))
-
-
 def decoder_step_kernel(
     *refs,
     shape: DecoderShape,
@@ -426,9 +458,10 @@ def decoder_step_kernel(
     interpret: bool,
 ):
     """One program's share of the step. Refs: tiles, norms, qk_norms, (biases,) final_norm, head,
-    rope [R, 2, D/2], block_tables [R, pages], seq_lens [R]; h [R, E] float32, the L K and L V
-    caches [H, blocks, block_size, D] (all three updated in place); the buffers between phases
-    (q/k/v and gate/up partials, attention partials) and the logits [R, V]; scratch."""
+    rope [R, 2, D/2], block_tables [R, pages], the items' scalars (`item_table`); h [R, E]
+    float32, the L K and L V caches [H, blocks, block_size, D] (all three updated in place); the
+    buffers between phases (q/k/v and gate/up partials, attention partials) and the logits [R, V];
+    scratch."""
     lay, e, hq, h_kv, d = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
     f, group, half = shape.intermediate, shape.group, shape.head_dim // 2
     starts, blocks = shape.phase_starts(), shape.phase_blocks()
@@ -442,10 +475,11 @@ def decoder_step_kernel(
 
     tiles_ref, norms_ref, qk_norms_ref, *refs = refs
     biases_ref = refs.pop(0) if shape.biases else None
-    final_norm_ref, head_ref, rope_ref, table_ref, seq_len_ref, h_ref = refs[:6]
+    final_norm_ref, head_ref, rope_ref, table_ref, items_ref, h_ref = refs[:6]
     k_refs, v_refs, rest = refs[6 : 6 + lay], refs[6 + lay : 6 + 2 * lay], refs[6 + 2 * lay :]
     qkv_ref, gu_ref, acc_ref, m_ref, l_ref, logits_ref = rest[:6]
-    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, bars, *bias_ring = rest[6:]
+    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, *rest = rest[6:]
+    items_s, bars, *bias_ring = rest
 
     c = lax.axis_index("program")
     ops = _KernelOps(interpret)
@@ -483,11 +517,13 @@ def decoder_step_kernel(
         wrap = (layer < lay) & (s + 1 >= own)
         return jnp.where(wrap, layer + 1, layer), jnp.where(wrap, 0, s + 1)
 
-    _copy_in([(rope_ref, rope_smem)], bars)
+    # The first weight tiles' copies go out before the row inputs' wait.
+    row_inputs = _start_copies([(rope_ref, rope_smem), (items_ref.at[c], items_s)], bars)
     fetch_at = (jnp.where(own == 0, lay, 0), jnp.int32(0))
     for i in range(stages):
         fetch(fetch_at, i)
         fetch_at = advance(fetch_at)
+    _wait_copies(bars, 0, row_inputs)
 
     def bf16(x):  # the weights' dtype's rounding, in float32
         return x.astype(dtype).astype(FLOAT)
@@ -572,48 +608,71 @@ def decoder_step_kernel(
             else:  # first: gate
                 x_smem[row] = bf16(bf16(first / (1.0 + jnp.exp(-first))) * up[0])
 
-    def attention(layer, row, head, split, ready):
+    def on_layer(layer, copy):  # copy(k_ref, v_ref) with the layer's caches (a Ref pair a layer)
+        _on_index(layer, lay, lambda i: copy(k_refs[i], v_refs[i]))
+
+    def cached_pages(pos, i):  # the pages of 64-token tile i that hold cached tokens
+        return jnp.clip((pos - i * TOKENS + block_size - 1) // block_size, 0, pages_per_tile)
+
+    def start_tile(layer, item, i, pages, scratch):
+        """Tile i of the item's cached pages (`pages`: a Ref of them) copied into its k_s, v_s
+        (page j into rows j * block_size...)."""
+        head, pos = item % (h_kv * splits) // splits, items_s[(item - c) // programs, 0]
+        (k_s, v_s), _ = scratch[1]
+        page_bars = scratch[-1]
+
+        def copy(k_ref, v_ref):
+            @pl.loop(0, cached_pages(pos, i))  # a loop, not unrolled: one copy site a layer
+            def _(j):
+                slots = pl.ds(j * block_size, block_size)
+                for ref, dst, bar in ((k_ref, k_s, 2 * j), (v_ref, v_s, 2 * j + 1)):
+                    plgpu.copy_gmem_to_smem(
+                        ref.at[head, pages[j]], dst.at[slots], page_bars.at[bar]
+                    )
+
+        on_layer(layer, copy)
+
+    def start_first_tile(layer, item, scratch):
+        """The item's first tile's pages copied in, if it has a tile: they depend on no phase of
+        the step."""
+        scalars = items_s.at[(item - c) // programs]  # [C]: `item_table`'s row
+        first_pages = scalars.at[pl.ds(4, pages_per_tile)]
+        start = functools.partial(start_tile, layer, item, scalars[1], first_pages, scratch)
+        pl.when(scalars[1] < scalars[2])(start)
+
+    def attention(layer, item, ready, scratch):
         """Item (row, head, split) of the layer, once `sem` counts `ready` (q/k/v stored): the
         row's query heads of the KV head over its range of 64-token tiles (the last split also the
-        step's own token, which it appends to the cache)."""
-        pos = seq_len_ref[row] - 1  # the row's token: its position; the cache holds [0, pos)
+        step's own token, which it appends to the cache). The program's first item's first tile
+        was started with the layer."""
+        row, head_split = item // (h_kv * splits), item % (h_kv * splits)
+        head, split = head_split // splits, head_split % splits
+        scalars = items_s.at[(item - c) // programs]  # [C]: `item_table`'s row
+        pos, first, last = scalars[0], scalars[1], scalars[2]
         table = table_ref.at[row]
 
-        def on_layer(copy):  # copy(k_ref, v_ref) with this layer's caches (a Ref pair a layer)
-            _on_index(layer, lay, lambda i: copy(k_refs[i], v_refs[i]))
-
-        def cached_pages(i):  # the pages of 64-token tile i that hold cached tokens
-            return jnp.clip((pos - i * TOKENS + block_size - 1) // block_size, 0, pages_per_tile)
-
-        def start_tile(i, k_s, v_s, page_bars):
-            """Tile i's cached pages copied into k_s, v_s (page j into rows j * block_size...)."""
-
-            def copy(k_ref, v_ref):
-                @pl.loop(0, cached_pages(i))  # a loop, not unrolled: one copy site a layer
-                def _(j):
-                    page = table[i * pages_per_tile + j]
-                    slots = pl.ds(j * block_size, block_size)
-                    for ref, dst, bar in ((k_ref, k_s, 2 * j), (v_ref, v_s, 2 * j + 1)):
-                        plgpu.copy_gmem_to_smem(
-                            ref.at[head, page], dst.at[slots], page_bars.at[bar]
-                        )
-
-            on_layer(copy)
-
         def wait_tile(i, page_bars):
-            @pl.loop(0, cached_pages(i))
+            @pl.loop(0, cached_pages(pos, i))
             def _(j):
                 plgpu.barrier_wait(page_bars.at[2 * j])
                 plgpu.barrier_wait(page_bars.at[2 * j + 1])
 
         def scoped(qkn_s, kv_out_s, q_s, rows_s, stats_s, cur_s, copy_bars, page_bars):
             (k_s, v_s), tile_s = kv_out_s  # the pages' tiles, then the output tile in their place
-            tiles = (pos + TOKENS - 1) // TOKENS
-            per_split = (tiles + splits - 1) // splits
-            first = jnp.minimum(split * per_split, tiles)
-            last = jnp.minimum(first + per_split, tiles)
-            # The cached pages depend on no phase of this step: their copies start before the wait.
-            pl.when(first < last)(lambda: start_tile(first, k_s, v_s, page_bars))
+            pl.when(item != c)(lambda: start_first_tile(layer, item, scratch))
+
+            def pages_in(i):  # tile i's pages landed, its rows past the context zeroed in V
+                wait_tile(i, page_bars)
+
+                @pl.when((i + 1) * TOKENS > pos)
+                def _():  # the tile's rows past the context: stale or never written (NaN bits)
+                    rows = (i * TOKENS + ops.iota((TOKENS, d), WGMMA)) < pos
+                    v_s[...] = jnp.where(rows, ops.load(v_s, WGMMA), 0).astype(dtype)
+                    plgpu.commit_smem()
+
+            # The first tile's pages, in flight since the layer began, in before the wait.
+            with jax.named_scope("attention_pages"):
+                pl.when(first < last)(lambda: pages_in(first))
             # Where the item's vectors start in q/k/v's partials: its query heads, k and v.
             starts = [(head * group + g) * d for g in range(group)]
             starts += [(hq + head) * d, (hq + h_kv + head) * d]
@@ -697,15 +756,14 @@ def decoder_step_kernel(
 
             def tile(i, state):
                 m, l_sum, acc = state
-                pl.when(i != first)(lambda: start_tile(i, k_s, v_s, page_bars))
-                wait_tile(i, page_bars)
-                valid = i * TOKENS + ops.iota((TOKENS,), COL) < pos
+                pages = table.at[pl.ds(i * pages_per_tile, pages_per_tile)]
 
-                @pl.when((i + 1) * TOKENS > pos)
-                def _():  # the tile's rows past the context: stale or never written (NaN bits)
-                    rows = (i * TOKENS + ops.iota((TOKENS, d), WGMMA)) < pos
-                    v_s[...] = jnp.where(rows, ops.load(v_s, WGMMA), 0).astype(dtype)
-                    plgpu.commit_smem()
+                @pl.when(i != first)  # the first tile's pages are in and masked before the wait
+                def _():
+                    start_tile(layer, item, i, pages, scratch)
+                    pages_in(i)
+
+                valid = i * TOKENS + ops.iota((TOKENS,), COL) < pos
 
                 s = ops.matmul(q_s, k_s, transpose_b=True)  # [64 (heads), 64 (tokens)]
                 cols = lax.broadcast_in_dim(valid, (TOKENS, TOKENS), [1])
@@ -747,7 +805,7 @@ def decoder_step_kernel(
 
             @pl.when(split == splits - 1)
             def _():
-                at = (head, table[pos // block_size], pos % block_size)
+                at = (head, scalars[3], pos % block_size)
                 cur = rows_s.at[pl.ds(group, 2)]  # the step's K and V rows
                 cur_s[...] = ops.load(cur, plgpu.Layout.WG_STRIDED((2, d), 1)).astype(dtype)
                 plgpu.commit_smem()
@@ -756,30 +814,12 @@ def decoder_step_kernel(
                     for r, ref in enumerate(refs):
                         plgpu.copy_smem_to_gmem(cur_s.at[r], ref.at[at])
 
-                on_layer(append)
+                on_layer(layer, append)
 
             with jax.named_scope("attention_store"):  # its outputs and the append land
                 plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(
-            scoped,
-            plgpu.SMEM((2, d), FLOAT),  # qkn_s: q_norm, k_norm
-            ops.union(
-                (  # k_s, v_s: a 64-token tile's pages
-                    plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
-                    plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
-                ),
-                # tile_s: then the output tile, its rows 8 floats apart past D: a WGMMA row
-                # store 512 bytes a row apart hits 8 rows on the same banks
-                plgpu.SMEM((TOKENS, d + 8), FLOAT),
-            ),
-            plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),  # q_s: the query tile
-            plgpu.SMEM((head_rows, d), FLOAT),  # rows_s: q heads, k, v normed and rotated
-            plgpu.SMEM((2, TOKENS), FLOAT),  # stats_s: each row's max and sum
-            plgpu.SMEM((2, d), dtype),  # cur_s: the step's K and V rows, to append
-            plgpu.Barrier(num_barriers=1),  # the q/k norms' scales
-            plgpu.Barrier(num_barriers=2 * pages_per_tile),
-        )
+        scoped(*scratch)
 
     def wait_weights(slot):
         with jax.named_scope("weights_wait"):
@@ -856,19 +896,20 @@ def decoder_step_kernel(
             with jax.named_scope("rms_norm"):
                 normalize_h()
 
-    def layer_step(layer, carry):
+    def layer_step(scratch, layer, carry):
         """The layer's four phases, each this program's run of its tiles after its wait; its
-        attention items between q/k/v and o_proj."""
+        attention items between q/k/v and o_proj (its first item's first pages copied in from
+        the start)."""
         base = layer * per_layer
+        pl.when(c < items)(lambda: start_first_tile(layer, c, scratch))
         for phase in range(4):
             if phase == O_PROJ:  # this program's attention items (c, c + P, ...)
 
                 @pl.loop(c, items, step=programs)
                 def _(item):
-                    row, head_split = item // (h_kv * splits), item % (h_kv * splits)
                     ready = base + schedule.runs[QKV]
                     with jax.named_scope("attention"):
-                        attention(layer, row, head_split // splits, head_split % splits, ready)
+                        attention(layer, item, ready, scratch)
                         ops.signal(sem)
 
             start = functools.partial(phase_start, phase, layer, base)
@@ -914,7 +955,30 @@ def decoder_step_kernel(
         fetch(fetch_at, slot)
         return ys, t + 1, advance(fetch_at)
 
-    t, fetch_at = lax.fori_loop(0, lay, layer_step, (jnp.int32(0), fetch_at))
+    def layers(*scratch):  # the attention items' SMEM, held through the layers' phases
+        return lax.fori_loop(
+            0, lay, functools.partial(layer_step, scratch), (jnp.int32(0), fetch_at)
+        )
+
+    t, fetch_at = pl.run_scoped(
+        layers,
+        plgpu.SMEM((2, d), FLOAT),  # qkn_s: q_norm, k_norm
+        ops.union(
+            (  # k_s, v_s: a 64-token tile's pages
+                plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
+                plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
+            ),
+            # tile_s: then the output tile, its rows 8 floats apart past D: a WGMMA row
+            # store 512 bytes a row apart hits 8 rows on the same banks
+            plgpu.SMEM((TOKENS, d + 8), FLOAT),
+        ),
+        plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),  # q_s: the query tile
+        plgpu.SMEM((head_rows, d), FLOAT),  # rows_s: q heads, k, v normed and rotated
+        plgpu.SMEM((2, TOKENS), FLOAT),  # stats_s: each row's max and sum
+        plgpu.SMEM((2, d), dtype),  # cur_s: the step's K and V rows, to append
+        plgpu.Barrier(num_barriers=1),  # the q/k norms' scales
+        plgpu.Barrier(num_barriers=2 * pages_per_tile),
+    )
     zeros = [ops.full((TILE_N,), 0.0) for _ in range(rows)]
     lax.fori_loop(0, head_tiles, head_step, (zeros, t, fetch_at))
     plgpu.wait_smem_to_gmem(0)
@@ -926,12 +990,12 @@ _STATIC = ("shape", "programs", "splits", "stages", "interpret", "profile_dir")
 def profile_ranges(shape: DecoderShape, programs: int, splits: int, rows: int) -> int:
     """The most named ranges a program records in a step (its profile's size): a layer's tiles
     (their inputs, weights' wait, the tile), its phases (wait, norm, stores and signal, the signal)
-    and its attention items (the item, its seven parts and its signal); the head's tiles, its
+    and its attention items (the item, its eight parts and its signal); the head's tiles, its
     wait and norm."""
     tiles = int(decoder_schedule(shape, programs).counts.max())
     items = -(-rows * shape.kv_heads * splits // programs)
     head_tiles = _taken(0, programs, shape.head_blocks) * (shape.hidden // TILE_K)
-    return shape.layers * (3 * tiles + 4 * 4 + 9 * items) + 3 * head_tiles + 2
+    return shape.layers * (3 * tiles + 4 * 4 + 10 * items) + 3 * head_tiles + 2
 
 
 MAX_ROWS = 16  # rows a step: each tile's product, inputs and buffers grow with them
@@ -1205,6 +1269,14 @@ def decoder_step(
         rows=rows,
         interpret=interpret,
     )
+    items = item_table(
+        block_tables,
+        seq_lens,
+        block_size=k_caches[0].shape[2],
+        kv_heads=shape.kv_heads,
+        splits=splits,
+        programs=programs,
+    )
     scratch = [
         # Tiled and swizzled as WGMMA operands are: a thread's loads of a tile in that layout
         # do not collide in SMEM banks (unswizzled rows 512 bytes apart all hit one bank).
@@ -1215,7 +1287,8 @@ def decoder_step(
         plgpu.SMEM((rows, TILE_K), FLOAT),  # x_smem: a tile's inputs
         plgpu.SMEM((2, rows, TILE_N), FLOAT),  # o_smem: its outputs, double-buffered
         plgpu.SMEM((rows, 2, d // 2), FLOAT),  # rope_smem
-        plgpu.Barrier(num_barriers=shape.norm_rows * kt_e),  # a norm's boxes (rope's: 1)
+        plgpu.SMEM(items.shape[1:], jnp.int32),  # items_s: the program's items' scalars
+        plgpu.Barrier(num_barriers=max(2, shape.norm_rows * kt_e)),  # a norm's boxes (rope's: 2)
     ]
     if shape.biases:  # bias_ring: each weight tile's bias, on its own barriers
         scratch += [plgpu.SMEM((stages, TILE_N), FLOAT), plgpu.Barrier(num_barriers=stages)]
@@ -1236,7 +1309,7 @@ def decoder_step(
     )
     inputs = (tiles, weights["norms"], weights["qk_norms"])
     inputs += (weights["biases"],) if shape.biases else ()
-    inputs += (weights["final_norm"], weights["head"], rope, block_tables, seq_lens)
+    inputs += (weights["final_norm"], weights["head"], rope, block_tables, items)
 
     def in_place(refs):  # the kernel writes h and the caches where they are
         h_ref, caches, logits_ref = refs

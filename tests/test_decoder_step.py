@@ -28,6 +28,7 @@ from pallas_kernels.decoder_step import (
     decoder_step_lowering_problem,
     decoder_step_reference,
     default_stages,
+    item_table,
     pack_decoder_weights,
     phase_bounds,
 )
@@ -202,6 +203,44 @@ def schedule_events(shape, programs: int, splits: int, layers: int) -> list[list
                     mine.append(("signal", (layer, phase)))
         events.append(mine)
     return events
+
+
+@pytest.mark.parametrize(
+    "block_size,kv_heads,splits,programs", [(16, 8, 4, 132), (64, 2, 3, 5), (32, 1, 1, 4)]
+)
+def test_item_table_holds_each_items_scalars(block_size, kv_heads, splits, programs):
+    """Item j * P + c's row at [c, j]: its row's position, its tiles [first, last) of an even
+    split of the row's 64-token tiles, the page of the step's slot and its first tile's pages
+    (clamped to the table's last column); the padding past the items and columns is zero."""
+    rng = np.random.default_rng(block_size + programs)
+    rows, width = 3, 256 // block_size
+    seq_lens = rng.integers(1, 257, rows).astype(np.int32)
+    seq_lens[0] = 1  # a row with an empty cache
+    tables = rng.integers(0, 1000, (rows, width)).astype(np.int32)
+    got = np.asarray(
+        item_table(
+            jnp.asarray(tables),
+            jnp.asarray(seq_lens),
+            block_size=block_size,
+            kv_heads=kv_heads,
+            splits=splits,
+            programs=programs,
+        )
+    )
+    items, per_tile = rows * kv_heads * splits, 64 // block_size
+    assert got.shape == (programs, -(-items // programs), 32)
+    want = np.zeros_like(got)
+    for item in range(items):
+        row, split = item // (kv_heads * splits), item % splits
+        pos = int(seq_lens[row]) - 1
+        tiles = -(-pos // 64)
+        per_split = -(-tiles // splits)
+        first = min(split * per_split, tiles)
+        last = min(first + per_split, tiles)
+        pages = [tables[row, min(first * per_tile + j, width - 1)] for j in range(per_tile)]
+        scalars = [pos, first, last, tables[row, pos // block_size], *pages]
+        want[item % programs, item // programs, : len(scalars)] = scalars
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize(
