@@ -214,6 +214,19 @@ def head_weights(head: DecoderHead) -> dict:
     return {"final_norm": head.norm, "head": head.rows}
 
 
+class _ItemScratch(NamedTuple):
+    """The attention items' SMEM, held through the layers."""
+
+    qkn_s: object  # [2, D] float32: q_norm, k_norm
+    kv_out_s: object  # (k_s, v_s) [64, D]: a tile's pages; then tile_s [64, D + 8]: the output
+    q_s: object  # [64, D]: the query tile
+    rows_s: object  # [head_rows, D] float32: q heads, k, v normed and rotated
+    stats_s: object  # [2, 64] float32: each row's max and sum
+    cur_s: object  # [2, D]: the step's K and V rows, to append
+    copy_bars: object  # the q/k norms' scales
+    page_bars: object  # a tile's pages, K and V each
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """Which program takes which of a layer's weight tiles (the same every layer), as the kernel
@@ -396,7 +409,7 @@ def item_table(
     """int32 [P, ceil(items / P), C]: attention item j * P + c's scalars at [c, j] (program c's
     j-th item): its row's position (the cache holds [0, pos)), its 64-token tiles [first, last),
     the page of the step's slot, then its first tile's pages (clamped past the table); C padded
-    to 32 (Mosaic GPU's TMA copies move a multiple of 128 bytes, a byte a thread). Built once a
+    to 32, 128 bytes a row (Mosaic GPU's TMA copies move a multiple of 128 bytes). Built once a
     step before the kernel: an item reads them from SMEM, not through a chain of GMEM reads (the
     row's length, then its pages) before its wait in every layer."""
     rows, width = block_tables.shape
@@ -614,12 +627,15 @@ def decoder_step_kernel(
     def cached_pages(pos, i):  # the pages of 64-token tile i that hold cached tokens
         return jnp.clip((pos - i * TOKENS + block_size - 1) // block_size, 0, pages_per_tile)
 
-    def start_tile(layer, item, i, pages, scratch):
+    def item_scalars(item):  # [C]: the item's row of `item_table`, in SMEM
+        return items_s.at[(item - c) // programs]
+
+    def start_tile(layer, item, i, pages, scratch: _ItemScratch):
         """Tile i of the item's cached pages (`pages`: a Ref of them) copied into its k_s, v_s
         (page j into rows j * block_size...)."""
-        head, pos = item % (h_kv * splits) // splits, items_s[(item - c) // programs, 0]
-        (k_s, v_s), _ = scratch[1]
-        page_bars = scratch[-1]
+        head, pos = item % (h_kv * splits) // splits, item_scalars(item)[0]
+        (k_s, v_s), _ = scratch.kv_out_s
+        page_bars = scratch.page_bars
 
         def copy(k_ref, v_ref):
             @pl.loop(0, cached_pages(pos, i))  # a loop, not unrolled: one copy site a layer
@@ -632,22 +648,22 @@ def decoder_step_kernel(
 
         on_layer(layer, copy)
 
-    def start_first_tile(layer, item, scratch):
+    def start_first_tile(layer, item, scratch: _ItemScratch):
         """The item's first tile's pages copied in, if it has a tile: they depend on no phase of
         the step."""
-        scalars = items_s.at[(item - c) // programs]  # [C]: `item_table`'s row
+        scalars = item_scalars(item)
         first_pages = scalars.at[pl.ds(4, pages_per_tile)]
         start = functools.partial(start_tile, layer, item, scalars[1], first_pages, scratch)
         pl.when(scalars[1] < scalars[2])(start)
 
-    def attention(layer, item, ready, scratch):
+    def attention(layer, item, ready, scratch: _ItemScratch):
         """Item (row, head, split) of the layer, once `sem` counts `ready` (q/k/v stored): the
         row's query heads of the KV head over its range of 64-token tiles (the last split also the
         step's own token, which it appends to the cache). The program's first item's first tile
         was started with the layer."""
         row, head_split = item // (h_kv * splits), item % (h_kv * splits)
         head, split = head_split // splits, head_split % splits
-        scalars = items_s.at[(item - c) // programs]  # [C]: `item_table`'s row
+        scalars = item_scalars(item)
         pos, first, last = scalars[0], scalars[1], scalars[2]
         table = table_ref.at[row]
 
@@ -657,169 +673,167 @@ def decoder_step_kernel(
                 plgpu.barrier_wait(page_bars.at[2 * j])
                 plgpu.barrier_wait(page_bars.at[2 * j + 1])
 
-        def scoped(qkn_s, kv_out_s, q_s, rows_s, stats_s, cur_s, copy_bars, page_bars):
-            (k_s, v_s), tile_s = kv_out_s  # the pages' tiles, then the output tile in their place
-            pl.when(item != c)(lambda: start_first_tile(layer, item, scratch))
+        qkn_s, kv_out_s, q_s, rows_s, stats_s, cur_s, copy_bars, page_bars = scratch
+        (k_s, v_s), tile_s = kv_out_s  # the pages' tiles, then the output tile in their place
+        pl.when(item != c)(lambda: start_first_tile(layer, item, scratch))
 
-            def pages_in(i):  # tile i's pages landed, its rows past the context zeroed in V
-                wait_tile(i, page_bars)
+        def pages_in(i):  # tile i's pages landed, its rows past the context zeroed in V
+            wait_tile(i, page_bars)
 
-                @pl.when((i + 1) * TOKENS > pos)
-                def _():  # the tile's rows past the context: stale or never written (NaN bits)
-                    rows = (i * TOKENS + ops.iota((TOKENS, d), WGMMA)) < pos
-                    v_s[...] = jnp.where(rows, ops.load(v_s, WGMMA), 0).astype(dtype)
-                    plgpu.commit_smem()
+            @pl.when((i + 1) * TOKENS > pos)
+            def _():  # the tile's rows past the context: stale or never written (NaN bits)
+                rows = (i * TOKENS + ops.iota((TOKENS, d), WGMMA)) < pos
+                v_s[...] = jnp.where(rows, ops.load(v_s, WGMMA), 0).astype(dtype)
+                plgpu.commit_smem()
 
-            # The first tile's pages, in flight since the layer began, in before the wait.
-            with jax.named_scope("attention_pages"):
-                pl.when(first < last)(lambda: pages_in(first))
-            # Where the item's vectors start in q/k/v's partials: its query heads, k and v.
-            starts = [(head * group + g) * d for g in range(group)]
-            starts += [(hq + head) * d, (hq + h_kv + head) * d]
-            scales = _start_copies([(qk_norms_ref.at[layer], qkn_s)], copy_bars)
-            with jax.named_scope("attention_wait"):
-                ops.wait_count(sem, ready)
-            # The threads load the partials themselves (every load issued before the sums), a
-            # half of each vector in every warp: no TMA copy and barrier on the critical path.
-            with jax.named_scope("attention_inputs"):
-                parts = [
+        # The first tile's pages, in flight since the layer began, in before the wait.
+        with jax.named_scope("attention_pages"):
+            pl.when(first < last)(lambda: pages_in(first))
+        # Where the item's vectors start in q/k/v's partials: its query heads, k and v.
+        starts = [(head * group + g) * d for g in range(group)]
+        starts += [(hq + head) * d, (hq + h_kv + head) * d]
+        scales = _start_copies([(qk_norms_ref.at[layer], qkn_s)], copy_bars)
+        with jax.named_scope("attention_wait"):
+            ops.wait_count(sem, ready)
+        # The threads load the partials themselves (every load issued before the sums), a
+        # half of each vector in every warp: no TMA copy and barrier on the critical path.
+        with jax.named_scope("attention_inputs"):
+            parts = [
+                [
                     [
-                        [
-                            ops.load(qkv_ref.at[j, row, pl.ds(start + p * half, half)], heads_col)
-                            for j in range(kt_e)
-                        ]
-                        for start in starts
+                        ops.load(qkv_ref.at[j, row, pl.ds(start + p * half, half)], heads_col)
+                        for j in range(kt_e)
                     ]
-                    for p in (0, 1)
+                    for start in starts
                 ]
-                _wait_copies(copy_bars, 0, scales)
+                for p in (0, 1)
+            ]
+            _wait_copies(copy_bars, 0, scales)
 
-            # Rows q_0..q_{G-1}, k, v (then padding) in halves of D, a row a warp: the partials'
-            # sums, the norms' sums and RoPE's pairs (column j of both halves) stay in a thread
-            # or its warp.
-            def by_row(vec):  # [half] -> [head_rows, half], the same in every row
-                return ops.cast(lax.broadcast_in_dim(vec, (head_rows, half), [1]), heads_layout)
+        # Rows q_0..q_{G-1}, k, v (then padding) in halves of D, a row a warp: the partials'
+        # sums, the norms' sums and RoPE's pairs (column j of both halves) stay in a thread
+        # or its warp.
+        def by_row(vec):  # [half] -> [head_rows, half], the same in every row
+            return ops.cast(lax.broadcast_in_dim(vec, (head_rows, half), [1]), heads_layout)
 
-            with jax.named_scope("attention_rope"):
-                kind = ops.iota((head_rows, half), heads_layout)  # q heads, k, v (then v again)
-                sums = []
-                for vectors in parts:  # a half: [head_rows, half], vector r's sum in row r
-                    x = by_row(sum(vectors[0]))
-                    for r, partials in enumerate(vectors[1:], 1):
-                        x = jnp.where(kind >= r, by_row(sum(partials)), x)
-                    sums.append(bf16(x))
-                xs = sums
-                if shape.qk_norm:
-                    sq = sum(jnp.sum(x * x, axis=1) for x in xs)
-                    inv = lax.rsqrt(sq / d + shape.eps)
-                    inv = ops.cast(lax.broadcast_in_dim(inv, (head_rows, half), [0]), heads_layout)
-                    xs = [
-                        bf16(
-                            bf16(x * inv)
-                            * jnp.where(
-                                kind < group,
-                                by_row(ops.load(qkn_s.at[0, pl.ds(p * half, half)], heads_col)),
-                                by_row(ops.load(qkn_s.at[1, pl.ds(p * half, half)], heads_col)),
-                            )
+        with jax.named_scope("attention_rope"):
+            kind = ops.iota((head_rows, half), heads_layout)  # q heads, k, v (then v again)
+            sums = []
+            for vectors in parts:  # a half: [head_rows, half], vector r's sum in row r
+                x = by_row(sum(vectors[0]))
+                for r, partials in enumerate(vectors[1:], 1):
+                    x = jnp.where(kind >= r, by_row(sum(partials)), x)
+                sums.append(bf16(x))
+            xs = sums
+            if shape.qk_norm:
+                sq = sum(jnp.sum(x * x, axis=1) for x in xs)
+                inv = lax.rsqrt(sq / d + shape.eps)
+                inv = ops.cast(lax.broadcast_in_dim(inv, (head_rows, half), [0]), heads_layout)
+                xs = [
+                    bf16(
+                        bf16(x * inv)
+                        * jnp.where(
+                            kind < group,
+                            by_row(ops.load(qkn_s.at[0, pl.ds(p * half, half)], heads_col)),
+                            by_row(ops.load(qkn_s.at[1, pl.ds(p * half, half)], heads_col)),
                         )
-                        for p, x in enumerate(xs)
-                    ]
-                roped = xs
-                if shape.rope:
-                    cos = by_row(ops.load(rope_smem.at[row, 0], heads_col))
-                    sin = by_row(ops.load(rope_smem.at[row, 1], heads_col))
-                    x1, x2 = xs
-                    roped = (bf16(x1 * cos - x2 * sin), bf16(x2 * cos + x1 * sin))
-                for p, (x, y) in enumerate(zip(sums, roped, strict=True)):
-                    y = jnp.where(kind == group + 1, x, y)  # v: neither normed nor rotated
-                    rows_s[:, pl.ds(p * half, half)] = y
-                plgpu.commit_smem()
-            scale = 1.0 / math.sqrt(d)
-            # The group's query heads as rows 0..G-1 of a 64-row WGMMA operand (the rest zero):
-            # scores and P x V on the matrix units, and the softmax's reductions run along rows,
-            # within a thread's quad (with tokens along rows, every tile summed across warps).
-            with jax.named_scope("attention_q_tile"):
-                ids = ops.iota((TOKENS, d), WGMMA)
-                q_pad = ops.full((TOKENS, d), 0.0, WGMMA)
-                for g in range(group):
-                    q_row = lax.broadcast_in_dim(ops.load(rows_s.at[g]), (TOKENS, d), [1])
-                    q_pad = jnp.where(ids == g, q_row, q_pad)
-                q_s[...] = q_pad.astype(dtype)
-                k_cur = lax.broadcast_in_dim(ops.load(rows_s.at[group]), (TOKENS, d), [1])
-                s_cur = (q_pad * k_cur).sum(axis=1) * scale  # [64]: each head's own token's score
-                plgpu.commit_smem()
-            state = (  # a row's max and sum [64], its P x V [64, D]
-                ops.full((TOKENS,), NEG_INF),
-                ops.full((TOKENS,), 0.0),
-                ops.full((TOKENS, d), 0.0, WGMMA),
-            )
-
-            def tile(i, state):
-                m, l_sum, acc = state
-                pages = table.at[pl.ds(i * pages_per_tile, pages_per_tile)]
-
-                @pl.when(i != first)  # the first tile's pages are in and masked before the wait
-                def _():
-                    start_tile(layer, item, i, pages, scratch)
-                    pages_in(i)
-
-                valid = i * TOKENS + ops.iota((TOKENS,), COL) < pos
-
-                s = ops.matmul(q_s, k_s, transpose_b=True)  # [64 (heads), 64 (tokens)]
-                cols = lax.broadcast_in_dim(valid, (TOKENS, TOKENS), [1])
-                s = jnp.where(cols, s * scale, NEG_INF)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                alpha = jnp.exp(m - m_new)
-                p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_sum = l_sum * alpha + p.sum(axis=1)
-                pv = ops.matmul(p.astype(dtype), v_s)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
-                plgpu.commit_smem()  # every thread's reads done before the next tile's copies
-                return m_new, l_sum, acc
-
-            with jax.named_scope("attention_tiles"):
-                m, l_sum, acc = lax.fori_loop(first, last, tile, state)
-            # The last split adds the step's own token to its rows, on the tile as it is (split 0
-            # has the most cached tiles at short contexts).
-            with jax.named_scope("attention_merge"):
-                # [64]: a select's operands alike
-                owner = (ops.iota((TOKENS,)) >= 0) & (split == splits - 1)
-                m_new = jnp.where(owner, jnp.maximum(m, s_cur), m)
-                alpha = jnp.where(owner, jnp.exp(m - m_new), 1.0)
-                p = jnp.where(owner, jnp.exp(s_cur - m_new), 0.0)
-                v_cur = lax.broadcast_in_dim(ops.load(rows_s.at[group + 1]), (TOKENS, d), [1])
-                tile_s[:, :d] = (
-                    acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    + lax.broadcast_in_dim(p, acc.shape, [0]) * v_cur
-                )
-                stats_s[0] = m_new
-                stats_s[1] = l_sum * alpha + p
-                plgpu.commit_smem()
-            # What o_proj's merge reads: each head's P x V row, and its max and sum.
+                    )
+                    for p, x in enumerate(xs)
+                ]
+            roped = xs
+            if shape.rope:
+                cos = by_row(ops.load(rope_smem.at[row, 0], heads_col))
+                sin = by_row(ops.load(rope_smem.at[row, 1], heads_col))
+                x1, x2 = xs
+                roped = (bf16(x1 * cos - x2 * sin), bf16(x2 * cos + x1 * sin))
+            for p, (x, y) in enumerate(zip(sums, roped, strict=True)):
+                y = jnp.where(kind == group + 1, x, y)  # v: neither normed nor rotated
+                rows_s[:, pl.ds(p * half, half)] = y
+            plgpu.commit_smem()
+        scale = 1.0 / math.sqrt(d)
+        # The group's query heads as rows 0..G-1 of a 64-row WGMMA operand (the rest zero):
+        # scores and P x V on the matrix units, and the softmax's reductions run along rows,
+        # within a thread's quad (with tokens along rows, every tile summed across warps).
+        with jax.named_scope("attention_q_tile"):
+            ids = ops.iota((TOKENS, d), WGMMA)
+            q_pad = ops.full((TOKENS, d), 0.0, WGMMA)
             for g in range(group):
-                cols = pl.ds((head * group + g) * d, d)
-                plgpu.copy_smem_to_gmem(tile_s.at[g, :d], acc_ref.at[split, row, cols])
-            for i, dst in enumerate((m_ref, l_ref)):
-                stats = stats_s.at[i, pl.ds(0, dst.shape[-1])]  # the group's, then padding
-                plgpu.copy_smem_to_gmem(stats, dst.at[split, row, head])
+                q_row = lax.broadcast_in_dim(ops.load(rows_s.at[g]), (TOKENS, d), [1])
+                q_pad = jnp.where(ids == g, q_row, q_pad)
+            q_s[...] = q_pad.astype(dtype)
+            k_cur = lax.broadcast_in_dim(ops.load(rows_s.at[group]), (TOKENS, d), [1])
+            s_cur = (q_pad * k_cur).sum(axis=1) * scale  # [64]: each head's own token's score
+            plgpu.commit_smem()
+        state = (  # a row's max and sum [64], its P x V [64, D]
+            ops.full((TOKENS,), NEG_INF),
+            ops.full((TOKENS,), 0.0),
+            ops.full((TOKENS, d), 0.0, WGMMA),
+        )
 
-            @pl.when(split == splits - 1)
+        def tile(i, state):
+            m, l_sum, acc = state
+            pages = table.at[pl.ds(i * pages_per_tile, pages_per_tile)]
+
+            @pl.when(i != first)  # the first tile's pages are in and masked before the wait
             def _():
-                at = (head, scalars[3], pos % block_size)
-                cur = rows_s.at[pl.ds(group, 2)]  # the step's K and V rows
-                cur_s[...] = ops.load(cur, plgpu.Layout.WG_STRIDED((2, d), 1)).astype(dtype)
-                plgpu.commit_smem()
+                start_tile(layer, item, i, pages, scratch)
+                pages_in(i)
 
-                def append(*refs):  # the step's K and V rows into its slot
-                    for r, ref in enumerate(refs):
-                        plgpu.copy_smem_to_gmem(cur_s.at[r], ref.at[at])
+            valid = i * TOKENS + ops.iota((TOKENS,), COL) < pos
 
-                on_layer(layer, append)
+            s = ops.matmul(q_s, k_s, transpose_b=True)  # [64 (heads), 64 (tokens)]
+            cols = lax.broadcast_in_dim(valid, (TOKENS, TOKENS), [1])
+            s = jnp.where(cols, s * scale, NEG_INF)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_sum = l_sum * alpha + p.sum(axis=1)
+            pv = ops.matmul(p.astype(dtype), v_s)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+            plgpu.commit_smem()  # every thread's reads done before the next tile's copies
+            return m_new, l_sum, acc
 
-            with jax.named_scope("attention_store"):  # its outputs and the append land
-                plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("attention_tiles"):
+            m, l_sum, acc = lax.fori_loop(first, last, tile, state)
+        # The last split adds the step's own token to its rows, on the tile as it is (split 0
+        # has the most cached tiles at short contexts).
+        with jax.named_scope("attention_merge"):
+            # [64]: a select's operands alike
+            owner = (ops.iota((TOKENS,)) >= 0) & (split == splits - 1)
+            m_new = jnp.where(owner, jnp.maximum(m, s_cur), m)
+            alpha = jnp.where(owner, jnp.exp(m - m_new), 1.0)
+            p = jnp.where(owner, jnp.exp(s_cur - m_new), 0.0)
+            v_cur = lax.broadcast_in_dim(ops.load(rows_s.at[group + 1]), (TOKENS, d), [1])
+            tile_s[:, :d] = (
+                acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                + lax.broadcast_in_dim(p, acc.shape, [0]) * v_cur
+            )
+            stats_s[0] = m_new
+            stats_s[1] = l_sum * alpha + p
+            plgpu.commit_smem()
+        # What o_proj's merge reads: each head's P x V row, and its max and sum.
+        for g in range(group):
+            cols = pl.ds((head * group + g) * d, d)
+            plgpu.copy_smem_to_gmem(tile_s.at[g, :d], acc_ref.at[split, row, cols])
+        for i, dst in enumerate((m_ref, l_ref)):
+            stats = stats_s.at[i, pl.ds(0, dst.shape[-1])]  # the group's, then padding
+            plgpu.copy_smem_to_gmem(stats, dst.at[split, row, head])
 
-        scoped(*scratch)
+        @pl.when(split == splits - 1)
+        def _():
+            at = (head, scalars[3], pos % block_size)
+            cur = rows_s.at[pl.ds(group, 2)]  # the step's K and V rows
+            cur_s[...] = ops.load(cur, plgpu.Layout.WG_STRIDED((2, d), 1)).astype(dtype)
+            plgpu.commit_smem()
+
+            def append(*refs):  # the step's K and V rows into its slot
+                for r, ref in enumerate(refs):
+                    plgpu.copy_smem_to_gmem(cur_s.at[r], ref.at[at])
+
+            on_layer(layer, append)
+
+        with jax.named_scope("attention_store"):  # its outputs and the append land
+            plgpu.wait_smem_to_gmem(0)
 
     def wait_weights(slot):
         with jax.named_scope("weights_wait"):
@@ -896,7 +910,7 @@ def decoder_step_kernel(
             with jax.named_scope("rms_norm"):
                 normalize_h()
 
-    def layer_step(scratch, layer, carry):
+    def layer_step(scratch: _ItemScratch, layer, carry):
         """The layer's four phases, each this program's run of its tiles after its wait; its
         attention items between q/k/v and o_proj (its first item's first pages copied in from
         the start)."""
@@ -956,27 +970,26 @@ def decoder_step_kernel(
         return ys, t + 1, advance(fetch_at)
 
     def layers(*scratch):  # the attention items' SMEM, held through the layers' phases
-        return lax.fori_loop(
-            0, lay, functools.partial(layer_step, scratch), (jnp.int32(0), fetch_at)
-        )
+        step = functools.partial(layer_step, _ItemScratch(*scratch))
+        return lax.fori_loop(0, lay, step, (jnp.int32(0), fetch_at))
 
-    t, fetch_at = pl.run_scoped(
+    t, fetch_at = pl.run_scoped(  # in `_ItemScratch`'s order
         layers,
-        plgpu.SMEM((2, d), FLOAT),  # qkn_s: q_norm, k_norm
+        plgpu.SMEM((2, d), FLOAT),
         ops.union(
-            (  # k_s, v_s: a 64-token tile's pages
+            (
                 plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
                 plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
             ),
-            # tile_s: then the output tile, its rows 8 floats apart past D: a WGMMA row
-            # store 512 bytes a row apart hits 8 rows on the same banks
+            # tile_s's rows 8 floats apart past D: a WGMMA row store 512 bytes a row apart hits
+            # 8 rows on the same banks
             plgpu.SMEM((TOKENS, d + 8), FLOAT),
         ),
-        plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),  # q_s: the query tile
-        plgpu.SMEM((head_rows, d), FLOAT),  # rows_s: q heads, k, v normed and rotated
-        plgpu.SMEM((2, TOKENS), FLOAT),  # stats_s: each row's max and sum
-        plgpu.SMEM((2, d), dtype),  # cur_s: the step's K and V rows, to append
-        plgpu.Barrier(num_barriers=1),  # the q/k norms' scales
+        plgpu.SMEM((TOKENS, d), dtype, transforms=RING_TRANSFORMS),
+        plgpu.SMEM((head_rows, d), FLOAT),
+        plgpu.SMEM((2, TOKENS), FLOAT),
+        plgpu.SMEM((2, d), dtype),
+        plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=2 * pages_per_tile),
     )
     zeros = [ops.full((TILE_N,), 0.0) for _ in range(rows)]
