@@ -84,6 +84,7 @@ from bench.common import (  # noqa: E402
     parse_kernel_bench_args,
     report_kernel_bench,
 )
+from bench.step_kernels import compile_only_device, placed  # noqa: E402
 from pallas_kernels.decoder_step import decoder_head_reference  # noqa: E402
 from rosejax.layers.attention import ForwardMetadata  # noqa: E402
 from rosejax.layers.kv_cache import KVCache  # noqa: E402
@@ -264,8 +265,6 @@ def lower_for_gpu(modules: list, config, programs: int, args) -> None:
     full_shape, pages = family_of(config).decoder_shape(config), -(-max(args.context) // BLOCK_SIZE)
     device = None  # --ptxas: a compile-only H100
     if args.ptxas:
-        from bench.step_kernels import compile_only_device
-
         device = compile_only_device("h100")
     rows = []
     for name, module, keywords in modules:
@@ -280,8 +279,6 @@ def lower_for_gpu(modules: list, config, programs: int, args) -> None:
             if device is None:
                 jax.jit(step).trace(*operands).lower(lowering_platforms=("cuda",))
             else:
-                from bench.step_kernels import placed
-
                 with native_output() as text:
                     jax.jit(step).lower(*placed(operands, device)).compile()
                 usage = ptxas_usage(text[0])
