@@ -630,10 +630,14 @@ def decoder_step_kernel(
     def item_scalars(item):  # [C]: the item's row of `item_table`, in SMEM
         return items_s.at[(item - c) // programs]
 
+    def item_place(item):  # (row, KV head, split) of an attention item, as `item_table` deals them
+        row, head_split = item // (h_kv * splits), item % (h_kv * splits)
+        return row, head_split // splits, head_split % splits
+
     def start_tile(layer, item, i, pages, scratch: _ItemScratch):
         """Tile i of the item's cached pages (`pages`: a Ref of them) copied into its k_s, v_s
         (page j into rows j * block_size...)."""
-        head, pos = item % (h_kv * splits) // splits, item_scalars(item)[0]
+        (_, head, _), pos = item_place(item), item_scalars(item)[0]
         (k_s, v_s), _ = scratch.kv_out_s
         page_bars = scratch.page_bars
 
@@ -661,8 +665,7 @@ def decoder_step_kernel(
         row's query heads of the KV head over its range of 64-token tiles (the last split also the
         step's own token, which it appends to the cache). The program's first item's first tile
         was started with the layer."""
-        row, head_split = item // (h_kv * splits), item % (h_kv * splits)
-        head, split = head_split // splits, head_split % splits
+        row, head, split = item_place(item)
         scalars = item_scalars(item)
         pos, first, last = scalars[0], scalars[1], scalars[2]
         table = table_ref.at[row]
