@@ -303,12 +303,12 @@ def test_decoder_schedule_orders_every_phase(preset_name, programs):
     [
         (4, 2, 64, 16, 256, jnp.bfloat16, False, 1),
         (8, 2, 128, 8, 512, jnp.float16, False, 1),
-        (12, 2, 64, 32, 768, jnp.bfloat16, False, 1),
-        (8, 1, 128, 64, 512, jnp.bfloat16, False, 1),
+        pytest.param(12, 2, 64, 32, 768, jnp.bfloat16, False, 1, marks=pytest.mark.slow),
+        pytest.param(8, 1, 128, 64, 512, jnp.bfloat16, False, 1, marks=pytest.mark.slow),
         (2, 2, 256, 16, 256, jnp.float16, False, 1),
         (12, 12, 64, 16, 768, jnp.float16, True, 1),  # GPT-2 small's layer
         (8, 2, 128, 16, 512, jnp.bfloat16, False, 4),
-        (12, 12, 64, 16, 768, jnp.float16, True, 8),
+        pytest.param(12, 12, 64, 16, 768, jnp.float16, True, 8, marks=pytest.mark.slow),
     ],
 )
 def test_decoder_step_lowers_for_a_gpu(
@@ -491,13 +491,13 @@ def check_kernel_against_reference(
 @pytest.mark.parametrize(
     "name,splits,stages,cached",
     [
-        ("qwen3-g2-hd64-tied", 1, 1, (0,)),
+        pytest.param("qwen3-g2-hd64-tied", 1, 1, (0,), marks=pytest.mark.slow),
         pytest.param("qwen3-g2-hd64-tied", 3, 3, (77,), marks=pytest.mark.slow),
         ("llama-g4-hd128-untied", 2, 2, (150,)),
         pytest.param("llama-g4-hd128-untied", 1, 4, (9,), marks=pytest.mark.slow),
         pytest.param("llama-g2-hd128-e512", 2, 3, (70,), marks=pytest.mark.slow),
         ("gpt2-hd64-e512", 2, 2, (70,)),
-        ("qwen2-g2-hd64-bias", 2, 1, (33,)),
+        pytest.param("qwen2-g2-hd64-bias", 2, 1, (33,), marks=pytest.mark.slow),
         pytest.param("gpt2-hd64-e512", 1, 3, (5,), marks=pytest.mark.slow),
         ("qwen3-g2-hd64-tied", 2, 2, (70, 3, 130)),  # rows of other lengths in one step
         pytest.param("gpt2-hd64-e512", 1, 3, (20, 90), marks=pytest.mark.slow),
@@ -662,7 +662,7 @@ def test_one_kernel_step_programs_follow_what_builds():
     [
         ("qwen3-0.6b", 1, 4),
         pytest.param("qwen3-0.6b", 8, 3, marks=pytest.mark.slow),
-        ("llama-3.1-8b", 1, 4),
+        pytest.param("llama-3.1-8b", 1, 4, marks=pytest.mark.slow),
         pytest.param("llama-hd256", 1, 2, marks=pytest.mark.slow),
     ],
 )

@@ -424,16 +424,39 @@ def _chat_checkpoint(tmp_path_factory, name: str, model_type: str, vocab: int):
     return str(path)
 
 
-@pytest.mark.skipif(not os.path.isdir(TOKENIZERS), reason="needs ../shared/tokenizers")
-@pytest.mark.parametrize(
-    "name, model_type, vocab", [("qwen3", "qwen3", 151936), ("llama3", "llama", 128256)]
-)
-def test_chat_prompt_ids_are_the_chat_template(tmp_path_factory, name, model_type, vocab):
+CHAT_MODELS = {"qwen3": ("qwen3", 151936), "llama3": ("llama", 128256)}
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """(tokenizer, LLM) by tokenizer name, each built once a module (a real vocab's head is
+    what these tests spend their time compiling); contexts of 64 tokens."""
     from transformers import AutoTokenizer
 
-    path = _chat_checkpoint(tmp_path_factory, name, model_type, vocab)
-    tok = AutoTokenizer.from_pretrained(path)
-    llm = LLM(path, block_size=16, max_batch_size=2, warmup=False, dtype="float32")
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            path = _chat_checkpoint(tmp_path_factory, name, *CHAT_MODELS[name])
+            llm = LLM(
+                path,
+                block_size=16,
+                max_batch_size=2,
+                warmup=False,
+                dtype="float32",
+                max_model_len=64,
+            )
+            built[name] = AutoTokenizer.from_pretrained(path), llm
+        return built[name]
+
+    return get
+
+
+@pytest.mark.skipif(not os.path.isdir(TOKENIZERS), reason="needs ../shared/tokenizers")
+@pytest.mark.xdist_group("chat")  # one worker builds each chat model once
+@pytest.mark.parametrize("name", list(CHAT_MODELS))
+def test_chat_prompt_ids_are_the_chat_template(chat_model, name):
+    tok, llm = chat_model(name)
     messages = [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Hello, who are you?"},
@@ -457,25 +480,20 @@ def test_chat_prompt_ids_are_the_chat_template(tmp_path_factory, name, model_typ
 
 
 @pytest.mark.skipif(not os.path.isdir(TOKENIZERS), reason="needs ../shared/tokenizers")
+@pytest.mark.xdist_group("chat")
 def test_chat_server_takes_template_kwargs_a_developer_message_and_the_rest_of_the_context(
-    tmp_path_factory,
+    chat_model,
 ):
     """Over HTTP as through LLM.chat: chat_template_kwargs reach Qwen3's template (thinking
     off), a developer message renders as the system message it is (the template drops roles
     it does not know), and a chat without max_tokens runs to the end of the context, as
     OpenAI's and vLLM's do; a template that fails is a 400 here and a ValueError offline."""
     import httpx
-    from transformers import AutoTokenizer
 
     from rosejax.serve import create_app
     from tests.test_server import ServerThread
 
-    path = _chat_checkpoint(tmp_path_factory, "qwen3", "qwen3", 151936)
-    tok = AutoTokenizer.from_pretrained(path)
-    # A context of 64 (the checkpoint's is 256): the chat below runs to its end.
-    llm = LLM(
-        path, block_size=16, max_batch_size=2, warmup=False, dtype="float32", max_model_len=64
-    )
+    tok, llm = chat_model("qwen3")  # a context of 64 (the checkpoint's 256): the chat runs to it
     words = np.random.default_rng().choice(["terse", "kind", "brief", "exact"], 3)
     asked = [
         {"role": "developer", "content": f"Be {words[0]}."},
