@@ -7,6 +7,7 @@ chat prompts through the real Qwen3 and Llama 3 chat templates."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -404,50 +405,44 @@ def test_tiny_presets_run():
 # --------------------------------------------------------------------------------------- chat
 
 
-def _chat_checkpoint(tmp_path_factory, name: str, model_type: str, vocab: int):
-    """A one-layer model of the real vocab with the real tokenizer beside it."""
-    path = tmp_path_factory.mktemp(f"chat-{name}")
-    make_checkpoint(
-        path,
-        model_type,
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(TOKENIZERS, name, f), path)
-    return str(path)
-
-
-CHAT_MODELS = {"qwen3": ("qwen3", 151936), "llama3": ("llama", 128256)}
+CHAT_MODELS = {"qwen3": ("qwen3", 151936), "llama3": ("llama", 128256)}  # model type, vocab
+CHAT_CONTEXT = 64  # the engines' context (the checkpoints' is 256): a chat can run to its end
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """(tokenizer, LLM) by tokenizer name, each built once a module (a real vocab's head is
-    what these tests spend their time compiling); contexts of 64 tokens."""
+    what these tests spend their time compiling): a one-layer model of the real vocab with the
+    real tokenizer beside it."""
     from transformers import AutoTokenizer
 
-    built = {}
-
+    @functools.cache
     def get(name: str):
-        if name not in built:
-            path = _chat_checkpoint(tmp_path_factory, name, *CHAT_MODELS[name])
-            llm = LLM(
-                path,
-                block_size=16,
-                max_batch_size=2,
-                warmup=False,
-                dtype="float32",
-                max_model_len=64,
-            )
-            built[name] = AutoTokenizer.from_pretrained(path), llm
-        return built[name]
+        model_type, vocab = CHAT_MODELS[name]
+        path = tmp_path_factory.mktemp(f"chat-{name}")
+        make_checkpoint(
+            path,
+            model_type,
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=256,
+        )
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(TOKENIZERS, name, f), path)
+        llm = LLM(
+            str(path),
+            block_size=16,
+            max_batch_size=2,
+            warmup=False,
+            dtype="float32",
+            max_model_len=CHAT_CONTEXT,
+        )
+        return AutoTokenizer.from_pretrained(path), llm
 
     return get
 
@@ -493,7 +488,7 @@ def test_chat_server_takes_template_kwargs_a_developer_message_and_the_rest_of_t
     from rosejax.serve import create_app
     from tests.test_server import ServerThread
 
-    tok, llm = chat_model("qwen3")  # a context of 64 (the checkpoint's 256): the chat runs to it
+    tok, llm = chat_model("qwen3")
     words = np.random.default_rng().choice(["terse", "kind", "brief", "exact"], 3)
     asked = [
         {"role": "developer", "content": f"Be {words[0]}."},
@@ -515,7 +510,7 @@ def test_chat_server_takes_template_kwargs_a_developer_message_and_the_rest_of_t
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
         assert usage["prompt_tokens"] == len(want)
-        assert usage["completion_tokens"] == 64 - len(want)  # the context's end
+        assert usage["completion_tokens"] == CHAT_CONTEXT - len(want)  # the context's end
         bad = {**body, "chat_template_kwargs": {"tokenize": True}}  # the template call's own
         r = httpx.post(server.url + "/v1/chat/completions", json=bad, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
