@@ -751,7 +751,10 @@ def test_engine_one_kernel_step_rows_match_hf(hf_checkpoint, mosaic_gpu_interpre
     assert 4 in rows
 
 
-@pytest.mark.parametrize("live", [(True,), (False,), (True, False, True)])
+@pytest.mark.parametrize(
+    "live",  # a lone dead row: the three rows' dead one, alone (slow)
+    [(True,), pytest.param((False,), marks=pytest.mark.slow), (True, False, True)],
+)
 def test_one_kernel_step_glue_matches_model(checkpoint, monkeypatch, live):
     """The engine's route into the kernel (`kernel_decode_step`: each row's embedding (and
     GPT-2's position), RoPE angles, a dead row's scratch slot, the logits' vocabulary and dtype)

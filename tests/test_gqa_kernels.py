@@ -115,10 +115,7 @@ def make_gqa_case(rng, b, h, group, d, bs, mb, dtype):
     return q, k, v, tables, lengths
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gqa_decode_matches_oracle(impl, shape, dtype):
+def check_gqa_decode(impl, shape, dtype):
     rng = np.random.default_rng()
     q, k, v, tables, lengths = make_gqa_case(rng, *shape, dtype)
     hq = q.shape[1]
@@ -129,6 +126,22 @@ def test_gqa_decode_matches_oracle(impl, shape, dtype):
     ref = gqa_oracle(q, k, v, np.asarray(tables), np.asarray(lengths), shape[2])
     err = np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(ref)
     assert err <= TOL[dtype]
+
+
+@pytest.mark.parametrize(
+    "impl,shape,dtype", pairwise(impl=list(IMPLS), shape=SHAPES, dtype=["float32", "bfloat16"])
+)
+def test_gqa_decode_matches_oracle(impl, shape, dtype):
+    """Every implementation at every shape and dtype, each pair once. Every case: below."""
+    check_gqa_decode(impl, shape, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gqa_decode_matches_oracle_every_case(impl, shape, dtype):
+    check_gqa_decode(impl, shape, dtype)
 
 
 @pytest.mark.parametrize("impl", APPEND_IMPLS)
@@ -601,10 +614,7 @@ PREFILL_IMPLS = {
 }
 
 
-@pytest.mark.parametrize("impl", PREFILL_IMPLS)
-@pytest.mark.parametrize("h, group, d", [(2, 2, 64), (1, 4, 128)])
-@pytest.mark.parametrize("cached", [[0, 0], [0, 37, 5]], ids=["fresh", "prefix"])
-def test_paged_prefill_matches_oracle(impl, h, group, d, cached):
+def check_paged_prefill(impl, h, group, d, cached):
     """Rows continuing cached prefixes (or not) with chunks of different lengths, padded to T;
     a padded row (seq_lens 0) gives zeros. Real tokens checked against the oracle. Chunks of up
     to 40 tokens give 16-row tiles pages they see whole and pages they see in part."""
@@ -639,6 +649,30 @@ def test_paged_prefill_matches_oracle(impl, h, group, d, cached):
         for i in range(n):
             want = gqa_oracle(q[row, i][None], k, v, tables[row][None], [c + i + 1], group)
             np.testing.assert_allclose(out[row, i][None], want, rtol=1e-4, atol=1e-5)
+
+
+PREFILL_AXES = dict(
+    impl=list(PREFILL_IMPLS),
+    hgd={"2-2-64": (2, 2, 64), "1-4-128": (1, 4, 128)},  # KV heads, group, head dim
+    cached={"fresh": [0, 0], "prefix": [0, 37, 5]},
+)
+
+
+@pytest.mark.parametrize("impl,hgd,cached", pairwise(**PREFILL_AXES))
+def test_paged_prefill_matches_oracle(impl, hgd, cached):
+    """Each implementation with each head layout and each kind of prefix, each pair once.
+    Every case: below."""
+    check_paged_prefill(impl, *hgd, cached)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", PREFILL_AXES["impl"])
+@pytest.mark.parametrize("hgd", PREFILL_AXES["hgd"].values(), ids=list(PREFILL_AXES["hgd"]))
+@pytest.mark.parametrize(
+    "cached", PREFILL_AXES["cached"].values(), ids=list(PREFILL_AXES["cached"])
+)
+def test_paged_prefill_matches_oracle_every_case(impl, hgd, cached):
+    check_paged_prefill(impl, *hgd, cached)
 
 
 @pytest.mark.parametrize("t,want", [(1, 16), (8, 16), (17, 32), (100, 128), (4096, 128)])
