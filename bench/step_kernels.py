@@ -16,6 +16,13 @@ add apart) that a device's autotuning may not pick: count those buckets' GEMMs a
     JAX_PLATFORMS=cpu python bench/step_kernels.py --model random:gpt2 --batch 16
     JAX_PLATFORMS=cpu python bench/step_kernels.py --model random:qwen3-0.6b --max-model-len 2048 --batch 256 \\
         --dtype bfloat16 --target h200 --hlo-out /tmp/q256.hlo
+
+The engine here holds 16 rows, so its decode runs the per-op kernels even at `--batch 1`; an
+engine of one row on an H100 runs the one-kernel step instead (`decoder_step_programs` auto: the
+GPU's SMs). To count that step's trip, name its programs:
+
+    JAX_PLATFORMS=cpu python bench/step_kernels.py --model random:gpt2 --batch 1 \\
+        --kernel decoder_step_programs=132
 """
 
 from __future__ import annotations
