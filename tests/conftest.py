@@ -152,6 +152,23 @@ def _case_id(value) -> str:
     return str(value)
 
 
+def _axis_values(axes: dict) -> list:
+    """Each axis's (id, value) pairs: a dict's items, or a list's values with ids made of them."""
+    return [
+        list(v.items()) if isinstance(v, dict) else [(_case_id(x), x) for x in v]
+        for v in axes.values()
+    ]
+
+
+def every_case(**axes) -> list:
+    """Every parameter set of the product of `axes` (as `pairwise` takes them), with the ids
+    `pairwise` gives: the slow suite's whole matrix beside a quick suite's pairs."""
+    return [
+        pytest.param(*(value for _, value in case), id="-".join(i for i, _ in case))
+        for case in itertools.product(*_axis_values(axes))
+    ]
+
+
 def pairwise(**axes) -> list:
     """Parameter sets for `pytest.mark.parametrize(",".join(axes), pairwise(...))` that cover
     every pair of values of any two axes (each axis: a list of values, or a dict id -> value),
@@ -161,10 +178,7 @@ def pairwise(**axes) -> list:
     one of the product that covers the most pairs not covered yet, ties going to the values
     used least so far (so the axes a pair leaves free still vary)."""
     names = list(axes)
-    values = [
-        list(v.items()) if isinstance(v, dict) else [(_case_id(x), x) for x in v]
-        for v in axes.values()
-    ]
+    values = _axis_values(axes)
     pairs = list(itertools.combinations(range(len(names)), 2))
     uncovered = {
         (i, a, j, b) for i, j in pairs for a in range(len(values[i])) for b in range(len(values[j]))

@@ -38,7 +38,7 @@ from pallas_kernels.rms_norm import (
 )
 from rosejax.layers.attention import paged_attention_xla
 from rosejax.layers.rotary import rope_cos_sin, rope_inv_freq
-from tests.conftest import INTERPRET, pairwise
+from tests.conftest import INTERPRET, every_case, pairwise
 from tests.test_paged_attention import TOL, make_case, make_live_case, oracle
 
 
@@ -128,18 +128,17 @@ def check_gqa_decode(impl, shape, dtype):
     assert err <= TOL[dtype]
 
 
-@pytest.mark.parametrize(
-    "impl,shape,dtype", pairwise(impl=list(IMPLS), shape=SHAPES, dtype=["float32", "bfloat16"])
-)
+DECODE_AXES = dict(impl=list(IMPLS), shape=SHAPES, dtype=["float32", "bfloat16"])
+
+
+@pytest.mark.parametrize("impl,shape,dtype", pairwise(**DECODE_AXES))
 def test_gqa_decode_matches_oracle(impl, shape, dtype):
     """Every implementation at every shape and dtype, each pair once. Every case: below."""
     check_gqa_decode(impl, shape, dtype)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("impl,shape,dtype", every_case(**DECODE_AXES))
 def test_gqa_decode_matches_oracle_every_case(impl, shape, dtype):
     check_gqa_decode(impl, shape, dtype)
 
@@ -666,11 +665,7 @@ def test_paged_prefill_matches_oracle(impl, hgd, cached):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", PREFILL_AXES["impl"])
-@pytest.mark.parametrize("hgd", PREFILL_AXES["hgd"].values(), ids=list(PREFILL_AXES["hgd"]))
-@pytest.mark.parametrize(
-    "cached", PREFILL_AXES["cached"].values(), ids=list(PREFILL_AXES["cached"])
-)
+@pytest.mark.parametrize("impl,hgd,cached", every_case(**PREFILL_AXES))
 def test_paged_prefill_matches_oracle_every_case(impl, hgd, cached):
     check_paged_prefill(impl, *hgd, cached)
 
