@@ -471,7 +471,7 @@ def decoder_step_kernel(
     interpret: bool,
 ):
     """One program's share of the step. Refs: tiles, norms, qk_norms, (biases,) final_norm, head,
-    rope [R, 2, D/2], block_tables [R, pages], the items' scalars (`item_table`); h [R, E]
+    (rope [R, 2, D/2] where the model has RoPE,) block_tables [R, pages], the items' scalars (`item_table`); h [R, E]
     float32, the L K and L V caches [H, blocks, block_size, D] (all three updated in place); the
     buffers between phases (q/k/v and gate/up partials, attention partials) and the logits [R, V];
     scratch."""
@@ -488,10 +488,13 @@ def decoder_step_kernel(
 
     tiles_ref, norms_ref, qk_norms_ref, *refs = refs
     biases_ref = refs.pop(0) if shape.biases else None
-    final_norm_ref, head_ref, rope_ref, table_ref, items_ref, h_ref = refs[:6]
-    k_refs, v_refs, rest = refs[6 : 6 + lay], refs[6 + lay : 6 + 2 * lay], refs[6 + 2 * lay :]
+    final_norm_ref, head_ref, *refs = refs
+    rope_ref = refs.pop(0) if shape.rope else None
+    table_ref, items_ref, h_ref = refs[:3]
+    k_refs, v_refs, rest = refs[3 : 3 + lay], refs[3 + lay : 3 + 2 * lay], refs[3 + 2 * lay :]
     qkv_ref, gu_ref, acc_ref, m_ref, l_ref, logits_ref = rest[:6]
-    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, rope_smem, *rest = rest[6:]
+    ring, ring_bar, h_smem, norm_smem, x_smem, o_smem, *rest = rest[6:]
+    rope_smem = rest.pop(0) if shape.rope else None
     items_s, bars, *bias_ring = rest
 
     c = lax.axis_index("program")
@@ -531,7 +534,8 @@ def decoder_step_kernel(
         return jnp.where(wrap, layer + 1, layer), jnp.where(wrap, 0, s + 1)
 
     # The first weight tiles' copies go out before the row inputs' wait.
-    row_inputs = _start_copies([(rope_ref, rope_smem), (items_ref.at[c], items_s)], bars)
+    copies = [(rope_ref, rope_smem)] if shape.rope else []
+    row_inputs = _start_copies([*copies, (items_ref.at[c], items_s)], bars)
     fetch_at = (jnp.where(own == 0, lay, 0), jnp.int32(0))
     for i in range(stages):
         fetch(fetch_at, i)
@@ -1209,7 +1213,7 @@ def check_decoder_step(
 def decoder_step(
     weights: dict,  # pack_decoder_weights | head_weights
     h: jax.Array,  # float32 [R, E]: each row's token's embedding
-    rope: jax.Array,  # float32 [R, 2, D/2]: cos, sin of its position (unread without RoPE)
+    rope: jax.Array,  # float32 [R, 2, D/2]: cos, sin of its position (not passed without RoPE)
     block_tables: jax.Array,  # int32 [R, pages]: each row's pages
     seq_lens: jax.Array,  # int32 [R]: each row's length with the step's token
     k_caches: list,  # L x [H, blocks, block_size, D]
@@ -1302,7 +1306,10 @@ def decoder_step(
         plgpu.SMEM((shape.norm_rows, e), FLOAT),  # a norm's scale (and shift)
         plgpu.SMEM((rows, TILE_K), FLOAT),  # x_smem: a tile's inputs
         plgpu.SMEM((2, rows, TILE_N), FLOAT),  # o_smem: its outputs, double-buffered
-        plgpu.SMEM((rows, 2, d // 2), FLOAT),  # rope_smem
+    ]
+    if shape.rope:
+        scratch.append(plgpu.SMEM((rows, 2, d // 2), FLOAT))  # rope_smem
+    scratch += [
         plgpu.SMEM(items.shape[1:], jnp.int32),  # items_s: the program's items' scalars
         plgpu.Barrier(num_barriers=max(2, shape.norm_rows * kt_e)),  # a norm's boxes (rope's: 2)
     ]
@@ -1325,7 +1332,10 @@ def decoder_step(
     )
     inputs = (tiles, weights["norms"], weights["qk_norms"])
     inputs += (weights["biases"],) if shape.biases else ()
-    inputs += (weights["final_norm"], weights["head"], rope, block_tables, items)
+    inputs += (weights["final_norm"], weights["head"])
+    # Without RoPE nothing reads it, and XLA drops the unread operand's computation.
+    inputs += (rope,) if shape.rope else ()
+    inputs += (block_tables, items)
 
     def in_place(refs):  # the kernel writes h and the caches where they are
         h_ref, caches, logits_ref = refs
