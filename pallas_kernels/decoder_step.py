@@ -471,10 +471,10 @@ def decoder_step_kernel(
     interpret: bool,
 ):
     """One program's share of the step. Refs: tiles, norms, qk_norms, (biases,) final_norm, head,
-    (rope [R, 2, D/2] where the model has RoPE,) block_tables [R, pages], the items' scalars (`item_table`); h [R, E]
-    float32, the L K and L V caches [H, blocks, block_size, D] (all three updated in place); the
-    buffers between phases (q/k/v and gate/up partials, attention partials) and the logits [R, V];
-    scratch."""
+    (rope [R, 2, D/2] where the model has RoPE,) block_tables [R, pages], the items' scalars
+    (`item_table`); h [R, E] float32, the L K and L V caches [H, blocks, block_size, D] (all three
+    updated in place); the buffers between phases (q/k/v and gate/up partials, attention
+    partials) and the logits [R, V]; scratch."""
     lay, e, hq, h_kv, d = shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
     f, group, half = shape.intermediate, shape.group, shape.head_dim // 2
     starts, blocks = shape.phase_starts(), shape.phase_blocks()
