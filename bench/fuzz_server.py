@@ -5,8 +5,10 @@ other schemathesis check is reported beside it. Needs the test extra (schemathes
 
     python -m bench.fuzz_server --max-examples 500 --seed 1
 
-prints one JSON line: the `st` command, requests sent, answers by status, 5xx count, the checks
-that failed, and whether the server was left idle (no request, no KV block) with its RSS.
+prints one JSON line: the `st` command, requests sent, answers by status, 5xx count and the
+first 5xx and unanswered requests (status 0: no answer within schemathesis's 120 s, or the
+connection dropped), the checks that failed, and whether the server was left idle (no request,
+no KV block) with its RSS.
 """
 
 from __future__ import annotations
@@ -75,11 +77,9 @@ def fuzz(
         with open(har) as f:
             entries = json.load(f)["log"]["entries"]
     statuses = collections.Counter(e["response"]["status"] for e in entries)
-    server_errors = [
-        {"method": e["request"]["method"], "url": e["request"]["url"], "status": s}
-        for e in entries
-        if (s := e["response"]["status"]) >= 500
-    ]
+    server_errors = [_request_of(e) for e in entries if e["response"]["status"] >= 500]
+    # Status 0: no answer came (the client's 120 s timeout, or the connection dropped).
+    unanswered = [_request_of(e) for e in entries if e["response"]["status"] == 0]
     failed = sorted(
         {line.split("- ", 1)[1].strip() for line in proc.stdout.splitlines() if "- ST" in line}
     )
@@ -90,11 +90,24 @@ def fuzz(
         "statuses": dict(sorted(statuses.items())),
         "server_errors": len(server_errors),
         "server_error_requests": server_errors[:20],
+        "unanswered_requests": unanswered[:20],
         "checks_failed": failed,
         # schemathesis's own reproduction of each failure it reports
         "reproduce": [line.strip() for line in proc.stdout.splitlines() if "curl " in line][:10],
         "st_exit_code": proc.returncode,
         "st_summary": proc.stdout.split("SUMMARY", 1)[-1].strip()[-2000:],
+    }
+
+
+def _request_of(entry: dict) -> dict:
+    """A HAR entry's request as the summary shows it: method, URL, status, ms, body (cut)."""
+    request = entry["request"]
+    return {
+        "method": request["method"],
+        "url": request["url"],
+        "status": entry["response"]["status"],
+        "ms": round(entry.get("time", 0)),
+        "body": request.get("postData", {}).get("text", "")[:500],
     }
 
 
