@@ -1307,7 +1307,7 @@ def decoder_step(
         plgpu.SMEM((rows, TILE_K), FLOAT),  # x_smem: a tile's inputs
         plgpu.SMEM((2, rows, TILE_N), FLOAT),  # o_smem: its outputs, double-buffered
     ]
-    if shape.rope:
+    if shape.rope:  # where it always was: RoPE models' SMEM layout (a TMA target) as compiled
         scratch.append(plgpu.SMEM((rows, 2, d // 2), FLOAT))  # rope_smem
     scratch += [
         plgpu.SMEM(items.shape[1:], jnp.int32),  # items_s: the program's items' scalars
