@@ -502,6 +502,8 @@ def check_kernel_against_reference(
         pytest.param("gpt2-hd64-e512", 1, 3, (5,), marks=pytest.mark.slow),
         ("qwen3-g2-hd64-tied", 2, 2, (70, 3, 130)),  # rows of other lengths in one step
         pytest.param("gpt2-hd64-e512", 1, 3, (20, 90), marks=pytest.mark.slow),
+        ("gpt2-hd64-e512", 4, 2, (5,)),  # splits 1 and 2 have no tile
+        pytest.param("qwen3-g2-hd64-tied", 4, 2, (70, 3, 130), marks=pytest.mark.slow),
     ],
 )
 def test_decoder_step_interpreted_matches_reference(
