@@ -415,7 +415,7 @@ def item_table(
     rows, width = block_tables.shape
     items = rows * kv_heads * splits
     row, split = jnp.arange(items) // (kv_heads * splits), jnp.arange(items) % splits
-    pos = seq_lens[row] - 1
+    pos = jnp.maximum(seq_lens[row], 1) - 1  # a dead row (length 0): its own token alone
     tiles = (pos + TOKENS - 1) // TOKENS
     per_split = (tiles + splits - 1) // splits
     first = jnp.minimum(split * per_split, tiles)
@@ -424,7 +424,8 @@ def item_table(
     at = jnp.clip(
         first[:, None] * (TOKENS // block_size) + jnp.arange(TOKENS // block_size), 0, width - 1
     )
-    slot_page = table[jnp.arange(items), jnp.maximum(pos, 0) // block_size]
+    # A dead row writes position 0 of block 0 (scratch): its table may hold freed blocks.
+    slot_page = jnp.where(seq_lens[row] > 0, table[jnp.arange(items), pos // block_size], 0)
     cols = jnp.concatenate(
         [jnp.stack([pos, first, last, slot_page], axis=1), jnp.take_along_axis(table, at, axis=1)],
         axis=1,
@@ -1215,7 +1216,7 @@ def decoder_step(
     h: jax.Array,  # float32 [R, E]: each row's token's embedding
     rope: jax.Array,  # float32 [R, 2, D/2]: cos, sin of its position (not passed without RoPE)
     block_tables: jax.Array,  # int32 [R, pages]: each row's pages
-    seq_lens: jax.Array,  # int32 [R]: each row's length with the step's token
+    seq_lens: jax.Array,  # int32 [R]: each row's length with the step's token; 0: a dead row
     k_caches: list,  # L x [H, blocks, block_size, D]
     v_caches: list,  # L x [H, blocks, block_size, D]
     *,
@@ -1228,7 +1229,8 @@ def decoder_step(
 ) -> tuple[jax.Array, jax.Array, list, list]:
     """R rows' decode step (R <= MAX_ROWS): their tokens' logits (float32 [R, V]: the final norm
     and LM head after every layer), h after every layer (float32 [R, E]) and the caches with
-    the tokens' K/V appended (each row's slot its own).
+    the tokens' K/V appended (each row's slot its own). A dead row (length 0) attends to its own
+    token alone and writes position 0 of block 0 (a scratch block): its pages are never read.
     `programs` must not exceed the GPU's SMs (all must be resident: they wait for each other).
     `splits` (attention items a row and KV head, dealt round-robin to the programs) defaults to
     what fits the programs, at most 8; `stages` (weight tiles in flight a program, 32 KiB of SMEM
@@ -1408,7 +1410,8 @@ def _row_reference(
     """One row of `decoder_step_reference`: (logits [V], h [E], k_caches, v_caches)."""
     d, hq, h_kv = shape.head_dim, shape.heads, shape.kv_heads
     block_size = k_caches[0].shape[2]
-    pos = seq_len - 1
+    block_table = jnp.where(seq_len > 0, block_table, 0)  # a dead row's: block 0 (scratch)
+    pos = jnp.maximum(seq_len, 1) - 1
     page, offset = block_table[pos // block_size], pos % block_size
     cos, sin = rope[:1], rope[1:]
     positions = jnp.arange(block_table.shape[0] * block_size)

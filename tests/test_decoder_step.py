@@ -437,7 +437,8 @@ def check_kernel_against_reference(
     """The kernel against `decoder_step_reference` (bf16 random params) on caches poisoned with
     random values (NaN past each row's token, in its pages: slots the step must not read), for a
     row of each length in `cached` (its tokens in the cache; each row's pages its own, out of
-    order): what the layers add to each row's h, every 64-logit block of the head's, each row's
+    order; -1: a dead row, length 0, every page of its table NaN, its K/V to block 0's first
+    slot): what the layers add to each row's h, every 64-logit block of the head's, each row's
     K/V slot of every layer, and every other cache element kept."""
     shape, rows = shape_of(config), len(cached)
     rng = np.random.default_rng(sum(cached))
@@ -453,7 +454,7 @@ def check_kernel_against_reference(
             cache[:, table[stale // block_size], stale % block_size] = np.nan
     ks, vs = ([jnp.asarray(c, jnp.bfloat16) for c in caches] for caches in (ks, vs))
     inputs = family_of(config).one_kernel_inputs
-    rope = jnp.stack([inputs(params, config, 0, n)[1] for n in cached])
+    rope = jnp.stack([inputs(params, config, 0, max(n, 0))[1] for n in cached])
     h0 = jnp.asarray(rng.normal(size=(rows, shape.hidden)), jnp.float32)
     inputs = (h0, rope, tables, jnp.asarray(cached, jnp.int32) + 1)
     parts = (layers_of(config, params), head_of(config, params), shape)
@@ -483,7 +484,7 @@ def check_kernel_against_reference(
         g, w, before = (np.asarray(a, np.float32) for a in (g, w, before))
         written = np.zeros(g.shape, bool)
         for table, n in zip(np.asarray(tables), cached, strict=True):
-            written[:, table[n // block_size], n % block_size] = True
+            written[:, table[n // block_size] if n >= 0 else 0, max(n, 0) % block_size] = True
         np.testing.assert_array_equal(g[~written], before[~written])
         assert rel_err(g[written], w[written]) <= 2e-2
 
@@ -500,7 +501,7 @@ def check_kernel_against_reference(
         ("gpt2-hd64-e512", 2, 2, (70,)),
         pytest.param("qwen2-g2-hd64-bias", 2, 1, (33,), marks=pytest.mark.slow),
         pytest.param("gpt2-hd64-e512", 1, 3, (5,), marks=pytest.mark.slow),
-        ("qwen3-g2-hd64-tied", 2, 2, (70, 3, 130)),  # rows of other lengths in one step
+        ("qwen3-g2-hd64-tied", 2, 2, (70, 3, -1, 130)),  # rows of other lengths, a dead one
         pytest.param("gpt2-hd64-e512", 1, 3, (20, 90), marks=pytest.mark.slow),
         ("gpt2-hd64-e512", 4, 2, (5,)),  # splits 1 and 2 have no tile
         pytest.param("qwen3-g2-hd64-tied", 4, 2, (70, 3, 130), marks=pytest.mark.slow),
@@ -534,7 +535,7 @@ SETTINGS = [
     (132, 16, 3, (63,)),
     (37, 4, 2, (64,)),
     (96, 12, 4, (1000,)),
-    (132, None, 3, (100, 7, 300, 40)),
+    (132, None, 3, (100, 7, -1, 300, 40)),  # -1: a dead row
     (132, None, 2, (5, 64, 65, 1, 900, 17, 128, 33)),
 ]
 

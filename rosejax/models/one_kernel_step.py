@@ -112,20 +112,18 @@ def kernel_decode_step(
     and RoPE's cos, sin [2, D/2]), then every layer, the final norm and the head in
     `decoder_step` (the residual stream in float32) -> (logits [R, 1, V] in the head's dtype,
     cache). A dead row (length 0) writes position 0 of the scratch block, as `cache_slots` sends
-    it."""
-    live = meta.seq_lens > 0  # [R]
-    seq_lens = jnp.where(live, meta.seq_lens, 1)
-    tables = jnp.where(live[:, None], meta.block_tables, 0)  # [R, MB]
+    it (the kernel's own handling: no select of the tables a step)."""
+    positions = jnp.maximum(meta.seq_lens - 1, 0)  # [R]
     h, rope = jax.vmap(lambda token, position: inputs(params, config, token, position))(
-        tokens[:, 0], seq_lens - 1
+        tokens[:, 0], positions
     )
     weights = params[DECODER_STEP]
     logits, _, k, v = decoder_step(
         weights,
         h,
         rope,
-        tables,
-        seq_lens,
+        meta.block_tables,
+        meta.seq_lens,
         cache.k,
         cache.v,
         shape=shape,
