@@ -415,7 +415,7 @@ def item_table(
     rows, width = block_tables.shape
     items = rows * kv_heads * splits
     row, split = jnp.arange(items) // (kv_heads * splits), jnp.arange(items) % splits
-    pos = jnp.maximum(seq_lens[row], 1) - 1  # a dead row (length 0): its own token alone
+    pos = jnp.maximum(seq_lens[row] - 1, 0)  # a dead row (length 0): its own token alone
     tiles = (pos + TOKENS - 1) // TOKENS
     per_split = (tiles + splits - 1) // splits
     first = jnp.minimum(split * per_split, tiles)
@@ -1411,7 +1411,7 @@ def _row_reference(
     d, hq, h_kv = shape.head_dim, shape.heads, shape.kv_heads
     block_size = k_caches[0].shape[2]
     block_table = jnp.where(seq_len > 0, block_table, 0)  # a dead row's: block 0 (scratch)
-    pos = jnp.maximum(seq_len, 1) - 1
+    pos = jnp.maximum(seq_len - 1, 0)
     page, offset = block_table[pos // block_size], pos % block_size
     cos, sin = rope[:1], rope[1:]
     positions = jnp.arange(block_table.shape[0] * block_size)

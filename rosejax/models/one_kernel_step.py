@@ -111,8 +111,8 @@ def kernel_decode_step(
     """A decode step of R rows: the family's `inputs` of each (h before the layers, float32 [E],
     and RoPE's cos, sin [2, D/2]), then every layer, the final norm and the head in
     `decoder_step` (the residual stream in float32) -> (logits [R, 1, V] in the head's dtype,
-    cache). A dead row (length 0) writes position 0 of the scratch block, as `cache_slots` sends
-    it (the kernel's own handling: no select of the tables a step)."""
+    cache). A dead row (length 0) goes to `decoder_step` as it is, which writes its K/V to
+    position 0 of the scratch block, as `cache_slots` sends it."""
     positions = jnp.maximum(meta.seq_lens - 1, 0)  # [R]
     h, rope = jax.vmap(lambda token, position: inputs(params, config, token, position))(
         tokens[:, 0], positions
