@@ -516,7 +516,7 @@ def test_streaming_pieces_add_up(checkpoint, shared_llm):
     [
         ([], GREEDY, "empty"),
         ("", GREEDY, "empty"),
-        (list(range(SHAPE["n_positions"] + 1)), GREEDY, "more than the context"),
+        (list(range(SHAPE["n_positions"] + 1)), GREEDY, "maximum context length is"),
         ([1, 2, 3], {"max_tokens": 0}, "max_tokens"),
         ([1, 2, 3], {"temperature": -0.5}, "temperature"),
         ([1, 2, 3], {"top_p": 0.0}, "top_p"),

@@ -302,6 +302,10 @@ BAD = [  # (body, param the error must name, or None)
     ({"prompt": [50257]}, "prompt"),
     ({"prompt": [1] * 129}, "prompt"),
     ({"prompt": "the " * 200}, "prompt"),
+    ({"prompt": [1] * 128}, "prompt"),  # the whole context: no room for a token, as vLLM
+    ({"prompt": [1] * 120, "max_tokens": 9}, "max_tokens"),  # 129 > 128: vLLM's 400, no clamp
+    ({"prompt": [1] * 120}, "max_tokens"),  # the default 16 counts too
+    ({"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": -5}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
@@ -333,6 +337,45 @@ def test_bad_requests_get_400_and_the_server_keeps_answering(served, client, bod
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+def test_context_limits_answer_in_vllms_words(served, client):
+    """A prompt and max_tokens past the context: vLLM's 400s in its words (clients read the
+    numbers out of them); a request that fits to the context's last token is served whole, and
+    a chat that names no limit runs to the context's end."""
+    rng = random.Random(SEED)
+    n = rng.randint(8, 120)
+    prompt, room = [rng.randrange(50257) for _ in range(n)], 128 - n
+    chat_n = httpx.post(served[0] + "/tokenize", json={"messages": CHAT}).json()["count"]
+    whole = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=room, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == room
+    for create, kw in (
+        (client.completions.create, {"prompt": prompt, "max_tokens": room + 1}),
+        (client.chat.completions.create, {"messages": CHAT, "max_completion_tokens": 10**6}),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=NAME, **kw)
+        asked = kw.get("max_tokens", kw.get("max_completion_tokens"))
+        n_in = n if "prompt" in kw else chat_n
+        assert e.value.body["param"] == "max_tokens"
+        assert e.value.body["message"] == (
+            f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's maximum "
+            f"context length is 128 tokens and your request has {n_in} input tokens ({asked} > "
+            f"128 - {n_in})."
+        )
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=(prompt * 16)[:128], max_tokens=1)
+    assert e.value.body["message"] == (
+        "This model's maximum context length is 128 tokens. However, your request has 128 input "
+        "tokens. Please reduce the length of the input messages."
+    )
+    chat = client.chat.completions.create(
+        model=NAME, messages=CHAT, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert chat.choices[0].finish_reason == "length"
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (chat_n, 128 - chat_n)
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
@@ -356,7 +399,7 @@ def test_unsupported_fields_are_refused_by_name(client, field, value):
 
 def test_extreme_but_valid_values_are_served(client):
     """Values the engine must clamp or wrap, not fail on (a failed step would fail everyone)."""
-    for kw in (dict(top_k=10**12), dict(seed=-5), dict(seed=2**64 - 1), dict(max_tokens=10**9)):
+    for kw in (dict(top_k=10**12), dict(seed=-5), dict(seed=2**64 - 1)):
         resp = client.completions.create(
             model=NAME, prompt="the cat", temperature=1.0, **oai({"max_tokens": 3, **kw})
         )

@@ -325,7 +325,7 @@ def test_long_prompt_is_400_before_tokenizing(served, monkeypatch):
     assert "--max-prompt-chars" in error_of(r, 400, "prompt")["message"]
     assert threads == []
     r = check_hostile(served, post({"prompt": "the " * (limit // 4)}), memory=True)
-    assert "more than the context" in error_of(r, 400, "prompt")["message"]
+    assert "maximum context length is" in error_of(r, 400, "prompt")["message"]
     assert threads and all(t.startswith("rosejax-prepare") for t in threads), threads
 
 

@@ -110,6 +110,14 @@ def _fill_rows(out: np.ndarray, rows: list[list[int]]) -> None:
     )
 
 
+def prompt_too_long(prompt_len: int, context: int) -> str:
+    """vLLM's words for a prompt that leaves no room in the context (clients parse them)."""
+    return (
+        f"This model's maximum context length is {context} tokens. However, your request has "
+        f"{prompt_len} input tokens. Please reduce the length of the input messages."
+    )
+
+
 def checked_prompt_ids(prompt: str | Sequence[int], tokenizer: Any, config: Any) -> list[int]:
     """The prompt's token ids (`tokenizer` encodes a text), checked: not empty, within the
     model's (`config`) context and vocabulary (ValueError)."""
@@ -130,7 +138,7 @@ def checked_prompt_ids(prompt: str | Sequence[int], tokenizer: Any, config: Any)
     if not ids:
         raise ValueError("prompt is empty")
     if len(ids) > n_pos:
-        raise ValueError(f"prompt has {len(ids)} tokens, more than the context ({n_pos})")
+        raise ValueError(prompt_too_long(len(ids), n_pos))
     if min(ids) < 0 or max(ids) >= vocab:
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     return ids

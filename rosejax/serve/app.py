@@ -24,7 +24,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from rosejax.engine.llm_engine import prompt_too_long
 from rosejax.engine.request import RequestOutput
+from rosejax.sampling import SamplingParams
 from rosejax.serve.asgi import (
     ClientGone,
     Receive,
@@ -42,6 +44,7 @@ from rosejax.serve.protocol import (
     CHAT_UNSUPPORTED,
     COMPLETION_UNSUPPORTED,
     TOKENIZE_UNSUPPORTED,
+    UNTIL_CONTEXT,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -270,9 +273,25 @@ def create_app(
                 param=param,
             )
 
-    def tokenize(prompts: list, n: int = 1) -> list[list[int]]:
-        """Each prompt's token ids (a text's length checked before it is tokenized), for a
-        list of prompts, of `n` choices each, the server can hold at once."""
+    def check_context(ids: list[int], max_tokens: int, param: str) -> None:
+        """vLLM's and OpenAI's 400s: the prompt leaves room for a token, and the prompt and
+        `max_tokens` fit the context (a chat that names no limit runs to the context's end)."""
+        if len(ids) >= context:
+            raise APIError(prompt_too_long(len(ids), context), param=param)
+        if max_tokens != UNTIL_CONTEXT and len(ids) + max_tokens > context:
+            raise APIError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {context} tokens and your request has "
+                f"{len(ids)} input tokens ({max_tokens} > {context} - {len(ids)}).",
+                param="max_tokens",
+            )
+
+    def tokenize(
+        prompts: list, params: SamplingParams, n: int = 1, param: str = "prompt"
+    ) -> list[list[int]]:
+        """Each prompt's token ids (a text's length checked before it is tokenized, the ids
+        against the context and `params.max_tokens`), for a list of prompts, of `n` choices
+        each, the server can hold at once. `param`: the field an error names."""
         limit = async_engine.max_in_flight
         if limit is not None and len(prompts) * n > limit:
             raise APIError(
@@ -289,7 +308,8 @@ def create_app(
             try:
                 ids.append(engine.prompt_ids(p))
             except ValueError as e:
-                raise APIError(str(e), param="prompt") from e
+                raise APIError(str(e), param=param) from e
+            check_context(ids[-1], params.max_tokens, param)
         return ids
 
     def check_model(name: str | None) -> None:
@@ -331,7 +351,7 @@ def create_app(
         check_request(req)
         params = req.sampling_params(sampling_defaults)
         prompts = req.prompts()
-        ids = tokenize(prompts, req.choices_per_prompt)
+        ids = tokenize(prompts, params, req.choices_per_prompt)
         echo = None
         if req.echo:  # a text prompt as sent; token ids as they decode
             echo = [
@@ -365,7 +385,7 @@ def create_app(
         check_request(req)
         params = req.sampling_params(sampling_defaults)
         ids = chat_ids(req.messages, chat_template_kwargs=req.chat_template_kwargs)
-        ids = tokenize([ids], req.choices_per_prompt)
+        ids = tokenize([ids], params, req.choices_per_prompt, "messages")
         return req, params, ids, formatter(req, True)
 
     async def prepared(scope: dict[str, Any], receive: Receive, prepare) -> Any:
