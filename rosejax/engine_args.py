@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from rosejax.engine.llm_engine import AUTO_FULL_STEPS
+from rosejax.engine.decode_window import AUTO_FULL_STEPS
 from rosejax.settings import KERNEL_OPS, KERNEL_SWITCHES, EngineConfig, KernelConfig
 
 
@@ -178,6 +178,16 @@ def add_engine_args(
         "per token; default: %(default)s",
     )
     p.add_argument(
+        "--max-decode-window-ms",
+        type=float,
+        default=EngineConfig.max_decode_window_ms,
+        metavar="MS",
+        help="under --decode-steps auto: cut a window to the steps that fit MS at the last "
+        "window's time a step (at least one), so a stream's tokens come at least about that "
+        "often (a window's tokens reach the host together: 32 steps of a long context can leave "
+        "a stream silent for 100 ms); 0 = no bound; default: %(default)s",
+    )
+    p.add_argument(
         "--decode-steps-per-trip",
         type=int,
         default=EngineConfig.decode_steps_per_trip,
@@ -290,6 +300,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         decode_steps=args.decode_steps,
         open_decode_steps=args.open_decode_steps,
+        max_decode_window_ms=args.max_decode_window_ms,
         decode_steps_per_trip=args.decode_steps_per_trip,
         prefill_overlap=not args.no_prefill_overlap,
         step_log=args.step_log,

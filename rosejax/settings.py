@@ -311,6 +311,9 @@ class EngineConfig:
     # Under "auto": the window while slots are free (a request arriving then starts within about
     # that many steps), and the shortest window while requests wait for a slot.
     open_decode_steps: int = 8
+    # Under "auto": a window's steps are cut to what fits this many ms at the last window's time
+    # a step (at least one), so a stream's tokens come at least about this often. 0: no bound.
+    max_decode_window_ms: float = 40.0
     # A server's idle engine loop, once a request arrives, goes on taking requests while each
     # comes within idle_gather_ms of the last (idle_gather_max_ms in all at most) before it
     # steps: a burst is prefilled together (a lone request pays up to idle_gather_ms of TTFT).
@@ -376,6 +379,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not 0 <= self.max_decode_window_ms <= 60000:
+            raise ValueError(
+                f"max_decode_window_ms must be in [0, 60000], got {self.max_decode_window_ms!r}"
+            )
         if not 0 <= self.idle_gather_ms <= 1000:
             raise ValueError(f"idle_gather_ms must be in [0, 1000], got {self.idle_gather_ms!r}")
         if not 0 <= self.idle_gather_max_ms <= 10000:

@@ -226,6 +226,29 @@ def test_auto_window_length(checkpoint, first_finish, open_steps, monkeypatch):
     assert_clean(engine)
 
 
+def test_window_time_bound_keeps_the_tokens(checkpoint, shared_llm, monkeypatch):
+    """max_decode_window_ms cuts "auto" windows to what fits it at the last window's time a
+    step: at a bound no step fits, every window after the first read-back is one step long, and
+    the tokens are those of uncut windows (HF's greedy ones; seeded sampling the same)."""
+    llm = make_llm(checkpoint, max_decode_window_ms=1e-6)
+    engine = llm.engine
+    windows = []
+    decode = engine.runner.decode
+    monkeypatch.setattr(
+        engine.runner, "decode", lambda b, k, *a: windows.append(k) or decode(b, k, *a)
+    )
+    prompts = random_prompts(3)  # a slot free: windows of open_decode_steps until cut
+    check_greedy(checkpoint, llm.generate(prompts, GREEDY, use_tqdm=False), prompts)
+    # Read back one window behind: the first two are dispatched before any was read back.
+    assert windows[:2] == [engine.windows.open] * 2 and set(windows[2:]) == {1}, windows
+    assert engine.windows.step_seconds > 0
+    sampled = [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=s) for s in range(3)]
+    want = shared_llm().generate(prompts, sampled, use_tqdm=False)
+    got = llm.generate(prompts, sampled, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert_clean(engine)
+
+
 def test_small_cache_forces_waiting_and_preemption(checkpoint):
     # 12 usable blocks of 8 tokens; each request grows to ~40-60 tokens (5-8 blocks).
     llm = make_llm(checkpoint, kv_cache_tokens=13 * 8, max_batch_size=4)

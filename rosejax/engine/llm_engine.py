@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rosejax.engine.block_manager import BlockAllocator
+from rosejax.engine.decode_window import DecodeWindows
 from rosejax.engine.request import (
     Request,
     RequestMetrics,
@@ -78,7 +79,6 @@ from rosejax.tokenizer import IncrementalDetokenizer, TokenTexts, load_tokenizer
 
 logger = logging.getLogger("rosejax")
 
-AUTO_FULL_STEPS = 32  # "auto" decode window while the batch is full: throughput
 # Prefills that compute prompt logprobs hold logits [tokens, V] in float32: at most this many
 # padded tokens (V=151,936: 1.2 GB), longer prompts in chunks of PROMPT_LOGPROBS_CHUNK.
 MAX_LOGITS_TOKENS = 2048
@@ -273,10 +273,10 @@ class LLMEngine:
         self.max_batch_size = config.max_batch_size
         self._step_log = StepLog(config.step_log, replica) if config.step_log else None
         # "auto": long windows for throughput, cut short when a waiting request could be admitted.
-        self.auto_steps = config.decode_steps == "auto"
+        self.windows = DecodeWindows(config)
+        self.decode_steps = self.windows.full  # the longest window
         self.prefill_overlap = config.prefill_overlap
-        self.decode_steps = AUTO_FULL_STEPS if self.auto_steps else config.decode_steps
-        self.open_steps = config.open_decode_steps
+        self._read_back_at = 0.0  # perf_counter when the last program's results were read back
         self.allocator = BlockAllocator(
             self._num_blocks(on_cpu), config.block_size, config.enable_prefix_caching
         )
@@ -687,7 +687,7 @@ class LLMEngine:
         roster = [(r, r.epoch, i) for i, r in enumerate(requests) if r.slot >= 0]
         if roster or prompt_rows:
             prompt = (prompt_logprobs, prompt_rows) if prompt_rows else None
-            self._pending.append(("prefill", first, logprobs, roster, 0, prompt))
+            self._pending.append(("prefill", first, logprobs, roster, 0, prompt, 0.0))
         return bool(done)
 
     def _load_row(self, request: Request) -> None:
@@ -772,21 +772,9 @@ class LLMEngine:
         return batch
 
     def _window(self, running: list[Request]) -> int:
-        """Steps for the next decode window. Fixed when the user chose them; under "auto", the
-        full `decode_steps` while the batch is full and nobody waits (throughput), until the
-        first running request may finish while requests wait for a slot (its slot is refilled
-        then), and `open_decode_steps` while slots are free (a request arriving now starts within
-        about that many). No window is shorter than that: under steady arrivals the first finish
-        was often a step or two away, and windows that short cost every row the window's fixed
-        overhead, for one slot idle a few steps."""
-        if not self.auto_steps:
-            return self.decode_steps
-        if self.scheduler.waiting and len(running) >= self.max_batch_size:
-            left = min(r.remaining - r.inflight for r in running)
-            return int(min(self.decode_steps, max(left, self.open_steps)))
-        if len(running) < self.max_batch_size:
-            return min(self.decode_steps, self.open_steps)
-        return self.decode_steps
+        """Steps for the next decode window of the running requests (`DecodeWindows`)."""
+        left = [r.remaining - r.inflight for r in running]
+        return self.windows.steps(left, bool(self.scheduler.waiting), self.max_batch_size)
 
     def _dispatch_decode(self, running: list[Request]) -> tuple[int, int, int] | None:
         """Dispatch the running requests' next decode window: its (steps, rows, width), or None
@@ -816,7 +804,7 @@ class LLMEngine:
         out = self.runner.decode(b, k, greedy, kill, updates, moves, extras, long_rows)
         self._kill[:] = False
         roster = [(r, r.epoch, r.slot) for r in running]
-        self._pending.append(("decode", *out, roster, k, None))
+        self._pending.append(("decode", *out, roster, k, None, time.perf_counter()))
         return k, len(running), b
 
     def _compact(self, running: list[Request]) -> list[tuple[int, int]]:
@@ -841,14 +829,20 @@ class LLMEngine:
         roster,
         k: int,
         prompt,
+        dispatched: float,
         touched: dict[str, SequenceGroup],
     ) -> None:
         """Read back a dispatched program's tokens (and logprobs, if a request asked) and feed
-        them to their requests, whose groups join `touched`."""
+        them to their requests, whose groups join `touched`. A decode window's time from when
+        it could start (its `dispatched` time, or the previous read-back if later) to its
+        read-back goes to `windows`."""
         t0 = time.perf_counter()
         tokens = np.asarray(tokens)  # waits for that program only
         t1 = time.perf_counter()
         self.host_seconds["wait"] += t1 - t0
+        if kind == "decode":
+            self.windows.read_back(t1 - max(dispatched, self._read_back_at), k)
+        self._read_back_at = t1
         # One conversion to Python ints per program, not one numpy scalar per token; a window
         # of k steps fills only the first k of the program's max_decode_steps rows.
         columns = (tokens[None] if kind == "prefill" else tokens[:k]).T.tolist()  # [B][K]
