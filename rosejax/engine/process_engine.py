@@ -25,9 +25,9 @@ from typing import Any
 
 from rosejax.engine.data_parallel import RoutedReplicas
 from rosejax.engine.engine_process import EngineChild, spawn_children, wait_ready
-from rosejax.engine.llm_engine import check_request, checked_prompt_ids
 from rosejax.engine.output_rows import RowReader
 from rosejax.engine.request import RequestOutput
+from rosejax.engine.request_checks import check_request, checked_prompt_ids
 from rosejax.sampling import SamplingParams
 from rosejax.settings import EngineConfig
 

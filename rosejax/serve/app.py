@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from rosejax.engine.llm_engine import prompt_too_long
 from rosejax.engine.request import RequestOutput
+from rosejax.engine.request_checks import prompt_too_long
 from rosejax.sampling import SamplingParams
 from rosejax.serve.asgi import (
     ClientGone,

@@ -17,8 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from rosejax.engine.llm_engine import check_request, checked_prompt_ids
 from rosejax.engine.request import RequestOutput
+from rosejax.engine.request_checks import check_request, checked_prompt_ids
 from rosejax.engine.router import request_cost
 from rosejax.engine.serving import (
     compile_while_idle,

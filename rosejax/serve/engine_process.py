@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from rosejax.engine.engine_process import EngineLink, spawn_children, wait_ready
-from rosejax.engine.llm_engine import checked_prompt_ids
 from rosejax.engine.output_rows import RowReader
+from rosejax.engine.request_checks import checked_prompt_ids
 from rosejax.sampling import SamplingParams
 from rosejax.serve.engine_loop import (
     EngineError,
