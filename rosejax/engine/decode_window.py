@@ -18,11 +18,11 @@ class DecodeWindows:
     was often a step or two away, and windows that short cost every row the window's fixed
     overhead, for one slot idle a few steps.
 
-    Under "auto" with `max_decode_window_ms`, a window is also cut to the steps that fit that time at
-    the last window's time a step (from its dispatch, or the previous read-back if later, to its
-    own read-back: the gap a stream sees between its chunks), at least one: a window's steps
-    reach the host together, so at long contexts or on slow hardware 32 steps leave a stream
-    silent for hundreds of ms."""
+    Under "auto" with `max_decode_window_ms`, a window is also cut to the steps that fit that
+    time at the last window's time a step (from its dispatch, or the previous read-back if later,
+    to its own read-back: the gap a stream sees between its chunks), at least one: a window's
+    steps reach the host together, so at long contexts or on slow hardware 32 steps leave a
+    stream silent for 100 ms or more."""
 
     def __init__(self, config: Any):
         self.auto = config.decode_steps == "auto"

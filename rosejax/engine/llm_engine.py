@@ -207,7 +207,6 @@ class LLMEngine:
         self.block_size = config.block_size
         self.max_batch_size = config.max_batch_size
         self._step_log = StepLog(config.step_log, replica) if config.step_log else None
-        # "auto": long windows for throughput, cut short when a waiting request could be admitted.
         self.windows = DecodeWindows(config)
         self.decode_steps = self.windows.full  # the longest window
         self.prefill_overlap = config.prefill_overlap
