@@ -53,7 +53,7 @@ def test_window_steps_follow_the_rules(decode_steps):
             seconds = rng.uniform(1e-5, 0.2) * steps
             windows.read_back(seconds, steps)
             step_seconds = seconds / steps
-        got = windows.steps(remaining, waiting, max_batch)
+        got = windows.steps(len(remaining), remaining, waiting, max_batch)
         assert got == expected(cfg, remaining, waiting, max_batch, step_seconds), (cfg, got)
         assert 1 <= got <= windows.full
 
@@ -63,7 +63,7 @@ def test_bound_cuts_long_windows_only():
     windows = DecodeWindows(config())
     for seconds_a_step, steps in ((0.001, 32), (0.0025, 16), (0.1, 1)):
         windows.read_back(seconds_a_step * 8, 8)
-        assert windows.steps([50] * 4, False, 4) == steps
+        assert windows.steps(4, [50] * 4, False, 4) == steps
 
 
 @pytest.mark.parametrize("value", [-1.0, 60001.0])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 AUTO_FULL_STEPS = 32  # "auto" decode window while the batch is full: throughput
@@ -28,22 +28,22 @@ class DecodeWindows:
         self.auto = config.decode_steps == "auto"
         self.full = AUTO_FULL_STEPS if self.auto else config.decode_steps
         self.open = config.open_decode_steps
-        bound = config.max_decode_window_ms if self.auto else 0
-        self.max_seconds = bound / 1e3 if bound else None
+        self.max_seconds = config.max_decode_window_ms / 1e3  # 0: no bound
         self.step_seconds = 0.0  # the last window's time a step (0: none read back yet)
 
-    def steps(self, remaining: Sequence[int], waiting: bool, max_batch_size: int) -> int:
-        """Steps for the next window of rows with `remaining` tokens each left to dispatch
-        (budget less what is in flight), while requests wait for a slot or not."""
+    def steps(self, rows: int, remaining: Iterable[int], waiting: bool, max_batch_size: int) -> int:
+        """Steps for the next window of `rows` rows with `remaining` tokens each left to
+        dispatch (budget less what is in flight: read only while the batch is full and
+        requests wait for a slot)."""
         if not self.auto:
             return self.full
-        if waiting and len(remaining) >= max_batch_size:
+        if waiting and rows >= max_batch_size:
             k = int(min(self.full, max(min(remaining), self.open)))
-        elif len(remaining) < max_batch_size:
+        elif rows < max_batch_size:
             k = min(self.full, self.open)
         else:
             k = self.full
-        if self.max_seconds is not None and self.step_seconds > 0:
+        if self.max_seconds and self.step_seconds:
             k = max(1, min(k, math.floor(self.max_seconds / self.step_seconds)))
         return k
 

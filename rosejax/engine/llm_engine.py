@@ -707,8 +707,9 @@ class LLMEngine:
 
     def _window(self, running: list[Request]) -> int:
         """Steps for the next decode window of the running requests (`DecodeWindows`)."""
-        left = [r.remaining - r.inflight for r in running]
-        return self.windows.steps(left, bool(self.scheduler.waiting), self.max_batch_size)
+        left = (r.remaining - r.inflight for r in running)
+        waiting = bool(self.scheduler.waiting)
+        return self.windows.steps(len(running), left, waiting, self.max_batch_size)
 
     def _dispatch_decode(self, running: list[Request]) -> tuple[int, int, int] | None:
         """Dispatch the running requests' next decode window: its (steps, rows, width), or None
